@@ -1,0 +1,506 @@
+"""Dispatch-level accounting of training memory by category.
+
+The tracker is a :class:`~torch.utils._python_dispatch.TorchDispatchMode`: every ATen operation
+passes through it, and each output storage it has not seen before is recorded with its size and
+the operation index at which it appeared. A weak reference to the storage tells the tracker the
+moment it is freed. Nothing is scanned per operation, so the cost stays a few microseconds per op
+and the same code counts real CPU tensors, CUDA tensors and fake tensors alike.
+
+A storage gets one category for its whole life: the most specific role it ever plays. It starts
+as a temporary (an op output) or ``other`` (a pre-existing tensor), and is promoted when the
+tracker learns more: saved for backward (``activations``), assigned as ``.grad``
+(``gradients``), found in an optimizer's state (``optimizer_state``). Categories are resolved
+when the report is built, so the peak breakdown is right even when a storage's role is learned
+after the peak (a gradient is born as an op output before autograd assigns it).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["CATEGORIES", "PHASES", "MemoryTracker", "track"]
+
+#: Categories in order of precedence: a storage's category is the lowest-ranked role it plays.
+CATEGORIES: tuple[str, ...] = (
+    "parameters",
+    "buffers",
+    "gradients",
+    "optimizer_state",
+    "inputs",
+    "activations",
+    "temporaries",
+    "other",
+)
+_RANK = {name: i for i, name in enumerate(CATEGORIES)}
+_PARAM, _BUF, _GRAD, _OPT, _INPUT, _ACT, _TEMP, _OTHER = range(len(CATEGORIES))
+
+#: Phases of a training step; ``other`` is anything outside forward, backward and the step.
+PHASES: tuple[str, ...] = ("forward", "backward", "optimizer", "other")
+_FWD, _BWD, _OPTPHASE, _OTHERPHASE = range(len(PHASES))
+
+
+class _ModuleEvents:
+    """Open/close events of module forward and backward, as op-index intervals."""
+
+    def __init__(self) -> None:
+        # (qualified name, kind 'forward'|'backward', start op index, end op index or None)
+        self.intervals: list[list[Any]] = []
+        self.open_forward: list[int] = []  # indices into intervals, a stack
+        self.open_backward: dict[str, int] = {}
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Record every storage on the compute device and attribute its bytes to a category.
+
+    Use :func:`track` rather than constructing this directly.
+
+    Args:
+        model: The model being trained; its parameters and buffers are counted from the start,
+            its modules are named in ``by_module``, its forward marks the forward phase.
+        optimizer: An optimizer (or an iterable of them) whose existing state is counted from
+            the start. Optimizer steps are recognised for any optimizer through PyTorch's global
+            step hooks.
+        device: The compute device whose storages count. Defaults to the model's device, else
+            CPU. Storages elsewhere (host memory of a GPU run) are recorded under the ``host``
+            tier and excluded from the device peak.
+        cap: If set, raise :class:`torch.OutOfMemoryError` as soon as live device bytes exceed
+            it, with the category breakdown in the message (a virtual memory limit).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        optimizer: Any = None,
+        *,
+        device: torch.device | str | None = None,
+        cap: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.model = model
+        self.optimizers: list[Any] = _as_list(optimizer)
+        if device is None:
+            device = _model_device(model)
+        self.device = torch.device(device)
+        self._dev_type = self.device.type
+        self.cap = cap
+        # Storage records, as parallel lists (cheaper to append than objects).
+        self._nbytes: list[int] = []
+        self._birth: list[int] = []
+        self._death: list[int] = []
+        self._cat: list[int] = []
+        self._tier: list[int] = []  # 0 = device, 1 = host
+        self._key: list[int] = []  # storage _cdata, to forget it when freed
+        self._live: dict[int, int] = {}  # storage _cdata -> record index
+        self._refs: dict[weakref.ref, int] = {}
+        # Running state. ``_seq`` counts allocation and free events: births and deaths are stamped
+        # with it so that the live set at any instant (the peak above all) is exactly known.
+        self._seq = 0
+        self._peak_seq = 0
+        self._op = 0
+        self._total = 0
+        self._peak = 0
+        self._peak_op = 0
+        self._func: Any = None  # the op being dispatched, named in the report at the peak
+        self._peak_func: Any = None
+        self._phase = _OTHERPHASE
+        self._in_optimizer = 0
+        self._in_backward = False
+        self.timeline_seq: list[int] = [0]  # event count at the end of each op
+        self.timeline_phase: list[int] = [_OTHERPHASE]
+        self.op_names: dict[int, str] = {}
+        self.step_boundaries: list[int] = []
+        self._events = _ModuleEvents()
+        self._names: dict[int, str] = {}
+        self._hooks: list[Any] = []
+        self._saved_hooks: Any = None
+        self._closed = True
+        self._report: Any = None
+
+    # ------------------------------------------------------------------ storage records
+    def _register(self, t: torch.Tensor, cat: int) -> int | None:
+        """Record ``t``'s storage if new (with category ``cat``); return its record index."""
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):
+            return None  # sparse, nested or other storage-less tensors
+        key = st._cdata
+        idx = self._live.get(key)
+        if idx is not None:
+            if cat < self._cat[idx]:
+                self._cat[idx] = cat
+            return idx
+        if t.is_meta:
+            return None  # a real meta tensor holds no memory (fake tensors report is_meta False)
+        nbytes = st.nbytes()
+        idx = len(self._nbytes)
+        tier = 0 if t.device.type == self._dev_type else 1
+        self._seq += 1
+        self._nbytes.append(nbytes)
+        self._birth.append(self._seq)
+        self._death.append(-1)
+        self._cat.append(cat)
+        self._tier.append(tier)
+        self._key.append(key)
+        self._live[key] = idx
+        self._refs[weakref.ref(st, self._on_free)] = idx
+        if tier == 0:
+            self._total += nbytes
+            if self._total > self._peak:
+                self._peak = self._total
+                self._peak_seq = self._seq
+                self._peak_op = self._op
+                self._peak_func = self._func
+            if self.cap is not None and self._total > self.cap:
+                self._raise_oom(nbytes)
+        return idx
+
+    def _on_free(self, ref: weakref.ref) -> None:
+        idx = self._refs.pop(ref, None)
+        if idx is None or self._closed:
+            return
+        self._seq += 1
+        self._death[idx] = self._seq
+        # The storage's address may be reused from now on, so forget it.
+        key = self._key[idx]
+        if self._live.get(key) == idx:
+            del self._live[key]
+        if self._tier[idx] == 0:
+            self._total -= self._nbytes[idx]
+
+    def label(self, tensors: Any, category: str) -> None:
+        """Attribute the storages of ``tensors`` (any nesting of tensors) to ``category``.
+
+        Strategies use this to tell the tracker what their tensors are (for example the state
+        tensors of an optimizer the tracker was not given). A storage keeps the most specific
+        category it was ever given.
+        """
+        cat = _RANK[category]
+        for t in _iter_tensors(tensors):
+            self._register(t, cat)
+
+    # ------------------------------------------------------------------ dispatch
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        out = func(*args, **(kwargs or {}))
+        self._op += 1
+        self._func = func
+        # Pre-existing tensors the tracker has not met are recorded as "other" on first use.
+        for a in args:
+            if type(a) is torch.Tensor or isinstance(a, torch.Tensor):
+                self._see_input(a)
+            elif isinstance(a, (list, tuple)):
+                for x in a:
+                    if isinstance(x, torch.Tensor):
+                        self._see_input(x)
+        if isinstance(out, torch.Tensor):
+            self._register(out, _TEMP)
+        elif isinstance(out, (list, tuple)):
+            for x in out:
+                if isinstance(x, torch.Tensor):
+                    self._register(x, _TEMP)
+                elif isinstance(x, (list, tuple)):
+                    for y in x:
+                        if isinstance(y, torch.Tensor):
+                            self._register(y, _TEMP)
+        self.timeline_seq.append(self._seq)
+        self.timeline_phase.append(self._current_phase())
+        return out
+
+    def _see_input(self, t: torch.Tensor) -> None:
+        try:
+            key = t.untyped_storage()._cdata
+        except (RuntimeError, NotImplementedError, TypeError):
+            return
+        if key not in self._live:
+            self._register(t, _OTHER)
+
+    def _current_phase(self) -> int:
+        in_backward = torch._C._current_graph_task_id() != -1
+        if in_backward != self._in_backward:
+            # Modules whose inputs need no gradient never see their backward end: close them
+            # when the backward pass is over.
+            self._in_backward = in_backward
+            if not in_backward:
+                self._close_backward()
+        if self._in_optimizer:
+            return _OPTPHASE
+        if in_backward:
+            return _BWD
+        return self._phase
+
+    def _raise_oom(self, nbytes: int) -> None:
+        from ..units import format_bytes
+
+        now = self.snapshot()
+        parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in now.items() if v)
+        raise torch.OutOfMemoryError(
+            f"memfit virtual cap exceeded: allocating {format_bytes(nbytes)} brought live device "
+            f"memory to {format_bytes(self._total)}, over the cap of {format_bytes(self.cap or 0)} "
+            f"({parts})."
+        )
+
+    # ------------------------------------------------------------------ hooks
+    def _install(self) -> None:
+        model = self.model
+        if model is not None:
+            self._names = {id(m): name for name, m in model.named_modules()}
+            for p in model.parameters():
+                self._register(p, _PARAM)
+                if p.grad is not None:
+                    self._register(p.grad, _GRAD)
+            for b in model.buffers():
+                self._register(b, _BUF)
+            for p in model.parameters():
+                if p.requires_grad:
+                    self._hook_grad(p)
+            self._hooks.append(model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
+        for opt in self.optimizers:
+            self._label_optimizer(opt, existing=True)
+        mod = nn.modules.module
+        self._hooks.append(mod.register_module_forward_pre_hook(self._fwd_pre))
+        self._hooks.append(mod.register_module_forward_hook(self._fwd_post, always_call=True))
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
+
+        self._hooks.append(register_optimizer_step_pre_hook(self._opt_pre))
+        self._hooks.append(register_optimizer_step_post_hook(self._opt_post))
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        self._saved_hooks.__enter__()
+
+    def _uninstall(self) -> None:
+        if self._saved_hooks is not None:
+            self._saved_hooks.__exit__(None, None, None)
+            self._saved_hooks = None
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def _hook_grad(self, p: torch.Tensor) -> None:
+        handle = p.register_post_accumulate_grad_hook(self._grad_ready)
+        # Run before any other post-accumulate hook: an optimizer fused into backward frees the
+        # gradient in its own hook, and the tracker must see the gradient first.
+        hooks = getattr(p, "_post_accumulate_grad_hooks", None)
+        if hooks is not None and handle.id in hooks:
+            hooks.move_to_end(handle.id, last=False)
+        self._hooks.append(handle)
+
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        if p.grad is not None:
+            self._register(p.grad, _GRAD)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self._register(t, _ACT)
+        return t
+
+    def _root_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        # The model's forward starts a forward phase; the tensors it is given are inputs.
+        self._phase = _FWD
+        self.label((args, kwargs), "inputs")
+
+    def _fwd_pre(self, module: nn.Module, args: Any) -> None:
+        name = self._names.get(id(module))
+        if name is None:
+            if self.model is not None:
+                return
+            name = type(module).__name__
+        if self.model is None and not self._events.open_forward:
+            # Without a model, any outermost module's forward starts a forward phase.
+            self._phase = _FWD
+            self.label(args, "inputs")
+        ev = self._events
+        ev.open_forward.append(len(ev.intervals))
+        ev.intervals.append([name, "forward", self._op + 1, None])
+        if torch.is_grad_enabled():
+            tensors = [a for a in _iter_tensors(args) if a.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, lambda grads, n=name: self._bwd_end(n), mode="any"
+                )
+
+    def _fwd_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        name = self._names.get(id(module))
+        if name is None:
+            if self.model is not None:
+                return
+            name = type(module).__name__
+        ev = self._events
+        if ev.open_forward:
+            ev.intervals[ev.open_forward.pop()][3] = self._op
+        if torch.is_grad_enabled():
+            tensors = [o for o in _iter_tensors(output) if o.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, lambda grads, n=name: self._bwd_start(n), mode="any"
+                )
+
+    def _bwd_start(self, name: str) -> None:
+        ev = self._events
+        if name not in ev.open_backward:
+            ev.open_backward[name] = len(ev.intervals)
+            ev.intervals.append([name, "backward", self._op + 1, None])
+
+    def _bwd_end(self, name: str) -> None:
+        idx = self._events.open_backward.pop(name, None)
+        if idx is not None:
+            self._events.intervals[idx][3] = self._op
+
+    def _close_backward(self) -> None:
+        ev = self._events
+        for idx in ev.open_backward.values():
+            ev.intervals[idx][3] = self._op
+        ev.open_backward.clear()
+
+    def _opt_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
+        self._in_optimizer += 1
+
+    def _opt_post(self, opt: Any, args: Any, kwargs: Any) -> None:
+        self._in_optimizer -= 1
+        self._label_optimizer(opt)
+        if not self._in_optimizer and torch._C._current_graph_task_id() == -1:
+            self._close_backward()
+            self._phase = _OTHERPHASE
+            self.step_boundaries.append(self._op)
+
+    def _label_optimizer(self, opt: Any, existing: bool = False) -> None:
+        state = getattr(opt, "state", None)
+        if state is None:
+            return
+        for s in state.values():
+            if isinstance(s, dict):
+                for v in s.values():
+                    if isinstance(v, torch.Tensor):
+                        self._register(v, _OPT)
+
+    # ------------------------------------------------------------------ public
+    def add_inputs(self, batch: Any) -> None:
+        """Count the tensors of ``batch`` as inputs from now on (call before the step)."""
+        self.label(batch, "inputs")
+
+    def mark_step(self) -> None:
+        """Mark the end of a training step (done automatically after each optimizer step)."""
+        self._close_backward()
+        self._phase = _OTHERPHASE
+        self.step_boundaries.append(self._op)
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes of live storages on the compute device right now."""
+        return self._total
+
+    @property
+    def peak_bytes(self) -> int:
+        """Highest live bytes seen so far."""
+        return self._peak
+
+    def snapshot(self) -> dict[str, int]:
+        """Live bytes on the compute device right now, by category."""
+        out = dict.fromkeys(CATEGORIES, 0)
+        nb, cat, tier = self._nbytes, self._cat, self._tier
+        for idx in self._live.values():
+            if tier[idx] == 0:
+                out[CATEGORIES[cat[idx]]] += nb[idx]
+        return out
+
+    def __enter__(self) -> MemoryTracker:
+        self._closed = False
+        self._install()
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self._uninstall()
+        self._close_backward()
+        ev = self._events
+        while ev.open_forward:
+            ev.intervals[ev.open_forward.pop()][3] = self._op
+        self._closed = True
+        # Storages still alive at the end live to the last op; drop the weak references so
+        # nothing calls back into a finished tracker.
+        self._refs.clear()
+        self._live.clear()
+        self._report = None
+
+    def report(self) -> Any:
+        """Build the :class:`~memfit.accounting.report.MemoryReport` of what was recorded."""
+        from .report import build_report
+
+        if self._report is None or not self._closed:
+            self._report = build_report(self)
+        return self._report
+
+
+def track(
+    model: nn.Module | None = None,
+    optimizer: Any = None,
+    *,
+    device: torch.device | str | None = None,
+    cap: int | None = None,
+) -> MemoryTracker:
+    """Track training memory by category while the returned context manager is open.
+
+    Example::
+
+        with memfit.track(model, optimizer) as tracker:
+            loss = model(**batch).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        print(tracker.report().table())
+
+    Args:
+        model: The model; its parameters and buffers count from the start.
+        optimizer: The optimizer(s); existing state counts from the start.
+        device: Compute device whose storages count (default: the model's device).
+        cap: Virtual memory cap in bytes; exceeding it raises ``torch.OutOfMemoryError``.
+
+    Returns:
+        The tracker; call ``tracker.report()`` after the block for a ``MemoryReport``.
+    """
+    return MemoryTracker(model, optimizer, device=device, cap=cap)
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _as_list(obj: Any) -> list[Any]:
+    if obj is None:
+        return []
+    if isinstance(obj, (list, tuple)):
+        return list(obj)
+    optimizers = getattr(obj, "optimizers", None)  # e.g. an optimizer-in-backward handle
+    if isinstance(optimizers, (list, tuple)):
+        return list(optimizers)
+    return [obj]
+
+
+def _model_device(model: nn.Module | None) -> torch.device:
+    if model is not None:
+        for p in model.parameters():
+            return p.device
+    return torch.device("cpu")
+
+
+def _iter_tensors(obj: Any) -> Iterable[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _iter_tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _iter_tensors(v)
+    else:
+        # Model outputs (ModelOutput is a dict; dataclasses expose their fields).
+        fields = getattr(obj, "__dataclass_fields__", None)
+        if fields:
+            for name in fields:
+                yield from _iter_tensors(getattr(obj, name, None))

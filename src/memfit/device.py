@@ -1,0 +1,73 @@
+"""The one place that knows CUDA from CPU from fake tensors.
+
+Everything device-specific (CUDA memory statistics, synchronisation) lives here so the rest of
+memfit stays device-agnostic. CUDA paths cannot run on the CPU-only development machines, so
+they are kept deliberately thin: each is a direct call into ``torch.cuda`` with no logic.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "default_device",
+    "is_cuda",
+    "is_fake",
+    "max_memory_allocated",
+    "memory_allocated",
+    "reset_peak_memory_stats",
+    "synchronize",
+    "total_memory",
+]
+
+
+def default_device() -> torch.device:
+    """The device training should run on: the current CUDA device if there is one, else CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def is_cuda(device: torch.device | str) -> bool:
+    """Whether ``device`` is a CUDA device."""
+    return torch.device(device).type == "cuda"
+
+
+def is_fake(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a fake tensor (no real memory behind it)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(tensor, FakeTensor)
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for queued kernels on ``device`` (no-op off CUDA)."""
+    if is_cuda(device):
+        torch.cuda.synchronize(device)
+
+
+def reset_peak_memory_stats(device: torch.device | str) -> None:
+    """Reset the allocator's peak counter on ``device`` (no-op off CUDA)."""
+    if is_cuda(device):
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def memory_allocated(device: torch.device | str) -> int | None:
+    """Bytes the CUDA caching allocator has handed out on ``device``; ``None`` off CUDA."""
+    if is_cuda(device):
+        return int(torch.cuda.memory_allocated(device))
+    return None
+
+
+def max_memory_allocated(device: torch.device | str) -> int | None:
+    """Peak bytes handed out by the CUDA allocator since the last reset; ``None`` off CUDA."""
+    if is_cuda(device):
+        return int(torch.cuda.max_memory_allocated(device))
+    return None
+
+
+def total_memory(device: torch.device | str) -> int | None:
+    """Total memory of the CUDA device; ``None`` off CUDA."""
+    if is_cuda(device):
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return None

@@ -1,0 +1,444 @@
+"""Workloads: a model, how to make a batch, and how to get a loss from the model's output.
+
+A ``--model`` SPEC names a workload in one of three ways:
+
+* a built-in preset (``bert-base``, ``bert-large``, ``gpt2``, ``gpt2-medium``, ``llama-1b``,
+  and small ones for tests), built from a config with random weights: nothing is downloaded;
+* a path to a Hugging Face ``config.json``: the model is built from it with random weights;
+* ``package.module:function``, where ``function(batch_size, seq_len)`` returns
+  ``(model, batch)``.
+
+Models are built lazily, inside whatever mode is active, so the same workload builds real
+tensors for a real run and fake ones for a dry run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "PRESETS",
+    "Batch",
+    "Workload",
+    "WorkloadError",
+    "batch_size_of",
+    "call_model",
+    "load_workload",
+    "loss_from_output",
+    "split_batch",
+]
+
+#: A batch: keyword arguments for the model, or a tensor, or a tuple of positional arguments.
+Batch = Any
+
+
+class WorkloadError(ValueError):
+    """A workload SPEC or its model/batch/loss is not usable; the message says why."""
+
+
+# ---------------------------------------------------------------------------------- presets
+@dataclass(frozen=True)
+class _Preset:
+    family: str  # "bert" (sequence classification), "gpt2" or "llama" (causal LM)
+    config: dict[str, Any]
+    about: str
+
+
+PRESETS: dict[str, _Preset] = {
+    "bert-base": _Preset(
+        "bert",
+        dict(
+            vocab_size=30522,
+            hidden_size=768,
+            num_hidden_layers=12,
+            num_attention_heads=12,
+            intermediate_size=3072,
+            num_labels=2,
+        ),
+        "BERT-base sequence classifier, 2 labels (110M parameters)",
+    ),
+    "bert-large": _Preset(
+        "bert",
+        dict(
+            vocab_size=21128,
+            hidden_size=1024,
+            num_hidden_layers=24,
+            num_attention_heads=16,
+            intermediate_size=4096,
+            num_labels=2,
+        ),
+        "chinese-macbert-large dimensions, sequence classifier, 2 labels (325M parameters)",
+    ),
+    "gpt2": _Preset(
+        "gpt2",
+        dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12),
+        "GPT-2 small causal LM (124M parameters)",
+    ),
+    "gpt2-medium": _Preset(
+        "gpt2",
+        dict(vocab_size=50257, n_positions=1024, n_embd=1024, n_layer=24, n_head=16),
+        "GPT-2 medium causal LM (355M parameters)",
+    ),
+    "llama-1b": _Preset(
+        "llama",
+        dict(
+            vocab_size=128256,
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            max_position_embeddings=8192,
+            tie_word_embeddings=True,
+        ),
+        "Llama-architecture causal LM (1.24B parameters, Llama-3.2-1B dimensions)",
+    ),
+    "bert-tiny": _Preset(
+        "bert",
+        dict(
+            vocab_size=1000,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=128,
+            max_position_embeddings=256,
+            num_labels=2,
+        ),
+        "2-layer BERT classifier for tests (0.2M parameters)",
+    ),
+    "gpt2-tiny": _Preset(
+        "gpt2",
+        dict(vocab_size=1000, n_positions=256, n_embd=64, n_layer=2, n_head=2),
+        "2-layer GPT-2 for tests (0.2M parameters)",
+    ),
+    "llama-tiny": _Preset(
+        "llama",
+        dict(
+            vocab_size=1000,
+            hidden_size=64,
+            intermediate_size=176,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            tie_word_embeddings=False,
+        ),
+        "2-layer Llama for tests (0.2M parameters)",
+    ),
+}
+
+
+def _hf_model_from_config(config: Any, family: str | None = None) -> nn.Module:
+    """Build a transformers model with random weights from ``config``."""
+    import transformers
+
+    archs = list(getattr(config, "architectures", None) or [])
+    if family == "bert":
+        return transformers.BertForSequenceClassification(config)
+    if family == "gpt2":
+        return transformers.GPT2LMHeadModel(config)
+    if family == "llama":
+        return transformers.LlamaForCausalLM(config)
+    for arch in archs:
+        cls = getattr(transformers, arch, None)
+        if isinstance(cls, type) and issubclass(cls, nn.Module):
+            return cls(config)
+    errors = []
+    for auto in ("AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForSequenceClassification"):
+        try:
+            return getattr(transformers, auto).from_config(config)
+        except (ValueError, KeyError) as e:
+            errors.append(str(e))
+    raise WorkloadError(
+        f"cannot build a model from config of type {config.model_type!r}: transformers has no "
+        "causal-LM, masked-LM or sequence-classification model for it"
+    )
+
+
+def _hf_batch(model: nn.Module, batch_size: int, seq_len: int, device: Any = None) -> dict:
+    """A random batch of token ids (and labels) fitting ``model``'s config and task."""
+    config = model.config
+    vocab = int(getattr(config, "vocab_size", 1000))
+    ids = torch.randint(0, vocab, (batch_size, seq_len), device=device)
+    batch: dict[str, torch.Tensor] = {
+        "input_ids": ids,
+        "attention_mask": torch.ones(batch_size, seq_len, dtype=torch.long, device=device),
+    }
+    name = type(model).__name__
+    if name.endswith("ForSequenceClassification"):
+        num_labels = int(getattr(config, "num_labels", 2))
+        batch["labels"] = torch.randint(0, num_labels, (batch_size,), device=device)
+    else:
+        # Causal and masked LMs: predict the input tokens (HF shifts causal labels itself).
+        batch["labels"] = ids.clone()
+    return batch
+
+
+# ---------------------------------------------------------------------------------- workload
+@dataclass
+class Workload:
+    """A model plus how to make a batch and a loss.
+
+    Attributes:
+        name: The SPEC it came from (for reports).
+        batch_size: Samples per optimizer step (the effective batch).
+        seq_len: Tokens per sample (for token models; passed to custom functions as given).
+        build_model: Makes the model, in whatever tensor mode is active (real or fake).
+        make_batch: ``make_batch(model, batch_size, seq_len)`` makes one batch.
+        loss_fn: Turns the model's output (and the batch) into a scalar loss.
+        description: One line for humans.
+    """
+
+    name: str
+    batch_size: int
+    seq_len: int
+    build_model: Callable[[], nn.Module]
+    make_batch: Callable[[nn.Module, int, int], Batch]
+    loss_fn: Callable[[Any, Batch], torch.Tensor] = field(default=lambda out, batch: loss_from_output(out))
+    description: str = ""
+
+    def build(self, *, seed: int = 0) -> tuple[nn.Module, Batch]:
+        """Build the model (train mode) and one full batch, seeded for reproducibility."""
+        torch.manual_seed(seed)
+        model = self.build_model()
+        if not isinstance(model, nn.Module):
+            raise WorkloadError(
+                f"workload {self.name!r} built a {type(model).__name__}, not a torch.nn.Module"
+            )
+        model.train()
+        batch = self.make_batch(model, self.batch_size, self.seq_len)
+        _check_batch(self.name, batch)
+        return model, batch
+
+    def replace(self, **changes: Any) -> Workload:
+        """A copy with some fields changed (for example another ``seq_len``)."""
+        import dataclasses
+
+        return dataclasses.replace(self, **changes)
+
+
+def load_workload(spec: str, batch_size: int = 8, seq_len: int = 128) -> Workload:
+    """Turn a ``--model`` SPEC into a :class:`Workload`.
+
+    Args:
+        spec: A preset name, a path to a Hugging Face ``config.json``, or
+            ``package.module:function``.
+        batch_size: Samples per step (must be >= 1).
+        seq_len: Tokens per sample (must be >= 1).
+
+    Raises:
+        WorkloadError: with one sentence saying what was wrong and what is accepted.
+    """
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise WorkloadError(f"batch size must be a whole number >= 1, got {batch_size!r}")
+    if not isinstance(seq_len, int) or seq_len < 1:
+        raise WorkloadError(f"sequence length must be a whole number >= 1, got {seq_len!r}")
+    if spec in PRESETS:
+        return _preset_workload(spec, batch_size, seq_len)
+    if spec.endswith(".json") or os.path.isdir(spec) or os.path.exists(spec):
+        return _config_workload(spec, batch_size, seq_len)
+    if ":" in spec:
+        return _function_workload(spec, batch_size, seq_len)
+    raise WorkloadError(
+        f"model {spec!r} names nothing memfit knows; use a preset ({', '.join(PRESETS)}), "
+        "a path to a Hugging Face config.json, or package.module:function"
+    )
+
+
+def _preset_workload(name: str, batch_size: int, seq_len: int) -> Workload:
+    preset = PRESETS[name]
+
+    def build() -> nn.Module:
+        import transformers
+
+        cls = {
+            "bert": transformers.BertConfig,
+            "gpt2": transformers.GPT2Config,
+            "llama": transformers.LlamaConfig,
+        }[preset.family]
+        config = cls(**preset.config)
+        return _hf_model_from_config(config, preset.family)
+
+    _check_positions(name, preset.config, seq_len)
+    return Workload(name, batch_size, seq_len, build, _hf_batch, description=preset.about)
+
+
+def _check_positions(name: str, config: Mapping[str, Any], seq_len: int) -> None:
+    limit = config.get("max_position_embeddings", config.get("n_positions"))
+    if limit is not None and seq_len > int(limit):
+        raise WorkloadError(
+            f"sequence length {seq_len} is longer than {name}'s {limit} positions; "
+            f"use --seq-len {limit} or less"
+        )
+
+
+def _config_workload(spec: str, batch_size: int, seq_len: int) -> Workload:
+    path = Path(spec)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise WorkloadError(f"config file {str(path)!r} does not exist; give a path to a config.json")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise WorkloadError(f"config file {str(path)!r} is not valid JSON ({e})") from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise WorkloadError(
+            f"config file {str(path)!r} has no 'model_type'; give a Hugging Face config.json"
+        )
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.for_model(**data)
+    except (ValueError, KeyError) as e:
+        raise WorkloadError(
+            f"config file {str(path)!r} has model_type {data['model_type']!r}, which this "
+            f"transformers version does not know ({e})"
+        ) from None
+    _check_positions(str(path), data, seq_len)
+    return Workload(
+        str(path),
+        batch_size,
+        seq_len,
+        lambda: _hf_model_from_config(config),
+        _hf_batch,
+        description=f"{data['model_type']} from {path}",
+    )
+
+
+def _function_workload(spec: str, batch_size: int, seq_len: int) -> Workload:
+    module_name, _, func_name = spec.partition(":")
+    if not module_name or not func_name:
+        raise WorkloadError(f"model {spec!r} is not of the form package.module:function")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # let users name modules in the current folder
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        raise WorkloadError(
+            f"model {spec!r}: module {module_name!r} cannot be imported ({e}); use a preset "
+            f"({', '.join(PRESETS)}), a config.json path, or an importable package.module:function"
+        ) from None
+    func = getattr(module, func_name, None)
+    if not callable(func):
+        raise WorkloadError(f"model {spec!r}: module {module_name!r} has no function {func_name!r}")
+
+    # The function returns the model and the batch together; keep the batch made along with
+    # the model so that both come from the same call (and the same tensor mode).
+    made: dict[str, Any] = {}
+
+    def build() -> nn.Module:
+        result = func(batch_size, seq_len)
+        if not (isinstance(result, tuple) and len(result) == 2):
+            raise WorkloadError(
+                f"{spec} returned {type(result).__name__}; it must return a (model, batch) tuple "
+                "where batch is a dict of keyword arguments or a tensor"
+            )
+        model, batch = result
+        if not isinstance(model, nn.Module):
+            raise WorkloadError(
+                f"{spec} returned ({type(model).__name__}, ...); the first item must be a "
+                "torch.nn.Module"
+            )
+        _check_batch(spec, batch)
+        made["batch"], made["model"] = batch, model
+        return model
+
+    def make_batch(model: nn.Module, bs: int, sl: int) -> Batch:
+        if made.get("model") is model and (bs, sl) == (batch_size, seq_len):
+            return made["batch"]
+        full = made["batch"] if made.get("model") is model else func(bs, sl)[1]
+        if sl == seq_len and bs <= batch_size_of(full):
+            return split_batch(full, bs)[0]
+        return func(bs, sl)[1]
+
+    return Workload(spec, batch_size, seq_len, build, make_batch, description=f"{spec}()")
+
+
+def _check_batch(name: str, batch: Any) -> None:
+    if isinstance(batch, torch.Tensor):
+        return
+    if isinstance(batch, Mapping) and all(isinstance(k, str) for k in batch):
+        return
+    if isinstance(batch, (tuple, list)):
+        return
+    raise WorkloadError(
+        f"{name} gave a batch of type {type(batch).__name__}; a batch must be a dict of "
+        "keyword arguments, a tensor, or a tuple of positional arguments"
+    )
+
+
+# ---------------------------------------------------------------------------------- helpers
+def call_model(model: nn.Module, batch: Batch) -> Any:
+    """Call ``model`` on ``batch`` (a dict of keyword arguments, a tensor, or a tuple)."""
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+def loss_from_output(output: Any) -> torch.Tensor:
+    """The loss in a model's output: its ``.loss`` when it has one, else a scalar output.
+
+    Raises:
+        WorkloadError: when the output holds no scalar loss.
+    """
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    if loss is None and isinstance(output, torch.Tensor):
+        loss = output
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point():
+        return loss.reshape(())
+    what = type(output).__name__
+    if isinstance(output, torch.Tensor):
+        what = f"a tensor of shape {tuple(output.shape)}"
+    raise WorkloadError(
+        f"the model's output ({what}) has no loss; return an output with a .loss attribute "
+        "(for Hugging Face models, pass labels in the batch) or a scalar loss tensor"
+    )
+
+
+def batch_size_of(batch: Batch) -> int:
+    """The leading dimension of the batch's tensors."""
+    for t in _tensors(batch):
+        if t.dim() > 0:
+            return int(t.shape[0])
+    return 1
+
+
+def split_batch(batch: Batch, micro_batch_size: int) -> list[Batch]:
+    """Split a batch along dimension 0 into micro-batches of at most ``micro_batch_size``."""
+    n = batch_size_of(batch)
+    return [_slice(batch, i, min(i + micro_batch_size, n), n) for i in range(0, n, micro_batch_size)]
+
+
+def _slice(obj: Any, lo: int, hi: int, n: int) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj[lo:hi] if obj.dim() > 0 and obj.shape[0] == n else obj
+    if isinstance(obj, Mapping):
+        return {k: _slice(v, lo, hi, n) for k, v in obj.items()}
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_slice(v, lo, hi, n) for v in obj)
+    return obj
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, Mapping):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (tuple, list)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
