@@ -118,7 +118,15 @@ PRESETS: dict[str, _Preset] = {
     ),
     "gpt2-tiny": _Preset(
         "gpt2",
-        dict(vocab_size=1000, n_positions=256, n_embd=64, n_layer=2, n_head=2),
+        dict(
+            vocab_size=1000,
+            n_positions=256,
+            n_embd=64,
+            n_layer=2,
+            n_head=2,
+            bos_token_id=999,
+            eos_token_id=999,
+        ),
         "2-layer GPT-2 for tests (0.2M parameters)",
     ),
     "llama-tiny": _Preset(

@@ -1,0 +1,282 @@
+"""The Plan: which memory techniques a training run uses, as plain data.
+
+A :class:`Plan` composes one small frozen config per concern (checkpointing, precision,
+optimizer, sequence shaping, offload). It is validated when built, so an impossible combination
+fails here with a sentence saying why and what to use instead, never deep inside a step. It
+serialises to and from JSON and YAML.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .strategies.checkpointing import CheckpointConfig
+from .strategies.offload import OffloadConfig
+from .strategies.optimizer import OptimizerConfig
+from .strategies.precision import PrecisionConfig
+from .strategies.sequence import SequenceConfig
+
+__all__ = ["Plan", "PlanError"]
+
+_CLIP_MODES = ("exact", "approx")
+_NORMALIZATIONS = ("mean", "tokens")
+
+
+class PlanError(ValueError):
+    """A plan is malformed or combines techniques that cannot work together."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How to train: every memory technique memfit applies, in one serialisable value.
+
+    Attributes:
+        micro_batch_size: Samples per forward/backward. ``None`` is the whole batch divided by
+            ``grad_accum_steps``. Activation memory scales with it; smaller micro-batches cost
+            kernel efficiency.
+        grad_accum_steps: Micro-batches accumulated per optimizer step. Same gradient as the
+            full batch (the loss is normalised), activations of one micro-batch only; compute
+            the same but less parallel.
+        loss_normalization: ``mean`` averages micro-batch losses (right when every micro-batch
+            has the same number of loss terms); ``tokens`` weights each micro-batch by its
+            count of label tokens that are not ``-100``, so padded causal-LM batches give
+            exactly the full-batch gradient. No memory cost.
+        checkpointing: Activation checkpointing (see :class:`CheckpointConfig`).
+        precision: Numeric precision (see :class:`PrecisionConfig`).
+        optimizer: Optimizer and its switches (see :class:`OptimizerConfig`).
+        optimizer_in_backward: Step each parameter as soon as its gradient is ready and free
+            the gradient: gradients never all exist at once (saves nearly all gradient
+            memory); the step runs inside backward, so no extra compute.
+        max_grad_norm: Clip gradients to this global norm (``None``: no clipping).
+        grad_clip_mode: With ``optimizer_in_backward`` and clipping: ``exact`` runs a first
+            backward that only measures the norm (about +1 backward of compute, no gradient
+            memory); ``approx`` clips with the previous step's norm (no extra compute).
+        freeze: Parameters to freeze: ``fnmatch`` patterns over parameter names, or
+            ``embeddings``, ``body`` (all but the task head) or ``blocks:K`` (the first K
+            repeated blocks). Frozen parameters have no gradient and no optimizer state.
+        max_seq_len: Truncate sequences to this many tokens (``None``: unchanged). Activation
+            memory is linear in it (quadratic for eager attention).
+        sequence: Padding and batching of sequences (see :class:`SequenceConfig`).
+        offload: Offload to host or disk (``None``: off).
+    """
+
+    micro_batch_size: int | None = None
+    grad_accum_steps: int = 1
+    loss_normalization: str = "mean"
+    checkpointing: CheckpointConfig = field(default_factory=CheckpointConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    optimizer_in_backward: bool = False
+    max_grad_norm: float | None = None
+    grad_clip_mode: str = "exact"
+    freeze: tuple[str, ...] = ()
+    max_seq_len: int | None = None
+    sequence: SequenceConfig = field(default_factory=SequenceConfig)
+    offload: OffloadConfig | None = None
+
+    def __post_init__(self) -> None:
+        # Accept short forms (strings, dicts, lists) and store the canonical configs.
+        coerce = object.__setattr__
+        coerce(self, "checkpointing", _coerce(CheckpointConfig, self.checkpointing, "mode"))
+        coerce(self, "precision", _coerce(PrecisionConfig, self.precision, "mode"))
+        coerce(self, "optimizer", _coerce(OptimizerConfig, self.optimizer, "name"))
+        coerce(self, "sequence", _coerce(SequenceConfig, self.sequence, None))
+        if self.offload is not None:
+            coerce(self, "offload", _coerce(OffloadConfig, self.offload, None))
+        if isinstance(self.freeze, str):
+            coerce(self, "freeze", (self.freeze,) if self.freeze else ())
+        coerce(self, "freeze", tuple(self.freeze))
+        cb = self.checkpointing
+        if cb.blocks is not None and not isinstance(cb.blocks, tuple):
+            blocks = (cb.blocks,) if isinstance(cb.blocks, str) else tuple(cb.blocks)
+            coerce(self, "checkpointing", dataclasses.replace(cb, blocks=blocks))
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Check the plan; raise :class:`PlanError` naming the problem and the fix."""
+        if self.micro_batch_size is not None and (
+            not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 1
+        ):
+            raise PlanError(f"micro_batch_size must be a whole number >= 1 or null, got {self.micro_batch_size!r}")
+        if not isinstance(self.grad_accum_steps, int) or self.grad_accum_steps < 1:
+            raise PlanError(f"grad_accum_steps must be a whole number >= 1, got {self.grad_accum_steps!r}")
+        if self.loss_normalization not in _NORMALIZATIONS:
+            raise PlanError(
+                f"loss_normalization {self.loss_normalization!r} is not known; use 'mean' or 'tokens'"
+            )
+        modes = ("none", "full", "selective", "sqrt", "budget")
+        if self.checkpointing.mode not in modes:
+            raise PlanError(
+                f"checkpointing mode {self.checkpointing.mode!r} is not known; use one of {', '.join(modes)}"
+            )
+        if self.checkpointing.mode == "budget" and not self.checkpointing.budget_bytes:
+            raise PlanError("checkpointing mode 'budget' needs budget_bytes (the activation bytes allowed)")
+        precisions = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-pure")
+        if self.precision.mode not in precisions:
+            raise PlanError(
+                f"precision {self.precision.mode!r} is not known; use one of {', '.join(precisions)}"
+            )
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise PlanError(f"max_grad_norm must be > 0 or null, got {self.max_grad_norm!r}")
+        if self.grad_clip_mode not in _CLIP_MODES:
+            raise PlanError(
+                f"grad_clip_mode {self.grad_clip_mode!r} is not known; use 'exact' (an extra "
+                "norm-only backward) or 'approx' (the previous step's norm)"
+            )
+        if self.optimizer_in_backward and self.precision.mode == "fp16-mixed":
+            raise PlanError(
+                "optimizer_in_backward cannot be combined with fp16-mixed: the loss scaler must "
+                "see every gradient before any step; use bf16-mixed or bf16-pure instead"
+            )
+        if (
+            self.optimizer_in_backward
+            and self.max_grad_norm is not None
+            and self.grad_clip_mode == "exact"
+            and self.grad_accum_steps > 1
+        ):
+            raise PlanError(
+                "exact gradient clipping with optimizer_in_backward needs the whole accumulated "
+                "gradient, which accumulation keeps; use grad_clip_mode 'approx' or set "
+                "optimizer_in_backward false"
+            )
+        if self.max_seq_len is not None and (not isinstance(self.max_seq_len, int) or self.max_seq_len < 1):
+            raise PlanError(f"max_seq_len must be a whole number >= 1 or null, got {self.max_seq_len!r}")
+
+    # ------------------------------------------------------------------ derived
+    def micro_batch_for(self, batch_size: int) -> int:
+        """Samples per micro-batch for an effective batch of ``batch_size``."""
+        if self.micro_batch_size is not None:
+            return self.micro_batch_size
+        return max(1, -(-batch_size // self.grad_accum_steps))
+
+    def replace(self, **changes: Any) -> Plan:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data: sub-configs become dicts, tuples lists, ``offload`` ``None`` when off."""
+        return _plain(dataclasses.asdict(self))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
+        """Build a plan from :meth:`to_dict` output (short forms accepted).
+
+        Raises:
+            PlanError: on an unknown key (naming the keys that exist) or a bad value.
+        """
+        if not isinstance(data, Mapping):
+            raise PlanError(f"a plan must be a mapping of fields, got {type(data).__name__}")
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = [k for k in data if k not in known]
+        if unknown:
+            raise PlanError(
+                f"plan has unknown key {unknown[0]!r}; known keys are {', '.join(known)}"
+            )
+        try:
+            return cls(**dict(data))
+        except TypeError as e:
+            raise PlanError(f"plan is malformed: {e}") from None
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        """The plan as JSON; also written to ``path`` when given."""
+        text = json.dumps(self.to_dict(), indent=2) + "\n"
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    def to_yaml(self, path: str | Path | None = None) -> str:
+        """The plan as YAML; also written to ``path`` when given."""
+        import yaml
+
+        text = yaml.safe_dump(self.to_dict(), sort_keys=False)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        """Read a plan from a JSON or YAML file (or a JSON file written by ``memfit plan``,
+        whose plan sits under the ``plan`` key).
+
+        Raises:
+            PlanError: when the file is missing, unparsable or not a plan.
+        """
+        p = Path(path)
+        if not p.is_file():
+            raise PlanError(f"plan file {str(p)!r} does not exist")
+        text = p.read_text()
+        try:
+            if p.suffix.lower() in (".yaml", ".yml"):
+                import yaml
+
+                data = yaml.safe_load(text)
+            else:
+                data = json.loads(text)
+        except Exception as e:  # noqa: BLE001 - any parse error is the user's file
+            raise PlanError(f"plan file {str(p)!r} cannot be parsed ({e})") from None
+        if isinstance(data, Mapping) and isinstance(data.get("plan"), Mapping):
+            data = data["plan"]
+        if data is None:
+            raise PlanError(f"plan file {str(p)!r} is empty")
+        return cls.from_dict(data)
+
+    def summary(self) -> str:
+        """One line naming the techniques that are on."""
+        parts = []
+        if self.grad_accum_steps > 1 or self.micro_batch_size is not None:
+            mb = self.micro_batch_size if self.micro_batch_size is not None else "auto"
+            parts.append(f"micro-batch {mb} x {self.grad_accum_steps}")
+        if self.checkpointing.mode != "none":
+            parts.append(f"checkpointing {self.checkpointing.mode}")
+        if self.precision.mode != "fp32":
+            parts.append(self.precision.mode)
+        parts.append(self.optimizer.name + ("" if self.optimizer.foreach is not False else " (foreach off)"))
+        if self.optimizer_in_backward:
+            parts.append("optimizer step in backward")
+        if self.max_grad_norm is not None:
+            parts.append(f"clip {self.max_grad_norm} ({self.grad_clip_mode})")
+        if self.freeze:
+            parts.append("freeze " + ",".join(self.freeze))
+        if self.max_seq_len is not None:
+            parts.append(f"max length {self.max_seq_len}")
+        if self.offload is not None:
+            parts.append(f"offload to {self.offload.tier}")
+        return ", ".join(parts)
+
+
+def _coerce(cls: type, value: Any, short_field: str | None) -> Any:
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str) and short_field is not None:
+        return cls(**{short_field: value})
+    if isinstance(value, Mapping):
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = [k for k in value if k not in names]
+        if unknown:
+            raise PlanError(
+                f"{cls.__name__} has no field {unknown[0]!r}; its fields are {', '.join(sorted(names))}"
+            )
+        data = dict(value)
+        for k, v in data.items():
+            if isinstance(v, list):
+                data[k] = tuple(v)
+        try:
+            return cls(**data)
+        except ValueError as e:
+            raise PlanError(str(e)) from None
+    raise PlanError(f"{cls.__name__} cannot be made from {value!r}")
+
+
+def _plain(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return obj

@@ -1,0 +1,1 @@
+"""Memory-saving techniques, one module each: a frozen config and an ``apply``."""

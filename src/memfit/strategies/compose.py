@@ -1,0 +1,154 @@
+"""Apply a whole :class:`~memfit.plan.Plan` to a model and run training steps under it.
+
+Each technique lives in its own module and knows nothing of the others; this is the one place
+where they meet, in a fixed order:
+
+1. freezing (decides which parameters train),
+2. precision (may cast the model to bf16),
+3. checkpointing (wraps blocks; sees the final dtypes and the frozen set),
+4. the optimizer, fused into backward or not,
+5. per step: sequence truncation, micro-batches with normalised losses, autocast and loss
+   scaling, clipping, the optimizer step and ``zero_grad(set_to_none=True)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..plan import Plan
+from ..workload import Batch, call_model, loss_from_output, split_batch
+
+__all__ = ["TrainingSetup", "apply_plan"]
+
+LossFn = Callable[[Any, Batch], torch.Tensor]
+
+
+@dataclass
+class TrainingSetup:
+    """A model with a plan applied, ready to step.
+
+    Attributes:
+        model: The (possibly wrapped or cast) model.
+        plan: The plan applied.
+        optimizer: The optimizer, or the optimizer-in-backward handle.
+        loss_fn: Turns (output, batch) into a scalar loss.
+        precision: The precision runtime (autocast context, loss scaler).
+        info: What each technique did (frozen names, wrapped blocks, ...), for reports.
+    """
+
+    model: nn.Module
+    plan: Plan
+    optimizer: Any
+    loss_fn: LossFn
+    precision: Any
+    info: dict[str, Any] = field(default_factory=dict)
+    steps_done: int = 0
+
+    def step(self, batch: Batch) -> torch.Tensor:
+        """One optimizer step on ``batch`` (the effective batch): returns the (detached) loss."""
+        plan = self.plan
+        if plan.max_seq_len is not None:
+            from .sequence import truncate
+
+            batch = truncate(batch, plan.max_seq_len)
+        micro = plan.micro_batch_for(_batch_size(batch))
+        parts = split_batch(batch, micro) if micro < _batch_size(batch) else [batch]
+        from .accumulation import loss_weights
+
+        weights = loss_weights(parts, plan.loss_normalization)
+        total = None
+        fused = plan.optimizer_in_backward
+        for i, (part, weight) in enumerate(zip(parts, weights)):
+            last = i == len(parts) - 1
+            with self.precision.autocast():
+                out = call_model(self.model, part)
+                loss = self.loss_fn(out, part)
+            scaled = loss * weight
+            del out
+            if fused:
+                self.optimizer.backward(scaled, last=last)
+            else:
+                self.precision.backward(scaled)
+            del scaled
+            contribution = loss.detach() * weight
+            total = contribution if total is None else total + contribution
+            del loss
+        if not fused:
+            self.precision.step(self.optimizer, max_grad_norm=plan.max_grad_norm, model=self.model)
+            self.optimizer.zero_grad(set_to_none=True)
+        self.steps_done += 1
+        assert total is not None
+        return total
+
+
+def apply_plan(
+    model: nn.Module,
+    plan: Plan | None = None,
+    *,
+    loss_fn: LossFn | None = None,
+    optimizer: Any = None,
+) -> TrainingSetup:
+    """Apply ``plan`` to ``model`` and build its optimizer.
+
+    Args:
+        model: The model, in train mode.
+        plan: The plan (default: the plain plan: AdamW, fp32, no technique on).
+        loss_fn: ``loss_fn(output, batch)``; default: the output's ``.loss`` or scalar output.
+        optimizer: Use this optimizer instead of building the plan's (not allowed with
+            ``optimizer_in_backward``, which needs a factory).
+
+    Returns:
+        The :class:`TrainingSetup`.
+    """
+    plan = plan or Plan()
+    info: dict[str, Any] = {}
+    if plan.freeze:
+        from .freezing import apply_freezing
+
+        info["frozen"] = apply_freezing(model, plan.freeze)
+    from .precision import apply_precision
+
+    precision = apply_precision(model, plan.precision)
+    if plan.checkpointing.mode != "none":
+        from .checkpointing import apply_checkpointing
+
+        info["checkpointed"] = apply_checkpointing(model, plan.checkpointing)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if plan.optimizer_in_backward:
+        if optimizer is not None:
+            raise ValueError(
+                "optimizer_in_backward builds one optimizer per parameter from the plan; "
+                "pass no optimizer (or set optimizer_in_backward false)"
+            )
+        from .fused_step import optimizer_in_backward
+
+        opt_cfg = precision.optimizer_config(plan.optimizer)
+        optimizer = optimizer_in_backward(
+            model,
+            lambda ps: precision.wrap_optimizer(opt_cfg.build(ps)),
+            grad_accum_steps=plan.grad_accum_steps,
+            max_grad_norm=plan.max_grad_norm,
+            clip_mode=plan.grad_clip_mode,
+        )
+    elif optimizer is None:
+        optimizer = precision.optimizer_config(plan.optimizer).build(params)
+        optimizer = precision.wrap_optimizer(optimizer)
+    return TrainingSetup(
+        model=model,
+        plan=plan,
+        optimizer=optimizer,
+        loss_fn=loss_fn or (lambda out, batch: loss_from_output(out)),
+        precision=precision,
+        info=info,
+    )
+
+
+def _batch_size(batch: Batch) -> int:
+    from ..workload import batch_size_of
+
+    return batch_size_of(batch)
