@@ -1,20 +1,53 @@
 """memfit: make PyTorch training fit in a memory budget.
 
 Measure where training memory goes (:func:`track`, :func:`dry_run`), predict what fits, and
-apply the techniques that make it fit.
+apply the techniques that make it fit (:class:`Plan`).
 """
 
+from __future__ import annotations
+
+from typing import Any
+
 from .accounting import CATEGORIES, MemoryReport, MemoryTracker, track
+from .plan import Plan, PlanError
 from .units import format_bytes, parse_size
+from .workload import PRESETS, Workload, WorkloadError, load_workload
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CATEGORIES",
+    "PRESETS",
     "MemoryReport",
     "MemoryTracker",
+    "Plan",
+    "PlanError",
+    "Workload",
+    "WorkloadError",
     "__version__",
+    "apply_plan",
+    "dry_run",
     "format_bytes",
+    "load_workload",
+    "measure",
+    "optimizer_in_backward",
     "parse_size",
     "track",
 ]
+
+# Heavier parts load on first use, so `import memfit` stays cheap.
+_LAZY = {
+    "dry_run": ("memfit.estimate.dryrun", "dry_run"),
+    "measure": ("memfit.estimate.dryrun", "measure"),
+    "apply_plan": ("memfit.strategies.compose", "apply_plan"),
+    "optimizer_in_backward": ("memfit.strategies.fused_step", "optimizer_in_backward"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'memfit' has no attribute {name!r}")

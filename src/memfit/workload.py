@@ -178,10 +178,10 @@ def _hf_batch(model: nn.Module, batch_size: int, seq_len: int, device: Any = Non
     config = model.config
     vocab = int(getattr(config, "vocab_size", 1000))
     ids = torch.randint(0, vocab, (batch_size, seq_len), device=device)
-    batch: dict[str, torch.Tensor] = {
-        "input_ids": ids,
-        "attention_mask": torch.ones(batch_size, seq_len, dtype=torch.long, device=device),
-    }
+    # No attention mask: an all-ones mask says nothing, and transformers inspects mask values
+    # to pick its attention path, which fake tensors cannot show (a dry run would then build a
+    # dense mask that the real run skips).
+    batch: dict[str, torch.Tensor] = {"input_ids": ids}
     name = type(model).__name__
     if name.endswith("ForSequenceClassification"):
         num_labels = int(getattr(config, "num_labels", 2))

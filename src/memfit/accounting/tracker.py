@@ -186,6 +186,10 @@ class MemoryTracker(TorchDispatchMode):
 
     # ------------------------------------------------------------------ dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        if func in _METADATA_OPS:
+            # Tensor subclasses (fake tensors) answer .device and friends through dispatch; these
+            # allocate nothing and may be called from inside the tracker itself.
+            return func(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
         self._op += 1
         self._func = func
@@ -286,9 +290,12 @@ class MemoryTracker(TorchDispatchMode):
         handle = p.register_post_accumulate_grad_hook(self._grad_ready)
         # Run before any other post-accumulate hook: an optimizer fused into backward frees the
         # gradient in its own hook, and the tracker must see the gradient first.
+        # The hooks are called in the order of the underlying dict (PyDict_Next), which
+        # OrderedDict.move_to_end does not change: re-insert the others after ours instead.
         hooks = getattr(p, "_post_accumulate_grad_hooks", None)
         if hooks is not None and handle.id in hooks:
-            hooks.move_to_end(handle.id, last=False)
+            for key in [k for k in hooks if k != handle.id]:
+                hooks[key] = hooks.pop(key)
         self._hooks.append(handle)
 
     def _grad_ready(self, p: torch.Tensor) -> None:
@@ -465,6 +472,9 @@ def track(
         The tracker; call ``tracker.report()`` after the block for a ``MemoryReport``.
     """
     return MemoryTracker(model, optimizer, device=device, cap=cap)
+
+
+_METADATA_OPS = frozenset({torch.ops.prim.device.default, torch.ops.prim.layout.default})
 
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:

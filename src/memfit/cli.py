@@ -1,0 +1,155 @@
+"""The ``memfit`` command line: thin wrappers over the Python API."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(
+    name="memfit",
+    help="Make PyTorch training fit in a memory budget: measure, plan, train.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+bench_app = typer.Typer(help="Benchmarks that reproduce memfit's published tables.", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+out = Console()
+err = Console(stderr=True)
+
+
+def _quiet_libraries() -> None:
+    # transformers chats about configs built with random weights; keep the terminal for memfit.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    import warnings
+
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+def _fail(message: str, code: int = 2) -> NoReturn:
+    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def _run_guarded(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run ``fn``; turn bad input into one sentence and exit 2, a model's failure into exit 1."""
+    from .estimate.dryrun import ModelError
+    from .plan import PlanError
+    from .workload import WorkloadError
+
+    try:
+        return fn(*args, **kwargs)
+    except (WorkloadError, PlanError) as e:
+        _fail(str(e))
+    except ModelError as e:
+        if os.environ.get("MEMFIT_DEBUG"):
+            traceback.print_exception(e.__cause__)
+        _fail(f"{e} (set MEMFIT_DEBUG=1 for its traceback)", code=1)
+    except ValueError as e:
+        _fail(str(e))
+
+
+def _parse_cap(cap: str | None) -> int | None:
+    if cap is None:
+        return None
+    from .units import parse_size
+
+    try:
+        return parse_size(cap)
+    except ValueError as e:
+        _fail(f"--cap: {e}")
+
+
+@app.command()
+def profile(
+    model: Annotated[str, typer.Option("--model", "-m", help="Preset name, path to a HF config.json, or package.module:function.")],
+    batch_size: Annotated[int, typer.Option("--batch-size", "-b", help="Samples per step.")] = 8,
+    seq_len: Annotated[int, typer.Option("--seq-len", "-l", help="Tokens per sample.")] = 128,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Run on fake tensors: nothing is allocated.")] = False,
+    steps: Annotated[int, typer.Option("--steps", help="Full training steps to run.")] = 2,
+    plan: Annotated[Path | None, typer.Option("--plan", help="A saved plan (JSON or YAML) to apply.")] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write the report as JSON here.")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG of memory over the step here.")] = None,
+    cap: Annotated[str | None, typer.Option("--cap", help="Virtual memory cap (e.g. 4GiB): fail like a GPU would.")] = None,
+    top: Annotated[int, typer.Option("--top", help="Modules to list.")] = 8,
+) -> None:
+    """Measure where a training step's memory goes, by category, phase and module."""
+    _quiet_libraries()
+    from .estimate.dryrun import measure
+    from .plan import Plan
+    from .workload import load_workload
+
+    if batch_size < 1:
+        _fail(f"--batch-size must be a whole number >= 1, got {batch_size}")
+    if seq_len < 1:
+        _fail(f"--seq-len must be a whole number >= 1, got {seq_len}")
+    if steps < 1:
+        _fail(f"--steps must be a whole number >= 1, got {steps}")
+    cap_bytes = _parse_cap(cap)
+    the_plan = _run_guarded(Plan.load, plan) if plan is not None else None
+    workload = _run_guarded(load_workload, model, batch_size, seq_len)
+    report = _with_progress(
+        f"{'dry-running' if dry_run else 'running'} {workload.name} "
+        f"(batch {batch_size}, length {seq_len})",
+        steps,
+        lambda progress: _run_guarded(
+            measure, workload, the_plan, steps=steps, dry=dry_run, cap=cap_bytes, progress=progress
+        ),
+    )
+    _print_report(report)
+    if json_path is not None:
+        report.to_json(json_path)
+        out.print(f"wrote {json_path}")
+    if plot is not None:
+        report.plot(plot, title=f"memfit profile: {workload.name}, batch {batch_size}, length {seq_len}")
+        out.print(f"wrote {plot}")
+
+
+def _with_progress(description: str, total: int, fn: Any) -> Any:
+    """Run ``fn(progress)`` under a progress bar advanced by ``progress(done, total)``."""
+    import torch
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"), TimeElapsedColumn())
+    with Progress(*columns, console=err, transient=True) as bar:
+        task = bar.add_task(description, total=total)
+        try:
+            return fn(lambda done, _total: bar.update(task, completed=done))
+        except torch.OutOfMemoryError as e:
+            bar.stop()
+            _fail(str(e))
+
+
+def _print_report(report: Any) -> None:
+    from .units import format_bytes
+
+    meta = report.meta
+    mode = "dry run (fake tensors)" if meta.get("dry_run") else "real run"
+    out.print(
+        f"[bold]{meta.get('model')}[/]: {meta.get('num_parameters', 0):,} parameters, "
+        f"{mode}, {meta.get('steps')} steps, device {report.device}",
+        highlight=False,
+    )
+    out.print(report.table())
+    out.print(f"peak: [bold]{format_bytes(report.peak_bytes)}[/]", highlight=False)
+
+
+def main() -> None:
+    """Entry point of the ``memfit`` command."""
+    try:
+        app()
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Run training steps of a workload under a plan, for real or on fake tensors, and measure them.
+
+A dry run builds the model inside :class:`~torch._subclasses.fake_tensor.FakeTensorMode`:
+every tensor has a shape, dtype and device but no memory, so a 7B model "trains" on a laptop in
+seconds. The tracker counts storages at the dispatch level, where fake and real runs perform the
+same operations, so a dry run's peak is the real run's peak, not an estimate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..accounting import MemoryReport, track
+from ..plan import Plan
+from ..workload import Workload, load_workload
+
+__all__ = ["dry_run", "measure", "model_error"]
+
+#: Called after each step with (steps done, steps in all).
+Progress = Callable[[int, int], None]
+
+
+class ModelError(RuntimeError):
+    """The model itself raised inside its forward or backward (the cause is its own error)."""
+
+
+def model_error(exc: BaseException) -> ModelError:
+    """Wrap an exception raised by the user's model so callers can show it as the model's."""
+    err = ModelError(f"the model raised {type(exc).__name__}: {exc}")
+    err.__cause__ = exc
+    return err
+
+
+def measure(
+    workload: Workload | str,
+    plan: Plan | None = None,
+    *,
+    steps: int = 2,
+    dry: bool = False,
+    cap: int | None = None,
+    seed: int = 0,
+    batch_size: int = 8,
+    seq_len: int = 128,
+    progress: Progress | None = None,
+) -> MemoryReport:
+    """Run ``steps`` full training steps of ``workload`` under ``plan`` and report memory.
+
+    Each step is forward, backward, optimizer step and ``zero_grad(set_to_none=True)``
+    (micro-batched, checkpointed, ... as the plan says). Parameters, buffers and the batch are
+    counted from the start.
+
+    Args:
+        workload: A :class:`Workload`, or a SPEC (then ``batch_size`` and ``seq_len`` apply).
+        plan: The plan (default: plain AdamW(lr=1e-3), fp32, nothing else).
+        steps: Training steps to run (>= 1); the peak is over all of them.
+        dry: Run on fake tensors (nothing allocated) instead of real ones.
+        cap: Virtual memory cap in bytes (raises ``torch.OutOfMemoryError`` beyond it).
+        seed: Seed for model initialisation and the batch.
+        batch_size: With a SPEC: samples per step.
+        seq_len: With a SPEC: tokens per sample.
+        progress: Called after each step with (done, total).
+
+    Returns:
+        The :class:`MemoryReport`, with ``meta`` holding ``num_parameters``, ``dry_run``,
+        ``model``, ``batch_size``, ``seq_len``, ``steps``, ``plan`` and ``losses``.
+
+    Raises:
+        ModelError: when the model itself fails; its own exception is the cause.
+    """
+    from ..strategies.compose import apply_plan
+    from ..workload import WorkloadError
+
+    if isinstance(workload, str):
+        workload = load_workload(workload, batch_size, seq_len)
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a whole number >= 1, got {steps!r}")
+    plan = plan or Plan()
+    mode: Any = contextlib.nullcontext()
+    if dry:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+    losses: list[float | None] = []
+    with mode:
+        model, batch = workload.build(seed=seed)
+        num_parameters = sum(p.numel() for p in model.parameters())
+        setup = apply_plan(model, plan, loss_fn=workload.loss_fn)
+        with track(model, setup.optimizer, cap=cap) as tracker:
+            tracker.add_inputs(batch)
+            for i in range(steps):
+                try:
+                    loss = setup.step(batch)
+                except (WorkloadError, torch.OutOfMemoryError):
+                    raise
+                except Exception as e:  # noqa: BLE001 - the model's own failure
+                    raise model_error(e) from e
+                losses.append(None if dry else float(loss))
+                del loss
+                if progress is not None:
+                    progress(i + 1, steps)
+    report = tracker.report()
+    report.meta.update(
+        model=workload.name,
+        batch_size=workload.batch_size,
+        seq_len=workload.seq_len,
+        steps=steps,
+        num_parameters=int(num_parameters),
+        dry_run=bool(dry),
+        plan=plan.to_dict(),
+        losses=losses,
+    )
+    return report
+
+
+def dry_run(
+    workload: Workload | str,
+    plan: Plan | None = None,
+    steps: int = 2,
+    **kwargs: Any,
+) -> MemoryReport:
+    """Run ``steps`` full training steps on fake tensors and return the :class:`MemoryReport`.
+
+    Nothing is allocated: the model, batch, gradients and optimizer state are fake tensors, so
+    any model size profiles in seconds. The peak equals the real run's.
+
+    Args:
+        workload: A :class:`~memfit.workload.Workload` or a ``--model`` SPEC.
+        plan: The plan to apply (default: plain AdamW, fp32).
+        steps: Training steps.
+        **kwargs: ``batch_size`` and ``seq_len`` (with a SPEC), ``seed``, ``cap``, ``progress``.
+    """
+    return measure(workload, plan, steps=steps, dry=True, **kwargs)

@@ -1,0 +1,115 @@
+"""Memory-light optimizers: drop-in ``torch.optim.Optimizer`` subclasses.
+
+* :class:`AdamW8bit` -- AdamW with block-wise 8-bit moments (about 2 bytes of state per
+  parameter instead of 8), plus :class:`StableEmbedding` for embeddings trained with it.
+* :class:`Adafactor` -- factored second moment, O(n + m) state for an n x m matrix.
+* :class:`Lamb` and :class:`Lars` -- layer-wise trust-ratio optimizers for large batches.
+
+:func:`build_optimizer` creates any of them (or torch's AdamW/Adam/SGD) by name and
+:func:`state_bytes` measures how much memory an optimizer's state takes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from .adafactor import Adafactor
+from .adamw8bit import AdamW8bit, StableEmbedding
+from .lamb import Lamb
+from .lars import Lars
+
+__all__ = [
+    "OPTIMIZERS",
+    "AdamW8bit",
+    "Adafactor",
+    "Lamb",
+    "Lars",
+    "StableEmbedding",
+    "build_optimizer",
+    "state_bytes",
+]
+
+#: Optimizer classes by the names :func:`build_optimizer` accepts.
+OPTIMIZERS: dict[str, Callable[..., Optimizer]] = {
+    "adamw": torch.optim.AdamW,
+    "adam": torch.optim.Adam,
+    "sgd": torch.optim.SGD,
+    "adamw8bit": AdamW8bit,
+    "adafactor": Adafactor,
+    "lamb": Lamb,
+    "lars": Lars,
+}
+
+
+def build_optimizer(name: str, params: Iterable[Any], **kwargs: Any) -> Optimizer:
+    """Create an optimizer by name.
+
+    Args:
+        name: One of ``"adamw"``, ``"adam"``, ``"sgd"`` (torch's own), ``"adamw8bit"``,
+            ``"adafactor"``, ``"lamb"``, ``"lars"``.  Case, ``-`` and ``_`` are ignored, so
+            ``"AdamW_8bit"`` works too.
+        params: Parameters or parameter groups, as for any torch optimizer.
+        **kwargs: Passed to the optimizer's constructor (e.g. ``lr``).
+
+    Returns:
+        The optimizer.
+
+    Raises:
+        ValueError: If ``name`` is not one of the accepted names.
+
+    Example:
+        >>> model = torch.nn.Linear(4, 4)
+        >>> opt = build_optimizer("adamw8bit", model.parameters(), lr=1e-3)
+    """
+    key = name.lower().replace("-", "").replace("_", "")
+    try:
+        factory = OPTIMIZERS[key]
+    except KeyError:
+        accepted = ", ".join(repr(n) for n in OPTIMIZERS)
+        raise ValueError(f"unknown optimizer {name!r}; accepted names: {accepted}") from None
+    return factory(params, **kwargs)
+
+
+def state_bytes(optimizer: Optimizer) -> int:
+    """Bytes held by the tensors in ``optimizer.state``.
+
+    Every storage is counted once, in full (a view shares its base's storage; scalar ``step``
+    tensors count too).  Python numbers in the state are ignored.
+
+    Args:
+        optimizer: Any ``torch.optim.Optimizer``.
+
+    Returns:
+        Total size in bytes.
+    """
+    seen: set[tuple[str, int]] = set()
+    total = 0
+    stack: list[Any] = list(optimizer.state.values())
+    while stack:
+        value = stack.pop()
+        if isinstance(value, Tensor):
+            storage = value.untyped_storage()
+            key = (str(value.device), _storage_key(storage))
+            if key not in seen:
+                seen.add(key)
+                total += storage.nbytes()
+        elif isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, list | tuple):
+            stack.extend(value)
+    return total
+
+
+def _storage_key(storage: torch.UntypedStorage) -> int:
+    # data_ptr identifies real storages; fake/meta storages have no data, so fall back to the
+    # identity of the underlying StorageImpl.
+    try:
+        ptr = storage.data_ptr()
+    except (RuntimeError, NotImplementedError):
+        ptr = 0
+    return ptr if ptr else storage._cdata

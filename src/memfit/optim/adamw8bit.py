@@ -1,0 +1,343 @@
+"""AdamW with block-wise 8-bit optimizer state, and the StableEmbedding layer that goes with it."""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from ._base import MemfitOptimizer, compute_dtype, dense_grad, work_copy, write_back
+from .quantization import SIGNED_MAP, UNSIGNED_MAP, dequantize_blocks, quantize_blocks_
+
+__all__ = ["KEEP_32BIT_ATTR", "AdamW8bit", "StableEmbedding"]
+
+#: Attribute that, set truthy on a parameter, makes :class:`AdamW8bit` keep 32-bit state for it.
+KEEP_32BIT_ATTR = "memfit_keep_32bit_state"
+
+
+class AdamW8bit(MemfitOptimizer):
+    """AdamW whose two moments are stored as block-wise quantised 8-bit codes.
+
+    The update is the one of :class:`torch.optim.AdamW` (decoupled weight decay, bias-corrected
+    moments).  For every large parameter the first moment is kept as signed 8-bit codes
+    (:data:`~memfit.optim.quantization.SIGNED_MAP`) and the second moment as unsigned codes
+    (:data:`~memfit.optim.quantization.UNSIGNED_MAP`), each block of ``block_size`` elements
+    with its own fp32 absolute maximum: 2 bytes + 8 / ``block_size`` bytes per element (2.03 at
+    the default 256) instead of the 8 bytes of fp32 AdamW.
+
+    A step walks each parameter in chunks of ``chunk_size`` elements: decode the chunk's
+    moments to fp32, apply the AdamW update, re-encode.  The fp32 temporaries therefore stay
+    bounded by a few chunks (about 1 MiB each at the default size, small enough to stay in
+    cache), whatever the model size; a full fp32 copy of the moments never exists.
+
+    Small tensors (fewer than ``min_8bit_size`` elements: biases, norms) and parameters named in
+    ``keep_32bit`` or flagged with :data:`KEEP_32BIT_ATTR` (see :class:`StableEmbedding`) keep
+    ordinary fp32 moments: they cost little memory and are the most sensitive to quantisation.
+
+    bf16/fp16 parameters are updated in fp32 and rounded once per step.  The step is free of
+    host synchronisation and data-dependent control flow, so it also runs under
+    ``FakeTensorMode``.
+
+    Args:
+        params: Parameters or parameter groups.  Pass ``model.named_parameters()`` (or groups
+            with named parameters) to refer to parameters by name in ``keep_32bit``.
+        lr: Learning rate.
+        betas: Coefficients of the running averages of the gradient and its square.
+        eps: Term added to the denominator for numerical stability.
+        weight_decay: Decoupled weight decay coefficient.
+        block_size: Elements per quantisation block.
+        min_8bit_size: Parameters with fewer elements keep fp32 state.
+        keep_32bit: Parameters (tensors) or parameter names (exact, or ``fnmatch`` patterns
+            such as ``"*.embed_tokens.weight"``) that keep fp32 state.
+        chunk_size: Elements processed at once by the quantised update (rounded down to a
+            multiple of ``block_size``); bounds the temporaries of a step.
+
+    Example:
+        >>> model = torch.nn.Linear(128, 128)
+        >>> opt = AdamW8bit(model.named_parameters(), lr=1e-3, min_8bit_size=1024)
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        block_size: int = 256,
+        min_8bit_size: int = 4096,
+        keep_32bit: Iterable[str | Tensor] = (),
+        chunk_size: int = 1 << 18,
+    ) -> None:
+        if lr < 0.0:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if eps < 0.0:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"Invalid betas: {betas}")
+        if weight_decay < 0.0:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if chunk_size < block_size:
+            raise ValueError(f"chunk_size ({chunk_size}) must be >= block_size ({block_size})")
+        self._keep_names: list[str] = []
+        self._keep_ids: set[int] = set()
+        for item in keep_32bit:
+            if isinstance(item, str):
+                self._keep_names.append(item)
+            elif isinstance(item, Tensor):
+                self._keep_ids.add(id(item))
+            else:
+                raise TypeError(f"keep_32bit entries must be str or Tensor, got {type(item)}")
+        defaults = {
+            "lr": lr,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "block_size": block_size,
+            "min_8bit_size": min_8bit_size,
+            # A multiple of the block size, so chunks never split a block.
+            "chunk_size": chunk_size - chunk_size % block_size,
+        }
+        super().__init__(params, defaults)
+        if self._keep_names and not any("param_names" in g for g in self.param_groups):
+            raise ValueError(
+                "keep_32bit names need named parameters: pass model.named_parameters() "
+                "(or param groups built from (name, tensor) pairs)"
+            )
+
+    def _wants_8bit(self, param: Tensor, group: dict[str, Any], index: int) -> bool:
+        if param.numel() < group["min_8bit_size"] or not param.is_floating_point():
+            return False
+        if getattr(param, KEEP_32BIT_ATTR, False) or id(param) in self._keep_ids:
+            return False
+        names = group.get("param_names")
+        if names is not None and self._keep_names:
+            name = names[index]
+            if any(name == pat or fnmatch.fnmatchcase(name, pat) for pat in self._keep_names):
+                return False
+        return True
+
+    def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any], index: int):
+        state["step"] = 0
+        if self._wants_8bit(param, group, index):
+            block = group["block_size"]
+            blocks = -(-param.numel() // block)
+            # Codes are flat and padded to whole blocks: every chunk then covers whole blocks
+            # and the (at most block - 1) padding bytes stay zero forever (zero grads there).
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[f"{key}_codes"] = torch.zeros(
+                    blocks * block, dtype=torch.uint8, device=param.device
+                )
+                state[f"{key}_absmax"] = torch.zeros(
+                    blocks, dtype=torch.float32, device=param.device
+                )
+        else:
+            dtype = compute_dtype(param)
+            state["exp_avg"] = torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(
+                param, dtype=dtype, memory_format=torch.preserve_format
+            )
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Perform one optimisation step.
+
+        Args:
+            closure: Optional callable that re-evaluates the model and returns the loss.
+
+        Returns:
+            The closure's loss, if a closure was given.
+        """
+        loss = self._run_closure(closure)
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for index, param in enumerate(group["params"]):
+                if param.grad is None:
+                    continue
+                grad = dense_grad(param, type(self).__name__)
+                state = self.state[param]
+                if not state:
+                    self._init_state(param, state, group, index)
+                state["step"] += 1
+                step = state["step"]
+                hyper = _Hyper(
+                    lr=group["lr"],
+                    beta1=beta1,
+                    beta2=beta2,
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                    step_size=group["lr"] / (1.0 - beta1**step),
+                    bias_correction2_sqrt=math.sqrt(1.0 - beta2**step),
+                )
+                if "exp_avg_codes" in state:
+                    _update_8bit(param, grad, state, hyper, group["block_size"], group["chunk_size"])
+                else:
+                    work = work_copy(param)
+                    adamw_math(
+                        work, grad.to(work.dtype), state["exp_avg"], state["exp_avg_sq"], hyper
+                    )
+                    write_back(param, work)
+        return loss
+
+
+class _Hyper:
+    """Per-step scalars of the AdamW update (plain Python floats: no device syncs)."""
+
+    __slots__ = (
+        "beta1",
+        "beta2",
+        "bias_correction2_sqrt",
+        "eps",
+        "lr",
+        "step_size",
+        "weight_decay",
+    )
+
+    def __init__(self, **kwargs: float) -> None:
+        for key, value in kwargs.items():
+            setattr(self, key, float(value))
+
+
+def adamw_math(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, h: _Hyper) -> None:
+    """One AdamW update, in place, with the operation order of ``torch.optim.AdamW``.
+
+    ``exp_avg``/``exp_avg_sq``/``grad`` may be longer than ``param`` (zero padding of the last
+    quantisation block); only their first ``param.numel()`` elements reach the parameter.
+    """
+    exp_avg.lerp_(grad, 1.0 - h.beta1)
+    exp_avg_sq.mul_(h.beta2).addcmul_(grad, grad, value=1.0 - h.beta2)
+    denom = exp_avg_sq.sqrt().div_(h.bias_correction2_sqrt).add_(h.eps)
+    numer = exp_avg
+    n = param.numel()
+    if exp_avg.shape != param.shape:
+        numer = exp_avg.view(-1)[:n]
+        denom = denom.view(-1)[:n]
+    if h.weight_decay != 0.0:
+        param.mul_(1.0 - h.lr * h.weight_decay)
+    param.addcdiv_(numer, denom, value=-h.step_size)
+
+
+def _update_8bit(
+    param: Tensor,
+    grad: Tensor,
+    state: dict[str, Any],
+    h: _Hyper,
+    block_size: int,
+    chunk_size: int,
+) -> None:
+    n = param.numel()
+    # Non-contiguous parameters are rare; give them a contiguous work tensor and copy back.
+    target = param if param.is_contiguous() else param.detach().contiguous()
+    flat_param = target.view(-1)
+    flat_grad = grad.reshape(-1)
+    m_codes, m_absmax = state["exp_avg_codes"], state["exp_avg_absmax"]
+    v_codes, v_absmax = state["exp_avg_sq_codes"], state["exp_avg_sq_absmax"]
+    for start in range(0, n, chunk_size):
+        end = min(start + chunk_size, n)
+        length = end - start
+        blocks = -(-length // block_size)
+        b0 = start // block_size
+        padded = blocks * block_size
+        mc = m_codes[start : start + padded]
+        vc = v_codes[start : start + padded]
+        ma = m_absmax[b0 : b0 + blocks]
+        va = v_absmax[b0 : b0 + blocks]
+        exp_avg = dequantize_blocks(mc, ma, SIGNED_MAP)
+        exp_avg_sq = dequantize_blocks(vc, va, UNSIGNED_MAP)
+        g = flat_grad[start:end].float()
+        if padded != length:
+            # Zero gradient on the padding keeps its moments (and so the block maxima) untouched.
+            g = F.pad(g, (0, padded - length))
+        g = g.view(blocks, block_size)
+        exp_avg = exp_avg.view(blocks, block_size)
+        exp_avg_sq = exp_avg_sq.view(blocks, block_size)
+        work = work_copy(flat_param[start:end])
+        adamw_math(work, g, exp_avg, exp_avg_sq, h)
+        write_back(flat_param[start:end], work)
+        quantize_blocks_(exp_avg, SIGNED_MAP, mc, ma)
+        quantize_blocks_(exp_avg_sq, UNSIGNED_MAP, vc, va)
+    if target is not param:
+        param.copy_(target)
+
+
+class StableEmbedding(nn.Embedding):
+    """Embedding layer that trains stably with 8-bit optimizers.
+
+    In the spirit of ``bitsandbytes.nn.StableEmbedding``: Xavier-uniform initialisation (keeps
+    the initial embedding scale independent of the vocabulary size), a layer norm applied to the
+    looked-up vectors (computed in fp32 for stability under bf16/fp16), and the weight flagged
+    with :data:`KEEP_32BIT_ATTR` so that :class:`AdamW8bit` keeps full-precision state for it:
+    embedding rows see rare, sparse updates whose moments quantise poorly.
+
+    Takes the arguments of :class:`torch.nn.Embedding`; ``device``/``dtype`` also apply to the
+    layer norm.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: int | None = None,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        sparse: bool = False,
+        _weight: Tensor | None = None,
+        _freeze: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(
+            num_embeddings,
+            embedding_dim,
+            padding_idx=padding_idx,
+            max_norm=max_norm,
+            norm_type=norm_type,
+            scale_grad_by_freq=scale_grad_by_freq,
+            sparse=sparse,
+            _weight=_weight,
+            _freeze=_freeze,
+            device=device,
+            dtype=dtype,
+        )
+        self.norm = nn.LayerNorm(embedding_dim, device=device, dtype=dtype)
+        setattr(self.weight, KEEP_32BIT_ATTR, True)
+
+    def reset_parameters(self) -> None:
+        """Xavier-uniform weights; the padding row (if any) is zeroed as in ``nn.Embedding``."""
+        nn.init.xavier_uniform_(self.weight)
+        self._fill_padding_idx_with_zero()
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> StableEmbedding:
+        out = super()._apply(fn, recurse)
+        # Conversions may replace the Parameter object; keep the 32-bit-state flag on it.
+        setattr(self.weight, KEEP_32BIT_ATTR, True)
+        return out
+
+    def forward(self, input: Tensor) -> Tensor:
+        """Look up ``input`` and layer-normalise the vectors (in fp32, returned in weight dtype)."""
+        emb = F.embedding(
+            input,
+            self.weight,
+            self.padding_idx,
+            self.max_norm,
+            self.norm_type,
+            self.scale_grad_by_freq,
+            self.sparse,
+        )
+        out = F.layer_norm(
+            emb.float(),
+            self.norm.normalized_shape,
+            None if self.norm.weight is None else self.norm.weight.float(),
+            None if self.norm.bias is None else self.norm.bias.float(),
+            self.norm.eps,
+        )
+        return out.to(self.weight.dtype)

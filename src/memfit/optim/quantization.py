@@ -1,0 +1,341 @@
+"""Block-wise dynamic 8-bit quantisation for optimizer state.
+
+This follows the recipe of *8-bit Optimizers via Block-wise Quantization* (Dettmers et al.,
+2022): a tensor is cut into blocks of ``block_size`` consecutive elements, every block is
+normalised by its own absolute maximum (kept in fp32), and the normalised values in ``[-1, 1]``
+are rounded to the nearest entry of a 256-entry *non-linear* code book.  Block-wise
+normalisation confines an outlier's damage to its own block, and a non-linear code book gives
+both small and large values a useful relative precision.
+
+Two kinds of code book are supported:
+
+* :class:`Minifloat8` (the default, used by :class:`memfit.optim.AdamW8bit`): a tiny
+  floating-point format whose largest code is exactly ``1.0``.  Because it *is* a float format,
+  encoding is closed-form integer arithmetic on the fp32 bit pattern (no search), which keeps
+  quantisation at a few element-wise kernels and makes it cheap on CPU.
+  :data:`SIGNED_MAP` (sign + 4 exponent + 3 mantissa bits) is for signed state such as Adam's
+  first moment, :data:`UNSIGNED_MAP` (4 exponent + 4 mantissa bits, no sign) for non-negative
+  state such as the second moment.  Both cover about 4.8 decades below the block maximum.
+* A plain sorted tensor of 256 values, e.g. :func:`dynamic_tree_map`, the paper's dynamic tree
+  code.  Rounding then uses ``torch.bucketize`` on the mid-points between entries: exact nearest
+  rounding for any code book, but a binary search per element, so it is several times slower.
+
+All functions are pure PyTorch, device agnostic and free of data-dependent Python control flow,
+so they also run under ``FakeTensorMode``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TypeAlias
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "SIGNED_MAP",
+    "UNSIGNED_MAP",
+    "CodeMap",
+    "Minifloat8",
+    "dequantize_blocks",
+    "dequantize_blockwise",
+    "dynamic_tree_map",
+    "quantize_blocks_",
+    "quantize_blockwise",
+]
+
+# Smallest absmax used as a divisor: an all-zero block must not turn into NaNs (0 * inf).
+_TINY = torch.finfo(torch.float32).tiny
+
+
+def _is_fake(t: Tensor) -> bool:
+    """Whether ``t`` is a FakeTensor (its values must never be cached or inspected)."""
+    try:
+        from torch._subclasses.fake_tensor import FakeTensor
+    except ImportError:  # pragma: no cover - very old torch
+        return False
+    return isinstance(t, FakeTensor)
+
+
+@dataclass(frozen=True)
+class Minifloat8:
+    """An 8-bit mini-float code book whose largest magnitude is exactly 1.0.
+
+    A code byte ``c`` holds an optional sign bit (bit 7 when ``signed``) and a magnitude
+    ``k = c & (2**(exponent_bits + mantissa_bits) - 1)``.  Magnitude 0 is zero; any other ``k``
+    is the fp32 number whose bit pattern is ``(k + offset) << (23 - mantissa_bits)``, i.e. the
+    codes are consecutive fp32 values truncated to ``mantissa_bits`` of mantissa, with ``offset``
+    chosen so that the largest ``k`` is 1.0.  Rounding to the nearest code is then "add half a
+    code step to the bit pattern and shift", which is exact nearest rounding (ties away from zero)
+    everywhere above the smallest code.
+
+    Below the smallest positive code, signed maps flush to zero (harmless for a first moment)
+    while unsigned maps round *up* to the smallest positive code and keep only exact zeros (and
+    negative inputs, which are out of contract) at zero: a second moment that is wrongly zero
+    would make Adam divide by ``eps`` and explode.
+
+    Attributes:
+        signed: Whether bit 7 is a sign bit.
+        exponent_bits: Number of exponent bits (sets the dynamic range: ``2**exponent_bits``
+            binades below 1.0).
+        mantissa_bits: Number of mantissa bits (sets the relative precision, ``2**-mantissa_bits``
+            per binade).
+    """
+
+    signed: bool
+    exponent_bits: int = 4
+    mantissa_bits: int = 3
+
+    def __post_init__(self) -> None:
+        if self.exponent_bits + self.mantissa_bits + int(self.signed) != 8:
+            raise ValueError("a Minifloat8 must use exactly 8 bits (sign + exponent + mantissa)")
+        if not 1 <= self.exponent_bits <= 7 or self.mantissa_bits < 0:
+            raise ValueError("exponent_bits must be in [1, 7] and mantissa_bits >= 0")
+
+    @property
+    def max_magnitude_code(self) -> int:
+        """Largest magnitude code (the code of 1.0)."""
+        return (1 << (self.exponent_bits + self.mantissa_bits)) - 1
+
+    @property
+    def _shift(self) -> int:
+        return 23 - self.mantissa_bits
+
+    @property
+    def _offset(self) -> int:
+        # (max_code + offset) << shift must be the bit pattern of 1.0, i.e. 127 << 23.
+        return (127 << self.mantissa_bits) - self.max_magnitude_code
+
+    @property
+    def smallest_positive(self) -> float:
+        """Smallest positive value the code book represents."""
+        bits = (1 + self._offset) << self._shift
+        return torch.tensor(bits, dtype=torch.int32).view(torch.float32).item()
+
+    def encode(self, x: Tensor) -> Tensor:
+        """Round normalised fp32 values to code bytes.
+
+        Args:
+            x: fp32 tensor with values in ``[-1, 1]`` (``[0, 1]`` for unsigned maps). Values
+                outside saturate to the extreme codes.
+
+        Returns:
+            uint8 tensor of the same shape.
+        """
+        bits = x.to(torch.float32).contiguous().view(torch.int32)
+        # Subtracting (offset << shift) re-bases the bit pattern so that the code step is one
+        # unit after the shift; adding half a step first makes the truncating shift round to
+        # nearest.  Folding both into one constant saves a full pass over the data.
+        bias = (self._offset << self._shift) - (1 << (self._shift - 1))
+        top = self.max_magnitude_code
+        if self.signed:
+            mag = torch.bitwise_and(bits, 0x7FFFFFFF)
+            mag.sub_(bias).bitwise_right_shift_(self._shift).clamp_(0, top)
+            # Arithmetic shift keeps the sign in bit 7 of the low byte.
+            sign = torch.bitwise_right_shift(bits, 24).bitwise_and_(0x80)
+            return mag.bitwise_or_(sign).to(torch.uint8)
+        code = torch.sub(bits, bias).bitwise_right_shift_(self._shift)
+        # max(code, min(bits, 1)) lifts every positive input to at least code 1 (no flush to
+        # zero) while exact zeros and negative inputs stay at or below 0 before the clamp.
+        code = torch.maximum(code, bits.clamp(max=1))
+        return code.clamp_(0, top).to(torch.uint8)
+
+    def table(self, device: torch.device | str | None = None) -> Tensor:
+        """The 256 decoded values, indexed by code byte (not sorted for signed maps)."""
+        return _minifloat_table(self, torch.device(device) if device is not None else None)
+
+    def decode(self, codes: Tensor) -> Tensor:
+        """Decode code bytes to fp32 values in ``[-1, 1]``."""
+        return self.table(codes.device).index_select(0, codes.reshape(-1).to(torch.int32)).view(
+            codes.shape
+        )
+
+
+#: Signed map for first moments: sign, 4 exponent bits, 3 mantissa bits (about 1.9e-5 .. 1).
+SIGNED_MAP = Minifloat8(signed=True, exponent_bits=4, mantissa_bits=3)
+#: Unsigned map for second moments: 4 exponent bits, 4 mantissa bits (about 1.7e-5 .. 1).
+UNSIGNED_MAP = Minifloat8(signed=False, exponent_bits=4, mantissa_bits=4)
+
+#: A code book: a :class:`Minifloat8` or a sorted 1-D tensor of 256 values in ``[-1, 1]``.
+CodeMap: TypeAlias = Minifloat8 | Tensor
+
+_TABLE_CACHE: dict[tuple[Minifloat8, str], Tensor] = {}
+
+
+def _build_minifloat_table(fmt: Minifloat8) -> Tensor:
+    codes = torch.arange(256, dtype=torch.int32)
+    top = fmt.max_magnitude_code
+    mag = codes & top
+    bits = ((mag + fmt._offset) << fmt._shift) * (mag != 0)
+    if fmt.signed:
+        bits = bits | ((codes & 0x80) << 24)
+    else:
+        # Bytes above the largest code never come out of encode(); saturate them to 1.0.
+        bits = torch.where(codes > top, torch.tensor(127 << 23, dtype=torch.int32), bits)
+    return bits.view(torch.float32)
+
+
+def _minifloat_table(fmt: Minifloat8, device: torch.device | None) -> Tensor:
+    key = (fmt, str(device))
+    table = _TABLE_CACHE.get(key)
+    if table is None:
+        table = _build_minifloat_table(fmt)
+        if _is_fake(table):
+            # Created under FakeTensorMode: usable now, but must not be cached for real runs.
+            return table.to(device) if device is not None else table
+        if device is not None:
+            table = table.to(device)
+        _TABLE_CACHE[key] = table
+    return table
+
+
+def dynamic_tree_map(signed: bool = True) -> Tensor:
+    """The dynamic tree code book of Dettmers (2016), as a sorted tensor of 256 values.
+
+    After the sign bit, the number of leading zero bits ``e`` selects the decade
+    ``10**-e`` and the bits after the first one-bit (the indicator) are a linear fraction
+    inside ``[0.1, 1]`` of that decade.  Large magnitudes therefore get many fraction bits and
+    tiny ones few, spanning seven decades.  Each fraction is represented by the centre of its
+    interval.  Zero and ``1.0`` complete the book to 256 entries.
+
+    Args:
+        signed: Build the signed book (one bit less for the fraction, mirrored around zero) or
+            the unsigned one.
+
+    Returns:
+        fp32 tensor of shape ``(256,)`` sorted ascending.
+    """
+    payload_bits = 7 if signed else 8
+    decades = 7
+    values: list[float] = []
+    for e in range(decades):
+        fraction_bits = payload_bits - 1 - e
+        n = 1 << fraction_bits
+        step = 0.9 / n
+        values.extend(10.0**-e * (0.1 + step * (k + 0.5)) for k in range(n))
+    magnitudes = sorted(values)
+    book = [0.0, 1.0, *magnitudes]
+    if signed:
+        book.extend(-v for v in magnitudes)
+    if len(book) != 256:  # pragma: no cover - construction invariant
+        raise AssertionError(f"dynamic tree map has {len(book)} entries")
+    return torch.tensor(sorted(book), dtype=torch.float32)
+
+
+def _num_blocks(n: int, block_size: int) -> int:
+    return -(-n // block_size)
+
+
+def _as_blocks(flat: Tensor, block_size: int) -> Tensor:
+    """View a 1-D tensor as ``(blocks, block_size)``, zero-padding a partial last block."""
+    rem = flat.numel() % block_size
+    if rem:
+        # Zero padding changes neither a block's absmax nor its codes (0 encodes to 0).
+        flat = torch.nn.functional.pad(flat, (0, block_size - rem))
+    return flat.view(-1, block_size)
+
+
+def _encode(scaled: Tensor, code: CodeMap) -> Tensor:
+    if isinstance(code, Minifloat8):
+        return code.encode(scaled)
+    code = code.to(device=scaled.device, dtype=torch.float32)
+    midpoints = (code[1:] + code[:-1]) * 0.5
+    return torch.bucketize(scaled, midpoints, out_int32=True).to(torch.uint8)
+
+
+def _decode(q: Tensor, code: CodeMap) -> Tensor:
+    if isinstance(code, Minifloat8):
+        return code.decode(q)
+    code = code.to(device=q.device, dtype=torch.float32)
+    return code.index_select(0, q.reshape(-1).to(torch.int32)).view(q.shape)
+
+
+def quantize_blocks_(blocks: Tensor, code: CodeMap, codes_out: Tensor, absmax_out: Tensor) -> None:
+    """Quantise whole blocks into preallocated outputs (the optimizer's hot path).
+
+    :func:`quantize_blockwise` runs exactly these operations, so a reference built on the
+    public helpers reproduces the optimizer's codes bit for bit.
+
+    Args:
+        blocks: fp32 tensor of shape ``(num_blocks, block_size)``.
+        code: Code book.
+        codes_out: uint8 tensor with ``blocks.numel()`` elements, overwritten.
+        absmax_out: fp32 tensor with ``num_blocks`` elements, overwritten.
+    """
+    absmax = blocks.abs().amax(dim=1)
+    scaled = blocks * absmax.clamp(min=_TINY).reciprocal().unsqueeze(1)
+    absmax_out.copy_(absmax)
+    codes_out.view(-1).copy_(_encode(scaled, code).view(-1))
+
+
+def dequantize_blocks(codes: Tensor, absmax: Tensor, code: CodeMap) -> Tensor:
+    """Decode whole blocks: uint8 ``codes`` of ``absmax.numel() * block_size`` elements.
+
+    Returns:
+        fp32 tensor of shape ``(num_blocks, block_size)`` (a fresh tensor, safe to update).
+    """
+    values = _decode(codes.reshape(-1), code).view(absmax.numel(), -1)
+    return values.mul_(absmax.unsqueeze(1))
+
+
+def quantize_blockwise(
+    x: Tensor, code: CodeMap = SIGNED_MAP, block_size: int = 256
+) -> tuple[Tensor, Tensor]:
+    """Quantise ``x`` block-wise to 8-bit codes.
+
+    The flattened tensor is split into blocks of ``block_size`` elements (the last one may be
+    partial), each block is divided by its absolute maximum and rounded to ``code``.
+
+    Args:
+        x: Tensor of any floating dtype and shape.
+        code: Code book: :data:`SIGNED_MAP` (default), :data:`UNSIGNED_MAP` (for non-negative
+            data), any :class:`Minifloat8`, or a sorted tensor of 256 values such as
+            :func:`dynamic_tree_map`.
+        block_size: Elements per block.
+
+    Returns:
+        ``(codes, absmax)``: uint8 codes with the shape of ``x`` and fp32 per-block maxima of
+        shape ``(ceil(numel / block_size),)``.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    flat = x.detach().reshape(-1).to(torch.float32)
+    blocks = _as_blocks(flat, block_size)
+    codes = torch.empty(blocks.numel(), dtype=torch.uint8, device=x.device)
+    absmax = torch.empty(blocks.shape[0], dtype=torch.float32, device=x.device)
+    quantize_blocks_(blocks, code, codes, absmax)
+    return codes[: flat.numel()].view(x.shape), absmax
+
+
+def dequantize_blockwise(
+    codes: Tensor,
+    absmax: Tensor,
+    code: CodeMap = SIGNED_MAP,
+    block_size: int = 256,
+    *,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """Invert :func:`quantize_blockwise`.
+
+    Args:
+        codes: uint8 codes (any shape; blocks run over the flattened tensor).
+        absmax: fp32 per-block maxima, ``ceil(codes.numel() / block_size)`` of them.
+        code: The code book used for quantisation.
+        block_size: Elements per block.
+        dtype: Output dtype.
+
+    Returns:
+        Tensor with the shape of ``codes`` and dtype ``dtype``.
+    """
+    n = codes.numel()
+    if absmax.numel() != _num_blocks(n, block_size):
+        raise ValueError(
+            f"absmax has {absmax.numel()} entries, expected {_num_blocks(n, block_size)} "
+            f"for {n} codes in blocks of {block_size}"
+        )
+    flat = codes.reshape(-1)
+    rem = n % block_size
+    if rem:
+        flat = torch.nn.functional.pad(flat, (0, block_size - rem))
+    values = dequantize_blocks(flat, absmax.to(torch.float32), code).view(-1)[:n]
+    return values.view(codes.shape).to(dtype)

@@ -1,0 +1,132 @@
+"""Gradient accumulation: the weights that make micro-batch losses add up to the full batch's.
+
+A batch of ``N`` samples split into micro-batches gives the same gradient as the whole batch
+when each micro-batch's loss is multiplied by the right weight before its backward. Activations
+then exist for one micro-batch at a time (memory scales with the micro-batch size) at the same
+total compute, less parallel.
+
+The right weight depends on what the loss averages over. A loss that is a mean over the
+micro-batch's ``n_i`` terms is ``S_i / n_i``, where ``S_i`` is the sum of its terms; the full
+batch's loss is ``S / n`` with ``S = sum S_i`` and ``n = sum n_i``. So ``w_i = n_i / n`` gives
+``sum w_i * loss_i = S / n`` exactly, whatever the micro-batch sizes. Only the count of terms
+differs between normalisations:
+
+* ``mean``: the terms are samples (``n_i`` is the micro-batch size);
+* ``tokens``: the terms are the label tokens that reach the loss (a causal LM averages over
+  its non-ignored, shifted labels, so a micro-batch with more padding has fewer terms).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from ..workload import Batch, batch_size_of
+
+__all__ = ["count_loss_terms", "loss_weights"]
+
+_NORMALIZATIONS = ("mean", "tokens")
+
+
+def loss_weights(
+    micro_batches: Sequence[Batch],
+    normalization: str = "mean",
+    *,
+    ignore_index: int = -100,
+    shift_labels: bool | None = None,
+) -> list[float]:
+    """Weights for micro-batch losses so that their weighted sum is the full-batch loss.
+
+    Multiply micro-batch ``i``'s (mean-reduced) loss by ``weights[i]`` before its backward; the
+    accumulated gradient then equals the full batch's gradient (up to float rounding).
+
+    Args:
+        micro_batches: The micro-batches of one optimizer step (e.g. from
+            :func:`~memfit.workload.split_batch`).
+        normalization: ``"mean"``: ``w_i = n_i / N`` with ``n_i`` samples in micro-batch ``i``
+            and ``N`` in all, so unequal sizes (a short last micro-batch) still give the
+            full-batch mean. ``"tokens"``: ``w_i = t_i / T`` with ``t_i`` the number of label
+            entries that contribute to the loss in micro-batch ``i`` and ``T`` the total; see
+            :func:`count_loss_terms` for exactly what is counted.
+        ignore_index: Label value the loss ignores (Hugging Face and ``cross_entropy`` use
+            ``-100``).
+        shift_labels: For ``"tokens"``: whether the model drops the first label of each row
+            (causal LMs predict token ``j+1`` from tokens ``..j``, so Hugging Face compares
+            ``logits[:, :-1]`` with ``labels[:, 1:]``). ``None`` decides per batch: shift when
+            the labels are 2-D with the shape of ``input_ids`` (causal-LM style). Masked LMs
+            have labels of that shape too but do not shift: pass ``False`` for them.
+
+    Returns:
+        One float per micro-batch; they sum to 1. A micro-batch without any loss term gets
+        weight 0 (its own mean loss is NaN: skip its backward).
+
+    Raises:
+        ValueError: for an unknown normalisation, no micro-batches, or ``"tokens"`` when the
+            batches hold no labels or no label counts at all.
+    """
+    if normalization not in _NORMALIZATIONS:
+        raise ValueError(
+            f"loss normalization {normalization!r} is not known; use 'mean' (weight by samples) "
+            "or 'tokens' (weight by label tokens that reach the loss)"
+        )
+    if len(micro_batches) == 0:
+        raise ValueError("loss_weights needs at least one micro-batch")
+    if normalization == "mean":
+        counts = [batch_size_of(b) for b in micro_batches]
+    else:
+        counts = [
+            count_loss_terms(b, ignore_index=ignore_index, shift_labels=shift_labels)
+            for b in micro_batches
+        ]
+    total = sum(counts)
+    if total == 0:
+        raise ValueError(
+            "no micro-batch has a label that reaches the loss (every label is "
+            f"{ignore_index}); the full-batch loss is undefined, so skip this batch"
+        )
+    return [c / total for c in counts]
+
+
+def count_loss_terms(
+    batch: Batch, *, ignore_index: int = -100, shift_labels: bool | None = None
+) -> int:
+    """How many terms a mean-reduced loss over ``batch`` averages over.
+
+    * A batch with a ``shift_labels`` tensor (Hugging Face's pre-shifted labels): its entries
+      that are not ``ignore_index``.
+    * Integer ``labels`` of 2 or more dimensions (token labels): entries that are not
+      ``ignore_index``, after dropping column 0 when shifting (``labels[:, 1:]``; see
+      :func:`loss_weights` for when it shifts).
+    * Integer ``labels`` of 1 dimension (sequence classification): labels that are not
+      ``ignore_index`` (``cross_entropy`` ignores those too), normally the number of samples.
+    * Float ``labels`` (regression, multi-label) or no ``labels``: the number of samples (rows),
+      since every row then has the same number of loss terms.
+
+    Args:
+        batch: One micro-batch (a dict of model keyword arguments, a tensor or a tuple).
+        ignore_index: Label value the loss ignores.
+        shift_labels: ``True``/``False`` to force or forbid the causal shift; ``None``: auto.
+
+    Raises:
+        ValueError: when the batch has no ``labels`` (token counting needs them).
+    """
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    pre_shifted = batch.get("shift_labels") if isinstance(batch, Mapping) else None
+    if isinstance(pre_shifted, torch.Tensor):
+        return int((pre_shifted != ignore_index).sum().item())
+    if not isinstance(labels, torch.Tensor):
+        raise ValueError(
+            "loss normalization 'tokens' counts label tokens, but the batch has no 'labels' "
+            "tensor; pass labels in the batch or use loss_normalization 'mean'"
+        )
+    if labels.is_floating_point() or labels.is_complex():
+        return int(labels.shape[0]) if labels.dim() > 0 else 1
+    if labels.dim() <= 1:
+        return int((labels != ignore_index).sum().item())
+    if shift_labels is None:
+        ids = batch.get("input_ids")
+        shift_labels = isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape == labels.shape
+    if shift_labels:
+        labels = labels[:, 1:]
+    return int((labels != ignore_index).sum().item())

@@ -1,0 +1,81 @@
+"""Tiny models whose memory can be counted by hand, and workload functions for SPEC tests."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+F32 = 4  # bytes per float32 element
+
+
+def mlp(d_in: int = 16, d_hidden: int = 32, d_out: int = 8) -> nn.Sequential:
+    """Linear -> ReLU -> Linear: parameters (d_in+1)*d_hidden + (d_hidden+1)*d_out floats."""
+    return nn.Sequential(nn.Linear(d_in, d_hidden), nn.ReLU(), nn.Linear(d_hidden, d_out))
+
+
+def param_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+class MSEModel(nn.Module):
+    """An MLP that returns its MSE loss, so it can be a workload (``output.loss``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(self.net(x), y)
+
+
+# ---- module:function workloads (named by tests as "tests.models:<name>") ----------------
+def mlp_workload(batch_size: int, seq_len: int):
+    """A good workload: (model, batch dict); the model returns a scalar loss."""
+    return MSEModel(), {"x": torch.randn(batch_size, 16), "y": torch.randn(batch_size, 8)}
+
+
+def conv_workload(batch_size: int, seq_len: int):
+    """A small CNN classifier taking a tensor batch; returns a scalar loss."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Sequential(
+                nn.Conv2d(3, 8, 3, padding=1),
+                nn.BatchNorm2d(8),
+                nn.ReLU(),
+                nn.Conv2d(8, 8, 3, padding=1),
+                nn.ReLU(),
+                nn.AdaptiveAvgPool2d(1),
+                nn.Flatten(),
+                nn.Linear(8, 4),
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.body(x).logsumexp(-1).mean()
+
+    return Net(), torch.randn(batch_size, 3, seq_len, seq_len)
+
+
+def returns_model_only(batch_size: int, seq_len: int):
+    return MSEModel()
+
+
+def returns_bad_batch(batch_size: int, seq_len: int):
+    return MSEModel(), 42
+
+
+def no_loss_workload(batch_size: int, seq_len: int):
+    return mlp(), torch.randn(batch_size, 16)
+
+
+def broken_forward_workload(batch_size: int, seq_len: int):
+    class Broken(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("custom failure inside Broken.forward")
+
+    return Broken(), torch.randn(batch_size, 4)
