@@ -25,8 +25,8 @@ from .lars import Lars
 
 __all__ = [
     "OPTIMIZERS",
-    "AdamW8bit",
     "Adafactor",
+    "AdamW8bit",
     "Lamb",
     "Lars",
     "StableEmbedding",

@@ -141,7 +141,9 @@ class AdamW8bit(MemfitOptimizer):
                 )
         else:
             dtype = compute_dtype(param)
-            state["exp_avg"] = torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
+            state["exp_avg"] = torch.zeros_like(
+                param, dtype=dtype, memory_format=torch.preserve_format
+            )
             state["exp_avg_sq"] = torch.zeros_like(
                 param, dtype=dtype, memory_format=torch.preserve_format
             )
@@ -178,7 +180,9 @@ class AdamW8bit(MemfitOptimizer):
                     bias_correction2_sqrt=math.sqrt(1.0 - beta2**step),
                 )
                 if "exp_avg_codes" in state:
-                    _update_8bit(param, grad, state, hyper, group["block_size"], group["chunk_size"])
+                    _update_8bit(
+                        param, grad, state, hyper, group["block_size"], group["chunk_size"]
+                    )
                 else:
                     work = work_copy(param)
                     adamw_math(

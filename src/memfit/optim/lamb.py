@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+
 from ._base import MemfitOptimizer, compute_dtype, dense_grad, work_copy, write_back
 
 __all__ = ["Lamb"]
@@ -130,4 +131,3 @@ class Lamb(MemfitOptimizer):
                 work.sub_(update.mul_(trust_ratio), alpha=group["lr"])
                 write_back(param, work)
         return loss
-

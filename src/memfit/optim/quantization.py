@@ -13,9 +13,12 @@ Two kinds of code book are supported:
   floating-point format whose largest code is exactly ``1.0``.  Because it *is* a float format,
   encoding is closed-form integer arithmetic on the fp32 bit pattern (no search), which keeps
   quantisation at a few element-wise kernels and makes it cheap on CPU.
-  :data:`SIGNED_MAP` (sign + 4 exponent + 3 mantissa bits) is for signed state such as Adam's
-  first moment, :data:`UNSIGNED_MAP` (4 exponent + 4 mantissa bits, no sign) for non-negative
-  state such as the second moment.  Both cover about 4.8 decades below the block maximum.
+  :data:`SIGNED_MAP` (sign + 3 exponent + 4 mantissa bits, values from about 4.4e-3 to 1) is
+  for signed state such as Adam's first moment, :data:`UNSIGNED_MAP` (4 exponent + 4 mantissa
+  bits, no sign, about 1.7e-5 to 1) for non-negative state such as the second moment, whose
+  square-root is what matters and whose range is therefore twice as wide in decades.  Both
+  round to within 3 % (relative) of the value, about 1 % on average.  In Adam simulations they
+  tracked fp32 AdamW at least as closely as the dynamic tree map below.
 * A plain sorted tensor of 256 values, e.g. :func:`dynamic_tree_map`, the paper's dynamic tree
   code.  Rounding then uses ``torch.bucketize`` on the mid-points between entries: exact nearest
   rounding for any code book, but a binary search per element, so it is several times slower.
@@ -146,13 +149,15 @@ class Minifloat8:
 
     def decode(self, codes: Tensor) -> Tensor:
         """Decode code bytes to fp32 values in ``[-1, 1]``."""
-        return self.table(codes.device).index_select(0, codes.reshape(-1).to(torch.int32)).view(
-            codes.shape
+        return (
+            self.table(codes.device)
+            .index_select(0, codes.reshape(-1).to(torch.int32))
+            .view(codes.shape)
         )
 
 
-#: Signed map for first moments: sign, 4 exponent bits, 3 mantissa bits (about 1.9e-5 .. 1).
-SIGNED_MAP = Minifloat8(signed=True, exponent_bits=4, mantissa_bits=3)
+#: Signed map for first moments: sign, 3 exponent bits, 4 mantissa bits (about 4.4e-3 .. 1).
+SIGNED_MAP = Minifloat8(signed=True, exponent_bits=3, mantissa_bits=4)
 #: Unsigned map for second moments: 4 exponent bits, 4 mantissa bits (about 1.7e-5 .. 1).
 UNSIGNED_MAP = Minifloat8(signed=False, exponent_bits=4, mantissa_bits=4)
 
