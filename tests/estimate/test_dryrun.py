@@ -1,0 +1,61 @@
+"""Dry runs on fake tensors give the real run's peak; bad workloads fail clearly."""
+
+from __future__ import annotations
+
+import pytest
+
+import memfit
+from memfit.estimate import ModelError
+from memfit.workload import WorkloadError
+
+
+@pytest.mark.parametrize(
+    ("spec", "batch", "seq"),
+    [
+        ("gpt2-tiny", 4, 32),
+        ("bert-tiny", 4, 32),
+        ("llama-tiny", 4, 32),
+        ("tests.models:conv_workload", 4, 16),
+        ("tests.models:mlp_workload", 8, 1),
+    ],
+)
+def test_dry_run_peak_equals_real_run(spec, batch, seq):
+    real = memfit.measure(spec, batch_size=batch, seq_len=seq, steps=2)
+    dry = memfit.dry_run(spec, batch_size=batch, seq_len=seq, steps=2)
+    assert abs(dry.peak_bytes - real.peak_bytes) <= 0.01 * real.peak_bytes
+    # In fact the dispatch-level count is identical, category by category.
+    assert dry.peak_by_category == real.peak_by_category
+    assert dry.meta["dry_run"] and not real.meta["dry_run"]
+    assert dry.meta["num_parameters"] == real.meta["num_parameters"]
+
+
+def test_dry_run_counts_all_steps_and_categories():
+    rep = memfit.dry_run("gpt2-tiny", batch_size=2, seq_len=16, steps=3)
+    assert len(rep.step_peaks) == 3
+    assert rep.peak_by_category["optimizer_state"] > 0
+    assert rep.peak_by_category["parameters"] == 4 * rep.meta["num_parameters"]
+
+
+@pytest.mark.slow
+def test_bert_large_dry_run_at_full_scale():
+    rep = memfit.dry_run("bert-large", batch_size=32, seq_len=128)
+    n = rep.meta["num_parameters"]
+    assert 320e6 < n < 330e6
+    # fp32 weights, AdamW: 4 + 4 + 8 bytes per parameter are alive at the optimizer step.
+    assert rep.phase_peaks["optimizer"] >= 16 * n
+    assert rep.peak_by_category["parameters"] == 4 * n
+
+
+def test_model_errors_and_missing_loss():
+    with pytest.raises(ModelError, match="custom failure inside Broken.forward"):
+        memfit.dry_run("tests.models:broken_forward_workload", batch_size=2, seq_len=1)
+    with pytest.raises(WorkloadError, match="has no loss"):
+        memfit.measure("tests.models:no_loss_workload", batch_size=2, seq_len=1)
+
+
+def test_plan_is_applied_in_dry_run():
+    plan = memfit.Plan(grad_accum_steps=4)
+    plain = memfit.dry_run("gpt2-tiny", batch_size=8, seq_len=32, steps=1)
+    accum = memfit.dry_run("gpt2-tiny", plan, steps=1, batch_size=8, seq_len=32)
+    assert accum.meta["plan"]["grad_accum_steps"] == 4
+    assert accum.peak_by_category["activations"] < plain.peak_by_category["activations"]

@@ -1,0 +1,95 @@
+"""`memfit profile` end to end, and one clear sentence with exit code 2 for bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from memfit.cli import app
+
+runner = CliRunner()
+
+
+def _invoke(*args: str):
+    return runner.invoke(app, list(args))
+
+
+def test_profile_dry_run_writes_json_and_png(tmp_path):
+    js, png = tmp_path / "p.json", tmp_path / "p.png"
+    res = _invoke(
+        "profile", "--model", "gpt2-tiny", "--batch-size", "2", "--seq-len", "16",
+        "--dry-run", "--steps", "2", "--json", str(js), "--plot", str(png),
+    )
+    assert res.exit_code == 0, res.output
+    assert "optimizer_state" in res.output and "Peak by phase" in res.output
+    data = json.loads(js.read_text())
+    for key in ("peak_bytes", "peak_by_category", "phase_peaks", "num_parameters", "dry_run", "by_module"):
+        assert key in data
+    assert data["dry_run"] is True
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_profile_real_run_and_plan(tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"grad_accum_steps": 2}))
+    js = tmp_path / "p.json"
+    res = _invoke(
+        "profile", "-m", "tests.models:mlp_workload", "-b", "4", "-l", "1",
+        "--plan", str(plan), "--json", str(js),
+    )
+    assert res.exit_code == 0, res.output
+    data = json.loads(js.read_text())
+    assert data["dry_run"] is False and data["plan"]["grad_accum_steps"] == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (["--model", "nonsense-model"], "names nothing"),
+        (["--model", "gpt2-tiny", "--batch-size", "0"], "--batch-size must be"),
+        (["--model", "tests.models:returns_model_only"], "must return a (model, batch) tuple"),
+        (["--model", "tests.models:no_loss_workload"], "has no loss"),
+        (["--model", "gpt2-tiny", "--cap", "lots"], "--cap"),
+    ],
+)
+def test_bad_input_exits_2_with_one_sentence(args, match):
+    res = _invoke("profile", "--dry-run", *args)
+    assert res.exit_code == 2, res.output
+    assert match in res.output
+    assert "Traceback" not in res.output
+
+
+def test_bad_plan_file(tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"grad_acum_steps": 2}))
+    res = _invoke("profile", "--model", "gpt2-tiny", "--dry-run", "--plan", str(plan))
+    assert res.exit_code == 2
+    assert "unknown key 'grad_acum_steps'" in res.output and "grad_accum_steps" in res.output
+
+
+def test_model_failure_shows_the_models_own_error():
+    res = _invoke("profile", "--model", "tests.models:broken_forward_workload", "-b", "2")
+    assert res.exit_code == 1
+    assert "custom failure inside Broken.forward" in res.output
+    assert "Traceback" not in res.output
+
+
+def test_cap_turns_into_a_clear_oom():
+    res = _invoke("profile", "--model", "gpt2-tiny", "--dry-run", "--cap", "1MiB")
+    assert res.exit_code == 2
+    assert "virtual cap" in res.output
+
+
+def test_python_dash_m_entry_point_has_no_traceback():
+    res = subprocess.run(
+        [sys.executable, "-m", "memfit", "profile", "--model", "nope", "--dry-run"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert res.returncode == 2
+    assert "names nothing" in res.stderr
+    assert "Traceback" not in res.stderr + res.stdout
+    assert len([ln for ln in res.stderr.splitlines() if ln.strip()]) <= 3

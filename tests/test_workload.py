@@ -1,0 +1,130 @@
+"""Workload SPECs: presets, HF config files, package.module:function, and clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from memfit.workload import (
+    PRESETS,
+    WorkloadError,
+    call_model,
+    load_workload,
+    loss_from_output,
+    split_batch,
+)
+
+
+@pytest.mark.parametrize(
+    ("name", "low", "high"),
+    [
+        ("bert-base", 105e6, 115e6),
+        ("bert-large", 320e6, 330e6),
+        ("gpt2", 120e6, 130e6),
+        ("gpt2-medium", 350e6, 360e6),
+        ("llama-1b", 1.15e9, 1.3e9),
+    ],
+)
+def test_presets_build_at_full_size_on_fake_tensors(name, low, high):
+    with FakeTensorMode():
+        model, batch = load_workload(name, 2, 16).build()
+        n = sum(p.numel() for p in model.parameters())
+        assert low <= n <= high
+        assert batch["input_ids"].shape == (2, 16)
+
+
+def test_bert_large_matches_macbert_large_dimensions():
+    with FakeTensorMode():
+        model, batch = load_workload("bert-large", 2, 8).build()
+    cfg = model.config
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads) == (24, 1024, 16)
+    assert (cfg.intermediate_size, cfg.vocab_size, cfg.num_labels) == (4096, 21128, 2)
+    assert batch["labels"].shape == (2,)
+
+
+@pytest.mark.parametrize("name", ["bert-tiny", "gpt2-tiny", "llama-tiny"])
+def test_tiny_presets_give_a_loss(name):
+    wl = load_workload(name, 2, 8)
+    model, batch = wl.build()
+    loss = wl.loss_fn(call_model(model, batch), batch)
+    assert loss.dim() == 0 and torch.isfinite(loss)
+
+
+def test_config_json_path(tmp_path):
+    cfg = {
+        "model_type": "gpt2",
+        "architectures": ["GPT2LMHeadModel"],
+        "n_embd": 32,
+        "n_layer": 1,
+        "n_head": 2,
+        "vocab_size": 100,
+        "n_positions": 64,
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    wl = load_workload(str(path), 2, 8)
+    model, batch = wl.build()
+    assert type(model).__name__ == "GPT2LMHeadModel"
+    assert wl.loss_fn(call_model(model, batch), batch).dim() == 0
+
+
+def test_function_spec_dict_and_tensor_batches():
+    wl = load_workload("tests.models:mlp_workload", 4, 1)
+    model, batch = wl.build()
+    assert batch["x"].shape == (4, 16)
+    assert wl.loss_fn(call_model(model, batch), batch).dim() == 0
+    wl = load_workload("tests.models:conv_workload", 2, 8)
+    model, batch = wl.build()
+    assert isinstance(batch, torch.Tensor)
+    assert wl.loss_fn(call_model(model, batch), batch).dim() == 0
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ("no-such-preset", "names nothing"),
+        ("tests.models:nope", "has no function"),
+        ("no_such_pkg.mod:fn", "cannot be imported"),
+        ("/no/such/config.json", "does not exist"),
+    ],
+)
+def test_bad_specs(spec, match):
+    with pytest.raises(WorkloadError, match=match):
+        load_workload(spec, 2, 8)
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ("tests.models:returns_model_only", r"must return a \(model, batch\) tuple"),
+        ("tests.models:returns_bad_batch", "batch must be a dict"),
+    ],
+)
+def test_functions_returning_the_wrong_thing(spec, match):
+    with pytest.raises(WorkloadError, match=match):
+        load_workload(spec, 2, 8).build()
+
+
+def test_bad_sizes_and_missing_loss():
+    with pytest.raises(WorkloadError, match="batch size"):
+        load_workload("gpt2-tiny", 0, 8)
+    with pytest.raises(WorkloadError, match="sequence length"):
+        load_workload("gpt2-tiny", 2, 0)
+    with pytest.raises(WorkloadError, match="longer than"):
+        load_workload("gpt2-tiny", 2, 100_000)
+    with pytest.raises(WorkloadError, match="has no loss"):
+        loss_from_output(torch.randn(3, 4))
+
+
+def test_split_batch():
+    batch = {"x": torch.arange(10).reshape(5, 2), "flag": torch.tensor(1)}
+    parts = split_batch(batch, 2)
+    assert [p["x"].shape[0] for p in parts] == [2, 2, 1]
+    assert torch.equal(torch.cat([p["x"] for p in parts]), batch["x"])
+
+
+def test_every_preset_is_documented():
+    assert all(p.about for p in PRESETS.values())
