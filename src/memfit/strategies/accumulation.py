@@ -126,7 +126,9 @@ def count_loss_terms(
         return int((labels != ignore_index).sum().item())
     if shift_labels is None:
         ids = batch.get("input_ids")
-        shift_labels = isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape == labels.shape
+        shift_labels = (
+            isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape == labels.shape
+        )
     if shift_labels:
         labels = labels[:, 1:]
     return int((labels != ignore_index).sum().item())
