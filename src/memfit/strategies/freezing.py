@@ -105,15 +105,18 @@ def _select(model: nn.Module, spec: str, name_of: dict[int, str]) -> set[int]:
     """Ids of the parameters one spec selects."""
     if spec == "embeddings":
         ids = {
-            id(p)
-            for m in model.modules()
-            if isinstance(m, nn.Embedding)
-            for p in m.parameters()
+            id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()
         }
         ids |= {id(p) for name, p in model.named_parameters() if "embed" in name.lower()}
         return ids
     if spec == "body":
         head = _head_parameters(model)
+        if not head:
+            raise ValueError(
+                f"freeze spec 'body' needs a task head to keep training, but "
+                f"{type(model).__name__} has no module named like {', '.join(HEAD_NAMES)} and "
+                "no child module with parameters; freeze by parameter-name patterns instead"
+            )
         return {pid for pid in name_of if pid not in head}
     if spec.startswith("blocks:"):
         k = _parse_k(spec)
@@ -175,7 +178,9 @@ def _head_parameters(model: nn.Module) -> set[int]:
 
 def _nothing_matched(spec: str, params: dict[str, nn.Parameter], model: nn.Module) -> str:
     names = list(params)
-    shown = ", ".join(names[:_SHOWN]) + (f", ... ({len(names)} in all)" if len(names) > _SHOWN else "")
+    shown = ", ".join(names[:_SHOWN]) + (
+        f", ... ({len(names)} in all)" if len(names) > _SHOWN else ""
+    )
     if spec == "body":
         return (
             f"freeze spec 'body' selects nothing: {type(model).__name__} is all head (no "
