@@ -14,6 +14,8 @@ tensors for a real run and fake ones for a dry run.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import importlib
 import json
 import os
@@ -205,6 +207,9 @@ class Workload:
         make_batch: ``make_batch(model, batch_size, seq_len)`` makes one batch.
         loss_fn: Turns the model's output (and the batch) into a scalar loss.
         description: One line for humans.
+        depth: Number of repeated blocks (layers), when known.
+        with_depth: ``with_depth(n)`` gives the same workload with ``n`` blocks; the planner
+            profiles one and two blocks and composes the full depth from them.
     """
 
     name: str
@@ -214,6 +219,13 @@ class Workload:
     make_batch: Callable[[nn.Module, int, int], Batch]
     loss_fn: Callable[[Any, Batch], torch.Tensor] = field(default=lambda out, batch: loss_from_output(out))
     description: str = ""
+    depth: int | None = None
+    with_depth: Callable[[int], Workload] | None = None
+
+    @property
+    def scalable(self) -> bool:
+        """Whether the workload can be rebuilt with fewer repeated blocks (for composition)."""
+        return self.depth is not None and self.with_depth is not None
 
     def build(self, *, seed: int = 0) -> tuple[nn.Module, Batch]:
         """Build the model (train mode) and one full batch, seeded for reproducibility."""
@@ -230,8 +242,6 @@ class Workload:
 
     def replace(self, **changes: Any) -> Workload:
         """A copy with some fields changed (for example another ``seq_len``)."""
-        import dataclasses
-
         return dataclasses.replace(self, **changes)
 
 
@@ -263,8 +273,12 @@ def load_workload(spec: str, batch_size: int = 8, seq_len: int = 128) -> Workloa
     )
 
 
-def _preset_workload(name: str, batch_size: int, seq_len: int) -> Workload:
+def _preset_workload(
+    name: str, batch_size: int, seq_len: int, overrides: Mapping[str, Any] | None = None
+) -> Workload:
     preset = PRESETS[name]
+    config_kwargs = {**preset.config, **(overrides or {})}
+    depth_key = _depth_key(config_kwargs)
 
     def build() -> nn.Module:
         import transformers
@@ -274,11 +288,29 @@ def _preset_workload(name: str, batch_size: int, seq_len: int) -> Workload:
             "gpt2": transformers.GPT2Config,
             "llama": transformers.LlamaConfig,
         }[preset.family]
-        config = cls(**preset.config)
-        return _hf_model_from_config(config, preset.family)
+        return _hf_model_from_config(cls(**config_kwargs), preset.family)
 
-    _check_positions(name, preset.config, seq_len)
-    return Workload(name, batch_size, seq_len, build, _hf_batch, description=preset.about)
+    _check_positions(name, config_kwargs, seq_len)
+    return Workload(
+        name,
+        batch_size,
+        seq_len,
+        build,
+        _hf_batch,
+        description=preset.about,
+        depth=int(config_kwargs[depth_key]),
+        with_depth=lambda n: _preset_workload(name, batch_size, seq_len, {depth_key: n}),
+    )
+
+
+_DEPTH_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
+
+
+def _depth_key(config: Mapping[str, Any]) -> str:
+    for key in _DEPTH_KEYS:
+        if key in config:
+            return key
+    raise KeyError("no layer count")
 
 
 def _check_positions(name: str, config: Mapping[str, Any], seq_len: int) -> None:
@@ -314,14 +346,24 @@ def _config_workload(spec: str, batch_size: int, seq_len: int) -> Workload:
             f"transformers version does not know ({e})"
         ) from None
     _check_positions(str(path), data, seq_len)
-    return Workload(
+    depth_key = next((k for k in _DEPTH_KEYS if k in config.to_dict()), None)
+
+    def at_depth(n: int) -> Workload:
+        shallow = copy.deepcopy(config)
+        setattr(shallow, depth_key, n)
+        return dataclasses.replace(wl, build_model=lambda: _hf_model_from_config(shallow), depth=n)
+
+    wl = Workload(
         str(path),
         batch_size,
         seq_len,
         lambda: _hf_model_from_config(config),
         _hf_batch,
         description=f"{data['model_type']} from {path}",
+        depth=None if depth_key is None else int(getattr(config, depth_key)),
+        with_depth=None if depth_key is None else at_depth,
     )
+    return wl
 
 
 def _function_workload(spec: str, batch_size: int, seq_len: int) -> Workload:

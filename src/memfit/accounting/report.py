@@ -50,6 +50,7 @@ class MemoryReport:
         peak_module: The innermost module open at the peak (``None`` outside any module).
         peak_phase: The phase of the peak.
         step_peaks: Peak within each training step, when steps were marked.
+        phase_peak_by_category: For each phase, the categories at that phase's peak.
         num_ops: Operations seen.
         device: The compute device.
         meta: Free-form facts added by the caller (``num_parameters``, ``dry_run``, ...).
@@ -65,6 +66,7 @@ class MemoryReport:
     peak_module: str | None
     peak_phase: str
     step_peaks: list[int] = field(default_factory=list)
+    phase_peak_by_category: dict[str, dict[str, int]] = field(default_factory=dict)
     num_ops: int = 0
     device: str = "cpu"
     meta: dict[str, Any] = field(default_factory=dict)
@@ -83,6 +85,7 @@ class MemoryReport:
             peak_module=self.peak_module,
             peak_phase=self.peak_phase,
             step_peaks=list(self.step_peaks),
+            phase_peak_by_category={k: dict(v) for k, v in self.phase_peak_by_category.items()},
             num_ops=self.num_ops,
             device=self.device,
             timeline=_downsample(self.timeline, max_points),
@@ -215,10 +218,15 @@ def build_report(tracker: MemoryTracker) -> MemoryReport:
     seq_op = np.searchsorted(op_seq, np.arange(nseq), side="left")
     seq_op = np.minimum(seq_op, len(op_seq) - 1)
     seq_phase = op_phase[seq_op]
-    phase_peaks = {}
+    phase_peaks: dict[str, int] = {}
+    phase_peak_by_category: dict[str, dict[str, int]] = {}
     for i, name in enumerate(PHASES[:3]):
-        mask = seq_phase == i
-        phase_peaks[name] = int(total[mask].max()) if mask.any() else 0
+        idx = np.flatnonzero(seq_phase == i)
+        at = int(idx[np.argmax(total[idx])]) if len(idx) else None
+        phase_peaks[name] = int(total[at]) if at is not None else 0
+        phase_peak_by_category[name] = {
+            c: int(per_cat[j, at]) if at is not None else 0 for j, c in enumerate(CATEGORIES)
+        }
 
     def seq_range_max(op_start: int, op_end: int) -> int:
         lo = op_seq[max(op_start - 1, 0)]
@@ -256,6 +264,7 @@ def build_report(tracker: MemoryTracker) -> MemoryReport:
         peak_bytes=peak_bytes,
         peak_by_category=peak_by_category,
         phase_peaks=phase_peaks,
+        phase_peak_by_category=phase_peak_by_category,
         by_module=by_module,
         timeline=timeline,
         peak_op=None if func is None else str(func),

@@ -1,0 +1,119 @@
+"""Predict a plan's peak without a full-size dry run: profile one and two blocks, compose.
+
+Every per-block quantity in a training step (parameters, gradients, optimizer state, the
+activations a block keeps) is linear in the number of blocks, and so is the live memory at any
+fixed point of the step. The predictor therefore dry-runs the workload at depth 1 and at depth 2
+under the plan and extrapolates each phase's peak, category by category, to the full depth:
+``m(n) = m(1) + (n - 1) * (m(2) - m(1))``. Blocks x count + embeddings + head + state, measured
+rather than assumed. Micro-batching is profiled with two micro-batches (memory does not grow
+with more), and the inputs are scaled back to the full batch.
+
+Workloads that cannot change depth (``module:function``) and plans whose memory is not linear
+in depth (``sqrt`` checkpointing) are dry-run at full size instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..accounting import CATEGORIES, PHASES
+from ..plan import Plan
+from ..workload import Workload
+from .dryrun import dry_run
+
+__all__ = ["Prediction", "predict_peak"]
+
+
+@dataclass
+class Prediction:
+    """A predicted (or measured) peak.
+
+    Attributes:
+        peak_bytes: Predicted peak of live device bytes.
+        by_category: Bytes per category at that peak.
+        phase_peaks: Predicted peak of each phase.
+        peak_phase: The phase holding the peak.
+        method: ``composed`` (depth 1 and 2 extrapolated) or ``dry-run`` (full size).
+    """
+
+    peak_bytes: int
+    by_category: dict[str, int]
+    phase_peaks: dict[str, int]
+    peak_phase: str
+    method: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _reduced(workload: Workload, plan: Plan) -> tuple[Workload, Plan, float]:
+    """The smallest run with the plan's memory behaviour: two micro-batches at most."""
+    batch = workload.batch_size
+    micro = min(plan.micro_batch_for(batch), batch)
+    steps_needed = -(-batch // micro)
+    accum = 2 if steps_needed > 1 else 1
+    small_batch = micro * accum
+    reduced_plan = plan.replace(micro_batch_size=micro, grad_accum_steps=accum)
+    return workload.replace(batch_size=small_batch), reduced_plan, batch / small_batch
+
+
+def _by_phase(report: Any, input_scale: float) -> dict[str, dict[str, float]]:
+    out = {}
+    for phase in PHASES[:3]:
+        cats = dict(report.phase_peak_by_category.get(phase, {}))
+        if cats:
+            cats["inputs"] = cats["inputs"] * input_scale
+        out[phase] = cats
+    return out
+
+
+def predict_peak(workload: Workload, plan: Plan | None = None, *, compose: bool = True) -> Prediction:
+    """Predict the peak of training ``workload`` under ``plan``.
+
+    Args:
+        workload: The workload at its full size and batch.
+        plan: The plan (default: the plain plan).
+        compose: Compose from depth-1 and depth-2 profiles when possible; otherwise (or when
+            impossible) dry-run at full size.
+    """
+    plan = plan or Plan()
+    small_wl, small_plan, scale = _reduced(workload, plan)
+    linear = plan.checkpointing.mode not in ("sqrt", "budget")
+    if compose and workload.scalable and linear and (workload.depth or 0) > 2:
+        assert workload.with_depth is not None and workload.depth is not None
+        shallow = [
+            _by_phase(
+                dry_run(
+                    workload.with_depth(d).replace(batch_size=small_wl.batch_size),
+                    small_plan,
+                    steps=2,
+                ),
+                scale,
+            )
+            for d in (1, 2)
+        ]
+        n = workload.depth
+        phases: dict[str, dict[str, int]] = {}
+        for phase in PHASES[:3]:
+            one, two = shallow[0][phase], shallow[1][phase]
+            if not one or not two:
+                continue
+            phases[phase] = {
+                c: max(0, round(one[c] + (n - 1) * (two[c] - one[c]))) for c in CATEGORIES
+            }
+        method = "composed"
+    else:
+        phases = {
+            k: {c: round(v) for c, v in cats.items()}
+            for k, cats in _by_phase(dry_run(small_wl, small_plan, steps=2), scale).items()
+            if cats
+        }
+        method = "dry-run"
+    phase_peaks = {k: sum(v.values()) for k, v in phases.items()}
+    peak_phase = max(phase_peaks, key=lambda k: phase_peaks[k])
+    return Prediction(
+        peak_bytes=phase_peaks[peak_phase],
+        by_category=phases[peak_phase],
+        phase_peaks=phase_peaks,
+        peak_phase=peak_phase,
+        method=method,
+    )
