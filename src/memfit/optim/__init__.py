@@ -106,10 +106,6 @@ def state_bytes(optimizer: Optimizer) -> int:
 
 
 def _storage_key(storage: torch.UntypedStorage) -> int:
-    # data_ptr identifies real storages; fake/meta storages have no data, so fall back to the
-    # identity of the underlying StorageImpl.
-    try:
-        ptr = storage.data_ptr()
-    except (RuntimeError, NotImplementedError):
-        ptr = 0
-    return ptr if ptr else storage._cdata
+    # The address of the StorageImpl: shared by all views of a storage, and, unlike data_ptr(),
+    # also defined (without warnings) for fake and meta tensors.
+    return storage._cdata

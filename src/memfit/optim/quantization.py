@@ -149,11 +149,14 @@ class Minifloat8:
 
     def decode(self, codes: Tensor) -> Tensor:
         """Decode code bytes to fp32 values in ``[-1, 1]``."""
-        return (
-            self.table(codes.device)
-            .index_select(0, codes.reshape(-1).to(torch.int32))
-            .view(codes.shape)
-        )
+        if _is_fake(codes):
+            # A cached real table cannot mix with fake tensors; build a throw-away fake one.
+            with codes.fake_mode:  # type: ignore[attr-defined]
+                table = _build_minifloat_table(self).to(codes.device)
+        else:
+            table = self.table(codes.device)
+        # A 256-entry gather is a cheap, vectorised decode (int32 indices are the fast path).
+        return table.index_select(0, codes.reshape(-1).to(torch.int32)).view(codes.shape)
 
 
 #: Signed map for first moments: sign, 3 exponent bits, 4 mantissa bits (about 4.4e-3 .. 1).
@@ -186,7 +189,7 @@ def _minifloat_table(fmt: Minifloat8, device: torch.device | None) -> Tensor:
     if table is None:
         table = _build_minifloat_table(fmt)
         if _is_fake(table):
-            # Created under FakeTensorMode: usable now, but must not be cached for real runs.
+            # Created under an active FakeTensorMode: usable now, never cached for real runs.
             return table.to(device) if device is not None else table
         if device is not None:
             table = table.to(device)
