@@ -21,8 +21,13 @@ What the fusion changes, and how each is handled:
 * Clipping by global norm needs the norm of the whole gradient before any parameter steps.
   ``clip_mode="exact"`` runs one extra backward first that only measures the norm (each gradient
   is reduced to its norm and dropped as soon as it is accumulated): the cost is one backward
-  per step, no gradient memory. ``clip_mode="approx"`` clips each step with the previous step's
-  norm: no extra compute, a one-step-stale coefficient.
+  per step (plus one recomputation of checkpointed segments), no gradient memory; the graph is
+  kept until the real backward, which leaves the activation peak (the end of the forward)
+  unchanged. ``clip_mode="approx"`` clips each step with the previous step's norm: no extra
+  compute, a one-step-stale coefficient. Exact clipping with accumulation is refused: the
+  measuring backward would have to see the whole accumulated gradient.
+* Parameters that get a gradient in an earlier micro-batch but none in the last one are
+  stepped when the last backward returns, as an ordinary optimizer would step them.
 * LR schedulers: the handle is a :class:`torch.optim.Optimizer` whose ``param_groups`` are the
   per-parameter optimizers' own group dicts, so any torch scheduler built on the handle
   (``StepLR(handle, ...)``) drives every per-parameter optimizer.
