@@ -2,9 +2,13 @@
 
 Every per-block quantity in a training step (parameters, gradients, optimizer state, the
 activations a block keeps) is linear in the number of blocks, and so is the live memory at any
-fixed point of the step. The predictor therefore dry-runs the workload at depth 1 and at depth 2
+fixed point of the step. The predictor therefore dry-runs the workload at depth 2 and at depth 3
 under the plan and extrapolates each phase's peak, category by category, to the full depth:
-``m(n) = m(1) + (n - 1) * (m(2) - m(1))``. Blocks x count + embeddings + head + state, measured
+``m(n) = m(2) + (n - 2) * (m(3) - m(2))``. Depth 1 is avoided on purpose: with one block the
+embeddings often dominate and the peak sits at another point of the step (the embedding's
+gradient) than it does with many blocks (the start of backward). When a category shrinks from
+depth 2 to 3, the two peaks were taken at different points, and the predictor dry-runs the full
+depth instead. Blocks x count + embeddings + head + state, measured
 rather than assumed. Micro-batching is profiled with two micro-batches (memory does not grow
 with more), and the inputs are scaled back to the full batch.
 
@@ -78,7 +82,9 @@ def predict_peak(workload: Workload, plan: Plan | None = None, *, compose: bool 
     plan = plan or Plan()
     small_wl, small_plan, scale = _reduced(workload, plan)
     linear = plan.checkpointing.mode not in ("sqrt", "budget")
-    if compose and workload.scalable and linear and (workload.depth or 0) > 2:
+    phases: dict[str, dict[str, int]] = {}
+    method = "dry-run"
+    if compose and workload.scalable and linear and (workload.depth or 0) > 3:
         assert workload.with_depth is not None and workload.depth is not None
         shallow = [
             _by_phase(
@@ -89,19 +95,19 @@ def predict_peak(workload: Workload, plan: Plan | None = None, *, compose: bool 
                 ),
                 scale,
             )
-            for d in (1, 2)
+            for d in (2, 3)
         ]
         n = workload.depth
-        phases: dict[str, dict[str, int]] = {}
         for phase in PHASES[:3]:
-            one, two = shallow[0][phase], shallow[1][phase]
-            if not one or not two:
+            two, three = shallow[0][phase], shallow[1][phase]
+            if not two or not three:
                 continue
-            phases[phase] = {
-                c: max(0, round(one[c] + (n - 1) * (two[c] - one[c]))) for c in CATEGORIES
-            }
-        method = "composed"
-    else:
+            if any(three[c] < two[c] for c in CATEGORIES):
+                phases = {}
+                break
+            phases[phase] = {c: round(two[c] + (n - 2) * (three[c] - two[c])) for c in CATEGORIES}
+        method = "composed" if phases else "dry-run"
+    if not phases:
         phases = {
             k: {c: round(v) for c, v in cats.items()}
             for k, cats in _by_phase(dry_run(small_wl, small_plan, steps=2), scale).items()

@@ -51,6 +51,14 @@ class OptimizerConfig:
             if self.foreach is not None:
                 kwargs["foreach"] = self.foreach
             return cls[self.name](params, **kwargs)
+        if self.name == "adafactor" and kwargs.get("relative_step") is not False:
+            # The plan always names a learning rate, so Adafactor's own relative step size
+            # (which needs lr=None) is off unless the kwargs ask for it explicitly.
+            if kwargs.get("relative_step"):
+                kwargs["lr"] = None
+            else:
+                kwargs.setdefault("relative_step", False)
+                kwargs.setdefault("scale_parameter", False)
         from ..optim import build_optimizer
 
         return build_optimizer(self.name, params, **kwargs)

@@ -1,0 +1,249 @@
+"""Step-time model: FLOPs (with recomputation), memory traffic, op overhead, optimizer cost.
+
+The model is deliberately simple and explicit; every term is listed in :class:`StepCost` so the
+planner can say why one plan is slower than another:
+
+* ``matmul``: forward + backward (+ recomputed forward) FLOPs, counted by PyTorch's
+  :class:`~torch.utils.flop_counter.FlopCounterMode`, at the plan's compute dtype's rate,
+  derated for small micro-batches (efficiency ``t / (t + half_tokens)`` for ``t`` tokens);
+* ``pointwise``: activation bytes written in forward and read in backward (and written again
+  when recomputed), at memory bandwidth;
+* ``launch``: per-op overhead times the ops of every micro-batch (and of recomputation);
+* ``optimizer``: bytes the optimizer reads and writes per trainable parameter at memory
+  bandwidth, plus per-tensor op overhead when it loops over tensors;
+* ``extra_backward``: the norm-only backward of exact clipping with the step in backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..plan import Plan
+from ..workload import Workload, call_model
+from .devices import DeviceProfile
+
+__all__ = ["StepCost", "WorkloadProfile", "profile_workload", "step_cost"]
+
+# Bytes read + written per trainable parameter by one optimizer step, for fp32 parameters.
+# AdamW: read p, g, m, v (16) and write p, m, v (12).
+_OPT_BYTES = {
+    "adamw": 28.0,
+    "adam": 28.0,
+    "sgd": 16.0,
+    "lamb": 36.0,  # a second pass for the trust ratio
+    "lars": 20.0,
+    "adamw8bit": 18.0,  # 1-byte moments read and written, fp32 weights and gradient
+    "adafactor": 20.0,  # update temporaries, row/column statistics are negligible
+}
+# Ops per parameter tensor when an optimizer loops over tensors one by one.
+_OPT_OPS_PER_TENSOR = {"adamw": 10, "adam": 10, "sgd": 3, "lamb": 14, "lars": 8, "adamw8bit": 16, "adafactor": 16}
+
+
+@dataclass(frozen=True)
+class WorkloadProfile:
+    """Size facts of a workload, measured once on fake tensors.
+
+    Attributes:
+        fwd_flops_per_sample: Forward FLOPs of one sample at full depth.
+        bwd_flops_per_sample: Backward FLOPs of one sample (about twice the forward).
+        block_fwd_flops_per_sample: Forward FLOPs of the repeated blocks (what full
+            checkpointing recomputes).
+        act_bytes_per_sample: Activation bytes kept per sample after the forward (fp32).
+        ops_per_micro_batch: Operations dispatched by one micro-batch's forward and backward.
+        block_ops: Operations of the blocks' forward (what recomputation dispatches again).
+        num_parameters: Parameters of the model.
+        num_tensors: Parameter tensors of the model.
+        seq_len: Sequence length the profile was measured at.
+    """
+
+    fwd_flops_per_sample: float
+    bwd_flops_per_sample: float
+    block_fwd_flops_per_sample: float
+    act_bytes_per_sample: float
+    ops_per_micro_batch: float
+    block_ops: float
+    num_parameters: int
+    num_tensors: int
+    seq_len: int
+
+
+def _measure(workload: Workload) -> dict[str, float]:
+    """Forward/backward FLOPs, ops and kept activations of one sample, on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ..accounting import track
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model, batch = workload.replace(batch_size=1).build()
+        with track(model) as tracker:
+            tracker.add_inputs(batch)
+            with FlopCounterMode(display=False) as fwd_counter:
+                loss = workload.loss_fn(call_model(model, batch), batch)
+            acts = tracker.snapshot()["activations"]
+            fwd_ops = tracker._op
+            with FlopCounterMode(display=False) as bwd_counter:
+                loss.backward()
+            ops = tracker._op
+        n_params = sum(p.numel() for p in model.parameters())
+        n_tensors = len(list(model.parameters()))
+    return {
+        "fwd": float(fwd_counter.get_total_flops()),
+        "bwd": float(bwd_counter.get_total_flops()),
+        "acts": float(acts),
+        "ops": float(ops),
+        "fwd_ops": float(fwd_ops),
+        "params": float(n_params),
+        "tensors": float(n_tensors),
+    }
+
+
+_PROFILES: dict[tuple[str, int, int], WorkloadProfile] = {}
+
+
+def _profile(workload: Workload) -> WorkloadProfile:
+    if workload.scalable and (workload.depth or 0) > 3:
+        assert workload.with_depth is not None and workload.depth is not None
+        two, three = _measure(workload.with_depth(2)), _measure(workload.with_depth(3))
+        n = workload.depth
+
+        def at(k: str) -> float:
+            return two[k] + (n - 2) * (three[k] - two[k])
+
+        block_fwd = n * (three["fwd"] - two["fwd"])
+        block_ops = n * (three["fwd_ops"] - two["fwd_ops"])
+        full = {k: at(k) for k in two}
+    else:
+        full = _measure(workload)
+        # Without a depth knob, treat the whole forward as recomputable.
+        block_fwd, block_ops = full["fwd"], full["fwd_ops"]
+    return WorkloadProfile(
+        fwd_flops_per_sample=full["fwd"],
+        bwd_flops_per_sample=full["bwd"],
+        block_fwd_flops_per_sample=block_fwd,
+        act_bytes_per_sample=full["acts"],
+        ops_per_micro_batch=full["ops"],
+        block_ops=block_ops,
+        num_parameters=int(full["params"]),
+        num_tensors=int(full["tensors"]),
+        seq_len=workload.seq_len,
+    )
+
+
+def profile_workload(workload: Workload) -> WorkloadProfile:
+    """Measure (once per workload name, depth and sequence length) what the cost model needs."""
+    key = (workload.name, workload.depth or 0, workload.seq_len)
+    if key not in _PROFILES:
+        _PROFILES[key] = _profile(workload)
+    return _PROFILES[key]
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Predicted seconds of one optimizer step, term by term."""
+
+    matmul: float
+    pointwise: float
+    launch: float
+    optimizer: float
+    extra_backward: float
+
+    @property
+    def total(self) -> float:
+        """Seconds per step."""
+        return self.matmul + self.pointwise + self.launch + self.optimizer + self.extra_backward
+
+    def to_dict(self) -> dict[str, float]:
+        """Terms and total, in seconds."""
+        return {
+            "matmul": self.matmul,
+            "pointwise": self.pointwise,
+            "launch": self.launch,
+            "optimizer": self.optimizer,
+            "extra_backward": self.extra_backward,
+            "total": self.total,
+        }
+
+
+def _compute_dtype(plan: Plan) -> str:
+    return {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16-pure": "bf16"}[
+        plan.precision.mode
+    ]
+
+
+def step_cost(
+    profile: WorkloadProfile,
+    plan: Plan,
+    device: DeviceProfile,
+    *,
+    batch_size: int,
+    trainable_fraction: float = 1.0,
+) -> StepCost:
+    """Predict one optimizer step's time of a workload of ``profile`` under ``plan``.
+
+    Args:
+        profile: The workload's measured sizes.
+        plan: The plan.
+        device: The device profile.
+        batch_size: Samples per optimizer step.
+        trainable_fraction: Share of parameters that train (freezing): backward work and the
+            optimizer scale with it.
+    """
+    seq_scale = 1.0
+    if plan.max_seq_len is not None and plan.max_seq_len < profile.seq_len:
+        seq_scale = plan.max_seq_len / profile.seq_len
+    micro = min(plan.micro_batch_for(batch_size), batch_size)
+    n_micro = -(-batch_size // micro)
+    tokens = micro * profile.seq_len * seq_scale
+    efficiency = tokens / (tokens + device.half_tokens)
+    rate = device.flops[_compute_dtype(plan)] * efficiency
+
+    fwd = profile.fwd_flops_per_sample * batch_size * seq_scale
+    bwd = profile.bwd_flops_per_sample * batch_size * seq_scale * trainable_fraction
+    mode = plan.checkpointing.mode
+    recompute = 0.0
+    if mode in ("full", "sqrt", "budget"):
+        recompute = profile.block_fwd_flops_per_sample * batch_size * seq_scale
+    matmul = (fwd + bwd + recompute) / rate
+
+    act_bytes = profile.act_bytes_per_sample * batch_size * seq_scale
+    if plan.precision.mode != "fp32":
+        act_bytes /= 2
+    traffic = 2 * act_bytes  # written in forward, read in backward
+    if mode != "none":
+        traffic += act_bytes  # recomputed activations are written again
+    pointwise = traffic / device.mem_bandwidth
+
+    ops = profile.ops_per_micro_batch * n_micro
+    if mode != "none":
+        ops += profile.block_ops * n_micro
+    launch = ops * device.launch_overhead
+
+    params = profile.num_parameters * trainable_fraction
+    tensors = profile.num_tensors * trainable_fraction
+    name = plan.optimizer.name
+    opt_bytes = _OPT_BYTES.get(name, 28.0)
+    if plan.precision.mode == "bf16-pure":
+        opt_bytes = opt_bytes / 2 + 4  # half-size tensors, plus stochastic rounding's draw
+    optimizer = params * opt_bytes / device.mem_bandwidth
+    loops = plan.optimizer.foreach is False or plan.optimizer_in_backward or name not in (
+        "adamw",
+        "adam",
+        "sgd",
+    )
+    if loops:
+        optimizer += tensors * _OPT_OPS_PER_TENSOR.get(name, 10) * device.launch_overhead
+
+    extra = 0.0
+    if plan.optimizer_in_backward and plan.max_grad_norm is not None and plan.grad_clip_mode == "exact":
+        extra = bwd / rate + act_bytes / device.mem_bandwidth
+    return StepCost(matmul, pointwise, launch, optimizer, extra)
+
+
+def describe(cost: StepCost) -> dict[str, Any]:
+    """Shares of each term, for explanations."""
+    total = cost.total or 1.0
+    return {k: v / total for k, v in cost.to_dict().items() if k != "total"}

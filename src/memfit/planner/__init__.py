@@ -1,0 +1,6 @@
+"""The planner: the fastest plan that fits a memory budget, with the evidence."""
+
+from .explain import explain_table
+from .search import ALLOW, FORBID, Candidate, NothingFits, PlanResult, plan
+
+__all__ = ["ALLOW", "FORBID", "Candidate", "NothingFits", "PlanResult", "explain_table", "plan"]

@@ -1,0 +1,425 @@
+"""Search the plans that fit a memory budget for the fastest one.
+
+Every candidate gets a predicted step time from the cost model (cheap: arithmetic on one
+measured profile). Memory is the expensive part, so it is predicted lazily, in order of
+predicted speed: the first candidate whose predicted peak fits is confirmed with one dry run at
+full depth and returned. Two rules keep the number of memory predictions small:
+
+* the most frugal candidate is predicted first: if even it does not fit, nothing does, and the
+  answer says how far off it is;
+* dominance: a candidate that uses at least as much memory as a known misfit in every
+  dimension (larger micro-batch, less checkpointing, wider precision, bigger optimizer state,
+  ...) cannot fit and is skipped without a prediction.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..plan import Plan
+from ..workload import Workload
+
+__all__ = ["ALLOW", "FORBID", "Candidate", "PlanResult", "plan"]
+
+#: Techniques that change what is trained or how (only used when allowed).
+ALLOW: dict[str, str] = {
+    "freeze": "freeze the embeddings or the model body",
+    "shorter-seq": "truncate sequences to 1/2 or 1/4 of their length",
+    "8bit": "8-bit AdamW state",
+    "factored": "Adafactor's factored state",
+    "bf16-pure": "bf16 weights and optimizer math with stochastic rounding",
+}
+#: Techniques on by default that a user may rule out.
+FORBID: dict[str, str] = {
+    "accumulation": "gradient accumulation (micro-batches)",
+    "checkpointing": "activation checkpointing (all modes)",
+    "full-checkpointing": "full activation checkpointing",
+    "mixed-precision": "bf16/fp16 autocast",
+    "fused-step": "the optimizer step fused into backward",
+    "foreach-off": "turning the multi-tensor optimizer off",
+}
+
+
+@dataclass
+class Candidate:
+    """One plan considered by the planner.
+
+    Attributes:
+        plan: The plan.
+        rank: Memory rank per dimension (higher uses less memory), for dominance.
+        step_time: Predicted seconds per step.
+        ratio: ``step_time`` relative to the unoptimised plan.
+        peak_bytes: Predicted peak (``None`` when never predicted).
+        by_category: Predicted bytes per category at the peak.
+        fits: Whether the prediction fits the budget (``None`` when not predicted).
+        note: How the verdict was reached.
+    """
+
+    plan: Plan
+    rank: tuple[int, ...]
+    step_time: float
+    ratio: float = 1.0
+    peak_bytes: int | None = None
+    by_category: dict[str, int] | None = None
+    fits: bool | None = None
+    note: str = ""
+    cost_terms: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready summary."""
+        return {
+            "plan": self.plan.to_dict(),
+            "summary": self.plan.summary(),
+            "predicted_step_time_ratio": self.ratio,
+            "predicted_peak_bytes": self.peak_bytes,
+            "predicted_peak_by_category": self.by_category,
+            "fits": self.fits,
+            "note": self.note,
+        }
+
+
+@dataclass
+class PlanResult:
+    """The planner's answer.
+
+    Attributes:
+        fits: Whether a plan fits the budget.
+        plan: The fastest plan that fits; when nothing fits, the plan with the smallest peak.
+        budget_bytes: The budget.
+        predicted_peak_bytes: Peak of ``plan`` (confirmed by a full-depth dry run).
+        predicted_peak_by_category: Its bytes per category.
+        predicted_step_time_ratio: Its predicted step time relative to the unoptimised plan.
+        candidates: Every candidate whose memory was predicted, fastest first.
+        frontier: Fitting plans (and plans predicted to fit), fastest first: the trainer's
+            fallbacks when a step runs out of memory.
+        explanation: Why the winner won, in a sentence or two.
+        device: The device profile's name.
+        seconds: Time the search took.
+    """
+
+    fits: bool
+    plan: Plan
+    budget_bytes: int
+    predicted_peak_bytes: int
+    predicted_peak_by_category: dict[str, int]
+    predicted_step_time_ratio: float
+    candidates: list[Candidate]
+    frontier: list[Plan]
+    explanation: str
+    device: str
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON of ``memfit plan``."""
+        return {
+            "fits": self.fits,
+            "plan": self.plan.to_dict(),
+            "budget_bytes": self.budget_bytes,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "predicted_peak_by_category": self.predicted_peak_by_category,
+            "predicted_step_time_ratio": self.predicted_step_time_ratio,
+            "candidates": [c.to_dict() for c in self.candidates],
+            "explanation": self.explanation,
+            "device": self.device,
+            "seconds": self.seconds,
+        }
+
+
+class NothingFits(Exception):
+    """No plan in the allowed space fits; carries the :class:`PlanResult` with the closest."""
+
+    def __init__(self, result: PlanResult, message: str) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+def _check_names(values: Iterable[str], known: dict[str, str], flag: str) -> tuple[str, ...]:
+    out = tuple(v.strip() for v in values if v.strip())
+    for v in out:
+        if v not in known:
+            raise ValueError(f"{flag} value {v!r} does not exist; use one or more of {', '.join(known)}")
+    return out
+
+
+def _micro_batches(batch_size: int) -> list[int]:
+    sizes = []
+    m = batch_size
+    while m >= 1:
+        sizes.append(m)
+        if m == 1:
+            break
+        m = m // 2 if m % 2 == 0 else -(-m // 2)
+    return sorted(set(sizes), reverse=True)
+
+
+def _space(
+    workload: Workload, base: Plan, allow: Sequence[str], forbid: Sequence[str], device: Any
+) -> list[tuple[Plan, tuple[int, ...]]]:
+    """Every candidate plan with its memory rank vector (higher = less memory)."""
+    batch = workload.batch_size
+    micros = _micro_batches(batch) if "accumulation" not in forbid else [base.micro_batch_for(batch)]
+    ckpts = ["none"]
+    if "checkpointing" not in forbid:
+        ckpts.append("selective")
+        if "full-checkpointing" not in forbid:
+            ckpts.append("full")
+    mixed = "bf16-mixed" if device.supports_bf16 else "fp16-mixed"
+    precisions = [base.precision.mode]
+    if "mixed-precision" not in forbid and mixed not in precisions:
+        precisions.append(mixed)
+    if "bf16-pure" in allow:
+        precisions.append("bf16-pure")
+    optimizers = [base.optimizer.name]
+    if "8bit" in allow and "adamw8bit" not in optimizers:
+        optimizers.append("adamw8bit")
+    if "factored" in allow and "adafactor" not in optimizers:
+        optimizers.append("adafactor")
+    fused_options = [False] + ([True] if "fused-step" not in forbid else [])
+    foreach_options = [base.optimizer.foreach] + ([False] if "foreach-off" not in forbid else [])
+    freezes: list[tuple[str, ...]] = [tuple(base.freeze)]
+    if "freeze" in allow:
+        freezes += [("embeddings",), ("body",)]
+    seqs: list[int | None] = [base.max_seq_len]
+    if "shorter-seq" in allow:
+        length = base.max_seq_len or workload.seq_len
+        seqs += [max(1, length // 2), max(1, length // 4)]
+
+    out = []
+    for (mi, m), (ci, ck), (pi, pr), (oi, op), (fi, fu), (ei, fe), (zi, fz), (si, sq) in itertools.product(
+        enumerate(micros),
+        enumerate(ckpts),
+        enumerate(precisions),
+        enumerate(optimizers),
+        enumerate(fused_options),
+        enumerate(foreach_options),
+        enumerate(freezes),
+        enumerate(seqs),
+    ):
+        if fu and ei > 0:
+            continue  # the step in backward runs per tensor anyway: foreach is moot
+        if fu and pr == "fp16-mixed":
+            continue  # the loss scaler must see every gradient before any step
+        accum = -(-batch // m)
+        try:
+            plan = base.replace(
+                micro_batch_size=m if accum > 1 else None,
+                grad_accum_steps=accum,
+                checkpointing=base.checkpointing if ck == base.checkpointing.mode else ck,
+                precision=base.precision if pr == base.precision.mode else pr,
+                optimizer=base.optimizer.__class__(
+                    name=op,
+                    lr=base.optimizer.lr,
+                    foreach=fe,
+                    kwargs=base.optimizer.kwargs if op == base.optimizer.name else {},
+                ),
+                optimizer_in_backward=fu,
+                grad_clip_mode=("approx" if fu and accum > 1 else base.grad_clip_mode),
+                freeze=fz,
+                max_seq_len=sq,
+            )
+        except ValueError:
+            continue  # an impossible combination: the Plan says so
+        out.append((plan, (mi, ci, pi, oi, fi, ei, zi, si)))
+    return out
+
+
+def _dominated(rank: tuple[int, ...], misfits: list[tuple[int, ...]]) -> bool:
+    return any(all(r <= f for r, f in zip(rank, bad)) for bad in misfits)
+
+
+def plan(
+    workload: Workload,
+    budget: int | str,
+    *,
+    allow: Iterable[str] = (),
+    forbid: Iterable[str] = (),
+    base: Plan | None = None,
+    device: str | None = None,
+    max_predictions: int = 60,
+    progress: Callable[[str], None] | None = None,
+) -> PlanResult:
+    """Find the fastest plan whose peak fits ``budget``.
+
+    Args:
+        workload: The workload at its full batch and sequence length.
+        budget: Bytes, a size string (``4GiB``) or a device name (``t4``).
+        allow: Techniques that change training and need consent: ``freeze``,
+            ``shorter-seq``, ``8bit``, ``factored``, ``bf16-pure``.
+        forbid: Default techniques to rule out: ``accumulation``, ``checkpointing``,
+            ``full-checkpointing``, ``mixed-precision``, ``fused-step``, ``foreach-off``.
+        base: The user's plan to start from (its optimizer family and settings are kept).
+        device: Device profile for the cost model (default: the budget's device if it names
+            one, else the current device; ``cpu`` is measured here).
+        max_predictions: Most memory predictions before giving the best found.
+        progress: Called with a short message as the search advances.
+
+    Returns:
+        The :class:`PlanResult`.
+
+    Raises:
+        ValueError: for a malformed budget or an unknown allow/forbid value.
+        NothingFits: when no allowed plan fits; ``.result`` holds the closest plan.
+    """
+    from ..estimate.compose import _reduced, predict_peak
+    from ..estimate.cost import profile_workload, step_cost
+    from ..estimate.devices import get_device, parse_budget
+    from ..estimate.dryrun import dry_run
+
+    started = time.perf_counter()
+    say = progress or (lambda msg: None)
+    allow = _check_names(allow, ALLOW, "--allow")
+    forbid = _check_names(forbid, FORBID, "--forbid")
+    budget_bytes, budget_device = parse_budget(budget)
+    profile_device = get_device(device) if device else (budget_device or get_device(None))
+    base = base or Plan()
+
+    say("profiling the workload (FLOPs, activations) on fake tensors")
+    profile = profile_workload(workload)
+    trainable = _trainable_fractions(workload) if "freeze" in allow else {}
+
+    def cost_of(p: Plan):
+        frac = trainable.get(tuple(p.freeze), 1.0)
+        return step_cost(profile, p, profile_device, batch_size=workload.batch_size, trainable_fraction=frac)
+
+    baseline = cost_of(Plan(optimizer=base.optimizer)).total
+    candidates = [
+        Candidate(plan=p, rank=r, step_time=(c := cost_of(p)).total, cost_terms=c.to_dict())
+        for p, r in _space(workload, base, allow, forbid, profile_device)
+    ]
+    for c in candidates:
+        c.ratio = c.step_time / baseline
+    candidates.sort(key=lambda c: c.step_time)
+
+    predicted: list[Candidate] = []
+    misfits: list[tuple[int, ...]] = []
+
+    def predict(c: Candidate) -> bool:
+        say(f"predicting memory: {c.plan.summary()}")
+        pred = predict_peak(workload, c.plan)
+        c.peak_bytes, c.by_category = pred.peak_bytes, pred.by_category
+        c.fits = pred.peak_bytes <= budget_bytes
+        c.note = f"{pred.method}, peak in {pred.peak_phase}"
+        predicted.append(c)
+        if not c.fits:
+            misfits.append(c.rank)
+        return bool(c.fits)
+
+    frugal = max(candidates, key=lambda c: (sum(c.rank), -c.step_time))
+    winner: Candidate | None = None
+    confirmed = None
+    if predict(frugal):
+        for c in candidates:
+            if len(predicted) >= max_predictions:
+                break
+            if c.fits is False or _dominated(c.rank, misfits):
+                continue
+            if c.fits is None and not predict(c):
+                continue
+            # Confirm with one dry run at full depth (two micro-batches stand for all).
+            say(f"confirming at full size: {c.plan.summary()}")
+            small_wl, small_plan, scale = _reduced(workload, c.plan)
+            report = dry_run(small_wl, small_plan, steps=2)
+            by_cat = dict(report.peak_by_category)
+            by_cat["inputs"] = round(by_cat["inputs"] * scale)
+            peak = sum(by_cat.values())
+            c.note += f"; confirmed by a full-depth dry run: {peak} bytes"
+            if peak <= budget_bytes:
+                c.peak_bytes, c.by_category = peak, by_cat
+                winner, confirmed = c, report
+                break
+            c.fits = False
+            c.peak_bytes, c.by_category = peak, by_cat
+            misfits.append(c.rank)
+    predicted.sort(key=lambda c: c.step_time)
+    seconds = time.perf_counter() - started
+    frontier = [c.plan for c in predicted if c.fits]
+
+    if winner is None:
+        closest = min((c for c in predicted if c.peak_bytes is not None), key=lambda c: c.peak_bytes or 0)
+        result = PlanResult(
+            fits=False,
+            plan=closest.plan,
+            budget_bytes=budget_bytes,
+            predicted_peak_bytes=int(closest.peak_bytes or 0),
+            predicted_peak_by_category=dict(closest.by_category or {}),
+            predicted_step_time_ratio=closest.ratio,
+            candidates=predicted,
+            frontier=[],
+            explanation="",
+            device=profile_device.name,
+            seconds=seconds,
+        )
+        message = _nothing_fits_message(result, allow)
+        result.explanation = message
+        raise NothingFits(result, message)
+
+    faster_misfits = [c for c in predicted if c.step_time < winner.step_time and c.fits is False]
+    from ..units import format_bytes
+
+    if faster_misfits:
+        smallest = min(faster_misfits, key=lambda c: c.peak_bytes or 0)
+        why = (
+            f"{len(faster_misfits)} faster candidate(s) were predicted over the budget (the "
+            f"smallest of them, {smallest.plan.summary()}, needs {format_bytes(smallest.peak_bytes or 0)}); "
+            f"this is the fastest predicted plan that fits, confirmed at "
+            f"{format_bytes(winner.peak_bytes or 0)} of {format_bytes(budget_bytes)}."
+        )
+    else:
+        why = (
+            f"the fastest plan in the search already fits: {format_bytes(winner.peak_bytes or 0)} "
+            f"of {format_bytes(budget_bytes)}."
+        )
+    del confirmed
+    return PlanResult(
+        fits=True,
+        plan=winner.plan,
+        budget_bytes=budget_bytes,
+        predicted_peak_bytes=int(winner.peak_bytes or 0),
+        predicted_peak_by_category=dict(winner.by_category or {}),
+        predicted_step_time_ratio=winner.ratio,
+        candidates=predicted,
+        frontier=[winner.plan] + [p for p in frontier if p is not winner.plan and p != winner.plan],
+        explanation=why,
+        device=profile_device.name,
+        seconds=seconds,
+    )
+
+
+def _trainable_fractions(workload: Workload) -> dict[tuple[str, ...], float]:
+    """Share of parameters that still train under each freezing choice (on fake tensors)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ..strategies.freezing import apply_freezing
+
+    out: dict[tuple[str, ...], float] = {(): 1.0}
+    for spec in (("embeddings",), ("body",)):
+        try:
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                model = workload.build_model()
+                total = sum(p.numel() for p in model.parameters())
+                apply_freezing(model, spec)
+                out[spec] = sum(p.numel() for p in model.parameters() if p.requires_grad) / total
+        except ValueError:
+            out[spec] = 1.0
+    return out
+
+
+def _nothing_fits_message(result: PlanResult, allow: Sequence[str]) -> str:
+    from ..units import format_bytes
+
+    missing = [a for a in ALLOW if a not in allow]
+    hint = (
+        f"allowing {', '.join(missing)} (--allow {','.join(missing)})"
+        if missing
+        else "offloading to host memory (not yet available) or a smaller batch or sequence"
+    )
+    return (
+        f"Nothing fits in {format_bytes(result.budget_bytes)}: the smallest peak reachable is "
+        f"{format_bytes(result.predicted_peak_bytes)}, with {result.plan.summary()}. "
+        f"It would need a budget of at least {format_bytes(result.predicted_peak_bytes)}, or "
+        f"{hint}."
+    )
