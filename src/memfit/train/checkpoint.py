@@ -1,0 +1,249 @@
+"""Crash-safe training checkpoints that resume bit-exactly.
+
+A checkpoint is a folder ``step-00000100`` holding
+
+* ``model.safetensors``: the weights (``safetensors.torch.save_model``, which stores a tensor
+  shared by two names, such as GPT-2's ``lm_head.weight`` tied to ``wte.weight``, once and
+  re-ties it on load; plain ``save_file`` refuses shared tensors);
+* ``optimizer.pt``: the optimizer's ``state_dict`` (also an optimizer-in-backward handle's);
+* ``state.pt``: the step, every RNG state (Python, NumPy, torch CPU and accelerator), the
+  scheduler's state, the plan and the data position, plus whatever the caller adds.
+
+Crash safety: everything is written (and fsynced) into a hidden temporary folder that is then
+renamed into place with :func:`os.replace`, which is atomic. A crash at any moment leaves either
+the complete new checkpoint or none, never half of one; the previous checkpoints are untouched
+and :func:`latest_checkpoint` ignores unfinished temporary folders.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "restore_rng_state",
+    "rng_state",
+    "save_checkpoint",
+]
+
+_NAME = re.compile(r"^step-(\d+)$")
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+STATE_FILE = "state.pt"
+
+
+# ---------------------------------------------------------------------------------- RNG
+def rng_state() -> dict[str, Any]:
+    """Every random generator training may draw from: Python, NumPy, torch CPU, accelerator."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        pass
+    accel = _accelerator_module()
+    if accel is not None:
+        state["accelerator"] = accel.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore :func:`rng_state` output (generators it does not mention are left alone)."""
+    if "python" in state:
+        random.setstate(state["python"])
+    if "torch" in state:
+        torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+    accel = _accelerator_module()
+    if accel is not None and "accelerator" in state:
+        accel.set_rng_state_all(state["accelerator"])
+
+
+def _accelerator_module() -> Any:
+    # The device-agnostic route to the accelerator's module (CUDA, XPU, ...), if there is one.
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return None if acc is None else torch.get_device_module(acc)
+
+
+# ---------------------------------------------------------------------------------- listing
+def list_checkpoints(directory: str | os.PathLike[str]) -> list[Path]:
+    """Complete checkpoints in ``directory``, oldest step first (temporary folders excluded)."""
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in d.iterdir() if (m := _NAME.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
+    """The checkpoint of the highest step in ``directory``, or ``None``."""
+    found = list_checkpoints(directory)
+    return found[-1] if found else None
+
+
+# ---------------------------------------------------------------------------------- save
+def save_checkpoint(
+    directory: str | os.PathLike[str],
+    step: int,
+    model: nn.Module,
+    optimizer: Any = None,
+    *,
+    scheduler: Any = None,
+    state: Mapping[str, Any] | None = None,
+    keep: int | None = 3,
+) -> Path:
+    """Write a checkpoint of ``step`` atomically and keep only the last ``keep``.
+
+    Args:
+        directory: Folder of the run's checkpoints (created if needed).
+        step: Optimizer steps done; names the checkpoint ``step-{step:08d}``.
+        model: The model (weights go to safetensors; tied weights are stored once).
+        optimizer: The optimizer or optimizer-in-backward handle, or ``None``.
+        scheduler: An LR scheduler, or ``None``.
+        state: More trainer state to store (plan dict, data position, ...); plain data and
+            tensors, saved with ``torch.save``.
+        keep: Checkpoints to keep (older ones are deleted after the new one is in place);
+            ``None`` keeps all.
+
+    Returns:
+        The checkpoint's folder.
+    """
+    from safetensors.torch import save_model
+
+    if keep is not None and keep < 1:
+        raise ValueError(f"keep must be >= 1 or None, got {keep!r}")
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{int(step):08d}"
+    tmp = root / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        save_model(model, str(tmp / MODEL_FILE))
+        if optimizer is not None:
+            torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+        trainer_state = {
+            "step": int(step),
+            "rng": rng_state(),
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            **dict(state or {}),
+        }
+        torch.save(trainer_state, tmp / STATE_FILE)
+        for f in tmp.iterdir():
+            _fsync_file(f)
+        _fsync_dir(tmp)
+        if final.exists():
+            # Re-saving a step (a resumed run): move the old one aside first, since a rename
+            # cannot replace a non-empty folder; it is deleted once the new one is in place.
+            old = root / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _prune(root, keep)
+    return final
+
+
+def _prune(root: Path, keep: int | None) -> None:
+    if keep is not None:
+        for old in list_checkpoints(root)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    # Leftovers of writes that crashed (a kill -9 skips the cleanup above).
+    for p in root.iterdir():
+        if p.name.startswith((".tmp-step-", ".old-step-")) and f"-{os.getpid()}-" not in p.name:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    # Makes the rename itself durable; not every platform can open a folder.
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------------- load
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: Any = None,
+    *,
+    scheduler: Any = None,
+    restore_rng: bool = True,
+) -> dict[str, Any]:
+    """Restore a checkpoint into ``model`` (and ``optimizer``, ``scheduler``) in place.
+
+    Args:
+        path: A checkpoint folder, or a run folder (its latest checkpoint is used).
+        model: The model, built the same way as the saved one.
+        optimizer: The optimizer to restore, or ``None`` to skip it.
+        scheduler: The LR scheduler to restore, or ``None``.
+        restore_rng: Also restore every RNG state (needed for a bit-exact continuation).
+
+    Returns:
+        The trainer state saved with it (``step``, ``rng``, ``scheduler`` and the caller's keys).
+
+    Raises:
+        FileNotFoundError: when there is no checkpoint at ``path``.
+        ValueError: when the weights do not match the model.
+    """
+    from safetensors.torch import load_model
+
+    p = Path(path)
+    if not (p / STATE_FILE).is_file():
+        latest = latest_checkpoint(p)
+        if latest is None:
+            raise FileNotFoundError(
+                f"no checkpoint at {str(p)!r}; give a step-NNNNNNNN folder or the run folder "
+                "holding them"
+            )
+        p = latest
+    device = next((t.device for t in model.parameters()), torch.device("cpu"))
+    missing, unexpected = load_model(model, str(p / MODEL_FILE), strict=False, device=str(device))
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {str(p)!r} does not match the model (missing {missing[:4]}, unexpected "
+            f"{unexpected[:4]}); build the model the same way as the run that saved it"
+        )
+    # weights_only=False: the state holds RNG states (a NumPy tuple) and plain Python data
+    # that this process wrote itself.
+    state = torch.load(p / STATE_FILE, weights_only=False, map_location="cpu")
+    if optimizer is not None and (p / OPTIMIZER_FILE).is_file():
+        optimizer.load_state_dict(torch.load(p / OPTIMIZER_FILE, weights_only=False, map_location=device))
+    if scheduler is not None and state.get("scheduler") is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    if restore_rng and state.get("rng") is not None:
+        restore_rng_state(state["rng"])
+    state["path"] = str(p)
+    return state

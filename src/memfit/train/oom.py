@@ -1,0 +1,280 @@
+"""Out-of-memory step-down: when a step runs out of memory, use less and redo the same step.
+
+* :func:`step_down` is the next plan on a simple frontier: halve the micro-batch (doubling the
+  accumulation steps, so the effective batch and the gradient are unchanged), then turn on
+  ``selective`` checkpointing, then ``full``.
+* :func:`switch_plan` moves a :class:`~memfit.strategies.compose.TrainingSetup` to another plan
+  on the same model and optimizer objects, so the optimizer state carries over.
+* :class:`OOMFallback` runs steps and, on ``torch.OutOfMemoryError`` (a real device OOM or
+  memfit's virtual cap), frees what the failed attempt held, switches to the next plan and redoes
+  the step from the same batch with the RNG state it started with: no sample is lost and the
+  result is what the smaller plan would have computed from the start.
+
+A step can be redone only while no parameter has changed. An OOM inside the optimizer step (or,
+with ``optimizer_in_backward``, after the first parameter stepped) leaves the parameters and
+the optimizer state half-updated; :class:`OOMFallback` then raises instead of guessing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..plan import Plan, PlanError
+from ..strategies.compose import TrainingSetup, apply_plan
+from ..workload import Batch, batch_size_of
+from .checkpoint import restore_rng_state, rng_state
+
+__all__ = ["OOMFallback", "StepDown", "step_down", "switch_plan"]
+
+logger = logging.getLogger("memfit.train")
+
+# Plan fields that can change between two steps on the same model and optimizer objects.
+_SWAPPABLE = frozenset({"micro_batch_size", "grad_accum_steps", "checkpointing", "loss_normalization"})
+
+
+# ---------------------------------------------------------------------------------- frontier
+def step_down(plan: Plan, batch_size: int) -> Plan | None:
+    """The next plan that uses less activation memory for the same effective batch.
+
+    In order: halve the micro-batch and accumulate over twice as many (while the micro-batch
+    is above 1), then ``selective`` checkpointing, then ``full`` checkpointing.
+
+    Args:
+        plan: The plan that ran out of memory.
+        batch_size: The effective batch (samples per optimizer step).
+
+    Returns:
+        The next plan, or ``None`` when the frontier is exhausted (micro-batch 1 and full
+        checkpointing).
+    """
+    micro = min(plan.micro_batch_for(batch_size), batch_size)
+    if micro > 1:
+        smaller = max(1, micro // 2)
+        try:
+            return plan.replace(
+                micro_batch_size=smaller, grad_accum_steps=-(-batch_size // smaller)
+            )
+        except PlanError:
+            # Accumulation is not allowed with this plan (exact clipping fused into
+            # backward): go on to checkpointing.
+            pass
+    mode = plan.checkpointing.mode
+    if mode == "full":
+        return None
+    # From none: selective first (most of the saving for a few percent of compute); from
+    # selective, sqrt or budget: full, which keeps the least.
+    nxt = "selective" if mode == "none" else "full"
+    return plan.replace(checkpointing=dataclasses.replace(plan.checkpointing, mode=nxt))
+
+
+def _changed_fields(a: Plan, b: Plan) -> set[str]:
+    return {f.name for f in dataclasses.fields(Plan) if getattr(a, f.name) != getattr(b, f.name)}
+
+
+def switch_plan(setup: TrainingSetup, plan: Plan) -> tuple[TrainingSetup, bool]:
+    """Move ``setup`` to ``plan``, keeping its model and, when possible, its optimizer.
+
+    Micro-batching, accumulation, loss normalisation and checkpointing change in place: the
+    same optimizer object (and its state) goes on. Any other change (optimizer, precision,
+    freezing, ...) needs a new optimizer: the plan is applied afresh to the same model and the
+    optimizer state restarts.
+
+    Args:
+        setup: The current setup.
+        plan: The plan to switch to.
+
+    Returns:
+        ``(new_setup, rebuilt)``; ``rebuilt`` tells that the optimizer is a new object (an LR
+        scheduler must be re-attached to it).
+    """
+    from ..strategies.checkpointing import apply_checkpointing, remove_checkpointing
+
+    changed = _changed_fields(setup.plan, plan)
+    model = setup.model
+    if changed <= _SWAPPABLE:
+        info = dict(setup.info)
+        if "checkpointing" in changed:
+            remove_checkpointing(model)
+            info["checkpointed"] = apply_checkpointing(model, plan.checkpointing)
+        if plan.optimizer_in_backward:
+            # The fused handle counts micro-batches itself when not told which is the last.
+            setup.optimizer.grad_accum_steps = plan.grad_accum_steps
+        return dataclasses.replace(setup, plan=plan, info=info), False
+    remove_checkpointing(model)
+    if hasattr(setup.optimizer, "remove"):
+        setup.optimizer.remove()  # an optimizer-in-backward handle: its hooks must go
+    new = apply_plan(model, plan, loss_fn=setup.loss_fn)
+    new.steps_done = setup.steps_done
+    return new, True
+
+
+# ---------------------------------------------------------------------------------- fallback
+@dataclass(frozen=True)
+class StepDown:
+    """One step-down taken after an out-of-memory error.
+
+    Attributes:
+        step: The optimizer step (0-based) that ran out of memory and was redone.
+        error: The first line of the out-of-memory message.
+        from_plan: The plan that failed (as a dict).
+        to_plan: The plan the step was redone with.
+        summary: One line saying what changed.
+        rebuilt: Whether the optimizer had to be rebuilt (its state restarted).
+    """
+
+    step: int
+    error: str
+    from_plan: dict[str, Any]
+    to_plan: dict[str, Any]
+    summary: str
+    rebuilt: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data."""
+        return dataclasses.asdict(self)
+
+
+class OOMFallback:
+    """Run training steps; on out-of-memory, step the plan down and redo the step.
+
+    Example::
+
+        runner = OOMFallback(apply_plan(model, plan), batch_size=32)
+        for batch in batches:
+            loss = runner.step(batch)   # never loses a batch to an OOM
+        runner.step_downs               # what it did
+
+    Args:
+        setup: The setup to start from.
+        batch_size: The effective batch (for :func:`step_down`); default: each batch's size.
+        fallback_plans: An explicit frontier (for example the planner's), tried in order
+            before :func:`step_down` continues from the last of them; plans equal to the
+            current one are skipped.
+        log: Called with one line per step-down (default: the ``memfit.train`` logger).
+        on_switch: Called with ``(setup, rebuilt)`` after each switch (for example to attach
+            an LR scheduler to a rebuilt optimizer).
+
+    Attributes:
+        setup: The current setup (its ``plan`` is the plan in force).
+        step_downs: The :class:`StepDown` records, oldest first.
+    """
+
+    def __init__(
+        self,
+        setup: TrainingSetup,
+        *,
+        batch_size: int | None = None,
+        fallback_plans: Sequence[Plan] | None = None,
+        log: Callable[[str], None] | None = None,
+        on_switch: Callable[[TrainingSetup, bool], None] | None = None,
+    ) -> None:
+        self.setup = setup
+        self.batch_size = batch_size
+        self._pending: list[Plan] = list(fallback_plans or [])
+        self.log = log or logger.warning
+        self.on_switch = on_switch
+        self.step_downs: list[StepDown] = []
+        self.steps = 0
+
+    @property
+    def plan(self) -> Plan:
+        """The plan in force."""
+        return self.setup.plan
+
+    def next_plan(self, batch_size: int) -> Plan | None:
+        """The plan to try after the current one ran out of memory (``None``: none left)."""
+        while self._pending:
+            candidate = self._pending.pop(0)
+            if candidate != self.plan:
+                return candidate
+        return step_down(self.plan, batch_size)
+
+    def step(self, batch: Batch) -> torch.Tensor:
+        """One optimizer step on ``batch``, stepping down as often as needed.
+
+        Raises:
+            torch.OutOfMemoryError: when no plan is left, or the OOM struck after parameters
+                had started to change (the step cannot be redone exactly).
+        """
+        bs = self.batch_size or batch_size_of(batch)
+        while True:
+            rng = rng_state()
+            started = _StepWatch()
+            try:
+                with started:
+                    loss = self.setup.step(batch)
+            except torch.OutOfMemoryError as e:
+                message = str(e).strip().splitlines()[0] if str(e).strip() else "out of memory"
+                del e  # the traceback holds the failed attempt's tensors
+                self._free()
+                if started.stepped:
+                    raise torch.OutOfMemoryError(
+                        f"{message} The optimizer had already updated parameters when memory "
+                        "ran out, so the step cannot be redone exactly; choose a plan with "
+                        "less optimizer-step memory (foreach off, a lighter optimizer)."
+                    ) from None
+                nxt = self.next_plan(bs)
+                if nxt is None:
+                    raise torch.OutOfMemoryError(
+                        f"{message} No smaller plan is left (micro-batch 1 with full "
+                        "checkpointing); raise the budget or choose a lighter plan."
+                    ) from None
+                self._switch(nxt, message)
+                restore_rng_state(rng)
+                continue
+            self.steps += 1
+            return loss
+
+    def _switch(self, plan: Plan, message: str) -> None:
+        old = self.plan
+        self.setup, rebuilt = switch_plan(self.setup, plan)
+        record = StepDown(
+            step=self.steps,
+            error=message,
+            from_plan=old.to_dict(),
+            to_plan=plan.to_dict(),
+            summary=plan.summary(),
+            rebuilt=rebuilt,
+        )
+        self.step_downs.append(record)
+        extra = " (optimizer rebuilt: its state restarts)" if rebuilt else ""
+        self.log(f"out of memory at step {self.steps + 1}; redoing it with: {plan.summary()}{extra}")
+        if self.on_switch is not None:
+            self.on_switch(self.setup, rebuilt)
+
+    def _free(self) -> None:
+        # Gradients accumulated by the micro-batches before the failure are discarded (the
+        # step is redone from its start); cycles in the failed graph need a collection.
+        self.setup.optimizer.zero_grad(set_to_none=True)
+        for p in self.setup.model.parameters():
+            p.grad = None
+        gc.collect()
+        if torch.accelerator.is_available():
+            torch.accelerator.empty_cache()
+
+
+class _StepWatch:
+    """Notices whether any optimizer began a step while the context is open."""
+
+    def __init__(self) -> None:
+        self.stepped = False
+        self._handle: Any = None
+
+    def _hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.stepped = True
+
+    def __enter__(self) -> _StepWatch:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        self._handle = register_optimizer_step_pre_hook(self._hook)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._handle.remove()

@@ -1,0 +1,143 @@
+"""Tokenizers for training on text: a built-in byte tokenizer and user ``tokenizer.json`` files.
+
+The byte tokenizer needs no file and no download: every UTF-8 byte is a token, plus three
+specials. It is what ``memfit train`` uses by default, so a model trains on any text out of the
+box (with a small vocabulary: 259 tokens, so the embedding and the logits stay small).
+
+A user's own tokenizer is a ``tokenizer.json`` (the format of the ``tokenizers`` library, which
+every Hugging Face fast tokenizer saves), loaded from disk only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from ..workload import WorkloadError
+
+__all__ = ["ByteTokenizer", "FileTokenizer", "Tokenizer", "load_tokenizer"]
+
+
+class Tokenizer(Protocol):
+    """What training needs from a tokenizer."""
+
+    vocab_size: int
+    pad_token_id: int
+    eos_token_id: int | None
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no special tokens added)."""
+        ...
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids`` (special tokens dropped)."""
+        ...
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte (ids 0-255) plus ``pad`` 256, ``bos`` 257 and ``eos`` 258.
+
+    Any text encodes losslessly; decoding drops the specials and replaces bytes that do not form
+    valid UTF-8 (a sequence cut in the middle of a character) with U+FFFD.
+
+    Example::
+
+        tok = ByteTokenizer()
+        tok.decode(tok.encode("héllo")) == "héllo"
+    """
+
+    pad_token_id = 256
+    bos_token_id = 257
+    eos_token_id = 258
+    vocab_size = 259
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """Byte ids of ``text``; with ``add_special_tokens`` framed by ``bos`` ... ``eos``."""
+        ids = list(text.encode("utf-8"))
+        if add_special_tokens:
+            return [self.bos_token_id, *ids, self.eos_token_id]
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``; special and out-of-range ids are skipped."""
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+    def __repr__(self) -> str:
+        return "ByteTokenizer(vocab_size=259)"
+
+
+# Names tokenizer.json files commonly give their padding and end-of-text tokens.
+_PAD_NAMES = ("<pad>", "[PAD]", "<|pad|>", "<|padding|>")
+_EOS_NAMES = ("</s>", "<|endoftext|>", "<eos>", "[SEP]", "<|end_of_text|>", "<|eot_id|>")
+
+
+class FileTokenizer:
+    """A ``tokenizers.Tokenizer`` loaded from a ``tokenizer.json``, with the training interface.
+
+    Padding uses the file's pad token when it has one, else its end-of-text token, else id 0:
+    padded positions never reach the loss (their labels are -100), so any id works.
+
+    Attributes:
+        inner: The ``tokenizers.Tokenizer``.
+        path: Where it was loaded from.
+    """
+
+    def __init__(self, inner: Any, path: Path) -> None:
+        self.inner = inner
+        self.path = path
+        self.vocab_size: int = int(inner.get_vocab_size(with_added_tokens=True))
+        self.eos_token_id: int | None = _first_id(inner, _EOS_NAMES)
+        pad = _first_id(inner, _PAD_NAMES)
+        self.pad_token_id: int = pad if pad is not None else (self.eos_token_id or 0)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` without the file's post-processing specials."""
+        return list(self.inner.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids`` (special tokens skipped)."""
+        return str(self.inner.decode([int(i) for i in ids], skip_special_tokens=True))
+
+    def __repr__(self) -> str:
+        return f"FileTokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
+
+
+def _first_id(inner: Any, names: Sequence[str]) -> int | None:
+    for name in names:
+        idx = inner.token_to_id(name)
+        if idx is not None:
+            return int(idx)
+    return None
+
+
+def load_tokenizer(path: str | Path | None) -> ByteTokenizer | FileTokenizer:
+    """The tokenizer for a run: the byte tokenizer for ``None``, else a ``tokenizer.json``.
+
+    Args:
+        path: ``None``, a ``tokenizer.json`` file, or a folder holding one (as saved by
+            ``save_pretrained``). Nothing is downloaded.
+
+    Raises:
+        WorkloadError: when the file is missing or is not a ``tokenizers`` JSON file.
+    """
+    if path is None:
+        return ByteTokenizer()
+    p = Path(path)
+    if p.is_dir():
+        p = p / "tokenizer.json"
+    if not p.is_file():
+        raise WorkloadError(
+            f"tokenizer file {str(p)!r} does not exist; give a tokenizer.json (or a folder "
+            "holding one), or leave the tokenizer out to use memfit's byte tokenizer"
+        )
+    from tokenizers import Tokenizer as HFTokenizer
+
+    try:
+        inner = HFTokenizer.from_file(str(p))
+    except Exception as e:  # the library raises bare Exceptions on bad files
+        raise WorkloadError(
+            f"tokenizer file {str(p)!r} cannot be read as a tokenizers JSON file ({e}); "
+            "give a tokenizer.json saved by the tokenizers or transformers library"
+        ) from None
+    return FileTokenizer(inner, p)
