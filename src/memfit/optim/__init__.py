@@ -79,7 +79,8 @@ def state_bytes(optimizer: Optimizer) -> int:
     """Bytes held by the tensors in ``optimizer.state``.
 
     Every storage is counted once, in full (a view shares its base's storage; scalar ``step``
-    tensors count too).  Python numbers in the state are ignored.
+    tensors count too).  Tensor subclasses that wrap other tensors (such as torchao's 8-bit
+    optimizer state) are counted through their inner tensors.  Python numbers are ignored.
 
     Args:
         optimizer: Any ``torch.optim.Optimizer``.
@@ -92,7 +93,11 @@ def state_bytes(optimizer: Optimizer) -> int:
     stack: list[Any] = list(optimizer.state.values())
     while stack:
         value = stack.pop()
-        if isinstance(value, Tensor):
+        if isinstance(value, Tensor) and _is_wrapper_subclass(value):
+            # e.g. torchao's quantised optimizer state: count the inner tensors it wraps.
+            names, _ = value.__tensor_flatten__()  # type: ignore[attr-defined]
+            stack.extend(getattr(value, name) for name in names)
+        elif isinstance(value, Tensor):
             storage = value.untyped_storage()
             key = (str(value.device), _storage_key(storage))
             if key not in seen:
@@ -103,6 +108,14 @@ def state_bytes(optimizer: Optimizer) -> int:
         elif isinstance(value, list | tuple):
             stack.extend(value)
     return total
+
+
+def _is_wrapper_subclass(t: Tensor) -> bool:
+    # Parameters and FakeTensors have real (or fake) storages of their own; traceable wrapper
+    # subclasses expose their inner tensors through __tensor_flatten__ instead.
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    return is_traceable_wrapper_subclass(t)
 
 
 def _storage_key(storage: torch.UntypedStorage) -> int:

@@ -125,6 +125,10 @@ class Minifloat8:
         Returns:
             uint8 tensor of the same shape.
         """
+        return self._encode_int32(x).to(torch.uint8)
+
+    def _encode_int32(self, x: Tensor) -> Tensor:
+        # The codes as int32 in [0, 255]: callers that copy into a uint8 buffer skip a cast.
         bits = x.to(torch.float32).contiguous().view(torch.int32)
         # Subtracting (offset << shift) re-bases the bit pattern so that the code step is one
         # unit after the shift; adding half a step first makes the truncating shift round to
@@ -136,12 +140,12 @@ class Minifloat8:
             mag.sub_(bias).bitwise_right_shift_(self._shift).clamp_(0, top)
             # Arithmetic shift keeps the sign in bit 7 of the low byte.
             sign = torch.bitwise_right_shift(bits, 24).bitwise_and_(0x80)
-            return mag.bitwise_or_(sign).to(torch.uint8)
+            return mag.bitwise_or_(sign)
         code = torch.sub(bits, bias).bitwise_right_shift_(self._shift)
         # max(code, min(bits, 1)) lifts every positive input to at least code 1 (no flush to
         # zero) while exact zeros and negative inputs stay at or below 0 before the clamp.
         code = torch.maximum(code, bits.clamp(max=1))
-        return code.clamp_(0, top).to(torch.uint8)
+        return code.clamp_(0, top)
 
     def table(self, device: torch.device | str | None = None) -> Tensor:
         """The 256 decoded values, indexed by code byte (not sorted for signed maps)."""
@@ -270,10 +274,16 @@ def quantize_blocks_(blocks: Tensor, code: CodeMap, codes_out: Tensor, absmax_ou
         codes_out: uint8 tensor with ``blocks.numel()`` elements, overwritten.
         absmax_out: fp32 tensor with ``num_blocks`` elements, overwritten.
     """
-    absmax = blocks.abs().amax(dim=1)
-    scaled = blocks * absmax.clamp(min=_TINY).reciprocal().unsqueeze(1)
-    absmax_out.copy_(absmax)
-    codes_out.view(-1).copy_(_encode(scaled, code).view(-1))
+    if isinstance(code, Minifloat8) and not code.signed:
+        # Non-negative data by contract: skip the abs pass (the clamp guards bad input).
+        torch.amax(blocks, dim=1, out=absmax_out.view(-1)).clamp_(min=0.0)
+    else:
+        torch.amax(blocks.abs(), dim=1, out=absmax_out.view(-1))
+    scaled = blocks * absmax_out.view(-1, 1).clamp(min=_TINY).reciprocal()
+    if isinstance(code, Minifloat8):
+        codes_out.view(-1).copy_(code._encode_int32(scaled).view(-1))
+    else:
+        codes_out.view(-1).copy_(_encode(scaled, code).view(-1))
 
 
 def dequantize_blocks(codes: Tensor, absmax: Tensor, code: CodeMap) -> Tensor:
