@@ -113,6 +113,74 @@ def profile(
         out.print(f"wrote {plot}")
 
 
+@app.command("plan")
+def plan_command(
+    model: Annotated[str, typer.Option("--model", "-m", help="Preset name, path to a HF config.json, or package.module:function.")],
+    budget: Annotated[str, typer.Option("--budget", help="Memory budget: 4GiB, 4GB, 4096MiB, 0.5TiB, bytes, or a device name (t4, a100, ...).")],
+    batch_size: Annotated[int, typer.Option("--batch-size", "-b", help="Samples per optimizer step (the effective batch).")] = 8,
+    seq_len: Annotated[int, typer.Option("--seq-len", "-l", help="Tokens per sample.")] = 128,
+    allow: Annotated[str, typer.Option("--allow", help="Comma-separated techniques that change training: freeze, shorter-seq, 8bit, factored, bf16-pure.")] = "",
+    forbid: Annotated[str, typer.Option("--forbid", help="Comma-separated default techniques to rule out: accumulation, checkpointing, full-checkpointing, mixed-precision, fused-step, foreach-off.")] = "",
+    device: Annotated[str | None, typer.Option("--device", help="Device profile for the cost model (cpu, h100, a100, a100-40gb, rtx4090, t4). Default: the budget's device, else this machine.")] = None,
+    base: Annotated[Path | None, typer.Option("--plan", help="Start from this plan (its optimizer and settings are kept).")] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write the answer as JSON here.")] = None,
+    save: Annotated[Path | None, typer.Option("--save", help="Write the chosen plan here (JSON or YAML), for --plan elsewhere.")] = None,
+) -> None:
+    """Find the fastest plan whose peak memory fits a budget."""
+    _quiet_libraries()
+    import json
+
+    from .plan import Plan
+    from .planner import NothingFits, explain_table, plan
+    from .units import format_bytes
+    from .workload import load_workload
+
+    if batch_size < 1:
+        _fail(f"--batch-size must be a whole number >= 1, got {batch_size}")
+    if seq_len < 1:
+        _fail(f"--seq-len must be a whole number >= 1, got {seq_len}")
+    base_plan = _run_guarded(Plan.load, base) if base is not None else None
+    workload = _run_guarded(load_workload, model, batch_size, seq_len)
+    from rich.status import Status
+
+    with Status("planning...", console=err) as status:
+        try:
+            result = _run_guarded(
+                plan,
+                workload,
+                budget,
+                allow=allow.split(","),
+                forbid=forbid.split(","),
+                base=base_plan,
+                device=device,
+                progress=lambda msg: status.update(msg),
+            )
+        except NothingFits as e:
+            status.stop()
+            if json_path is not None:
+                json_path.write_text(json.dumps(e.result.to_dict(), indent=2) + "\n")
+            _fail(str(e))
+    out.print(explain_table(result))
+    cats = ", ".join(f"{k} {format_bytes(v)}" for k, v in result.predicted_peak_by_category.items() if v)
+    out.print(
+        f"[bold]plan:[/] {result.plan.summary()}\n"
+        f"[bold]predicted peak:[/] {format_bytes(result.predicted_peak_bytes)} of "
+        f"{format_bytes(result.budget_bytes)} ({cats})\n"
+        f"[bold]predicted step time:[/] {result.predicted_step_time_ratio:.2f}x the unoptimised plan "
+        f"(cost model: {result.device}); searched in {result.seconds:.1f} s",
+        highlight=False,
+    )
+    if json_path is not None:
+        json_path.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+        out.print(f"wrote {json_path}")
+    if save is not None:
+        if save.suffix.lower() in (".yaml", ".yml"):
+            result.plan.to_yaml(save)
+        else:
+            result.plan.to_json(save)
+        out.print(f"wrote {save}")
+
+
 def _with_progress(description: str, total: int, fn: Any) -> Any:
     """Run ``fn(progress)`` under a progress bar advanced by ``progress(done, total)``."""
     import torch

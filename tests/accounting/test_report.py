@@ -54,7 +54,7 @@ def test_table_renders():
     text = console.export_text()
     for name in CATEGORIES:
         assert name in text
-    assert "optimizer" in text and "MiB" in text or "KiB" in text
+    assert ("optimizer" in text and "MiB" in text) or "KiB" in text
 
 
 def test_plot_writes_png(tmp_path):

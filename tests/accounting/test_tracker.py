@@ -137,6 +137,35 @@ def test_transformer_block_activations_match_saved_tensors():
     assert snap["inputs"] == x.numel() * F32
 
 
+@pytest.mark.parametrize("user_hook", [False, True])
+def test_activations_hidden_by_another_saved_tensors_hook(user_hook):
+    """A saved-tensors hook of the user's (or checkpointing's) hides the tracker's; what the
+    forward kept is still counted as activations once backward starts."""
+    import contextlib
+
+    torch.manual_seed(0)
+    model = mlp(D_IN, D_HID, D_OUT)
+    x, y = torch.randn(B, D_IN), torch.randn(B, D_OUT)
+    seen = []
+    hook = (
+        torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+        if user_hook
+        else contextlib.nullcontext()
+    )
+    with memfit.track(model) as tr:
+        tr.add_inputs((x, y))
+        with hook:  # like a checkpointed block: the loss is computed outside it
+            h = model[1](model[0](x))
+            h.register_hook(lambda g: seen.append(tr.snapshot()))
+            pred = model[2](h)
+        loss = nn.functional.mse_loss(pred, y)
+        del pred
+        loss.backward()
+    # When the hook on ReLU's output fires, Linear2's backward is done; ReLU's output is the
+    # one activation left (its own backward needs it).
+    assert seen[0]["activations"] == B * D_HID * F32
+
+
 def test_buffers_and_pre_existing_gradients():
     bn = nn.BatchNorm1d(8)
     bn(torch.randn(4, 8)).sum().backward()  # gradients exist before tracking starts
@@ -192,10 +221,9 @@ def test_phases_modules_and_timeline(setup):
 
 
 def test_cap_raises_out_of_memory_with_breakdown():
-    with pytest.raises(torch.OutOfMemoryError, match=r"cap.*temporaries"):
-        with memfit.track(cap=10_000):
-            keep = [torch.ones(1000) for _ in range(3)]
-            del keep
+    with pytest.raises(torch.OutOfMemoryError, match=r"cap.*temporaries"), memfit.track(cap=10_000):
+        keep = [torch.ones(1000) for _ in range(3)]
+        del keep
     with memfit.track(cap=100_000) as tr:
         keep = [torch.ones(1000) for _ in range(3)]
     assert tr.report().peak_bytes == 3 * 1000 * F32

@@ -47,7 +47,7 @@ def test_bert_large_dry_run_at_full_scale():
 
 
 def test_model_errors_and_missing_loss():
-    with pytest.raises(ModelError, match="custom failure inside Broken.forward"):
+    with pytest.raises(ModelError, match=r"custom failure inside Broken\.forward"):
         memfit.dry_run("tests.models:broken_forward_workload", batch_size=2, seq_len=1)
     with pytest.raises(WorkloadError, match="has no loss"):
         memfit.measure("tests.models:no_loss_workload", batch_size=2, seq_len=1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -174,7 +175,7 @@ class MemoryReport:
         ax.set_xlabel("operation index")
         ax.set_ylabel(f"live device memory ({unit})")
         ax.set_title(title or "memfit: memory over the training step")
-        handles, labels = ax.get_legend_handles_labels()
+        handles, _labels = ax.get_legend_handles_labels()
         from matplotlib.patches import Patch
 
         handles += [Patch(color=c, label=p) for p, c in _PHASE_COLORS.items()]
@@ -286,5 +287,5 @@ def _downsample(timeline: dict[str, list[Any]], max_points: int) -> dict[str, li
     for c in CATEGORIES:
         total += np.asarray(timeline[c], dtype=np.int64)
     edges = np.linspace(0, n, max_points + 1).astype(np.int64)
-    keep = [int(lo + np.argmax(total[lo:hi])) for lo, hi in zip(edges[:-1], edges[1:]) if hi > lo]
+    keep = [int(lo + np.argmax(total[lo:hi])) for lo, hi in itertools.pairwise(edges) if hi > lo]
     return {k: [v[i] for i in keep] for k, v in timeline.items()}

@@ -111,6 +111,7 @@ class MemoryTracker(TorchDispatchMode):
         self._phase = _OTHERPHASE
         self._in_optimizer = 0
         self._in_backward = False
+        self._hidden: list[int] = []  # temporaries made while another saved-tensor hook ruled
         self.timeline_seq: list[int] = [0]  # event count at the end of each op
         self.timeline_phase: list[int] = [_OTHERPHASE]
         self.op_names: dict[int, str] = {}
@@ -121,6 +122,7 @@ class MemoryTracker(TorchDispatchMode):
         self._saved_hooks: Any = None
         self._closed = True
         self._report: Any = None
+        self._pack_fn = self._pack  # one bound method, to recognise our hook on the stack
 
     # ------------------------------------------------------------------ storage records
     def _register(self, t: torch.Tensor, cat: int) -> int | None:
@@ -201,6 +203,7 @@ class MemoryTracker(TorchDispatchMode):
                 for x in a:
                     if isinstance(x, torch.Tensor):
                         self._see_input(x)
+        first_new = len(self._nbytes)
         if isinstance(out, torch.Tensor):
             self._register(out, _TEMP)
         elif isinstance(out, (list, tuple)):
@@ -211,8 +214,13 @@ class MemoryTracker(TorchDispatchMode):
                     for y in x:
                         if isinstance(y, torch.Tensor):
                             self._register(y, _TEMP)
+        phase = self._current_phase()
+        if len(self._nbytes) > first_new and not self._in_backward:
+            top = _top_saved_hooks(False)
+            if top is not None and top[0] is not self._pack_fn:
+                self._hidden.extend(range(first_new, len(self._nbytes)))
         self.timeline_seq.append(self._seq)
-        self.timeline_phase.append(self._current_phase())
+        self.timeline_phase.append(phase)
         return out
 
     def _see_input(self, t: torch.Tensor) -> None:
@@ -229,13 +237,27 @@ class MemoryTracker(TorchDispatchMode):
             # Modules whose inputs need no gradient never see their backward end: close them
             # when the backward pass is over.
             self._in_backward = in_backward
-            if not in_backward:
+            if in_backward:
+                self._forward_leftovers_are_activations()
+            else:
                 self._close_backward()
         if self._in_optimizer:
             return _OPTPHASE
         if in_backward:
             return _BWD
         return self._phase
+
+    def _forward_leftovers_are_activations(self) -> None:
+        # What the forward made and is still alive when backward starts is kept for backward.
+        # Saved-tensor hooks see most of it, but not what an inner hook hides: activation
+        # checkpointing's selective cache, a user's own saved_tensors_hooks.
+        # So a temporary made while another saved-tensors hook hid the tracker's, and still
+        # alive when backward starts, was kept for backward.
+        cat, live = self._cat, self._live
+        for idx in self._hidden:
+            if cat[idx] == _TEMP and live.get(self._key[idx]) == idx:
+                cat[idx] = _ACT
+        self._hidden.clear()
 
     def _raise_oom(self, nbytes: int) -> None:
         from ..units import format_bytes
@@ -275,7 +297,7 @@ class MemoryTracker(TorchDispatchMode):
 
         self._hooks.append(register_optimizer_step_pre_hook(self._opt_pre))
         self._hooks.append(register_optimizer_step_post_hook(self._opt_post))
-        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack_fn, _unpack)
         self._saved_hooks.__enter__()
 
     def _uninstall(self) -> None:
@@ -311,6 +333,7 @@ class MemoryTracker(TorchDispatchMode):
         self._phase = _FWD
         self.label((args, kwargs), "inputs")
 
+
     def _fwd_pre(self, module: nn.Module, args: Any) -> None:
         name = self._names.get(id(module))
         if name is None:
@@ -321,6 +344,8 @@ class MemoryTracker(TorchDispatchMode):
             # Without a model, any outermost module's forward starts a forward phase.
             self._phase = _FWD
             self.label(args, "inputs")
+            if self._forward_start_seq is None:
+                self._forward_start_seq = self._seq
         ev = self._events
         ev.open_forward.append(len(ev.intervals))
         ev.intervals.append([name, "forward", self._op + 1, None])
@@ -473,6 +498,8 @@ def track(
     """
     return MemoryTracker(model, optimizer, device=device, cap=cap)
 
+
+_top_saved_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 
 _METADATA_OPS = frozenset({torch.ops.prim.device.default, torch.ops.prim.layout.default})
 

@@ -19,8 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from ..plan import Plan
 from ..workload import Workload, call_model
 from .devices import DeviceProfile

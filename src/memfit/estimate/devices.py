@@ -43,6 +43,7 @@ class DeviceProfile:
     host_bandwidth: float
     launch_overhead: float
     half_tokens: float
+    has_bf16: bool = True
 
     @property
     def budget_bytes(self) -> int:
@@ -51,11 +52,20 @@ class DeviceProfile:
 
     @property
     def supports_bf16(self) -> bool:
-        """Whether bf16 runs at least as fast as fp32 (no hardware bf16 on T4)."""
-        return self.flops["bf16"] >= self.flops["fp32"]
+        """Whether the device computes in bf16 natively (T4 does not: use fp16 there)."""
+        return self.has_bf16
 
 
-def _gpu(name: str, mem_gib: float, fp32: float, bf16: float, fp16: float, bw: float, host: float) -> DeviceProfile:
+def _gpu(
+    name: str,
+    mem_gib: float,
+    fp32: float,
+    bf16: float,
+    fp16: float,
+    bw: float,
+    host: float,
+    has_bf16: bool = True,
+) -> DeviceProfile:
     memory = int(mem_gib * GiB)
     # The CUDA context and allocator slack take about 1 GiB on every card, plus a few percent.
     reserve = int(1 * GiB + 0.03 * memory)
@@ -70,6 +80,7 @@ def _gpu(name: str, mem_gib: float, fp32: float, bf16: float, fp16: float, bw: f
         # Calibrated on the published BERT-large ladder: batch 1 x 32 (128 tokens per
         # micro-batch) ran 2.8x slower than batch 32, which t/(t+256) reproduces.
         half_tokens=256.0,
+        has_bf16=has_bf16,
     )
 
 
@@ -80,7 +91,7 @@ DEVICES: dict[str, DeviceProfile] = {
     "a100-40gb": _gpu("a100-40gb", 39.4, 19.5e12, 312e12, 312e12, 1.56e12, 25e9),
     "rtx4090": _gpu("rtx4090", 23.6, 82.6e12, 165e12, 165e12, 1.01e12, 25e9),
     # Turing has no bf16 units: bf16 falls back to fp32 rates; fp16 runs on tensor cores.
-    "t4": _gpu("t4", 14.75, 8.1e12, 8.1e12, 65e12, 0.32e12, 12e9),
+    "t4": _gpu("t4", 14.75, 8.1e12, 8.1e12, 65e12, 0.32e12, 12e9, has_bf16=False),
 }
 
 
@@ -165,7 +176,9 @@ def parse_budget(text: str | int) -> tuple[int, DeviceProfile | None]:
         return dev.budget_bytes, dev
     try:
         return parse_size(text), None
-    except ValueError:
+    except ValueError as e:
+        if "positive" in str(e):
+            raise ValueError(f"budget {text!r} must be a positive size, such as 4GiB") from None
         raise ValueError(
             f"budget {text!r} is not understood; use a size such as 4GiB, 4GB, 4096MiB, 0.5TiB "
             f"or plain bytes, or a device name ({', '.join(DEVICES)})"

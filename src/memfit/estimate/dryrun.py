@@ -96,7 +96,7 @@ def measure(
                     loss = setup.step(batch)
                 except (WorkloadError, torch.OutOfMemoryError):
                     raise
-                except Exception as e:  # noqa: BLE001 - the model's own failure
+                except Exception as e:
                     raise model_error(e) from e
                 losses.append(None if dry else float(loss))
                 del loss

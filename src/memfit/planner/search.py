@@ -199,11 +199,15 @@ def _space(
         enumerate(freezes),
         enumerate(seqs),
     ):
-        if fu and ei > 0:
-            continue  # the step in backward runs per tensor anyway: foreach is moot
+        accum = -(-batch // m)
+        if fu and (ei > 0 or accum > 1):
+            # In backward the step runs per tensor anyway (foreach is moot), and accumulated
+            # gradients must persist across micro-batches, so fusing saves nothing then.
+            continue
+        if ei > 0 and op not in ("adamw", "adam", "sgd"):
+            continue  # memfit's optimizers loop per tensor: foreach off is the same plan
         if fu and pr == "fp16-mixed":
             continue  # the loss scaler must see every gradient before any step
-        accum = -(-batch // m)
         try:
             plan = base.replace(
                 micro_batch_size=m if accum > 1 else None,
@@ -223,12 +227,14 @@ def _space(
             )
         except ValueError:
             continue  # an impossible combination: the Plan says so
-        out.append((plan, (mi, ci, pi, oi, fi, ei, zi, si)))
+        # The fused step frees gradients only without accumulation (accumulated gradients must
+        # persist across micro-batches), so it ranks as a saving only then.
+        out.append((plan, (mi, ci, pi, oi, fi if accum == 1 else 0, ei, zi, si)))
     return out
 
 
 def _dominated(rank: tuple[int, ...], misfits: list[tuple[int, ...]]) -> bool:
-    return any(all(r <= f for r, f in zip(rank, bad)) for bad in misfits)
+    return any(all(r <= f for r, f in zip(rank, bad, strict=False)) for bad in misfits)
 
 
 def plan(
@@ -308,10 +314,24 @@ def plan(
             misfits.append(c.rank)
         return bool(c.fits)
 
-    frugal = max(candidates, key=lambda c: (sum(c.rank), -c.step_time))
+    # Memory is not monotone in the micro-batch once the step is fused into backward, so two
+    # frugal seeds stand for "the least memory": the smallest micro-batch with everything else
+    # at its most frugal, and the whole batch with the fused step.
+    def frugal(pred: Callable[[Candidate], bool]) -> Candidate | None:
+        pool = [c for c in candidates if pred(c)]
+        return max(pool, key=lambda c: (sum(c.rank[1:]), c.rank[0], -c.step_time)) if pool else None
+
+    seeds = [
+        s
+        for s in (
+            frugal(lambda c: c.plan.grad_accum_steps == max(x.plan.grad_accum_steps for x in candidates)),
+            frugal(lambda c: c.plan.optimizer_in_backward and c.plan.grad_accum_steps == 1),
+        )
+        if s is not None
+    ]
     winner: Candidate | None = None
     confirmed = None
-    if predict(frugal):
+    if any([predict(s) for s in seeds]):
         for c in candidates:
             if len(predicted) >= max_predictions:
                 break
