@@ -30,7 +30,9 @@ def _time_steps(step: Callable[[], None], steps: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="bert-base")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
@@ -72,7 +74,9 @@ def main() -> None:
             results[name].append(_time_steps(fn, args.steps))
     base = min(results["untracked"])
     rows = {name: {"seconds": min(v), "ratio": min(v) / base} for name, v in results.items()}
-    print(f"{args.model}, batch {args.batch_size}, length {args.seq_len}, AdamW, CPU, torch {torch.__version__}")
+    print(
+        f"{args.model}, batch {args.batch_size}, length {args.seq_len}, AdamW, CPU, torch {torch.__version__}"
+    )
     print("| variant | step time (s) | ratio to untracked |")
     print("|---|---|---|")
     for name, r in rows.items():

@@ -21,13 +21,32 @@ def _invoke(*args: str):
 def test_profile_dry_run_writes_json_and_png(tmp_path):
     js, png = tmp_path / "p.json", tmp_path / "p.png"
     res = _invoke(
-        "profile", "--model", "gpt2-tiny", "--batch-size", "2", "--seq-len", "16",
-        "--dry-run", "--steps", "2", "--json", str(js), "--plot", str(png),
+        "profile",
+        "--model",
+        "gpt2-tiny",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "16",
+        "--dry-run",
+        "--steps",
+        "2",
+        "--json",
+        str(js),
+        "--plot",
+        str(png),
     )
     assert res.exit_code == 0, res.output
     assert "optimizer_state" in res.output and "Peak by phase" in res.output
     data = json.loads(js.read_text())
-    for key in ("peak_bytes", "peak_by_category", "phase_peaks", "num_parameters", "dry_run", "by_module"):
+    for key in (
+        "peak_bytes",
+        "peak_by_category",
+        "phase_peaks",
+        "num_parameters",
+        "dry_run",
+        "by_module",
+    ):
         assert key in data
     assert data["dry_run"] is True
     assert png.read_bytes()[:4] == b"\x89PNG"
@@ -38,8 +57,17 @@ def test_profile_real_run_and_plan(tmp_path):
     plan.write_text(json.dumps({"grad_accum_steps": 2}))
     js = tmp_path / "p.json"
     res = _invoke(
-        "profile", "-m", "tests.models:mlp_workload", "-b", "4", "-l", "1",
-        "--plan", str(plan), "--json", str(js),
+        "profile",
+        "-m",
+        "tests.models:mlp_workload",
+        "-b",
+        "4",
+        "-l",
+        "1",
+        "--plan",
+        str(plan),
+        "--json",
+        str(js),
     )
     assert res.exit_code == 0, res.output
     data = json.loads(js.read_text())
@@ -87,7 +115,9 @@ def test_cap_turns_into_a_clear_oom():
 def test_python_dash_m_entry_point_has_no_traceback():
     res = subprocess.run(
         [sys.executable, "-m", "memfit", "profile", "--model", "nope", "--dry-run"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert res.returncode == 2
     assert "names nothing" in res.stderr

@@ -18,7 +18,9 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-bench_app = typer.Typer(help="Benchmarks that reproduce memfit's published tables.", no_args_is_help=True)
+bench_app = typer.Typer(
+    help="Benchmarks that reproduce memfit's published tables.", no_args_is_help=True
+)
 app.add_typer(bench_app, name="bench")
 
 out = Console()
@@ -70,15 +72,33 @@ def _parse_cap(cap: str | None) -> int | None:
 
 @app.command()
 def profile(
-    model: Annotated[str, typer.Option("--model", "-m", help="Preset name, path to a HF config.json, or package.module:function.")],
+    model: Annotated[
+        str,
+        typer.Option(
+            "--model",
+            "-m",
+            help="Preset name, path to a HF config.json, or package.module:function.",
+        ),
+    ],
     batch_size: Annotated[int, typer.Option("--batch-size", "-b", help="Samples per step.")] = 8,
     seq_len: Annotated[int, typer.Option("--seq-len", "-l", help="Tokens per sample.")] = 128,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Run on fake tensors: nothing is allocated.")] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Run on fake tensors: nothing is allocated.")
+    ] = False,
     steps: Annotated[int, typer.Option("--steps", help="Full training steps to run.")] = 2,
-    plan: Annotated[Path | None, typer.Option("--plan", help="A saved plan (JSON or YAML) to apply.")] = None,
-    json_path: Annotated[Path | None, typer.Option("--json", help="Write the report as JSON here.")] = None,
-    plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG of memory over the step here.")] = None,
-    cap: Annotated[str | None, typer.Option("--cap", help="Virtual memory cap (e.g. 4GiB): fail like a GPU would.")] = None,
+    plan: Annotated[
+        Path | None, typer.Option("--plan", help="A saved plan (JSON or YAML) to apply.")
+    ] = None,
+    json_path: Annotated[
+        Path | None, typer.Option("--json", help="Write the report as JSON here.")
+    ] = None,
+    plot: Annotated[
+        Path | None, typer.Option("--plot", help="Write a PNG of memory over the step here.")
+    ] = None,
+    cap: Annotated[
+        str | None,
+        typer.Option("--cap", help="Virtual memory cap (e.g. 4GiB): fail like a GPU would."),
+    ] = None,
     top: Annotated[int, typer.Option("--top", help="Modules to list.")] = 8,
 ) -> None:
     """Measure where a training step's memory goes, by category, phase and module."""
@@ -109,22 +129,70 @@ def profile(
         report.to_json(json_path)
         out.print(f"wrote {json_path}")
     if plot is not None:
-        report.plot(plot, title=f"memfit profile: {workload.name}, batch {batch_size}, length {seq_len}")
+        report.plot(
+            plot, title=f"memfit profile: {workload.name}, batch {batch_size}, length {seq_len}"
+        )
         out.print(f"wrote {plot}")
 
 
 @app.command("plan")
 def plan_command(
-    model: Annotated[str, typer.Option("--model", "-m", help="Preset name, path to a HF config.json, or package.module:function.")],
-    budget: Annotated[str, typer.Option("--budget", help="Memory budget: 4GiB, 4GB, 4096MiB, 0.5TiB, bytes, or a device name (t4, a100, ...).")],
-    batch_size: Annotated[int, typer.Option("--batch-size", "-b", help="Samples per optimizer step (the effective batch).")] = 8,
+    model: Annotated[
+        str,
+        typer.Option(
+            "--model",
+            "-m",
+            help="Preset name, path to a HF config.json, or package.module:function.",
+        ),
+    ],
+    budget: Annotated[
+        str,
+        typer.Option(
+            "--budget",
+            help="Memory budget: 4GiB, 4GB, 4096MiB, 0.5TiB, bytes, or a device name (t4, a100, ...).",
+        ),
+    ],
+    batch_size: Annotated[
+        int,
+        typer.Option(
+            "--batch-size", "-b", help="Samples per optimizer step (the effective batch)."
+        ),
+    ] = 8,
     seq_len: Annotated[int, typer.Option("--seq-len", "-l", help="Tokens per sample.")] = 128,
-    allow: Annotated[str, typer.Option("--allow", help="Comma-separated techniques that change training: freeze, shorter-seq, 8bit, factored, bf16-pure.")] = "",
-    forbid: Annotated[str, typer.Option("--forbid", help="Comma-separated default techniques to rule out: accumulation, checkpointing, full-checkpointing, mixed-precision, fused-step, foreach-off.")] = "",
-    device: Annotated[str | None, typer.Option("--device", help="Device profile for the cost model (cpu, h100, a100, a100-40gb, rtx4090, t4). Default: the budget's device, else this machine.")] = None,
-    base: Annotated[Path | None, typer.Option("--plan", help="Start from this plan (its optimizer and settings are kept).")] = None,
-    json_path: Annotated[Path | None, typer.Option("--json", help="Write the answer as JSON here.")] = None,
-    save: Annotated[Path | None, typer.Option("--save", help="Write the chosen plan here (JSON or YAML), for --plan elsewhere.")] = None,
+    allow: Annotated[
+        str,
+        typer.Option(
+            "--allow",
+            help="Comma-separated techniques that change training: freeze, shorter-seq, 8bit, factored, bf16-pure.",
+        ),
+    ] = "",
+    forbid: Annotated[
+        str,
+        typer.Option(
+            "--forbid",
+            help="Comma-separated default techniques to rule out: accumulation, checkpointing, full-checkpointing, mixed-precision, fused-step, foreach-off.",
+        ),
+    ] = "",
+    device: Annotated[
+        str | None,
+        typer.Option(
+            "--device",
+            help="Device profile for the cost model (cpu, h100, a100, a100-40gb, rtx4090, t4). Default: the budget's device, else this machine.",
+        ),
+    ] = None,
+    base: Annotated[
+        Path | None,
+        typer.Option("--plan", help="Start from this plan (its optimizer and settings are kept)."),
+    ] = None,
+    json_path: Annotated[
+        Path | None, typer.Option("--json", help="Write the answer as JSON here.")
+    ] = None,
+    save: Annotated[
+        Path | None,
+        typer.Option(
+            "--save", help="Write the chosen plan here (JSON or YAML), for --plan elsewhere."
+        ),
+    ] = None,
 ) -> None:
     """Find the fastest plan whose peak memory fits a budget."""
     _quiet_libraries()
@@ -161,7 +229,9 @@ def plan_command(
                 json_path.write_text(json.dumps(e.result.to_dict(), indent=2) + "\n")
             _fail(str(e))
     out.print(explain_table(result))
-    cats = ", ".join(f"{k} {format_bytes(v)}" for k, v in result.predicted_peak_by_category.items() if v)
+    cats = ", ".join(
+        f"{k} {format_bytes(v)}" for k, v in result.predicted_peak_by_category.items() if v
+    )
     out.print(
         f"[bold]plan:[/] {result.plan.summary()}\n"
         f"[bold]predicted peak:[/] {format_bytes(result.predicted_peak_bytes)} of "
@@ -186,7 +256,13 @@ def _with_progress(description: str, total: int, fn: Any) -> Any:
     import torch
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"), TimeElapsedColumn())
+    columns = (
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} steps"),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=err, transient=True) as bar:
         task = bar.add_task(description, total=total)
         try:

@@ -103,9 +103,13 @@ class Plan:
         if self.micro_batch_size is not None and (
             not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 1
         ):
-            raise PlanError(f"micro_batch_size must be a whole number >= 1 or null, got {self.micro_batch_size!r}")
+            raise PlanError(
+                f"micro_batch_size must be a whole number >= 1 or null, got {self.micro_batch_size!r}"
+            )
         if not isinstance(self.grad_accum_steps, int) or self.grad_accum_steps < 1:
-            raise PlanError(f"grad_accum_steps must be a whole number >= 1, got {self.grad_accum_steps!r}")
+            raise PlanError(
+                f"grad_accum_steps must be a whole number >= 1, got {self.grad_accum_steps!r}"
+            )
         if self.loss_normalization not in _NORMALIZATIONS:
             raise PlanError(
                 f"loss_normalization {self.loss_normalization!r} is not known; use 'mean' or 'tokens'"
@@ -116,7 +120,9 @@ class Plan:
                 f"checkpointing mode {self.checkpointing.mode!r} is not known; use one of {', '.join(modes)}"
             )
         if self.checkpointing.mode == "budget" and not self.checkpointing.budget_bytes:
-            raise PlanError("checkpointing mode 'budget' needs budget_bytes (the activation bytes allowed)")
+            raise PlanError(
+                "checkpointing mode 'budget' needs budget_bytes (the activation bytes allowed)"
+            )
         precisions = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-pure")
         if self.precision.mode not in precisions:
             raise PlanError(
@@ -145,8 +151,12 @@ class Plan:
                 "gradient, which accumulation keeps; use grad_clip_mode 'approx' or set "
                 "optimizer_in_backward false"
             )
-        if self.max_seq_len is not None and (not isinstance(self.max_seq_len, int) or self.max_seq_len < 1):
-            raise PlanError(f"max_seq_len must be a whole number >= 1 or null, got {self.max_seq_len!r}")
+        if self.max_seq_len is not None and (
+            not isinstance(self.max_seq_len, int) or self.max_seq_len < 1
+        ):
+            raise PlanError(
+                f"max_seq_len must be a whole number >= 1 or null, got {self.max_seq_len!r}"
+            )
 
     # ------------------------------------------------------------------ derived
     def micro_batch_for(self, batch_size: int) -> int:
@@ -219,7 +229,7 @@ class Plan:
                 data = yaml.safe_load(text)
             else:
                 data = json.loads(text)
-        except Exception as e:  # noqa: BLE001 - any parse error is the user's file
+        except Exception as e:
             raise PlanError(f"plan file {str(p)!r} cannot be parsed ({e})") from None
         if isinstance(data, Mapping) and isinstance(data.get("plan"), Mapping):
             data = data["plan"]
@@ -237,7 +247,9 @@ class Plan:
             parts.append(f"checkpointing {self.checkpointing.mode}")
         if self.precision.mode != "fp32":
             parts.append(self.precision.mode)
-        parts.append(self.optimizer.name + ("" if self.optimizer.foreach is not False else " (foreach off)"))
+        parts.append(
+            self.optimizer.name + ("" if self.optimizer.foreach is not False else " (foreach off)")
+        )
         if self.optimizer_in_backward:
             parts.append("optimizer step in backward")
         if self.max_grad_norm is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = ["KiB", "MiB", "GiB", "TiB", "format_bytes", "parse_size"]
+__all__ = ["GiB", "KiB", "MiB", "TiB", "format_bytes", "parse_size"]
 
 KiB = 1024
 MiB = 1024**2

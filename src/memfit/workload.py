@@ -164,7 +164,11 @@ def _hf_model_from_config(config: Any, family: str | None = None) -> nn.Module:
         if isinstance(cls, type) and issubclass(cls, nn.Module):
             return cls(config)
     errors = []
-    for auto in ("AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForSequenceClassification"):
+    for auto in (
+        "AutoModelForCausalLM",
+        "AutoModelForMaskedLM",
+        "AutoModelForSequenceClassification",
+    ):
         try:
             return getattr(transformers, auto).from_config(config)
         except (ValueError, KeyError) as e:
@@ -217,7 +221,9 @@ class Workload:
     seq_len: int
     build_model: Callable[[], nn.Module]
     make_batch: Callable[[nn.Module, int, int], Batch]
-    loss_fn: Callable[[Any, Batch], torch.Tensor] = field(default=lambda out, batch: loss_from_output(out))
+    loss_fn: Callable[[Any, Batch], torch.Tensor] = field(
+        default=lambda out, batch: loss_from_output(out)
+    )
     description: str = ""
     depth: int | None = None
     with_depth: Callable[[int], Workload] | None = None
@@ -327,7 +333,9 @@ def _config_workload(spec: str, batch_size: int, seq_len: int) -> Workload:
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise WorkloadError(f"config file {str(path)!r} does not exist; give a path to a config.json")
+        raise WorkloadError(
+            f"config file {str(path)!r} does not exist; give a path to a config.json"
+        )
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -471,7 +479,9 @@ def batch_size_of(batch: Batch) -> int:
 def split_batch(batch: Batch, micro_batch_size: int) -> list[Batch]:
     """Split a batch along dimension 0 into micro-batches of at most ``micro_batch_size``."""
     n = batch_size_of(batch)
-    return [_slice(batch, i, min(i + micro_batch_size, n), n) for i in range(0, n, micro_batch_size)]
+    return [
+        _slice(batch, i, min(i + micro_batch_size, n), n) for i in range(0, n, micro_batch_size)
+    ]
 
 
 def _slice(obj: Any, lo: int, hi: int, n: int) -> Any:

@@ -109,7 +109,9 @@ class MemoryReport:
         from rich.console import Group
         from rich.table import Table
 
-        cats = Table(title=f"Peak device memory: {format_bytes(self.peak_bytes)}", title_justify="left")
+        cats = Table(
+            title=f"Peak device memory: {format_bytes(self.peak_bytes)}", title_justify="left"
+        )
         cats.add_column("category")
         cats.add_column("bytes at peak", justify="right")
         cats.add_column("share", justify="right")

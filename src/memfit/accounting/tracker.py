@@ -333,7 +333,6 @@ class MemoryTracker(TorchDispatchMode):
         self._phase = _FWD
         self.label((args, kwargs), "inputs")
 
-
     def _fwd_pre(self, module: nn.Module, args: Any) -> None:
         name = self._names.get(id(module))
         if name is None:

@@ -70,7 +70,9 @@ def _by_phase(report: Any, input_scale: float) -> dict[str, dict[str, float]]:
     return out
 
 
-def predict_peak(workload: Workload, plan: Plan | None = None, *, compose: bool = True) -> Prediction:
+def predict_peak(
+    workload: Workload, plan: Plan | None = None, *, compose: bool = True
+) -> Prediction:
     """Predict the peak of training ``workload`` under ``plan``.
 
     Args:

@@ -37,7 +37,15 @@ _OPT_BYTES = {
     "adafactor": 20.0,  # update temporaries, row/column statistics are negligible
 }
 # Ops per parameter tensor when an optimizer loops over tensors one by one.
-_OPT_OPS_PER_TENSOR = {"adamw": 10, "adam": 10, "sgd": 3, "lamb": 14, "lars": 8, "adamw8bit": 16, "adafactor": 16}
+_OPT_OPS_PER_TENSOR = {
+    "adamw": 10,
+    "adam": 10,
+    "sgd": 3,
+    "lamb": 14,
+    "lars": 8,
+    "adamw8bit": 16,
+    "adafactor": 16,
+}
 
 
 @dataclass(frozen=True)
@@ -227,16 +235,25 @@ def step_cost(
     if plan.precision.mode == "bf16-pure":
         opt_bytes = opt_bytes / 2 + 4  # half-size tensors, plus stochastic rounding's draw
     optimizer = params * opt_bytes / device.mem_bandwidth
-    loops = plan.optimizer.foreach is False or plan.optimizer_in_backward or name not in (
-        "adamw",
-        "adam",
-        "sgd",
+    loops = (
+        plan.optimizer.foreach is False
+        or plan.optimizer_in_backward
+        or name
+        not in (
+            "adamw",
+            "adam",
+            "sgd",
+        )
     )
     if loops:
         optimizer += tensors * _OPT_OPS_PER_TENSOR.get(name, 10) * device.launch_overhead
 
     extra = 0.0
-    if plan.optimizer_in_backward and plan.max_grad_norm is not None and plan.grad_clip_mode == "exact":
+    if (
+        plan.optimizer_in_backward
+        and plan.max_grad_norm is not None
+        and plan.grad_clip_mode == "exact"
+    ):
         extra = bwd / rate + act_bytes / device.mem_bandwidth
     return StepCost(matmul, pointwise, launch, optimizer, extra)
 

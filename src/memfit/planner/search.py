@@ -141,7 +141,9 @@ def _check_names(values: Iterable[str], known: dict[str, str], flag: str) -> tup
     out = tuple(v.strip() for v in values if v.strip())
     for v in out:
         if v not in known:
-            raise ValueError(f"{flag} value {v!r} does not exist; use one or more of {', '.join(known)}")
+            raise ValueError(
+                f"{flag} value {v!r} does not exist; use one or more of {', '.join(known)}"
+            )
     return out
 
 
@@ -161,7 +163,9 @@ def _space(
 ) -> list[tuple[Plan, tuple[int, ...]]]:
     """Every candidate plan with its memory rank vector (higher = less memory)."""
     batch = workload.batch_size
-    micros = _micro_batches(batch) if "accumulation" not in forbid else [base.micro_batch_for(batch)]
+    micros = (
+        _micro_batches(batch) if "accumulation" not in forbid else [base.micro_batch_for(batch)]
+    )
     ckpts = ["none"]
     if "checkpointing" not in forbid:
         ckpts.append("selective")
@@ -189,7 +193,10 @@ def _space(
         seqs += [max(1, length // 2), max(1, length // 4)]
 
     out = []
-    for (mi, m), (ci, ck), (pi, pr), (oi, op), (fi, fu), (ei, fe), (zi, fz), (si, sq) in itertools.product(
+    for (mi, m), (ci, ck), (pi, pr), (oi, op), (fi, fu), (ei, fe), (zi, fz), (
+        si,
+        sq,
+    ) in itertools.product(
         enumerate(micros),
         enumerate(ckpts),
         enumerate(precisions),
@@ -289,7 +296,9 @@ def plan(
 
     def cost_of(p: Plan):
         frac = trainable.get(tuple(p.freeze), 1.0)
-        return step_cost(profile, p, profile_device, batch_size=workload.batch_size, trainable_fraction=frac)
+        return step_cost(
+            profile, p, profile_device, batch_size=workload.batch_size, trainable_fraction=frac
+        )
 
     baseline = cost_of(Plan(optimizer=base.optimizer)).total
     candidates = [
@@ -324,7 +333,11 @@ def plan(
     seeds = [
         s
         for s in (
-            frugal(lambda c: c.plan.grad_accum_steps == max(x.plan.grad_accum_steps for x in candidates)),
+            frugal(
+                lambda c: (
+                    c.plan.grad_accum_steps == max(x.plan.grad_accum_steps for x in candidates)
+                )
+            ),
             frugal(lambda c: c.plan.optimizer_in_backward and c.plan.grad_accum_steps == 1),
         )
         if s is not None
@@ -359,7 +372,9 @@ def plan(
     frontier = [c.plan for c in predicted if c.fits]
 
     if winner is None:
-        closest = min((c for c in predicted if c.peak_bytes is not None), key=lambda c: c.peak_bytes or 0)
+        closest = min(
+            (c for c in predicted if c.peak_bytes is not None), key=lambda c: c.peak_bytes or 0
+        )
         result = PlanResult(
             fits=False,
             plan=closest.plan,

@@ -63,7 +63,7 @@ class TrainingSetup:
         weights = loss_weights(parts, plan.loss_normalization)
         total = None
         fused = plan.optimizer_in_backward
-        for i, (part, weight) in enumerate(zip(parts, weights)):
+        for i, (part, weight) in enumerate(zip(parts, weights, strict=False)):
             last = i == len(parts) - 1
             with self.precision.autocast():
                 out = call_model(self.model, part)
