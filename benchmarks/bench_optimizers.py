@@ -7,9 +7,9 @@ with fixed random gradients -- and the script prints a markdown table:
 * ``step ms``: median wall time of ``optimizer.step()`` after warm-up steps;
 * ``vs torch foreach``: that time over torch AdamW (foreach=True) measured in the same run;
 * ``state B/param``: :func:`memfit.optim.state_bytes` over the parameter count;
-* ``peak extra B/param``: growth of the process's peak RSS from just before the optimizer is
-  created to the end of the timed steps (state plus step temporaries), over the parameter
-  count.
+* ``peak extra B/param``: the process's peak RSS at the end of the timed steps minus its RSS
+  just before the optimizer was created (so: state plus the largest step temporaries), over
+  the parameter count.
 
 Usage::
 
@@ -99,6 +99,15 @@ def make_params(total: int, seed: int = 0) -> list[torch.nn.Parameter]:
     return params
 
 
+def current_rss_bytes() -> int:
+    """Resident set size now (Linux); falls back to the peak elsewhere."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return peak_rss_bytes()
+
+
 def peak_rss_bytes() -> int:
     # ru_maxrss is in KiB on Linux (bytes on macOS).
     scale = 1 if sys.platform == "darwin" else 1024
@@ -118,7 +127,8 @@ def run_worker(name: str, total: int, steps: int, warmup: int) -> dict[str, Any]
     del warm, tiny
     params = make_params(total)
     n = sum(p.numel() for p in params)
-    rss_before = peak_rss_bytes()
+    # The current (not peak) RSS: temporaries of make_params are gone by now.
+    rss_before = current_rss_bytes()
     opt = make_optimizer(name, params)
     for _ in range(warmup):
         opt.step()

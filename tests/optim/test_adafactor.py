@@ -16,8 +16,8 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from transformers.optimization import Adafactor as HFAdafactor
 
-# The two implementations run the same math in the same order except where ours keeps the
-# step size as a tensor (no host sync), which can change the last bit of a few products.
+# Same math; ours folds eps1 into the means, clipping into the step size and keeps the step
+# size as a tensor (no host sync), which changes the last bits of some results.
 RTOL, ATOL = 1e-5, 1e-7
 
 
@@ -68,7 +68,7 @@ def test_matches_transformers_step_by_step(setting: str) -> None:
     for p, q in zip(model.parameters(), twin.parameters(), strict=True):
         for key, value in theirs.state[q].items():
             if isinstance(value, torch.Tensor):
-                torch.testing.assert_close(ours.state[p][key], value, rtol=RTOL, atol=1e-12)
+                torch.testing.assert_close(ours.state[p][key], value, rtol=RTOL, atol=1e-9)
             else:
                 assert ours.state[p][key] == value
 

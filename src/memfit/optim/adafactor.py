@@ -165,26 +165,35 @@ class Adafactor(MemfitOptimizer):
                     lr = rms.clamp(min=eps2) * lr
 
                 beta2t = 1.0 - math.pow(step, group["decay_rate"])
-                update = grad.square().add_(eps1)
+                sq_grad = grad.square()
                 if "exp_avg_sq_row" in state:
                     row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
-                    row.mul_(beta2t).add_(update.mean(dim=-1), alpha=1.0 - beta2t)
-                    col.mul_(beta2t).add_(update.mean(dim=-2), alpha=1.0 - beta2t)
+                    # eps1 is added to the (small) means rather than to every squared gradient:
+                    # the same value up to rounding, one full pass fewer.
+                    row_mean = sq_grad.mean(dim=-1).add_(eps1)
+                    col_mean = sq_grad.mean(dim=-2).add_(eps1)
+                    del sq_grad
+                    row.mul_(beta2t).add_(row_mean, alpha=1.0 - beta2t)
+                    col.mul_(beta2t).add_(col_mean, alpha=1.0 - beta2t)
                     update = _factored_rsqrt(row, col).mul_(grad)
                 else:
                     exp_avg_sq = state["exp_avg_sq"]
-                    exp_avg_sq.mul_(beta2t).add_(update, alpha=1.0 - beta2t)
+                    exp_avg_sq.mul_(beta2t).add_(sq_grad.add_(eps1), alpha=1.0 - beta2t)
+                    del sq_grad
                     update = exp_avg_sq.rsqrt().mul_(grad)
 
-                update.div_((self._rms(update) / group["clip_threshold"]).clamp_(min=1.0))
-                update.mul_(lr)
+                # Clipping and the step size folded into one scalar: one pass over the update.
+                scale = lr / (self._rms(update) / group["clip_threshold"]).clamp_(min=1.0)
                 if beta1 is not None:
                     exp_avg = state["exp_avg"]
-                    exp_avg.mul_(beta1).add_(update, alpha=1.0 - beta1)
-                    update = exp_avg
+                    exp_avg.mul_(beta1).add_(update.mul_(scale), alpha=1.0 - beta1)
+                    update, scale = exp_avg, None
                 if group["weight_decay"] != 0.0:
-                    work.add_(work * (-group["weight_decay"] * lr))
-                work.sub_(update)
+                    work.mul_(1.0 - group["weight_decay"] * lr)
+                if scale is None:
+                    work.sub_(update)
+                else:
+                    work.addcmul_(update, scale, value=-1.0)
                 write_back(param, work)
         return loss
 

@@ -125,7 +125,9 @@ class AdamW8bit(MemfitOptimizer):
                 return False
         return True
 
-    def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any], index: int):
+    def _init_state(
+        self, param: Tensor, state: dict[str, Any], group: dict[str, Any], index: int
+    ) -> None:
         state["step"] = 0
         if self._wants_8bit(param, group, index):
             block = group["block_size"]
