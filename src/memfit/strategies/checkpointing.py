@@ -569,7 +569,10 @@ def apply_checkpointing(
         config: Which mode and blocks; ``mode='none'`` changes nothing.
         estimator: For ``budget``: ``estimator(name, block, args, kwargs) -> bytes`` the block
             keeps when not checkpointed. Default: measured once per input shape with
-            :func:`measure_saved_bytes` (fake tensors, no memory).
+            :func:`measure_saved_bytes` (fake tensors, no memory). ``budget_bytes`` bounds
+            what the blocks keep (an unchecked block its activations, a checkpointed one its
+            input); activations outside the blocks (embeddings, head, loss) are not covered,
+            and during backward one block's recomputation comes on top.
 
     Returns:
         Qualified names of the checkpointed blocks. In ``sqrt`` mode, the heads of the

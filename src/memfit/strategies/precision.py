@@ -371,7 +371,9 @@ class Bf16PureRuntime(PrecisionRuntime):
 
     def step(self, optimizer: Any, max_grad_norm: float | None = None, model: Any = None) -> bool:
         # An optimizer built by the caller may not be wrapped yet (wrapping is idempotent).
-        if hasattr(optimizer, "param_groups"):
+        # A handle over per-parameter optimizers (``optimizers``) is left alone: its
+        # optimizers are wrapped one by one where they are built.
+        if hasattr(optimizer, "param_groups") and not hasattr(optimizer, "optimizers"):
             optimizer = self.wrap_optimizer(optimizer)
         return super().step(optimizer, max_grad_norm, model)
 
