@@ -159,7 +159,8 @@ def _resolve_blocks(
         chosen.update(hits)
     # A block inside another chosen block would be checkpointed twice (nested recomputation):
     # keep the outermost, in module order.
-    names = sorted(chosen, key=[n for n, _ in named].index)
+    order = {n: i for i, (n, _) in enumerate(named)}
+    names = sorted(chosen, key=order.__getitem__)
     outer = [n for n in names if not any(n.startswith(o + ".") for o in names if o != n)]
     return [(n, chosen[n]) for n in outer]
 
