@@ -251,6 +251,56 @@ def plan_command(
         out.print(f"wrote {save}")
 
 
+@bench_app.command("ladder")
+def bench_ladder(
+    json_path: Annotated[
+        Path | None, typer.Option("--json", help="Write the rows as JSON here.")
+    ] = None,
+    model: Annotated[str, typer.Option("--model", "-m", help="Workload SPEC.")] = "bert-large",
+    batch_size: Annotated[int, typer.Option("--batch-size", "-b")] = 32,
+    seq_len: Annotated[int, typer.Option("--seq-len", "-l")] = 128,
+    compute_depth: Annotated[
+        int, typer.Option("--compute-depth", help="Blocks of the reduced model timed on CPU.")
+    ] = 2,
+    compute_seq: Annotated[
+        int,
+        typer.Option("--compute-seq", help="Sequence length of the reduced model timed on CPU."),
+    ] = 32,
+    markdown: Annotated[
+        Path | None, typer.Option("--markdown", help="Write the table as Markdown here.")
+    ] = None,
+) -> None:
+    """Reproduce and extend the published BERT-large strategy ladder."""
+    _quiet_libraries()
+    import json
+
+    from rich.status import Status
+
+    from .bench.ladder import ladder_markdown, ladder_table, run_ladder
+
+    if batch_size < 1 or seq_len < 1:
+        _fail("--batch-size and --seq-len must be whole numbers >= 1")
+    with Status("ladder...", console=err) as status:
+        rows = _run_guarded(
+            run_ladder,
+            model,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            short_seq=max(1, seq_len // 2),
+            compute_depth=compute_depth,
+            compute_seq=compute_seq,
+            progress=lambda msg: status.update(msg),
+        )
+    out.print(ladder_table(rows))
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps([r.to_dict() for r in rows], indent=2) + "\n")
+        out.print(f"wrote {json_path}")
+    if markdown is not None:
+        markdown.write_text(ladder_markdown(rows) + "\n")
+        out.print(f"wrote {markdown}")
+
+
 def _with_progress(description: str, total: int, fn: Any) -> Any:
     """Run ``fn(progress)`` under a progress bar advanced by ``progress(done, total)``."""
     import torch

@@ -1,0 +1,1 @@
+"""Benchmarks shared by the CLI and the benchmarks/ scripts."""

@@ -1,0 +1,233 @@
+"""The strategy ladder: the published BERT-large fine-tuning ladder, reproduced and extended.
+
+Each row is a :class:`~memfit.plan.Plan`. Its peak is measured by a dry run at full scale
+(fake tensors, category by category); its relative compute cost is measured on this CPU at a
+reduced scale (fewer layers, shorter sequences) in the same run, as a ratio to the baseline's
+step time, so recomputation and micro-batching both show.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..plan import Plan
+from ..workload import Workload, load_workload
+
+__all__ = ["LadderRow", "ladder_plans", "run_ladder"]
+
+# The published ladder (chinese-macbert-large, one GPU): GPU memory in GB and time in s.
+PUBLISHED = {
+    "baseline": (15.1, 44),
+    "+ gradient accumulation": (7.5, 122),
+    "+ gradient checkpointing": (7.3, 461),
+    "+ Adafactor": (5.5, 455),
+    "+ freeze body": (3.5, 119),
+    "+ max length 64": (3.4, 110),
+}
+
+
+@dataclass
+class LadderRow:
+    """One rung: a named plan, its measured peak and its relative compute."""
+
+    name: str
+    plan: Plan
+    peak_bytes: int = 0
+    peak_by_category: dict[str, int] | None = None
+    compute_ratio: float = 0.0
+    step_seconds: float = 0.0
+    published: tuple[float, float] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON row: ``name``, ``plan``, ``peak_bytes``, ``peak_by_category``,
+        ``compute_ratio`` (and the published figures where there are any)."""
+        out: dict[str, Any] = {
+            "name": self.name,
+            "plan": self.plan.to_dict(),
+            "peak_bytes": self.peak_bytes,
+            "peak_by_category": self.peak_by_category,
+            "compute_ratio": self.compute_ratio,
+            "step_seconds_reduced_scale": self.step_seconds,
+        }
+        if self.published:
+            out["published_gpu_gb"], out["published_seconds"] = self.published
+        return out
+
+
+def ladder_plans(batch_size: int = 32, short_seq: int = 64) -> list[tuple[str, Plan]]:
+    """The rungs: the published ladder, then each technique it lacks on the baseline, then
+    the best full fine-tune (no freezing, full length, the same effective batch)."""
+    accum = {"micro_batch_size": 1, "grad_accum_steps": batch_size}
+    published = [
+        ("baseline", Plan()),
+        ("+ gradient accumulation", Plan(**accum)),
+        ("+ gradient checkpointing", Plan(**accum, checkpointing="full")),
+        ("+ Adafactor", Plan(**accum, checkpointing="full", optimizer="adafactor")),
+        (
+            "+ freeze body",
+            Plan(**accum, checkpointing="full", optimizer="adafactor", freeze=("body",)),
+        ),
+        (
+            "+ max length 64",
+            Plan(
+                **accum,
+                checkpointing="full",
+                optimizer="adafactor",
+                freeze=("body",),
+                max_seq_len=short_seq,
+            ),
+        ),
+    ]
+    extra = [
+        ("baseline + 8-bit AdamW", Plan(optimizer="adamw8bit")),
+        ("baseline + fused optimizer step", Plan(optimizer_in_backward=True)),
+        ("baseline + foreach off", Plan(optimizer={"name": "adamw", "foreach": False})),
+        ("baseline + bf16-mixed", Plan(precision="bf16-mixed")),
+        ("baseline + bf16-pure", Plan(precision="bf16-pure")),
+        ("baseline + selective checkpointing", Plan(checkpointing="selective")),
+        (
+            "best full fine-tune",
+            Plan(
+                precision="bf16-pure",
+                optimizer="adafactor",
+                optimizer_in_backward=True,
+                checkpointing="full",
+            ),
+        ),
+    ]
+    return published + extra
+
+
+def _peak(workload: Workload, plan: Plan) -> tuple[int, dict[str, int]]:
+    """Full-scale peak from a dry run; accumulation is run with two micro-batches (memory
+    does not grow with more) and the inputs scaled back to the whole batch."""
+    from ..estimate.compose import _reduced
+    from ..estimate.dryrun import dry_run
+
+    small_wl, small_plan, scale = _reduced(workload, plan)
+    report = dry_run(small_wl, small_plan, steps=2)
+    by_cat = dict(report.peak_by_category)
+    by_cat["inputs"] = round(by_cat["inputs"] * scale)
+    return sum(by_cat.values()), by_cat
+
+
+def _step_time(workload: Workload, plan: Plan, steps: int) -> float:
+    from ..estimate.dryrun import measure
+
+    # measure() runs real steps; time them (warm-up step excluded).
+    times: list[float] = []
+    last = [time.perf_counter()]
+
+    def tick(done: int, total: int) -> None:
+        now = time.perf_counter()
+        if done > 1:
+            times.append(now - last[0])
+        last[0] = now
+
+    torch.manual_seed(0)
+    measure(workload, plan, steps=steps + 1, progress=tick)
+    return statistics.median(times)
+
+
+def run_ladder(
+    model: str = "bert-large",
+    *,
+    batch_size: int = 32,
+    seq_len: int = 128,
+    short_seq: int = 64,
+    compute_depth: int = 2,
+    compute_seq: int = 32,
+    compute_steps: int = 2,
+    progress: Callable[[str], None] | None = None,
+) -> list[LadderRow]:
+    """Measure every rung.
+
+    Args:
+        model: Workload SPEC (a preset with a depth knob for the reduced compute scale).
+        batch_size: Effective batch.
+        seq_len: Sequence length.
+        short_seq: The shortened length of the last published rung.
+        compute_depth: Blocks of the reduced model whose step time is measured.
+        compute_seq: Sequence length of the reduced model (the batch stays the same, so
+            micro-batching shows).
+        compute_steps: Timed steps per rung (after one warm-up step).
+        progress: Called with the rung's name as it starts.
+    """
+    say = progress or (lambda msg: None)
+    full = load_workload(model, batch_size, seq_len)
+    small = full.with_depth(compute_depth) if full.scalable and full.with_depth else full
+    small = small.replace(seq_len=min(compute_seq, seq_len))
+    rows = []
+    for name, plan in ladder_plans(batch_size, short_seq):
+        row = LadderRow(name, plan, published=PUBLISHED.get(name))
+        say(f"{name}: dry run at full scale")
+        row.peak_bytes, row.peak_by_category = _peak(full, plan)
+        small_plan = plan
+        if plan.max_seq_len is not None:
+            # Keep the same proportion of the sequence at the reduced scale.
+            small_plan = plan.replace(
+                max_seq_len=max(1, small.seq_len * plan.max_seq_len // seq_len)
+            )
+        say(f"{name}: timing on this CPU at reduced scale")
+        row.step_seconds = _step_time(small, small_plan, compute_steps)
+        rows.append(row)
+    base = rows[0].step_seconds
+    for row in rows:
+        row.compute_ratio = row.step_seconds / base
+    return rows
+
+
+def ladder_table(rows: list[LadderRow]) -> Any:
+    """A rich table of the rungs."""
+    from rich.table import Table
+
+    from ..units import format_bytes
+
+    table = Table(title="Strategy ladder (memfit: dry run at full scale; compute measured on CPU)")
+    table.add_column("strategy")
+    table.add_column("peak", justify="right")
+    for col in ("params", "grads", "state", "acts", "other"):
+        table.add_column(col, justify="right")
+    table.add_column("compute", justify="right")
+    table.add_column("published GPU", justify="right")
+    for row in rows:
+        cats = row.peak_by_category or {}
+        main = ("parameters", "gradients", "optimizer_state", "activations")
+        other = sum(v for k, v in cats.items() if k not in main)
+        pub = f"{row.published[0]} GB, {row.published[1]} s" if row.published else ""
+        table.add_row(
+            row.name,
+            format_bytes(row.peak_bytes),
+            *(format_bytes(cats.get(k, 0)) for k in main),
+            format_bytes(other),
+            f"{row.compute_ratio:.2f}x",
+            pub,
+        )
+    return table
+
+
+def ladder_markdown(rows: list[LadderRow]) -> str:
+    """The same table as Markdown, for the README."""
+    from ..units import format_bytes
+
+    lines = [
+        "| strategy | peak | params | grads | state | activations | other | compute | published GPU |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        cats = row.peak_by_category or {}
+        main = ("parameters", "gradients", "optimizer_state", "activations")
+        other = sum(v for k, v in cats.items() if k not in main)
+        pub = f"{row.published[0]} GB, {row.published[1]} s" if row.published else ""
+        cells = [format_bytes(cats.get(k, 0)) for k in main]
+        lines.append(
+            f"| {row.name} | {format_bytes(row.peak_bytes)} | {' | '.join(cells)} | "
+            f"{format_bytes(other)} | {row.compute_ratio:.2f}x | {pub} |"
+        )
+    return "\n".join(lines)
