@@ -153,7 +153,7 @@ class MemoryReport:
         tl = _downsample(self.timeline, 4000)
         x = np.asarray(tl["op_index"])
         unit, scale = ("GiB", 1024**3) if self.peak_bytes >= 1024**3 else ("MiB", 1024**2)
-        fig, ax = plt.subplots(figsize=(11, 5), dpi=110)
+        fig, ax = plt.subplots(figsize=(12, 5), dpi=110)
         phase = tl["phase"]
         if len(x):
             start = 0
@@ -181,7 +181,7 @@ class MemoryReport:
         from matplotlib.patches import Patch
 
         handles += [Patch(color=c, label=p) for p, c in _PHASE_COLORS.items()]
-        ax.legend(handles=handles[::-1], loc="upper left", fontsize=7, ncol=2)
+        ax.legend(handles=handles[::-1], loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
         ax.set_xlim(x[0] if len(x) else 0, x[-1] if len(x) else 1)
         ax.set_ylim(0, self.peak_bytes / scale * 1.15 or 1)
         fig.tight_layout()

@@ -14,6 +14,7 @@ full depth and returned. Two rules keep the number of memory predictions small:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -289,6 +290,19 @@ def plan(
     budget_bytes, budget_device = parse_budget(budget)
     profile_device = get_device(device) if device else (budget_device or get_device(None))
     base = base or Plan()
+    if (
+        profile_device.name != "cpu"
+        and base.optimizer.foreach is None
+        and base.optimizer.name
+        in (
+            "adamw",
+            "adam",
+            "sgd",
+        )
+    ):
+        # Dry runs happen on CPU, where torch's optimizers default to the per-tensor loop; on a
+        # GPU their default is foreach, which costs a parameter-sized temporary: plan for it.
+        base = base.replace(optimizer=dataclasses.replace(base.optimizer, foreach=True))
 
     say("profiling the workload (FLOPs, activations) on fake tensors")
     profile = profile_workload(workload)
