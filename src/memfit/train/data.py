@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..workload import Batch, WorkloadError
@@ -250,8 +251,11 @@ class TextDataset(torch.utils.data.Dataset):
         streams = [_encode(tokenizer, t) + ([eos] if eos is not None else []) for t in texts]
         if pack:
             streams = [[i for s in streams for i in s]]
-        self.tokens = torch.tensor([i for s in streams for i in s], dtype=torch.long)
-        self.num_tokens = int(self.tokens.numel())
+        # A NumPy array, not a tensor: slicing it runs no torch operation, so a memory tracker
+        # never counts the whole corpus as training memory (on CPU, host memory is the
+        # device's), only the samples that become batches.
+        self.tokens = np.fromiter((i for s in streams for i in s), dtype=np.int64)
+        self.num_tokens = int(self.tokens.size)
         window = seq_len + (1 if label_shift == "data" else 0)
         # (start, end) of each window in self.tokens; windows never cross a stream's end.
         self._spans: list[tuple[int, int]] = []
@@ -274,8 +278,8 @@ class TextDataset(torch.utils.data.Dataset):
         start, end = self._spans[index]
         window = self.tokens[start:end]
         if self.label_shift == "data":
-            return {"input_ids": window[:-1].clone(), "labels": window[1:].clone()}
-        return {"input_ids": window.clone(), "labels": window.clone()}
+            return {"input_ids": _tensor(window[:-1]), "labels": _tensor(window[1:])}
+        return {"input_ids": _tensor(window), "labels": _tensor(window)}
 
     def __repr__(self) -> str:
         return (
@@ -286,6 +290,10 @@ class TextDataset(torch.utils.data.Dataset):
 
 def _encode(tokenizer: Tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text))
+
+
+def _tensor(ids: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(ids.copy())
 
 
 def lengths_of(dataset: Any) -> list[int]:

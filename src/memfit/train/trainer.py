@@ -650,7 +650,11 @@ class Trainer:
         seconds = time.perf_counter() - t0
         report = tracker.report()
         report.meta.update(
-            steps=self.step_count, batch_size=self.batch_size, plan=self.plan.to_dict(), losses=self.losses
+            steps=self.step_count,
+            batch_size=self.batch_size,
+            plan=self.plan.to_dict(),
+            losses=list(self.losses),
+            num_parameters=sum(p.numel() for p in self.model.parameters()),
         )
         if self.progress:
             from rich.console import Console
