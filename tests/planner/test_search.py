@@ -1,0 +1,205 @@
+"""The planner: its pick against exhaustive search, composition accuracy, clear failures."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+import memfit
+from memfit.cli import app
+from memfit.estimate.compose import _reduced, predict_peak
+from memfit.estimate.devices import DEVICES, parse_budget
+from memfit.planner import NothingFits, plan
+from memfit.planner.search import _space
+from memfit.units import GiB
+
+# A GPT-2 with six blocks, small enough to run for real: deep enough to be composed from
+# depth-2 and depth-3 profiles.
+CONFIG = {
+    "model_type": "gpt2",
+    "architectures": ["GPT2LMHeadModel"],
+    "n_embd": 64,
+    "n_layer": 6,
+    "n_head": 2,
+    "vocab_size": 512,
+    "n_positions": 128,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+}
+
+
+@pytest.fixture(scope="module")
+def workload(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cfg") / "config.json"
+    path.write_text(json.dumps(CONFIG))
+    return memfit.load_workload(str(path), 8, 64)
+
+
+@pytest.mark.parametrize(
+    "p",
+    [
+        memfit.Plan(),
+        memfit.Plan(grad_accum_steps=4),
+        memfit.Plan(checkpointing="full", precision="bf16-mixed"),
+        memfit.Plan(checkpointing="selective", optimizer_in_backward=True),
+        memfit.Plan(grad_accum_steps=2, optimizer="adafactor", precision="bf16-pure"),
+    ],
+    ids=["plain", "accum", "full-bf16", "selective-fused", "accum-adafactor-pure"],
+)
+def test_composed_prediction_matches_a_full_dry_run(workload, p):
+    pred = predict_peak(workload, p)
+    assert pred.method == "composed"
+    full = memfit.dry_run(workload, p, steps=2)
+    assert abs(pred.peak_bytes - full.peak_bytes) <= 0.05 * full.peak_bytes
+
+
+def test_reduced_accumulation_run_matches_the_full_one(workload):
+    p = memfit.Plan(grad_accum_steps=8)
+    small_wl, small_plan, scale = _reduced(workload, p)
+    assert small_plan.grad_accum_steps == 2 and small_wl.batch_size == 2
+    small = memfit.dry_run(small_wl, small_plan)
+    full = memfit.dry_run(workload, p)
+    by_cat = dict(small.peak_by_category)
+    by_cat["inputs"] = round(by_cat["inputs"] * scale)
+    assert abs(sum(by_cat.values()) - full.peak_bytes) <= 0.01 * full.peak_bytes
+
+
+FORBID = ("foreach-off", "mixed-precision")  # keeps the exhaustive space small
+
+
+def _cost_and_peaks(workload, result):
+    """Exhaustive search: the memory of every candidate in the space, by the same predictor."""
+    from memfit.estimate.cost import profile_workload, step_cost
+    from memfit.estimate.devices import get_device
+
+    device = get_device(result.device)
+    profile = profile_workload(workload)
+    # On a GPU profile the planner plans for torch's GPU default, foreach AdamW.
+    base = memfit.Plan(optimizer={"name": "adamw", "foreach": True})
+    rows = []
+    for p, _ in _space(workload, base, (), FORBID, device):
+        t = step_cost(profile, p, device, batch_size=workload.batch_size).total
+        rows.append((t, predict_peak(workload, p).peak_bytes, p))
+    return rows
+
+
+@pytest.mark.slow
+def test_pick_is_the_fastest_that_fits_by_exhaustive_search_and_runs_under_the_cap(workload):
+    plain = memfit.dry_run(workload, memfit.Plan()).peak_bytes
+    budget = int(plain * 0.6)
+    result = plan(workload, budget, device="a100", forbid=FORBID)
+    assert result.fits and result.predicted_peak_bytes <= budget
+    rows = _cost_and_peaks(workload, result)
+    fitting = [t for t, peak, _ in rows if peak <= budget]
+    best = min(fitting)
+    chosen = next(t for t, _, p in rows if p == result.plan)
+    assert chosen <= 1.10 * best
+    # Executed for real under a virtual cap of the budget, it fits, and measures within 5%.
+    real = memfit.measure(workload, result.plan, steps=2, cap=budget)
+    assert real.peak_bytes <= budget
+    assert abs(real.peak_bytes - result.predicted_peak_bytes) <= 0.05 * real.peak_bytes
+
+
+def test_plan_fits_a_small_budget_and_turns_techniques_on(workload):
+    plain = memfit.dry_run(workload, memfit.Plan()).peak_bytes
+    result = plan(workload, int(plain * 0.6), device="a100")
+    assert result.fits
+    assert result.plan != memfit.Plan()
+    assert result.frontier[0] == result.plan
+    d = result.to_dict()
+    for key in (
+        "fits",
+        "plan",
+        "predicted_peak_bytes",
+        "predicted_peak_by_category",
+        "predicted_step_time_ratio",
+        "candidates",
+    ):
+        assert key in d
+    real = memfit.measure(workload, result.plan, steps=2, cap=int(plain * 0.6))
+    assert abs(real.peak_bytes - result.predicted_peak_bytes) <= 0.05 * real.peak_bytes
+
+
+def test_nothing_fits_names_the_smallest_peak(workload):
+    with pytest.raises(NothingFits) as info:
+        plan(workload, 1000, device="a100")
+    msg = str(info.value)
+    assert "smallest peak reachable" in msg and "--allow" in msg
+    assert info.value.result.predicted_peak_bytes > 1000
+
+
+def test_budgets():
+    assert parse_budget("4GiB") == (4 * GiB, None)
+    assert parse_budget("4096MiB")[0] == 4 * GiB
+    size, dev = parse_budget("t4")
+    assert dev is DEVICES["t4"] and size == dev.memory_bytes - dev.reserve_bytes
+    for bad, match in (("lots", "not understood"), ("0", "positive"), ("-2GiB", "not understood")):
+        with pytest.raises(ValueError, match=match):
+            parse_budget(bad)
+
+
+def test_allow_and_forbid_are_checked(workload):
+    with pytest.raises(ValueError, match="--allow value 'quantum'"):
+        plan(workload, "1GiB", allow=["quantum"])
+    with pytest.raises(ValueError, match="--forbid value"):
+        plan(workload, "1GiB", forbid=["everything"])
+
+
+runner = CliRunner()
+
+
+def test_cli_plan_json(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(CONFIG))
+    js = tmp_path / "plan.json"
+    res = runner.invoke(
+        app,
+        [
+            "plan",
+            "--model",
+            str(path),
+            "-b",
+            "8",
+            "-l",
+            "64",
+            "--budget",
+            "20MiB",
+            "--device",
+            "a100",
+            "--json",
+            str(js),
+            "--save",
+            str(tmp_path / "p.yaml"),
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    data = json.loads(js.read_text())
+    assert data["fits"] is True and data["predicted_peak_bytes"] <= 20 * 2**20
+    loaded = memfit.Plan.load(tmp_path / "p.yaml")
+    assert loaded.to_dict() == data["plan"]
+    # The saved plan applies in `memfit profile --plan`.
+    res = runner.invoke(
+        app,
+        ["profile", "--model", str(path), "-b", "8", "-l", "64", "--dry-run", "--plan", str(js)],
+    )
+    assert res.exit_code == 0, res.output
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (["--budget", "0"], "positive"),
+        (["--budget", "4 parsecs"], "not understood"),
+        (["--budget", "1GiB", "--allow", "magic"], "does not exist"),
+        (["--budget", "1KiB"], "Nothing fits"),
+        (["--model", "bert-huge", "--budget", "1GiB"], "names nothing"),
+    ],
+)
+def test_cli_plan_bad_input(args, match):
+    if "--model" not in args:
+        args = ["--model", "gpt2-tiny", *args]
+    res = runner.invoke(app, ["plan", "-b", "4", "-l", "16", "--device", "a100", *args])
+    assert res.exit_code == 2, res.output
+    assert match in res.output and "Traceback" not in res.output
