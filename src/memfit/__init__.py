@@ -20,8 +20,11 @@ __all__ = [
     "PRESETS",
     "MemoryReport",
     "MemoryTracker",
+    "NothingFits",
     "Plan",
     "PlanError",
+    "PlanResult",
+    "Trainer",
     "Workload",
     "WorkloadError",
     "__version__",
@@ -32,6 +35,8 @@ __all__ = [
     "measure",
     "optimizer_in_backward",
     "parse_size",
+    "plan",
+    "prepare",
     "track",
 ]
 
@@ -41,7 +46,22 @@ _LAZY = {
     "measure": ("memfit.estimate.dryrun", "measure"),
     "apply_plan": ("memfit.strategies.compose", "apply_plan"),
     "optimizer_in_backward": ("memfit.strategies.fused_step", "optimizer_in_backward"),
+    "Trainer": ("memfit.train", "Trainer"),
+    "prepare": ("memfit.train", "prepare"),
+    "PlanResult": ("memfit.planner", "PlanResult"),
+    "NothingFits": ("memfit.planner", "NothingFits"),
 }
+
+
+def plan(workload: Any, budget: int | str, **kwargs: Any) -> Any:
+    """Find the fastest plan whose peak fits ``budget``: see :func:`memfit.planner.plan`.
+
+    ``workload`` is a :class:`Workload` or a SPEC (then pass ``batch_size`` and ``seq_len``).
+    The name shadows the ``memfit.plan`` module on purpose: ``memfit.Plan`` is the class.
+    """
+    from .planner import plan as _plan
+
+    return _plan(workload, budget, **kwargs)
 
 
 def __getattr__(name: str) -> Any:

@@ -336,6 +336,16 @@ def _print_report(report: Any) -> None:
     out.print(f"peak: [bold]{format_bytes(report.peak_bytes)}[/]", highlight=False)
 
 
+def _register_train() -> None:
+    # The train command lives with the trainer (memfit/train/command.py); the CLI only names it.
+    from .train.command import train
+
+    app.command("train")(train)
+
+
+_register_train()
+
+
 def main() -> None:
     """Entry point of the ``memfit`` command."""
     try:

@@ -246,9 +246,11 @@ def _dominated(rank: tuple[int, ...], misfits: list[tuple[int, ...]]) -> bool:
 
 
 def plan(
-    workload: Workload,
+    workload: Workload | str,
     budget: int | str,
     *,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
     allow: Iterable[str] = (),
     forbid: Iterable[str] = (),
     base: Plan | None = None,
@@ -259,7 +261,7 @@ def plan(
     """Find the fastest plan whose peak fits ``budget``.
 
     Args:
-        workload: The workload at its full batch and sequence length.
+        workload: The workload at its full batch and sequence length, or a SPEC.
         budget: Bytes, a size string (``4GiB``) or a device name (``t4``).
         allow: Techniques that change training and need consent: ``freeze``,
             ``shorter-seq``, ``8bit``, ``factored``, ``bf16-pure``.
@@ -270,6 +272,8 @@ def plan(
             one, else the current device; ``cpu`` is measured here).
         max_predictions: Most memory predictions before giving the best found.
         progress: Called with a short message as the search advances.
+        batch_size: With a SPEC: samples per optimizer step (default 8).
+        seq_len: With a SPEC: tokens per sample (default 128).
 
     Returns:
         The :class:`PlanResult`.
@@ -285,6 +289,10 @@ def plan(
 
     started = time.perf_counter()
     say = progress or (lambda msg: None)
+    if isinstance(workload, str):
+        from ..workload import load_workload
+
+        workload = load_workload(workload, batch_size or 8, seq_len or 128)
     allow = _check_names(allow, ALLOW, "--allow")
     forbid = _check_names(forbid, FORBID, "--forbid")
     budget_bytes, budget_device = parse_budget(budget)
