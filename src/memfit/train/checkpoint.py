@@ -233,8 +233,9 @@ def load_checkpoint(
     missing, unexpected = load_model(model, str(p / MODEL_FILE), strict=False, device=str(device))
     if missing or unexpected:
         raise ValueError(
-            f"checkpoint {str(p)!r} does not match the model (missing {missing[:4]}, unexpected "
-            f"{unexpected[:4]}); build the model the same way as the run that saved it"
+            f"checkpoint {str(p)!r} does not match the model (missing {sorted(missing)[:4]}, "
+            f"unexpected {sorted(unexpected)[:4]}); build the model the same way as the run that "
+            "saved it"
         )
     # weights_only=False: the state holds RNG states (a NumPy tuple) and plain Python data
     # that this process wrote itself.

@@ -188,13 +188,14 @@ class OOMFallback:
         """The plan in force."""
         return self.setup.plan
 
-    def next_plan(self, batch_size: int) -> Plan | None:
-        """The plan to try after the current one ran out of memory (``None``: none left)."""
+    def next_plan(self, batch_size: int, after: Plan | None = None) -> Plan | None:
+        """The plan to try after ``after`` (default: the current plan) ran out of memory, or
+        ``None`` when none is left."""
         while self._pending:
             candidate = self._pending.pop(0)
             if candidate != self.plan:
                 return candidate
-        return step_down(self.plan, batch_size)
+        return step_down(after or self.plan, batch_size)
 
     def step(self, batch: Batch) -> torch.Tensor:
         """One optimizer step on ``batch``, stepping down as often as needed.
@@ -206,31 +207,45 @@ class OOMFallback:
         bs = self.batch_size or batch_size_of(batch)
         while True:
             rng = rng_state()
-            started = _StepWatch()
+            watch = _StepWatch()
+            message = None
             try:
-                with started:
+                with watch:
                     loss = self.setup.step(batch)
             except torch.OutOfMemoryError as e:
                 message = str(e).strip().splitlines()[0] if str(e).strip() else "out of memory"
-                del e  # the traceback holds the failed attempt's tensors
-                self._free()
-                if started.stepped:
-                    raise torch.OutOfMemoryError(
-                        f"{message} The optimizer had already updated parameters when memory "
-                        "ran out, so the step cannot be redone exactly; choose a plan with "
-                        "less optimizer-step memory (foreach off, a lighter optimizer)."
-                    ) from None
-                nxt = self.next_plan(bs)
-                if nxt is None:
-                    raise torch.OutOfMemoryError(
-                        f"{message} No smaller plan is left (micro-batch 1 with full "
-                        "checkpointing); raise the budget or choose a lighter plan."
-                    ) from None
-                self._switch(nxt, message)
-                restore_rng_state(rng)
-                continue
-            self.steps += 1
-            return loss
+            if message is None:
+                self.steps += 1
+                return loss
+            # Outside the except block: the exception's traceback, which holds the failed
+            # attempt's tensors, is gone, so collecting now frees them.
+            self._free()
+            if watch.stepped:
+                raise torch.OutOfMemoryError(
+                    f"{message} The optimizer had already updated parameters when memory ran "
+                    "out, so the step cannot be redone exactly; choose a plan with less "
+                    "optimizer-step memory (foreach off, a lighter optimizer)."
+                )
+            if not self._step_down(bs, message):
+                raise torch.OutOfMemoryError(
+                    f"{message} No smaller plan is left (micro-batch 1 with full "
+                    "checkpointing); raise the budget or choose a lighter plan."
+                )
+            restore_rng_state(rng)
+
+    def _step_down(self, batch_size: int, message: str) -> bool:
+        """Switch to the next plan that can be applied; ``False`` when none is left."""
+        candidate = self.next_plan(batch_size)
+        while candidate is not None:
+            try:
+                self._switch(candidate, message)
+                return True
+            except ValueError as e:
+                # A plan this model cannot take (checkpointing a model without repeated
+                # blocks): go on down the frontier from it.
+                self.log(f"cannot step down to {candidate.summary()}: {e}")
+                candidate = self.next_plan(batch_size, after=candidate)
+        return False
 
     def _switch(self, plan: Plan, message: str) -> None:
         old = self.plan

@@ -459,11 +459,9 @@ class Trainer:
         for name, value in (("eval_every", eval_every), ("checkpoint_every", checkpoint_every)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a whole number >= 1 or None, got {value!r}")
-        plan = plan or Plan()
-        if lr is not None:
-            import dataclasses
-
-            plan = plan.replace(optimizer=dataclasses.replace(plan.optimizer, lr=float(lr)))
+        plan = _with_lr(plan or Plan(), lr)
+        # The learning rate is the run's, whichever plan a step-down moves to.
+        fallback_plans = None if fallback_plans is None else [_with_lr(p, lr) for p in fallback_plans]
         self.workload = workload_or_model if isinstance(workload_or_model, Workload) else None
         torch.manual_seed(seed)
         if self.workload is not None:
@@ -621,7 +619,11 @@ class Trainer:
         device = _device_of(self.model)
         tokens, checkpoint, start_step = 0, None, self.step_count
         t0 = time.perf_counter()
-        with track(self.model, self.optimizer, cap=self.cap) as tracker, bar:
+        with (
+            track(self.model, self.optimizer, cap=self.cap) as tracker,
+            _collectable_saved_tensors(tracker),
+            bar,
+        ):
             while self.step_count < self.max_steps:
                 indices, batch = self.stream.next_batch()
                 batch = _to_device(batch, device)
@@ -690,6 +692,34 @@ class Trainer:
                 max_steps=self.max_steps,
                 start_step=self.step_count,
             )
+
+
+def _with_lr(plan: Plan, lr: float | None) -> Plan:
+    if lr is None:
+        return plan
+    import dataclasses
+
+    return plan.replace(optimizer=dataclasses.replace(plan.optimizer, lr=float(lr)))
+
+
+def _collectable_saved_tensors(tracker: Any) -> Any:
+    """Saved-tensor hooks that count activations as the tracker's do, but save a detached alias.
+
+    The tracker's own pack hook returns the very tensor it is given. For a tensor that is the
+    output of the op saving it, that is a reference cycle through autograd's C++ graph that
+    Python's collector cannot see: normally backward breaks it, but a forward that never
+    reaches backward (one that ran out of memory) would keep its activations for good, and the
+    step-down would fail again on the leaked memory. A detached alias shares the storage and the
+    version counter, so autograd and the tracker see the same bytes, without the cycle.
+    (Workaround until the tracker's own hook does this; innermost hooks win, so the tracker's
+    is not called twice.)
+    """
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        tracker.label(t, "activations")
+        return t.detach()
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
 
 def _device_of(model: nn.Module) -> torch.device:

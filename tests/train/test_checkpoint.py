@@ -1,0 +1,146 @@
+"""Checkpoints: tied weights in safetensors, crash safety, pruning, bit-exact resume."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from memfit.plan import Plan
+from memfit.train import Trainer
+from memfit.train import checkpoint as ckpt
+from memfit.train.checkpoint import (
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
+
+from ._helpers import params, text_dataset, tiny_gpt2
+
+
+def _trained(seed: int = 0):
+    model = tiny_gpt2(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.randint(0, 259, (2, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return model, opt
+
+
+def test_tied_weights_round_trip(tmp_path):
+    model, opt = _trained()
+    assert model.lm_head.weight is model.transformer.wte.weight  # GPT-2 ties them
+    path = save_checkpoint(tmp_path, 1, model, opt)
+    fresh = tiny_gpt2(seed=1)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    state = load_checkpoint(path, fresh, fresh_opt)
+    assert state["step"] == 1
+    for name, p in model.state_dict().items():
+        assert torch.equal(p, fresh.state_dict()[name]), name
+    assert fresh.lm_head.weight is fresh.transformer.wte.weight  # still tied after loading
+    for a, b in zip(opt.state.values(), fresh_opt.state.values()):
+        assert torch.equal(a["exp_avg"], b["exp_avg"])
+
+
+def test_keeps_the_last_k_and_finds_the_latest(tmp_path):
+    model, opt = _trained()
+    for step in range(1, 6):
+        save_checkpoint(tmp_path, step, model, opt, keep=3)
+    assert [p.name for p in list_checkpoints(tmp_path)] == [
+        "step-00000003",
+        "step-00000004",
+        "step-00000005",
+    ]
+    assert latest_checkpoint(tmp_path).name == "step-00000005"
+    save_checkpoint(tmp_path, 5, model, opt, keep=3)  # re-saving a step replaces it
+    assert len(list_checkpoints(tmp_path)) == 3
+    assert latest_checkpoint(tmp_path / "none") is None
+
+
+def test_crash_mid_write_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    model, opt = _trained()
+    save_checkpoint(tmp_path, 1, model, opt)
+    before = params(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    real_save = torch.save
+    calls = {"n": 0}
+
+    def crashing_save(obj, f, *args, **kwargs):
+        # The optimizer file is written, then the process "dies" while writing the state.
+        calls["n"] += 1
+        if calls["n"] == 2:
+            with open(f, "wb") as fh:
+                fh.write(b"half a file")
+            raise KeyboardInterrupt("simulated crash")
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt.torch, "save", crashing_save)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, 2, model, opt)
+    monkeypatch.undo()
+    assert latest_checkpoint(tmp_path).name == "step-00000001"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]
+    fresh = tiny_gpt2(seed=1)
+    load_checkpoint(tmp_path, fresh)  # the run folder: its latest complete checkpoint
+    for name, p in fresh.named_parameters():
+        assert torch.equal(p, before[name]), name
+
+
+def test_a_killed_write_is_ignored_and_cleaned_up(tmp_path):
+    model, opt = _trained()
+    save_checkpoint(tmp_path, 1, model, opt)
+    # What kill -9 in the middle of a write leaves: a temporary folder with partial files.
+    leftover = tmp_path / ".tmp-step-00000002-999999-deadbeef"
+    leftover.mkdir()
+    (leftover / "model.safetensors").write_bytes(b"\x00" * 10)
+    assert latest_checkpoint(tmp_path).name == "step-00000001"
+    save_checkpoint(tmp_path, 2, model, opt)
+    assert not leftover.exists()
+    assert latest_checkpoint(tmp_path).name == "step-00000002"
+
+
+def test_missing_checkpoint_says_so(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        load_checkpoint(tmp_path, tiny_gpt2())
+
+
+def _trainer(checkpoint_dir, *, resume=False, seed=0):
+    return Trainer(
+        tiny_gpt2(seed=seed, dropout=0.1),  # dropout: the RNG state must be restored too
+        Plan(micro_batch_size=2, grad_accum_steps=2),
+        text_dataset(),
+        batch_size=4,
+        lr=1e-2,
+        warmup_steps=2,
+        max_steps=6,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every=3,
+        keep_checkpoints=5,
+        resume=resume,
+        seed=0,
+        progress=False,
+    )
+
+
+def test_resume_is_bit_exact(tmp_path):
+    run = tmp_path / "run"
+    full = _trainer(run)
+    result = full.fit()
+    assert result.steps == 6
+    # Resume from the step-3 checkpoint in a fresh folder, with a differently initialised model.
+    resumed_dir = tmp_path / "resumed"
+    resumed_dir.mkdir()
+    shutil.copytree(run / "step-00000003", resumed_dir / "step-00000003")
+    resumed = _trainer(resumed_dir, resume=True, seed=123)
+    again = resumed.fit()
+    assert again.steps == 6
+    assert again.losses[:3] == result.losses[:3]  # carried over from the checkpoint
+    assert again.losses[3:] == result.losses[3:]  # recomputed bit for bit
+    for (name, a), b in zip(full.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b), name
+    assert resumed.scheduler.get_last_lr() == full.scheduler.get_last_lr()
