@@ -267,7 +267,10 @@ def _coerce(cls: type, value: Any, short_field: str | None) -> Any:
     if isinstance(value, cls):
         return value
     if isinstance(value, str) and short_field is not None:
-        return cls(**{short_field: value})
+        try:
+            return cls(**{short_field: value})
+        except ValueError as e:
+            raise PlanError(str(e)) from None
     if isinstance(value, Mapping):
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = [k for k in value if k not in names]

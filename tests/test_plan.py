@@ -1,0 +1,88 @@
+"""The Plan: its dict keys, JSON/YAML round trips, and fail-fast validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from memfit import Plan, PlanError
+
+
+def test_dict_has_the_documented_keys_and_nulls():
+    d = Plan().to_dict()
+    for key in (
+        "micro_batch_size",
+        "grad_accum_steps",
+        "checkpointing",
+        "precision",
+        "optimizer",
+        "optimizer_in_backward",
+        "freeze",
+        "max_seq_len",
+        "offload",
+    ):
+        assert key in d
+    assert d["freeze"] == [] and d["max_seq_len"] is None and d["offload"] is None
+
+
+def test_short_forms_and_round_trips(tmp_path):
+    plan = Plan(
+        micro_batch_size=2,
+        grad_accum_steps=4,
+        checkpointing="selective",
+        precision="bf16-mixed",
+        optimizer={"name": "adamw8bit", "lr": 3e-4},
+        freeze=["embeddings"],
+        max_seq_len=64,
+        offload={"optimizer_state": True},
+    )
+    assert plan.checkpointing.mode == "selective" and plan.freeze == ("embeddings",)
+    assert Plan.from_dict(plan.to_dict()) == plan
+    plan.to_json(tmp_path / "p.json")
+    plan.to_yaml(tmp_path / "p.yaml")
+    assert Plan.load(tmp_path / "p.json") == plan
+    assert Plan.load(tmp_path / "p.yaml") == plan
+    assert "micro-batch 2 x 4" in plan.summary() and "max length 64" in plan.summary()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"grad_accum_steps": 0}, "grad_accum_steps"),
+        ({"micro_batch_size": -1}, "micro_batch_size"),
+        ({"checkpointing": "sometimes"}, "checkpointing mode"),
+        ({"checkpointing": "budget"}, "budget_bytes"),
+        ({"precision": "fp8"}, "precision"),
+        ({"optimizer": "adamax"}, "optimizer 'adamax' is not known"),
+        ({"optimizer_in_backward": True, "precision": "fp16-mixed"}, "bf16"),
+        (
+            {"optimizer_in_backward": True, "max_grad_norm": 1.0, "grad_accum_steps": 2},
+            "approx",
+        ),
+        ({"grad_clip_mode": "roughly"}, "grad_clip_mode"),
+        ({"max_seq_len": 0}, "max_seq_len"),
+    ],
+)
+def test_impossible_plans_fail_when_built(kwargs, match):
+    with pytest.raises(PlanError, match=match):
+        Plan(**kwargs)
+
+
+def test_unknown_keys_name_the_known_ones(tmp_path):
+    with pytest.raises(PlanError, match=r"unknown key 'grad_acum_steps'.*grad_accum_steps"):
+        Plan.from_dict({"grad_acum_steps": 2})
+    with pytest.raises(PlanError, match="has no field 'modes'"):
+        Plan.from_dict({"checkpointing": {"modes": "full"}})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("grad_accum_steps: [unclosed\n")
+    with pytest.raises(PlanError, match="cannot be parsed"):
+        Plan.load(bad)
+    with pytest.raises(PlanError, match="does not exist"):
+        Plan.load(tmp_path / "missing.json")
+
+
+def test_plan_json_written_by_memfit_plan_is_accepted(tmp_path):
+    import json
+
+    path = tmp_path / "answer.json"
+    path.write_text(json.dumps({"fits": True, "plan": Plan(grad_accum_steps=2).to_dict()}))
+    assert Plan.load(path).grad_accum_steps == 2
