@@ -41,7 +41,7 @@ def test_tied_weights_round_trip(tmp_path):
     for name, p in model.state_dict().items():
         assert torch.equal(p, fresh.state_dict()[name]), name
     assert fresh.lm_head.weight is fresh.transformer.wte.weight  # still tied after loading
-    for a, b in zip(opt.state.values(), fresh_opt.state.values()):
+    for a, b in zip(opt.state.values(), fresh_opt.state.values(), strict=True):
         assert torch.equal(a["exp_avg"], b["exp_avg"])
 
 
@@ -141,6 +141,6 @@ def test_resume_is_bit_exact(tmp_path):
     assert again.steps == 6
     assert again.losses[:3] == result.losses[:3]  # carried over from the checkpoint
     assert again.losses[3:] == result.losses[3:]  # recomputed bit for bit
-    for (name, a), b in zip(full.model.named_parameters(), resumed.model.parameters()):
+    for (name, a), b in zip(full.model.named_parameters(), resumed.model.parameters(), strict=True):
         assert torch.equal(a, b), name
     assert resumed.scheduler.get_last_lr() == full.scheduler.get_last_lr()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 
 import pytest
@@ -123,15 +124,15 @@ def test_load_text_files_needs_paths():
 def test_packed_windows_predict_every_transition_once():
     tok = ByteTokenizer()
     ds = TextDataset(["abcdefghij", "klmnop"], tok, seq_len=4)
-    stream = tok.encode("abcdefghij") + [258] + tok.encode("klmnop") + [258]
+    stream = [*tok.encode("abcdefghij"), 258, *tok.encode("klmnop"), 258]
     pairs = collections.Counter()
     for i in range(len(ds)):
         s = ds[i]
         assert torch.equal(s["input_ids"], s["labels"])  # the model shifts (Hugging Face)
         assert len(s["input_ids"]) <= 4
         ids = s["input_ids"].tolist()
-        pairs.update(zip(ids[:-1], ids[1:]))
-    assert pairs == collections.Counter(zip(stream[:-1], stream[1:]))
+        pairs.update(itertools.pairwise(ids))
+    assert pairs == collections.Counter(itertools.pairwise(stream))
 
 
 def test_data_shift_windows_are_seq_len_plus_one():
@@ -183,7 +184,7 @@ def test_batch_stream_epochs_are_permutations_and_resumable():
     assert stream.epoch == 1  # crossed into the next epoch
     again = BatchStream(ds, 8, seed=3)
     again.load_state_dict(state)
-    for (idx_a, batch_a), (idx_b, batch_b) in zip(ahead, [again.next_batch() for _ in range(3)]):
+    for (idx_a, batch_a), (idx_b, batch_b) in zip(ahead, [again.next_batch() for _ in range(3)], strict=True):
         assert idx_a == idx_b
         assert torch.equal(batch_a["input_ids"], batch_b["input_ids"])
     assert BatchStream(ds, 8, seed=4).next_batch()[0] != BatchStream(ds, 8, seed=3).next_batch()[0]

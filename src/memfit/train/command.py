@@ -84,6 +84,14 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "corpus_bytes": (int,),
 }
 _PATH_KEYS = ("tokenizer", "checkpoint_dir", "plan")
+_TYPE_NAMES = {
+    str: "a string",
+    int: "a whole number",
+    float: "a number",
+    bool: "true or false",
+    list: "a list",
+    dict: "a mapping",
+}
 
 
 # ---------------------------------------------------------------------------------- config
@@ -123,8 +131,8 @@ def load_config(path: Path | None) -> dict[str, Any]:
             continue
         types = _TYPES[key]
         if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
-            want = " or ".join("list" if t is list else t.__name__ for t in types)
-            raise WorkloadError(f"config key {key!r} must be a {want}, got {value!r}")
+            want = " or ".join(_TYPE_NAMES[t] for t in types if not (t is int and float in types))
+            raise WorkloadError(f"config key {key!r} must be {want}, got {value!r}")
         cfg[key] = value
     base = path.parent
     if cfg["data"] is not None:
@@ -332,7 +340,9 @@ def train(
     _quiet_libraries()
     try:
         settings = _settings(config, max_steps, seed, budget, cap, plan_path, checkpoint_dir)
-        run = _prepare_run(settings, say=lambda m: err.print(f"[dim]{m}[/]", highlight=False))
+        # Planner progress goes to a transient status line: it is noise once a plan is chosen.
+        with err.status("preparing the run") as status:
+            run = _prepare_run(settings, say=lambda m: status.update(str(m)))
     except (WorkloadError, ValueError) as e:
         _fail(str(e))
     _print_plan(out, run)

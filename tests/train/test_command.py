@@ -1,0 +1,122 @@
+"""``memfit train`` end to end, and one clear sentence with exit code 2 for bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from memfit.train.command import DEFAULTS, train
+
+app = typer.Typer()
+app.command("train")(train)
+
+
+@app.command("version")
+def _version() -> None:  # a second command, so "train" stays a subcommand as in memfit's CLI
+    pass
+
+
+runner = CliRunner()
+
+
+def _invoke(*args: str):
+    return runner.invoke(app, ["train", *args])
+
+
+def _one_sentence_error(res, *needles: str) -> None:
+    assert res.exit_code == 2, res.output
+    message = " ".join(res.output.split())
+    assert message.startswith("error:"), message
+    for needle in needles:
+        assert needle in message, message
+    assert "Traceback" not in res.output
+
+
+def test_default_run_quick(tmp_path):
+    out = tmp_path / "run.json"
+    res = _invoke("--max-steps", "3", "--json", str(out))
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    assert data["steps"] == 3
+    for key in ("first_loss", "final_loss", "budget_bytes", "peak_bytes", "plan", "predicted_peak_bytes"):
+        assert key in data
+    assert data["budget_bytes"] == 48 * 2**20
+    assert data["planner"] in ("planner", "dry-run step-down")
+    # The plain plan does not fit the default budget, so the plan turns something on.
+    assert data["plan"] != json.loads(json.dumps(__import__("memfit").Plan().to_dict()))
+    assert data["peak_bytes"] <= data["budget_bytes"]
+    assert "plan (" in res.output and "measured peak" in res.output
+
+
+def _config(tmp_path, **keys) -> str:
+    import yaml
+
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(keys))
+    return str(path)
+
+
+def test_config_trains_a_preset_on_my_files(tmp_path):
+    (tmp_path / "notes.txt").write_text("the quick brown fox jumps over the lazy dog. " * 60)
+    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps({"text": f"row {i} says hi"}) for i in range(50)))
+    out = tmp_path / "run.json"
+    cfg = _config(
+        tmp_path,
+        model="gpt2-tiny",  # vocabulary 1000 in the preset: rebuilt with the byte tokenizer's 259
+        data=["notes.txt", "rows.jsonl"],  # relative to the config file
+        batch_size=4,
+        seq_len=32,
+        max_steps=2,
+        plan={"micro_batch_size": 2, "grad_accum_steps": 2},
+        eval_fraction=0.1,
+    )
+    res = _invoke("--config", cfg, "--json", str(out))
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    assert data["model"] == "gpt2-tiny" and data["steps"] == 2
+    assert data["planner"] == "given" and data["plan"]["micro_batch_size"] == 2
+    assert len(data["eval_losses"]) == 1
+
+
+@pytest.mark.parametrize(
+    ("keys", "needles"),
+    [
+        ({"data": ["notes.txt"], "max_step": 3}, ["'max_step'", "did you mean 'max_steps'", "batch_size"]),
+        ({"data": ["missing.txt"]}, ["does not exist", "missing.txt"]),
+        ({"data": ["empty.txt"]}, ["is empty"]),
+        ({"data": ["notes.txt"], "batch_size": "eight"}, ["'batch_size' must be a whole number"]),
+        ({"data": ["notes.txt"], "model": "bert-tiny"}, ["sequence classifier", "causal LM"]),
+        ({"data": ["notes.txt"], "model": "gpt2-tiny", "seq_len": 1000}, ["longer than", "positions"]),
+        ({"data": ["notes.txt"], "budget": "lots"}, ["budget 'lots'"]),
+        ({"data": ["notes.txt"], "tokenizer": "nope.json"}, ["tokenizer file", "does not exist"]),
+    ],
+)
+def test_bad_config_exits_2_with_one_sentence(tmp_path, keys, needles):
+    (tmp_path / "notes.txt").write_text("some text " * 50)
+    (tmp_path / "empty.txt").write_text("")
+    _one_sentence_error(_invoke("--config", _config(tmp_path, **keys)), *needles)
+
+
+def test_missing_config_file_and_bad_flags(tmp_path):
+    _one_sentence_error(_invoke("--config", str(tmp_path / "none.yaml")), "does not exist")
+    _one_sentence_error(_invoke("--max-steps", "0"), "max-steps must be")
+    _one_sentence_error(_invoke("--cap", "tiny", "--max-steps", "1"), "cap")
+
+
+def test_every_default_key_is_documented_in_the_error():
+    # The misspelt-key sentence lists the keys that exist: all of them.
+    assert {"model", "data", "tokenizer", "batch_size", "seq_len", "max_steps", "lr", "budget"} <= set(DEFAULTS)
+
+
+@pytest.mark.slow
+def test_default_run_end_to_end(tmp_path):
+    out = tmp_path / "run.json"
+    res = _invoke("--json", str(out))
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    assert data["steps"] == DEFAULTS["max_steps"]
+    assert data["final_loss"] < data["first_loss"] - 2.0
+    assert data["peak_bytes"] <= data["budget_bytes"]
