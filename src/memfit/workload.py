@@ -152,8 +152,6 @@ def _hf_model_from_config(config: Any, family: str | None = None) -> nn.Module:
     """Build a transformers model with random weights from ``config``."""
     import transformers
 
-    if hasattr(config, "use_cache"):
-        config.use_cache = False  # training keeps no KV cache
     archs = list(getattr(config, "architectures", None) or [])
     if family == "bert":
         return transformers.BertForSequenceClassification(config)
