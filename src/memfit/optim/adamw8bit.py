@@ -32,8 +32,11 @@ class AdamW8bit(MemfitOptimizer):
 
     A step walks each parameter in chunks of ``chunk_size`` elements: decode the chunk's
     moments to fp32, apply the AdamW update, re-encode.  The fp32 temporaries therefore stay
-    bounded by a few chunks (about 1 MiB each at the default size, small enough to stay in
-    cache), whatever the model size; a full fp32 copy of the moments never exists.
+    bounded by a few chunks (by default 256 Ki elements, 1 MiB of fp32, per intra-op thread:
+    each thread's share stays in its cache), whatever the model size; a full fp32 copy of the
+    moments never exists.  Each chunk costs a few dozen element-wise kernels; where the CPU is
+    oversubscribed (other busy processes), every kernel's thread synchronisation gets slow,
+    and a larger ``chunk_size`` (fewer kernels) or fewer torch threads helps.
 
     Small tensors (fewer than ``min_8bit_size`` elements: biases, norms) and parameters named in
     ``keep_32bit`` or flagged with :data:`KEEP_32BIT_ATTR` (see :class:`StableEmbedding`) keep
@@ -55,7 +58,8 @@ class AdamW8bit(MemfitOptimizer):
         keep_32bit: Parameters (tensors) or parameter names (exact, or ``fnmatch`` patterns
             such as ``"*.embed_tokens.weight"``) that keep fp32 state.
         chunk_size: Elements processed at once by the quantised update (rounded down to a
-            multiple of ``block_size``); bounds the temporaries of a step.
+            multiple of ``block_size``); bounds the temporaries of a step.  ``None``: 256 Ki
+            times ``torch.get_num_threads()`` at step time.
 
     Example:
         >>> model = torch.nn.Linear(128, 128)
@@ -73,7 +77,7 @@ class AdamW8bit(MemfitOptimizer):
         block_size: int = 256,
         min_8bit_size: int = 4096,
         keep_32bit: Iterable[str | Tensor] = (),
-        chunk_size: int = 1 << 18,
+        chunk_size: int | None = None,
     ) -> None:
         if lr < 0.0:
             raise ValueError(f"Invalid learning rate: {lr}")
@@ -85,7 +89,7 @@ class AdamW8bit(MemfitOptimizer):
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
-        if chunk_size < block_size:
+        if chunk_size is not None and chunk_size < block_size:
             raise ValueError(f"chunk_size ({chunk_size}) must be >= block_size ({block_size})")
         self._keep_names: list[str] = []
         self._keep_ids: set[int] = set()
@@ -103,8 +107,7 @@ class AdamW8bit(MemfitOptimizer):
             "weight_decay": weight_decay,
             "block_size": block_size,
             "min_8bit_size": min_8bit_size,
-            # A multiple of the block size, so chunks never split a block.
-            "chunk_size": chunk_size - chunk_size % block_size,
+            "chunk_size": chunk_size,
         }
         super().__init__(params, defaults)
         if self._keep_names and not any("param_names" in g for g in self.param_groups):
@@ -182,9 +185,7 @@ class AdamW8bit(MemfitOptimizer):
                     bias_correction2_sqrt=math.sqrt(1.0 - beta2**step),
                 )
                 if "exp_avg_codes" in state:
-                    _update_8bit(
-                        param, grad, state, hyper, group["block_size"], group["chunk_size"]
-                    )
+                    _update_8bit(param, grad, state, hyper, group["block_size"], _chunk(group))
                 else:
                     work = work_copy(param)
                     adamw_math(
@@ -192,6 +193,19 @@ class AdamW8bit(MemfitOptimizer):
                     )
                     write_back(param, work)
         return loss
+
+
+def _chunk(group: dict[str, Any]) -> int:
+    block = group["block_size"]
+    chunk = group["chunk_size"]
+    if chunk is None:
+        # Per-thread share of a chunk constant: ~1 MiB of fp32 per thread and temporary.
+        chunk = _CHUNK_PER_THREAD * torch.get_num_threads()
+    # A multiple of the block size, so chunks never split a block.
+    return max(block, chunk - chunk % block)
+
+
+_CHUNK_PER_THREAD = 1 << 18
 
 
 class _Hyper:
