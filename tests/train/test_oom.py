@@ -148,3 +148,35 @@ def test_nothing_left_raises_after_the_whole_frontier():
     assert [d.to_plan["micro_batch_size"] for d in runner.step_downs] == [2, 1]
     # A model without repeated blocks cannot be checkpointed: those plans are skipped, said so.
     assert any("cannot step down" in m for m in logs)
+
+
+def test_a_fallback_with_another_optimizer_rebuilds_it_and_reattaches_the_schedule(calibration):
+    sgd = Plan(micro_batch_size=4, grad_accum_steps=2, optimizer={"name": "sgd", "lr": 0.1})
+    trainer, result, seen = _run(Plan(), cap=calibration["cap"], fallback_plans=[sgd])
+    assert result.step_downs[0]["rebuilt"] is True
+    assert isinstance(trainer.optimizer, torch.optim.SGD)
+    assert trainer.scheduler.optimizer is trainer.optimizer
+    assert trainer.optimizer.param_groups[0]["initial_lr"] == 1e-2  # the run's lr, not the plan's
+    assert seen == calibration["seen"]
+
+
+def test_resume_keeps_the_stepped_down_plan(calibration, tmp_path):
+    def trainer(resume: bool) -> Trainer:
+        return Trainer(
+            tiny_gpt2(),
+            Plan(),
+            text_dataset(),
+            batch_size=BATCH,
+            max_steps=2 if not resume else 3,
+            cap=calibration["cap"],
+            checkpoint_dir=tmp_path,
+            resume=resume,
+            progress=False,
+        )
+
+    first = trainer(False)
+    assert first.fit().step_downs  # stepped down, then saved at the end
+    again = trainer(True)
+    result = again.fit()
+    assert again.plan.micro_batch_size == 4 and result.step_downs == []  # no second OOM
+    assert result.steps == 3

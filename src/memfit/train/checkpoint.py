@@ -33,6 +33,7 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
+    "read_state",
     "restore_rng_state",
     "rng_state",
     "save_checkpoint",
@@ -194,6 +195,32 @@ def _fsync_dir(path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------- load
+def _resolve(path: str | os.PathLike[str]) -> Path:
+    p = Path(path)
+    if (p / STATE_FILE).is_file():
+        return p
+    latest = latest_checkpoint(p)
+    if latest is None:
+        raise FileNotFoundError(
+            f"no checkpoint at {str(p)!r}; give a step-NNNNNNNN folder or the run folder holding them"
+        )
+    return latest
+
+
+def read_state(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The trainer state of a checkpoint (or of a run folder's latest), touching nothing else.
+
+    Raises:
+        FileNotFoundError: when there is no checkpoint at ``path``.
+    """
+    p = _resolve(path)
+    # weights_only=False: the state holds RNG states (a NumPy tuple) and plain Python data
+    # that memfit wrote itself.
+    state = torch.load(p / STATE_FILE, weights_only=False, map_location="cpu")
+    state["path"] = str(p)
+    return state
+
+
 def load_checkpoint(
     path: str | os.PathLike[str],
     model: nn.Module,
@@ -220,15 +247,8 @@ def load_checkpoint(
     """
     from safetensors.torch import load_model
 
-    p = Path(path)
-    if not (p / STATE_FILE).is_file():
-        latest = latest_checkpoint(p)
-        if latest is None:
-            raise FileNotFoundError(
-                f"no checkpoint at {str(p)!r}; give a step-NNNNNNNN folder or the run folder "
-                "holding them"
-            )
-        p = latest
+    state = read_state(path)
+    p = Path(state["path"])
     device = next((t.device for t in model.parameters()), torch.device("cpu"))
     missing, unexpected = load_model(model, str(p / MODEL_FILE), strict=False, device=str(device))
     if missing or unexpected:
@@ -237,14 +257,10 @@ def load_checkpoint(
             f"unexpected {sorted(unexpected)[:4]}); build the model the same way as the run that "
             "saved it"
         )
-    # weights_only=False: the state holds RNG states (a NumPy tuple) and plain Python data
-    # that this process wrote itself.
-    state = torch.load(p / STATE_FILE, weights_only=False, map_location="cpu")
     if optimizer is not None and (p / OPTIMIZER_FILE).is_file():
         optimizer.load_state_dict(torch.load(p / OPTIMIZER_FILE, weights_only=False, map_location=device))
     if scheduler is not None and state.get("scheduler") is not None:
         scheduler.load_state_dict(state["scheduler"])
     if restore_rng and state.get("rng") is not None:
         restore_rng_state(state["rng"])
-    state["path"] = str(p)
     return state

@@ -42,10 +42,10 @@ DEFAULTS: dict[str, Any] = {
     "tokenizer": None,  # None: the byte tokenizer
     "batch_size": 16,
     "seq_len": 128,
-    "max_steps": 60,
-    "lr": 3e-3,
+    "max_steps": 300,
+    "lr": 1e-3,
     "schedule": "cosine",
-    "warmup_steps": 5,
+    "warmup_steps": 10,
     "budget": "48MiB",
     "cap": None,
     "seed": 0,

@@ -30,7 +30,7 @@ from ..accounting import MemoryReport, track
 from ..plan import Plan
 from ..strategies.compose import TrainingSetup, apply_plan
 from ..workload import Batch, Workload, WorkloadError, split_batch
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import latest_checkpoint, load_checkpoint, read_state, save_checkpoint
 from .data import BatchStream, collate
 from .oom import OOMFallback, switch_plan
 
@@ -574,9 +574,7 @@ class Trainer:
 
     def load(self, path: str | Path) -> None:
         """Continue from a checkpoint: weights, optimizer, schedule, RNG, data position, plan."""
-        import torch as _torch
-
-        state = _torch.load(Path(path) / "state.pt", weights_only=False, map_location="cpu")
+        state = read_state(path)
         saved_plan = Plan.from_dict(state["plan"])
         if saved_plan != self.plan:
             # The run had stepped down: go on with the plan that fitted.
