@@ -28,6 +28,7 @@ def tiny_gpt2(seed: int = 0, *, dropout: float = 0.0, n_embd: int = 32, n_layer:
         attn_pdrop=dropout,
         bos_token_id=258,
         eos_token_id=258,
+        use_cache=False,
     )
     torch.manual_seed(seed)
     model = transformers.GPT2LMHeadModel(config)

@@ -150,14 +150,34 @@ def test_nothing_left_raises_after_the_whole_frontier():
     assert any("cannot step down" in m for m in logs)
 
 
-def test_a_fallback_with_another_optimizer_rebuilds_it_and_reattaches_the_schedule(calibration):
-    sgd = Plan(micro_batch_size=4, grad_accum_steps=2, optimizer={"name": "sgd", "lr": 0.1})
-    trainer, result, seen = _run(Plan(), cap=calibration["cap"], fallback_plans=[sgd])
-    assert result.step_downs[0]["rebuilt"] is True
-    assert isinstance(trainer.optimizer, torch.optim.SGD)
+def test_fallbacks_that_keep_the_optimizer_come_first():
+    sgd = Plan(optimizer={"name": "sgd"})
+    swappable = Plan(micro_batch_size=2, grad_accum_steps=4)
+    runner = OOMFallback(apply_plan(tiny_gpt2(), Plan()), fallback_plans=[sgd, swappable])
+    assert runner.next_plan(8) == swappable
+    assert runner.next_plan(8) == Plan(micro_batch_size=4, grad_accum_steps=2)  # step_down
+    frugal = Plan(micro_batch_size=1, grad_accum_steps=8, checkpointing="full")
+    assert runner.next_plan(8, after=frugal) == sgd  # only once step_down is exhausted
+    assert runner.next_plan(8, after=frugal) is None
+
+
+def test_a_fallback_with_another_optimizer_rebuilds_it_and_reattaches_the_schedule():
+    # The most frugal plan step_down knows, then one with another precision: switching to it
+    # needs a new optimizer. SGD keeps the peak in forward/backward, where a step can be redone.
+    frugal = Plan(
+        micro_batch_size=1, grad_accum_steps=8, checkpointing="full", optimizer={"name": "sgd"}
+    )
+    mixed = frugal.replace(precision="bf16-mixed")
+    _, fp32_run, seen_fp32 = _run(frugal)
+    _, mixed_run, _ = _run(mixed)
+    assert mixed_run.peak_bytes < fp32_run.peak_bytes
+    cap = (fp32_run.peak_bytes + mixed_run.peak_bytes) // 2
+    trainer, result, seen = _run(frugal, cap=cap, fallback_plans=[mixed])
+    assert [d["rebuilt"] for d in result.step_downs] == [True]
+    assert trainer.plan.precision.mode == "bf16-mixed"
     assert trainer.scheduler.optimizer is trainer.optimizer
-    assert trainer.optimizer.param_groups[0]["initial_lr"] == 1e-2  # the run's lr, not the plan's
-    assert seen == calibration["seen"]
+    assert trainer.optimizer.param_groups[0]["initial_lr"] == 1e-2  # the run's lr
+    assert seen == seen_fp32
 
 
 def test_resume_keeps_the_stepped_down_plan(calibration, tmp_path):

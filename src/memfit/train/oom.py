@@ -154,9 +154,9 @@ class OOMFallback:
     Args:
         setup: The setup to start from.
         batch_size: The effective batch (for :func:`step_down`); default: each batch's size.
-        fallback_plans: An explicit frontier (for example the planner's), tried in order
-            before :func:`step_down` continues from the last of them; plans equal to the
-            current one are skipped.
+        fallback_plans: An explicit frontier (for example the planner's). Those that keep the
+            optimizer are tried first, in order; then :func:`step_down`; the ones that need a
+            new optimizer (state restarts) only after that (see :meth:`next_plan`).
         log: Called with one line per step-down (default: the ``memfit.train`` logger).
         on_switch: Called with ``(setup, rebuilt)`` after each switch (for example to attach
             an LR scheduler to a rebuilt optimizer).
@@ -189,13 +189,25 @@ class OOMFallback:
         return self.setup.plan
 
     def next_plan(self, batch_size: int, after: Plan | None = None) -> Plan | None:
-        """The plan to try after ``after`` (default: the current plan) ran out of memory, or
-        ``None`` when none is left."""
+        """The plan to try after ``after`` (default: the current plan) ran out of memory.
+
+        In this order: the explicit fallback plans that keep the optimizer (they differ only in
+        micro-batching, accumulation, normalisation or checkpointing), in their order; then
+        :func:`step_down`; then, when that is exhausted, the explicit plans that need a new
+        optimizer (its state would restart), in their order. ``None`` when none is left.
+        """
+        base = after or self.plan
+        for i, candidate in enumerate(self._pending):
+            if candidate != base and _changed_fields(self.plan, candidate) <= _SWAPPABLE:
+                return self._pending.pop(i)
+        nxt = step_down(base, batch_size)
+        if nxt is not None:
+            return nxt
         while self._pending:
             candidate = self._pending.pop(0)
-            if candidate != self.plan:
+            if candidate != base:
                 return candidate
-        return step_down(after or self.plan, batch_size)
+        return None
 
     def step(self, batch: Batch) -> torch.Tensor:
         """One optimizer step on ``batch``, stepping down as often as needed.

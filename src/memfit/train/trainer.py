@@ -409,9 +409,10 @@ class Trainer:
         resume: Continue from the latest checkpoint in ``checkpoint_dir``, if there is one.
         cap: Virtual memory cap in bytes: :func:`memfit.track` raises
             ``torch.OutOfMemoryError`` beyond it, like a full GPU; the trainer steps down.
-        fallback_plans: Plans to try, in order, when a step runs out of memory (e.g. the
-            planner's frontier); after them (or without them),
-            :func:`~memfit.train.oom.step_down`.
+        fallback_plans: Plans to try when a step runs out of memory (e.g. the planner's
+            frontier): those that keep the optimizer first, in order, then
+            :func:`~memfit.train.oom.step_down`, then those that need a new optimizer (see
+            :meth:`~memfit.train.oom.OOMFallback.next_plan`).
         seed: Seed of the model's initialisation, the data order and the RNG.
         batch_size: Samples per optimizer step (the effective batch); default 8, or the
             workload's.
