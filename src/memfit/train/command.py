@@ -493,6 +493,12 @@ def _print_result(out: Any, run: Mapping[str, Any], result: Any) -> None:
     )
     for s in result.step_downs:
         out.print(f"stepped down at step {s['step'] + 1}: {s['summary']}", highlight=False)
+    if result.step_downs:
+        out.print(
+            "(the measured peak includes the allocation that ran out of memory, which a real "
+            "device would have refused)",
+            highlight=False,
+        )
 
 
 def _result_json(cfg: Mapping[str, Any], run: Mapping[str, Any], result: Any) -> dict[str, Any]:
