@@ -120,3 +120,22 @@ def test_default_run_end_to_end(tmp_path):
     assert data["steps"] == DEFAULTS["max_steps"]
     assert data["final_loss"] < data["first_loss"] - 2.0
     assert data["peak_bytes"] <= data["budget_bytes"]
+
+
+def test_without_the_planner_dry_runs_step_down_until_the_plan_fits(monkeypatch):
+    import sys
+
+    from memfit.estimate import dry_run
+    from memfit.plan import Plan
+    from memfit.train.command import choose_plan, text_workload
+    from memfit.train.tokenizer import ByteTokenizer
+
+    workload = text_workload("gpt2-tiny", ByteTokenizer(), 8, 32)
+    plain = dry_run(workload, Plan()).peak_bytes
+    monkeypatch.setitem(sys.modules, "memfit.planner", None)  # "import memfit.planner" fails
+    choice = choose_plan(workload, int(plain * 0.8))
+    assert choice.method == "dry-run step-down" and choice.fits
+    assert choice.plan.micro_batch_size is not None  # something was turned on
+    assert choice.predicted_peak_bytes <= plain * 0.8
+    tight = choose_plan(workload, 1)  # nothing fits: the most frugal plan, said so
+    assert not tight.fits and tight.plan.checkpointing.mode == "full"
