@@ -637,16 +637,11 @@ class Trainer:
                 if self.on_step is not None:
                     self.on_step(StepInfo(self.step_count, loss, batch, list(indices), self.plan))
                 del batch
-                last = self.step_count == self.max_steps
-                if self.eval_data is not None and (
-                    last or (self.eval_every and self.step_count % self.eval_every == 0)
-                ):
+                if self._due(self.eval_data is not None, self.eval_every):
                     value = self.evaluate()
                     self.eval_losses.append((self.step_count, value))
                     bar.print(f"step {self.step_count}: eval loss {value:.4f}")
-                if self.checkpoint_dir is not None and (
-                    last or (self.checkpoint_every and self.step_count % self.checkpoint_every == 0)
-                ):
+                if self._due(self.checkpoint_dir is not None, self.checkpoint_every):
                     checkpoint = str(self.save())
         seconds = time.perf_counter() - t0
         report = tracker.report()
@@ -680,6 +675,13 @@ class Trainer:
             seconds=seconds if self.step_count > start_step else 0.0,
             checkpoint=checkpoint,
         )
+
+    def _due(self, enabled: bool, every: int | None) -> bool:
+        """Whether a periodic action (evaluation, checkpoint) runs after this step: every
+        ``every`` steps and after the last one."""
+        if not enabled:
+            return False
+        return self.step_count == self.max_steps or bool(every and self.step_count % every == 0)
 
     def _on_switch(self, setup: TrainingSetup, rebuilt: bool) -> None:
         self.setup = setup
