@@ -326,7 +326,10 @@ class MemoryTracker(TorchDispatchMode):
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         self._register(t, _ACT)
-        return t
+        # A detached alias (same storage) rather than the tensor itself: returning a saved
+        # output as is makes a reference cycle through autograd's graph, and a forward that
+        # never reaches backward (an out-of-memory step) could then never be freed.
+        return t.detach()
 
     def _root_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         # The model's forward starts a forward phase; the tensors it is given are inputs.

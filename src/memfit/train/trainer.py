@@ -188,7 +188,9 @@ class TrainProgress:
             console=self.console,
             transient=False,
         )
-        self._task = self._bar.add_task("train", total=total, completed=start, loss="-", speed="-", mem="-")
+        self._task = self._bar.add_task(
+            "train", total=total, completed=start, loss="-", speed="-", mem="-"
+        )
 
     def __enter__(self) -> TrainProgress:
         if self._bar is not None:
@@ -333,7 +335,9 @@ class _IterableStream:
             try:
                 batch = next(self._it)
             except StopIteration:
-                raise WorkloadError("the training data gave no batch at all; give some data") from None
+                raise WorkloadError(
+                    "the training data gave no batch at all; give some data"
+                ) from None
         self.position += 1
         return [], batch
 
@@ -454,7 +458,9 @@ class Trainer:
         console: Any = None,
     ) -> None:
         if schedule not in SCHEDULES:
-            raise ValueError(f"schedule {schedule!r} is not known; use one of {', '.join(SCHEDULES)}")
+            raise ValueError(
+                f"schedule {schedule!r} is not known; use one of {', '.join(SCHEDULES)}"
+            )
         if not isinstance(max_steps, int) or max_steps < 1:
             raise ValueError(f"max_steps must be a whole number >= 1, got {max_steps!r}")
         for name, value in (("eval_every", eval_every), ("checkpoint_every", checkpoint_every)):
@@ -462,7 +468,9 @@ class Trainer:
                 raise ValueError(f"{name} must be a whole number >= 1 or None, got {value!r}")
         plan = _with_lr(plan or Plan(), lr)
         # The learning rate is the run's, whichever plan a step-down moves to.
-        fallback_plans = None if fallback_plans is None else [_with_lr(p, lr) for p in fallback_plans]
+        fallback_plans = (
+            None if fallback_plans is None else [_with_lr(p, lr) for p in fallback_plans]
+        )
         self.workload = workload_or_model if isinstance(workload_or_model, Workload) else None
         torch.manual_seed(seed)
         if self.workload is not None:
@@ -478,7 +486,9 @@ class Trainer:
             )
         self.batch_size = batch_size or 8
         if train_data is None and self.workload is None:
-            raise ValueError("Trainer needs train_data when given a model (a Workload makes its own batches)")
+            raise ValueError(
+                "Trainer needs train_data when given a model (a Workload makes its own batches)"
+            )
         self.setup: TrainingSetup = apply_plan(self.model, plan, loss_fn=loss_fn)
         self.schedule, self.warmup_steps, self.max_steps = schedule, warmup_steps, max_steps
         self.scheduler = build_scheduler(
@@ -487,7 +497,11 @@ class Trainer:
         self.train_data, self.eval_data = train_data, eval_data
         self.eval_every = eval_every
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
-        self.checkpoint_every, self.keep_checkpoints, self.resume = checkpoint_every, keep_checkpoints, resume
+        self.checkpoint_every, self.keep_checkpoints, self.resume = (
+            checkpoint_every,
+            keep_checkpoints,
+            resume,
+        )
         self.cap, self.fallback_plans, self.seed = cap, fallback_plans, seed
         self.progress, self.on_step, self.report_png = progress, on_step, report_png
         self.collate_fn = collate_fn or collate
@@ -582,7 +596,10 @@ class Trainer:
             self.setup, rebuilt = switch_plan(self.setup, saved_plan)
             if rebuilt:
                 self.scheduler = build_scheduler(
-                    self.optimizer, self.schedule, warmup_steps=self.warmup_steps, max_steps=self.max_steps
+                    self.optimizer,
+                    self.schedule,
+                    warmup_steps=self.warmup_steps,
+                    max_steps=self.max_steps,
                 )
         state = load_checkpoint(path, self.model, self.optimizer, scheduler=self.scheduler)
         self.stream.load_state_dict(state.get("data") or {})
@@ -620,7 +637,6 @@ class Trainer:
         t0 = time.perf_counter()
         with (
             track(self.model, self.optimizer, cap=self.cap) as tracker,
-            _collectable_saved_tensors(tracker),
             bar,
         ):
             while self.step_count < self.max_steps:
@@ -633,7 +649,13 @@ class Trainer:
                 self.losses.append(loss)
                 tokens += _count_tokens(batch)
                 elapsed = time.perf_counter() - t0
-                bar.update(self.step_count, loss, tokens / max(elapsed, 1e-9), tracker.live_bytes, tracker.peak_bytes)
+                bar.update(
+                    self.step_count,
+                    loss,
+                    tokens / max(elapsed, 1e-9),
+                    tracker.live_bytes,
+                    tracker.peak_bytes,
+                )
                 if self.on_step is not None:
                     self.on_step(StepInfo(self.step_count, loss, batch, list(indices), self.plan))
                 del batch
@@ -701,26 +723,6 @@ def _with_lr(plan: Plan, lr: float | None) -> Plan:
     import dataclasses
 
     return plan.replace(optimizer=dataclasses.replace(plan.optimizer, lr=float(lr)))
-
-
-def _collectable_saved_tensors(tracker: Any) -> Any:
-    """Saved-tensor hooks that count activations as the tracker's do, but save a detached alias.
-
-    The tracker's own pack hook returns the very tensor it is given. For a tensor that is the
-    output of the op saving it, that is a reference cycle through autograd's C++ graph that
-    Python's collector cannot see: normally backward breaks it, but a forward that never
-    reaches backward (one that ran out of memory) would keep its activations for good, and the
-    step-down would fail again on the leaked memory. A detached alias shares the storage and the
-    version counter, so autograd and the tracker see the same bytes, without the cycle.
-    (Workaround until the tracker's own hook does this; innermost hooks win, so the tracker's
-    is not called twice.)
-    """
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        tracker.label(t, "activations")
-        return t.detach()
-
-    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
 
 def _device_of(model: nn.Module) -> torch.device:
