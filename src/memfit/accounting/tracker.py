@@ -125,8 +125,12 @@ class MemoryTracker(TorchDispatchMode):
         self._pack_fn = self._pack  # one bound method, to recognise our hook on the stack
 
     # ------------------------------------------------------------------ storage records
-    def _register(self, t: torch.Tensor, cat: int) -> int | None:
-        """Record ``t``'s storage if new (with category ``cat``); return its record index."""
+    def _register(self, t: torch.Tensor, cat: int, promote: bool = True) -> int | None:
+        """Record ``t``'s storage if new (with category ``cat``); return its record index.
+
+        A storage already known takes ``cat`` if it is more specific than its own, unless
+        ``promote`` is false (an op's output that is a view of a known storage is no news).
+        """
         try:
             st = t.untyped_storage()
         except (RuntimeError, NotImplementedError, TypeError):
@@ -134,7 +138,7 @@ class MemoryTracker(TorchDispatchMode):
         key = st._cdata
         idx = self._live.get(key)
         if idx is not None:
-            if cat < self._cat[idx]:
+            if promote and cat < self._cat[idx]:
                 self._cat[idx] = cat
             return idx
         if t.is_meta:
@@ -205,15 +209,15 @@ class MemoryTracker(TorchDispatchMode):
                         self._see_input(x)
         first_new = len(self._nbytes)
         if isinstance(out, torch.Tensor):
-            self._register(out, _TEMP)
+            self._register(out, _TEMP, False)
         elif isinstance(out, (list, tuple)):
             for x in out:
                 if isinstance(x, torch.Tensor):
-                    self._register(x, _TEMP)
+                    self._register(x, _TEMP, False)
                 elif isinstance(x, (list, tuple)):
                     for y in x:
                         if isinstance(y, torch.Tensor):
-                            self._register(y, _TEMP)
+                            self._register(y, _TEMP, False)
         phase = self._current_phase()
         if len(self._nbytes) > first_new and not self._in_backward:
             top = _top_saved_hooks(False)

@@ -9,7 +9,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..device import is_fake
 from ._base import MemfitOptimizer, compute_dtype, dense_grad, work_copy, write_back
+from .rounding import stochastic_round_to_bf16
 
 __all__ = ["Adafactor"]
 
@@ -52,6 +54,12 @@ class Adafactor(MemfitOptimizer):
         scale_parameter: Scale the step by the parameter RMS.
         relative_step: Use the time-dependent relative step size instead of ``lr``.
         warmup_init: Linear warm-up of the relative step size (needs ``relative_step``).
+        chunk_size: Matrices with more elements are stepped in row chunks of about this many
+            elements (three passes: statistics, update RMS, update), so the step's fp32
+            temporaries stay about ``16 * chunk_size`` bytes instead of several full copies of
+            the largest matrix (an embedding table). Same result up to summation order.
+        stochastic_rounding: Round updated bf16 weights stochastically (unbiased) instead of
+            to nearest, so updates smaller than half a bf16 ulp are not lost.
 
     Example:
         >>> model = torch.nn.Linear(16, 16)
@@ -71,6 +79,9 @@ class Adafactor(MemfitOptimizer):
         scale_parameter: bool = True,
         relative_step: bool = True,
         warmup_init: bool = False,
+        *,
+        chunk_size: int = 1 << 20,
+        stochastic_rounding: bool = False,
     ) -> None:
         if lr is not None and relative_step:
             raise ValueError("Cannot combine manual `lr` and `relative_step=True` options")
@@ -94,6 +105,14 @@ class Adafactor(MemfitOptimizer):
             "warmup_init": warmup_init,
         }
         super().__init__(params, defaults)
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1 element, got {chunk_size}")
+        self.chunk_size = chunk_size
+        self.stochastic_rounding = stochastic_rounding
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    #: bf16/fp16 weights are updated here in fp32 chunks (precision strategies need no shadow).
+    handles_low_precision = True
 
     @staticmethod
     def _rms(tensor: Tensor) -> Tensor:
@@ -151,6 +170,9 @@ class Adafactor(MemfitOptimizer):
                 state = self.state[param]
                 if not state:
                     self._init_state(param, state, group)
+                if param.dim() == 2 and param.numel() > self.chunk_size:
+                    self._chunked_factored_step(param, grad, state, group)
+                    continue
                 work = work_copy(param)
                 grad = grad.to(work.dtype)
 
@@ -194,8 +216,89 @@ class Adafactor(MemfitOptimizer):
                     work.sub_(update)
                 else:
                     work.addcmul_(update, scale, value=-1.0)
-                write_back(param, work)
+                self._write(param, work)
         return loss
+
+    def _write(self, param: Tensor, work: Tensor) -> None:
+        """Write fp32 ``work`` into ``param``: rounded stochastically to bf16 when asked."""
+        if work is param:
+            return
+        if self.stochastic_rounding and param.dtype == torch.bfloat16:
+            gen = self._generators.get(param.device)
+            if gen is None and not is_fake(param):
+                gen = torch.Generator(device=param.device)
+                gen.manual_seed(torch.initial_seed() + 0xADAF)
+                self._generators[param.device] = gen
+            param.copy_(stochastic_round_to_bf16(work, gen))
+        else:
+            write_back(param, work)
+
+    def _chunked_factored_step(
+        self, param: Tensor, grad: Tensor, state: dict[str, Any], group: dict[str, Any]
+    ) -> None:
+        """The factored step of a large matrix, in row chunks: no full-size fp32 temporary.
+
+        Pass 1 accumulates the squared gradient's row means and column sums, pass 2 the
+        update's sum of squares (for update clipping) and the parameter's (for its RMS), pass 3
+        applies the update chunk by chunk. Rows are independent given the new statistics, so
+        this is the unchunked step reorganised, not an approximation.
+        """
+        eps1, eps2 = group["eps"]
+        beta1 = group["beta1"]
+        n, m = param.shape
+        rows = max(1, self.chunk_size // m)
+        chunks = [(r, min(r + rows, n)) for r in range(0, n, rows)]
+        dtype = compute_dtype(param)
+        state["step"] += 1
+        step = state["step"]
+        beta2t = 1.0 - math.pow(step, group["decay_rate"])
+
+        row_mean = torch.empty(n, dtype=dtype, device=param.device)
+        col_sum = torch.zeros(m, dtype=dtype, device=param.device)
+        param_sq = torch.zeros((), dtype=dtype, device=param.device)
+        for lo, hi in chunks:
+            sq = grad[lo:hi].to(dtype).square()
+            row_mean[lo:hi] = sq.mean(dim=-1)
+            col_sum += sq.sum(dim=0)
+            param_sq += param[lo:hi].to(dtype).square().sum()
+            del sq
+        row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
+        row.mul_(beta2t).add_(row_mean.add_(eps1), alpha=1.0 - beta2t)
+        col.mul_(beta2t).add_(col_sum.div_(n).add_(eps1), alpha=1.0 - beta2t)
+        del row_mean, col_sum
+        row_factor = (row / row.mean()).rsqrt_().unsqueeze(-1)
+        col_factor = col.rsqrt().unsqueeze(0)
+
+        rms = (param_sq / param.numel()).sqrt()
+        state["RMS"].copy_(rms)
+        lr: Tensor | float = self._relative_step_size(group, step)
+        if group["scale_parameter"]:
+            lr = rms.clamp(min=eps2) * lr
+        update_sq = torch.zeros((), dtype=dtype, device=param.device)
+        for lo, hi in chunks:
+            # Out of place: for fp32 gradients .to() is the gradient itself.
+            update = grad[lo:hi].to(dtype) * row_factor[lo:hi] * col_factor
+            update_sq += update.square().sum()
+            del update
+        update_rms = (update_sq / param.numel()).sqrt()
+        scale = lr / (update_rms / group["clip_threshold"]).clamp_(min=1.0)
+        for lo, hi in chunks:
+            update = grad[lo:hi].to(dtype) * row_factor[lo:hi] * col_factor
+            step_scale: Tensor | float | None = scale
+            if beta1 is not None:
+                exp_avg = state["exp_avg"][lo:hi]
+                exp_avg.mul_(beta1).add_(update.mul_(scale), alpha=1.0 - beta1)
+                update, step_scale = exp_avg, None
+            part = param[lo:hi]
+            work = work_copy(part)
+            if group["weight_decay"] != 0.0:
+                work.mul_(1.0 - group["weight_decay"] * lr)
+            if step_scale is None:
+                work.sub_(update)
+            else:
+                work.addcmul_(update, step_scale, value=-1.0)
+            self._write(part, work)
+            del update, work
 
 
 def _factored_rsqrt(row: Tensor, col: Tensor) -> Tensor:

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ..device import is_fake
+from ..optim.rounding import stochastic_round_to_bf16
 from .optimizer import OptimizerConfig
 
 __all__ = [
@@ -75,42 +76,6 @@ class PrecisionConfig:
     growth_factor: float = 2.0
 
 
-# ---------------------------------------------------------------------------------- rounding
-_LOW16 = (1 << 16) - 1
-_HIGH16_MASK = -(1 << 16)  # 0xFFFF0000 as a signed int32
-
-
-def stochastic_round_to_bf16(
-    x: torch.Tensor, generator: torch.Generator | None = None
-) -> torch.Tensor:
-    """Round float32 ``x`` to bfloat16 stochastically: unbiased, ``E[round(x)] == x``.
-
-    bf16 is fp32 without the low 16 bits of the mantissa. Adding a uniform random integer in
-    ``[0, 2**16)`` to those bits and truncating rounds up with probability equal to the
-    dropped fraction of an ulp, the same for negative numbers (the sign is a separate bit).
-    NaN stays NaN; infinities stay infinite.
-
-    Args:
-        x: A float32 tensor (other float dtypes are converted to float32 first).
-        generator: The random generator (default: the global one of ``x``'s device).
-
-    Returns:
-        A bfloat16 tensor of ``x``'s shape.
-    """
-    if x.dtype != torch.float32:
-        x = x.float()
-    x = x.contiguous()
-    bits = x.view(torch.int32)
-    noise = torch.randint(
-        0, _LOW16 + 1, x.shape, dtype=torch.int32, device=x.device, generator=generator
-    )
-    rounded = (bits + noise).bitwise_and_(_HIGH16_MASK)
-    # The low 16 bits are now zero, so this conversion is exact (no second rounding).
-    out = rounded.view(torch.float32).to(torch.bfloat16)
-    # A NaN whose payload is near the top of the int range could wrap around: keep NaNs.
-    return torch.where(torch.isnan(x), x.to(torch.bfloat16), out)
-
-
 # ---------------------------------------------------------------------------------- scaler
 class DynamicLossScaler:
     """Dynamic loss scaling for fp16 training, usable on its own.
@@ -150,7 +115,9 @@ class DynamicLossScaler:
         if not 0 < backoff_factor < 1:
             raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
         if not (isinstance(growth_interval, int) and growth_interval >= 1):
-            raise ValueError(f"growth_interval must be a whole number >= 1, got {growth_interval!r}")
+            raise ValueError(
+                f"growth_interval must be a whole number >= 1, got {growth_interval!r}"
+            )
         self.scale = float(init_scale)
         self.growth_factor = float(growth_factor)
         self.backoff_factor = float(backoff_factor)
@@ -420,6 +387,12 @@ def wrap_optimizer_bf16(
         The same optimizer object (so schedulers and ``isinstance`` checks keep working).
     """
     if getattr(optimizer, "_memfit_bf16", None) is not None:
+        return optimizer
+    if getattr(optimizer, "handles_low_precision", False):
+        # The optimizer updates bf16 weights itself, in fp32 chunks, and rounds as told: no
+        # fp32 shadow needed (memfit's Adafactor, whose factored statistics span whole rows
+        # and columns, cannot be stepped one chunk at a time from outside).
+        optimizer.stochastic_rounding = stochastic_rounding  # type: ignore[attr-defined]
         return optimizer
     cls_step = type(optimizer).step
     # Optimizer.__init__ wraps the class's step once with the hook runner; call what it wraps
