@@ -8,9 +8,10 @@ with fixed random gradients -- and the script prints a markdown table:
   ``--repeats``, the lowest median over the rounds);
 * ``vs torch foreach``: that time over torch AdamW (foreach=True) measured in the same run;
 * ``state B/param``: :func:`memfit.optim.state_bytes` over the parameter count;
-* ``peak extra B/param``: the process's peak RSS at the end of the timed steps minus its RSS
-  just before the optimizer was created (so: state plus the largest step temporaries), over
-  the parameter count.
+* ``peak extra B/param``: peak RSS minus the RSS just before the optimizer was created (so:
+  state plus the largest step temporaries), over the parameter count; measured over two steps
+  in a separate subprocess whose allocator (glibc) returns every freed block of 64 KiB or more
+  to the OS at once, so that reused heap memory cannot hide temporaries.
 
 Usage::
 
@@ -125,6 +126,8 @@ def peak_rss_bytes() -> int:
 
 
 def run_worker(name: str, total: int, steps: int, warmup: int) -> dict[str, Any]:
+    """Time ``steps`` steps after ``warmup``; also report RSS growth (meaningful in the
+    memory-mode subprocess, see :func:`measure_memory`)."""
     from memfit.optim import state_bytes
 
     # A throw-away optimizer of the same kind first: lazy imports and one-off initialisation
@@ -176,8 +179,10 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
     for round_index in range(args.repeats):
         if args.repeats > 1:
             print(f"round {round_index + 1}/{args.repeats}", file=sys.stderr, flush=True)
-        for row in run_round(args):
+        for row in run_round(args, with_memory=round_index == 0):
             old = best.get(row["name"])
+            if old is not None and row.get("peak_extra_bytes_per_param") is None:
+                row["peak_extra_bytes_per_param"] = old.get("peak_extra_bytes_per_param")
             if (
                 old is None
                 or old["status"] != "ok"
@@ -187,7 +192,49 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
     return list(best.values())
 
 
-def run_round(args: argparse.Namespace) -> list[dict[str, Any]]:
+# glibc: serve every allocation of 64 KiB or more with mmap and give it back on free, so the
+# RSS follows live memory (by default freed blocks stay in the heap and are reused unseen).
+_MEMORY_ENV = {
+    "GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=65536:glibc.malloc.trim_threshold=65536",
+    "MALLOC_MMAP_THRESHOLD_": "65536",
+    "MALLOC_TRIM_THRESHOLD_": "65536",
+}
+
+
+def worker_cmd(args: argparse.Namespace, name: str, steps: int, warmup: int) -> list[str]:
+    return [
+        sys.executable,
+        __file__,
+        "--worker",
+        name,
+        "--threads",
+        str(args.threads),
+        "--params",
+        str(args.params),
+        "--steps",
+        str(steps),
+        "--warmup",
+        str(warmup),
+    ]
+
+
+def measure_memory(args: argparse.Namespace, name: str) -> float | None:
+    """Peak RSS growth per parameter over two steps, in a subprocess whose allocator returns
+    freed memory at once (slower, hence separate from the timing run)."""
+    env = dict(os.environ, **_MEMORY_ENV)
+    result = subprocess.run(
+        worker_cmd(args, name, steps=2, warmup=0),
+        capture_output=True,
+        text=True,
+        check=False,
+        env=env,
+    )
+    if result.returncode != 0:
+        return None
+    return json.loads(result.stdout.strip().splitlines()[-1])["peak_extra_bytes_per_param"]
+
+
+def run_round(args: argparse.Namespace, with_memory: bool) -> list[dict[str, Any]]:
     rows = []
     for name, module in OPTIMIZERS.items():
         if args.only and name not in args.only:
@@ -196,21 +243,8 @@ def run_round(args: argparse.Namespace) -> list[dict[str, Any]]:
             print(f"{name}: not installed", file=sys.stderr)
             rows.append({"name": name, "status": "not installed"})
             continue
-        cmd = [
-            sys.executable,
-            __file__,
-            "--worker",
-            name,
-            "--threads",
-            str(args.threads),
-            "--params",
-            str(args.params),
-            "--steps",
-            str(args.steps),
-            "--warmup",
-            str(args.warmup),
-        ]
         print(f"{name}: running", file=sys.stderr, flush=True)
+        cmd = worker_cmd(args, name, args.steps, args.warmup)
         result = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if result.returncode != 0:
             print(result.stderr[-2000:], file=sys.stderr)
@@ -218,9 +252,14 @@ def run_round(args: argparse.Namespace) -> list[dict[str, Any]]:
             continue
         row = json.loads(result.stdout.strip().splitlines()[-1])
         row["status"] = "ok"
+        row["peak_extra_bytes_per_param"] = measure_memory(args, name) if with_memory else None
         rows.append(row)
         print(f"  {row['step_s'] * 1e3:.1f} ms/step", file=sys.stderr, flush=True)
     return rows
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
@@ -236,7 +275,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         ratio = f"{r['step_s'] / base['step_s']:.2f}x" if base else "n/a"
         lines.append(
             f"| {r['name']} | {r['step_s'] * 1e3:.1f} | {ratio} | "
-            f"{r['state_bytes_per_param']:.3f} | {r['peak_extra_bytes_per_param']:.2f} |"
+            f"{r['state_bytes_per_param']:.3f} | {_fmt(r['peak_extra_bytes_per_param'])} |"
         )
     ours = next((r for r in rows if r["name"] == "memfit AdamW8bit" and r["status"] == "ok"), None)
     bnb = next(
