@@ -59,6 +59,12 @@ def _run_guarded(fn: Any, *args: Any, **kwargs: Any) -> Any:
         _fail(str(e))
 
 
+def _check_sizes(batch_size: int, seq_len: int, steps: int = 1) -> None:
+    for flag, value in (("--batch-size", batch_size), ("--seq-len", seq_len), ("--steps", steps)):
+        if value < 1:
+            _fail(f"{flag} must be a whole number >= 1, got {value}")
+
+
 def _parse_cap(cap: str | None) -> int | None:
     if cap is None:
         return None
@@ -107,12 +113,7 @@ def profile(
     from .plan import Plan
     from .workload import load_workload
 
-    if batch_size < 1:
-        _fail(f"--batch-size must be a whole number >= 1, got {batch_size}")
-    if seq_len < 1:
-        _fail(f"--seq-len must be a whole number >= 1, got {seq_len}")
-    if steps < 1:
-        _fail(f"--steps must be a whole number >= 1, got {steps}")
+    _check_sizes(batch_size, seq_len, steps)
     cap_bytes = _parse_cap(cap)
     the_plan = _run_guarded(Plan.load, plan) if plan is not None else None
     workload = _run_guarded(load_workload, model, batch_size, seq_len)
@@ -203,10 +204,7 @@ def plan_command(
     from .units import format_bytes
     from .workload import load_workload
 
-    if batch_size < 1:
-        _fail(f"--batch-size must be a whole number >= 1, got {batch_size}")
-    if seq_len < 1:
-        _fail(f"--seq-len must be a whole number >= 1, got {seq_len}")
+    _check_sizes(batch_size, seq_len)
     base_plan = _run_guarded(Plan.load, base) if base is not None else None
     workload = _run_guarded(load_workload, model, batch_size, seq_len)
     from rich.status import Status
@@ -278,8 +276,7 @@ def bench_ladder(
 
     from .bench.ladder import ladder_markdown, ladder_table, run_ladder
 
-    if batch_size < 1 or seq_len < 1:
-        _fail("--batch-size and --seq-len must be whole numbers >= 1")
+    _check_sizes(batch_size, seq_len)
     with Status("ladder...", console=err) as status:
         rows = _run_guarded(
             run_ladder,

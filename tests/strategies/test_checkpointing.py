@@ -43,16 +43,6 @@ BLOCK = B * S * (11 * D + 2) * F32  # what an unchecked block keeps (see the mod
 MODES = ("full", "selective", "sqrt", "budget")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tensors here are tiny: a second intra-op thread only adds synchronisation, which costs
-    # several times the work itself when the cores are shared with other jobs.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class Block(nn.Module):
     """Pre-norm MLP block with dropout and a residual."""
 

@@ -37,16 +37,6 @@ from memfit.workload import load_workload
 B, S, D = 4, 16, 32
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tensors here are tiny: a second intra-op thread only adds synchronisation, which costs
-    # several times the work itself when the cores are shared with other jobs.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class Block(nn.Module):
     def __init__(self, d: int = D) -> None:
         super().__init__()

@@ -13,16 +13,6 @@ from memfit.strategies.sequence import LengthGroupedSampler, pad_collate, trunca
 from memfit.workload import load_workload
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tensors here are tiny: a second intra-op thread only adds synchronisation, which costs
-    # several times the work itself when the cores are shared with other jobs.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # ---------------------------------------------------------------------------------- truncate
 def test_truncate_cuts_every_sequence_tensor_and_keeps_per_sample_labels():
     ids = torch.arange(24).reshape(2, 12)
