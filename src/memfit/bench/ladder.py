@@ -9,7 +9,6 @@ step time, so recomputation and micro-batching both show.
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -129,19 +128,25 @@ def _step_time(workload: Workload, plan: Plan, steps: int) -> float:
         # per-tensor loop, so CPU timing uses torch's CPU default for every rung.
         plan = plan.replace(optimizer=dataclasses.replace(plan.optimizer, foreach=None))
 
-    # measure() runs real steps; time them (warm-up step excluded).
+    # measure() runs real steps; time them (warm-up step excluded) in CPU seconds of this
+    # process on one thread, so other jobs on the machine barely move the ratios.
     times: list[float] = []
-    last = [time.perf_counter()]
+    last = [time.process_time()]
 
     def tick(done: int, total: int) -> None:
-        now = time.perf_counter()
+        now = time.process_time()
         if done > 1:
             times.append(now - last[0])
         last[0] = now
 
-    torch.manual_seed(0)
-    measure(workload, plan, steps=steps + 1, progress=tick)
-    return statistics.median(times)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        measure(workload, plan, steps=steps + 1, progress=tick)
+    finally:
+        torch.set_num_threads(threads)
+    return min(times)
 
 
 def run_ladder(
