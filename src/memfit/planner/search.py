@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -329,7 +330,11 @@ def plan(
     ]
     for c in candidates:
         c.ratio = c.step_time / baseline
-    candidates.sort(key=lambda c: c.step_time)
+    # Fastest first; among candidates within 2% of each other (a tie for the cost model), the
+    # more frugal first, so the first that fits is found with fewer memory predictions.
+    candidates.sort(
+        key=lambda c: (math.floor(math.log(max(c.step_time, 1e-12)) / math.log(1.02)), -sum(c.rank))
+    )
 
     predicted: list[Candidate] = []
     misfits: list[tuple[int, ...]] = []
