@@ -108,7 +108,7 @@ def predict_peak(
                 phases = {}
                 break
             phases[phase] = {c: round(two[c] + (n - 2) * (three[c] - two[c])) for c in CATEGORIES}
-        method = "composed" if phases else "dry-run"
+        method = "composed"
     if not phases:
         phases = {
             k: {c: round(v) for c, v in cats.items()}

@@ -370,7 +370,6 @@ def plan(
         if s is not None
     ]
     winner: Candidate | None = None
-    confirmed = None
     if any([predict(s) for s in seeds]):
         for c in candidates:
             if len(predicted) >= max_predictions:
@@ -389,7 +388,7 @@ def plan(
             c.note += f"; confirmed by a full-depth dry run: {peak} bytes"
             if peak <= budget_bytes:
                 c.peak_bytes, c.by_category = peak, by_cat
-                winner, confirmed = c, report
+                winner = c
                 break
             c.fits = False
             c.peak_bytes, c.by_category = peak, by_cat
@@ -435,7 +434,6 @@ def plan(
             f"the fastest plan in the search already fits: {format_bytes(winner.peak_bytes or 0)} "
             f"of {format_bytes(budget_bytes)}."
         )
-    del confirmed
     return PlanResult(
         fits=True,
         plan=winner.plan,
