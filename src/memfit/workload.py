@@ -149,7 +149,31 @@ PRESETS: dict[str, _Preset] = {
 
 
 def _hf_model_from_config(config: Any, family: str | None = None) -> nn.Module:
-    """Build a transformers model with random weights from ``config``."""
+    """Build a transformers model with random weights from ``config``.
+
+    Under fake tensors (a dry run) weight initialisation is skipped: the values do not exist,
+    and some initialisers (truncated normal) make data-dependent checks that fake tensors
+    cannot answer.
+    """
+    from torch._guards import active_fake_mode
+
+    if active_fake_mode() is not None:
+        try:
+            from transformers.initialization import no_init_weights
+        except ImportError:  # older transformers
+            from transformers.modeling_utils import no_init_weights  # type: ignore[no-redef]
+        with no_init_weights():
+            model = _hf_model_from_config_impl(config, family)
+        # Tying happens in the weight initialisation that was skipped: do it now, so the dry
+        # run has the real run's parameters.
+        tie = getattr(model, "tie_weights", None)
+        if callable(tie):
+            tie()
+        return model
+    return _hf_model_from_config_impl(config, family)
+
+
+def _hf_model_from_config_impl(config: Any, family: str | None) -> nn.Module:
     import transformers
 
     archs = list(getattr(config, "architectures", None) or [])
@@ -180,15 +204,25 @@ def _hf_model_from_config(config: Any, family: str | None = None) -> nn.Module:
 
 
 def _hf_batch(model: nn.Module, batch_size: int, seq_len: int, device: Any = None) -> dict:
-    """A random batch of token ids (and labels) fitting ``model``'s config and task."""
+    """A random batch of token ids (or images) and labels fitting ``model``'s config and task."""
     config = model.config
+    name = type(model).__name__
+    image_size = getattr(config, "image_size", None)
+    if image_size is not None and getattr(config, "num_channels", None) is not None:
+        # Vision models (ViT, ...): images instead of tokens; seq_len is not used.
+        size = image_size if isinstance(image_size, int) else int(image_size[0])
+        pixels = torch.randn(batch_size, int(config.num_channels), size, size, device=device)
+        vision: dict[str, torch.Tensor] = {"pixel_values": pixels}
+        if name.endswith("ForImageClassification"):
+            labels = torch.randint(0, int(getattr(config, "num_labels", 2)), (batch_size,))
+            vision["labels"] = labels.to(device) if device is not None else labels
+        return vision
     vocab = int(getattr(config, "vocab_size", 1000))
     ids = torch.randint(0, vocab, (batch_size, seq_len), device=device)
     # No attention mask: an all-ones mask says nothing, and transformers inspects mask values
     # to pick its attention path, which fake tensors cannot show (a dry run would then build a
     # dense mask that the real run skips).
     batch: dict[str, torch.Tensor] = {"input_ids": ids}
-    name = type(model).__name__
     if name.endswith("ForSequenceClassification"):
         num_labels = int(getattr(config, "num_labels", 2))
         batch["labels"] = torch.randint(0, num_labels, (batch_size,), device=device)
@@ -309,7 +343,7 @@ def _preset_workload(
     )
 
 
-_DEPTH_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
+_DEPTH_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 
 
 def _depth_key(config: Mapping[str, Any]) -> str:

@@ -59,3 +59,47 @@ def test_plan_is_applied_in_dry_run():
     accum = memfit.dry_run("gpt2-tiny", plan, steps=1, batch_size=8, seq_len=32)
     assert accum.meta["plan"]["grad_accum_steps"] == 4
     assert accum.peak_by_category["activations"] < plain.peak_by_category["activations"]
+
+
+HF_CONFIGS = {
+    "vit": {
+        "model_type": "vit",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "intermediate_size": 128,
+        "image_size": 32,
+        "patch_size": 8,
+        "architectures": ["ViTForImageClassification"],
+    },
+    "distilbert": {
+        "model_type": "distilbert",
+        "dim": 64,
+        "n_layers": 2,
+        "n_heads": 2,
+        "hidden_dim": 128,
+        "vocab_size": 300,
+    },
+    "mistral": {
+        "model_type": "mistral",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "vocab_size": 300,
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(HF_CONFIGS))
+def test_hf_configs_dry_run_equals_real_run(tmp_path, name):
+    """Vision and text configs: weights tied as in the real model, and the same peak."""
+    import json
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(HF_CONFIGS[name]))
+    real = memfit.measure(str(path), batch_size=2, seq_len=16)
+    dry = memfit.dry_run(str(path), batch_size=2, seq_len=16)
+    assert dry.meta["num_parameters"] == real.meta["num_parameters"]
+    assert dry.peak_by_category == real.peak_by_category
