@@ -104,7 +104,7 @@ def test_step_length_is_relative_to_weight_norm() -> None:
     opt = Lamb([p], lr=0.01, clamp_value=None)
     p.grad = torch.randn(100)
     opt.step()
-    assert (p.detach() - before).norm() == pytest.approx(0.01 * before.norm(), rel=1e-5)
+    assert (p.detach() - before).norm().item() == pytest.approx(0.01 * before.norm().item(), rel=1e-5)
 
 
 def test_bf16_and_grad_none_and_sparse() -> None:

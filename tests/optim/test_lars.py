@@ -97,7 +97,7 @@ def test_step_length_follows_trust_coefficient() -> None:
     opt = Lars([w], lr=1.0, momentum=0.0, eta=1e-3, eps=0.0)
     w.grad = torch.randn(20, 20) * 1e3  # the gradient scale cancels out
     opt.step()
-    assert (w.detach() - before).norm() == pytest.approx(1e-3 * before.norm(), rel=1e-5)
+    assert (w.detach() - before).norm().item() == pytest.approx(1e-3 * before.norm().item(), rel=1e-5)
 
 
 def test_validation_bf16_grad_none_sparse() -> None:
