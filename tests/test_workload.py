@@ -113,10 +113,28 @@ def test_bad_sizes_and_missing_loss():
         load_workload("gpt2-tiny", 0, 8)
     with pytest.raises(WorkloadError, match="sequence length"):
         load_workload("gpt2-tiny", 2, 0)
-    with pytest.raises(WorkloadError, match="longer than"):
-        load_workload("gpt2-tiny", 2, 100_000)
     with pytest.raises(WorkloadError, match="has no loss"):
         loss_from_output(torch.randn(3, 4))
+
+
+def test_presets_extend_their_position_table_for_longer_sequences():
+    # gpt2-tiny has 256 positions; asking for 300 tokens grows the table (300 x 64 weights).
+    short_model, _ = load_workload("gpt2-tiny", 1, 8).build()
+    model, batch = load_workload("gpt2-tiny", 1, 300).build()
+    assert model.config.n_positions == 300
+    assert batch["input_ids"].shape == (1, 300)
+    extra = sum(p.numel() for p in model.parameters()) - sum(
+        p.numel() for p in short_model.parameters()
+    )
+    assert extra == (300 - 256) * 64
+
+
+def test_config_files_refuse_sequences_longer_than_their_positions(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text('{"model_type": "gpt2", "n_positions": 32, "n_embd": 16, "n_layer": 1, '
+                    '"n_head": 2, "vocab_size": 50}')
+    with pytest.raises(WorkloadError, match="longer than"):
+        load_workload(str(path), 2, 33)
 
 
 def test_split_batch():

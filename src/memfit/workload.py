@@ -319,6 +319,12 @@ def _preset_workload(
     preset = PRESETS[name]
     config_kwargs = {**preset.config, **(overrides or {})}
     depth_key = _depth_key(config_kwargs)
+    # A preset asked for longer sequences than its position table holds gets a longer table,
+    # as a fine-tune that extends the context would (GPT-2 and BERT learn absolute positions;
+    # for Llama it is only the configured limit). The extra rows are counted as parameters.
+    for key in _POSITION_KEYS.get(preset.family, ()):
+        if int(config_kwargs.get(key, _DEFAULT_POSITIONS[key])) < seq_len:
+            config_kwargs[key] = seq_len
 
     def build() -> nn.Module:
         import transformers
@@ -330,7 +336,6 @@ def _preset_workload(
         }[preset.family]
         return _hf_model_from_config(cls(**config_kwargs), preset.family)
 
-    _check_positions(name, config_kwargs, seq_len)
     return Workload(
         name,
         batch_size,
@@ -344,6 +349,13 @@ def _preset_workload(
 
 
 _DEPTH_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+_POSITION_KEYS = {
+    "bert": ("max_position_embeddings",),
+    "gpt2": ("n_positions",),
+    "llama": ("max_position_embeddings",),
+}
+# transformers' defaults, for presets that leave the key out.
+_DEFAULT_POSITIONS = {"max_position_embeddings": 512, "n_positions": 1024}
 
 
 def _depth_key(config: Mapping[str, Any]) -> str:

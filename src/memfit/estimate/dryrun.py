@@ -15,10 +15,11 @@ from typing import Any
 import torch
 
 from ..accounting import MemoryReport, track
-from ..plan import Plan
+from ..plan import Plan, PlanError
+from ..targets import DeviceProfile, emulate, get_device
 from ..workload import Workload, load_workload
 
-__all__ = ["dry_run", "measure", "model_error"]
+__all__ = ["dry_run", "measure", "model_error", "plan_for_target"]
 
 #: Called after each step with (steps done, steps in all).
 Progress = Callable[[int, int], None]
@@ -45,9 +46,12 @@ def measure(
     seed: int = 0,
     batch_size: int = 8,
     seq_len: int = 128,
+    device: str | DeviceProfile | None = None,
     progress: Progress | None = None,
 ) -> MemoryReport:
     """Run ``steps`` full training steps of ``workload`` under ``plan`` and report memory.
+
+    ``measure`` is the one entry point; :func:`dry_run` is ``measure(..., dry=True)``.
 
     Each step is forward, backward, optimizer step and ``zero_grad(set_to_none=True)``
     (micro-batched, checkpointed, ... as the plan says). Parameters, buffers and the batch are
@@ -62,14 +66,24 @@ def measure(
         seed: Seed for model initialisation and the batch.
         batch_size: With a SPEC: samples per step.
         seq_len: With a SPEC: tokens per sample.
+        device: The target device whose memory behaviour the run reproduces: a profile name
+            (``h100``, ``a100``, ``a100-40gb``, ``rtx4090``, ``t4``, ``cpu``), a custom GPU
+            description (see :func:`memfit.targets.parse_device`) or a profile. Default: this
+            machine's own device. For a CUDA target the run keeps what that GPU's kernels
+            keep (:mod:`memfit.targets.kernels`: fused attention where the GPU would take it,
+            CUDA's autocast rules and dropout masks), torch's optimizers take the
+            implementation torch picks there (foreach), and the report adds the caching
+            allocator's reserved peak and the device's fixed overhead.
         progress: Called after each step with (done, total).
 
     Returns:
         The :class:`MemoryReport`, with ``meta`` holding ``num_parameters``, ``dry_run``,
-        ``model``, ``batch_size``, ``seq_len``, ``steps``, ``plan`` and ``losses``.
+        ``model``, ``batch_size``, ``seq_len``, ``steps``, ``plan``, ``losses``,
+        ``target_device`` and ``attention_backends``.
 
     Raises:
         ModelError: when the model itself fails; its own exception is the cause.
+        PlanError: when the plan asks for what the target cannot do (bf16 on a T4).
     """
     from ..strategies.compose import apply_plan
     from ..workload import WorkloadError
@@ -78,18 +92,20 @@ def measure(
         workload = load_workload(workload, batch_size, seq_len)
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a whole number >= 1, got {steps!r}")
-    plan = plan or Plan()
+    target = get_device(device)
+    plan = plan_for_target(plan or Plan(), target)
     mode: Any = contextlib.nullcontext()
     if dry:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         mode = FakeTensorMode(allow_non_fake_inputs=True)
     losses: list[float | None] = []
+    emulation = emulate(target)
     with mode:
         model, batch = workload.build(seed=seed)
         num_parameters = sum(p.numel() for p in model.parameters())
         setup = apply_plan(model, plan, loss_fn=workload.loss_fn)
-        with track(model, setup.optimizer, cap=cap) as tracker:
+        with track(model, setup.optimizer, cap=cap) as tracker, emulation:
             tracker.add_inputs(batch)
             for i in range(steps):
                 try:
@@ -112,8 +128,40 @@ def measure(
         dry_run=bool(dry),
         plan=plan.to_dict(),
         losses=losses,
+        target_device=target.name,
+        attention_backends=dict(getattr(emulation, "backends", {})),
     )
+    from .target import add_device_memory
+
+    add_device_memory(report, tracker, target)
     return report
+
+
+def plan_for_target(plan: Plan, target: DeviceProfile) -> Plan:
+    """The plan as it runs on ``target``: what torch and the hardware choose there.
+
+    * torch's optimizers with ``foreach=None`` take torch's default for the target's tensors:
+      foreach on CUDA (``torch.optim.optimizer._default_to_fused_or_foreach``), the per-tensor
+      loop on the CPU. A dry run executes on CPU tensors, so a CUDA target's default is made
+      explicit.
+
+    Raises:
+        PlanError: for bf16 precision on a target without bf16 (T4), naming fp16-mixed.
+    """
+    import dataclasses
+
+    mode = plan.precision.mode
+    if mode.startswith("bf16") and not target.supports_bf16:
+        raise PlanError(
+            f"{target.name} has no bf16 support, so precision {mode!r} cannot run there; use "
+            "fp16-mixed (or fp32)"
+        )
+    opt = plan.optimizer
+    if target.is_cuda and opt.name in ("adamw", "adam", "sgd") and opt.foreach is None:
+        fused = bool(dict(opt.kwargs).get("fused"))
+        if not fused:
+            plan = plan.replace(optimizer=dataclasses.replace(opt, foreach=True))
+    return plan
 
 
 def dry_run(

@@ -1,0 +1,463 @@
+"""Device profiles: what a target device holds and how fast it computes.
+
+A profile says what memfit needs to know of a device to predict a training run on it:
+
+* memory: the card's memory, the CUDA context and library workspaces that live outside
+  PyTorch's caching allocator (``nvidia-smi`` shows them; ``torch.cuda.memory_reserved`` does
+  not), and whether the caching allocator models its reserved bytes (``kind == "cuda"``);
+* kernels: compute capability and bf16 support, which decide the attention backend and the
+  autocast dtype (see :mod:`memfit.targets.kernels`);
+* speed, for the step-time model: matmul throughput per precision, memory and host-link
+  bandwidth, per-operation launch overhead and how fast matmul efficiency falls for small
+  micro-batches.
+
+GPU figures are the vendors' dense peak numbers. The CPU profile is measured on this machine,
+once per process. Another GPU is described by a JSON/YAML file or an inline ``key=value`` list
+(:func:`parse_device`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..units import GiB, MiB, parse_size
+
+__all__ = [
+    "CUSTOM_FIELDS",
+    "DEVICES",
+    "DeviceProfile",
+    "cpu_profile",
+    "get_device",
+    "machine_device",
+    "parse_budget",
+    "parse_device",
+]
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """One target device: its memory, its kernels' capabilities and its speed.
+
+    Attributes:
+        name: Short name (``t4``, ``a100``, ``cpu``, or a custom device's name).
+        memory_bytes: Device memory as the driver reports it (``total_memory``).
+        flops: Dense matmul FLOP/s by compute dtype (``fp32``, ``bf16``, ``fp16``).
+        mem_bandwidth: Device memory bandwidth in bytes/s (pointwise ops, optimizer steps).
+        host_bandwidth: Host-device link bandwidth in bytes/s (offload).
+        launch_overhead: Seconds of fixed cost per operation (kernel launch, dispatch).
+        half_tokens: Tokens per micro-batch at which matmuls reach half their peak rate.
+        has_bf16: Whether the device computes in bf16 natively (Turing and older do not).
+        kind: ``cuda`` for a GPU behind PyTorch's CUDA caching allocator, ``cpu`` otherwise.
+        compute_capability: CUDA compute capability ``(major, minor)``; decides which fused
+            attention kernels exist (flash attention needs 8.0 or newer).
+        context_bytes: Memory the CUDA context takes outside the allocator (driver, kernels
+            loaded lazily). Shown by ``nvidia-smi``, never by ``torch.cuda.memory_reserved``.
+        workspace_bytes: cuBLAS/cuDNN workspaces. PyTorch allocates the cuBLAS workspace
+            through its caching allocator once per handle and stream; memfit counts it here,
+            beside the context, as fixed device overhead.
+    """
+
+    name: str
+    memory_bytes: int
+    flops: Mapping[str, float]
+    mem_bandwidth: float
+    host_bandwidth: float
+    launch_overhead: float
+    half_tokens: float
+    has_bf16: bool = True
+    kind: str = "cuda"
+    compute_capability: tuple[int, int] | None = None
+    context_bytes: int = 0
+    workspace_bytes: int = 0
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_cuda(self) -> bool:
+        """Whether runs on this device go through PyTorch's CUDA caching allocator."""
+        return self.kind == "cuda"
+
+    @property
+    def supports_bf16(self) -> bool:
+        """Whether the device computes in bf16 natively (T4 does not: use fp16 there)."""
+        return self.has_bf16
+
+    @property
+    def overhead_bytes(self) -> int:
+        """Device memory used outside tensors: CUDA context plus library workspaces."""
+        return self.context_bytes + self.workspace_bytes
+
+    @property
+    def budget_bytes(self) -> int:
+        """Memory the caching allocator may reserve: the card minus the fixed overhead.
+
+        The planner compares a plan's predicted *reserved* peak (allocator model) with this.
+        """
+        return self.memory_bytes - self.overhead_bytes
+
+    @property
+    def reserve_bytes(self) -> int:
+        """Memory a budget keeps back from the card: the fixed overhead (see ``budget_bytes``)."""
+        return self.overhead_bytes
+
+
+# The CUDA context with lazy module loading (CUDA >= 11.7, PyTorch's default) takes a few
+# hundred MiB: NVIDIA documents lazy loading as cutting it from over 1 GiB to a few hundred
+# MiB; the figure depends on the driver and the kernels a run touches. 500 MiB is the value
+# used until the GPU validation harness (benchmarks/gpu_validate.py) measures it on a device.
+_CONTEXT_BYTES = 500 * MiB
+# PyTorch's cuBLAS workspace per handle: 32 MiB on Hopper (sm90) and newer, else 4 MiB + 8 MiB
+# chunks (":4096:8" in CUBLAS_WORKSPACE_CONFIG's format); see
+# aten/src/ATen/cuda/CublasHandlePool.cpp, getChosenWorkspaceSize / getDefaultWorkspaceSize.
+_WORKSPACE_HOPPER = 32 * MiB
+_WORKSPACE_OLDER = 4096 * 1024 + 8 * 16 * 1024
+
+
+def _gpu(
+    name: str,
+    mem_gib: float,
+    fp32: float,
+    bf16: float,
+    fp16: float,
+    bw: float,
+    host: float,
+    cc: tuple[int, int],
+    has_bf16: bool = True,
+) -> DeviceProfile:
+    return DeviceProfile(
+        name=name,
+        memory_bytes=int(mem_gib * GiB),
+        flops={"fp32": fp32, "bf16": bf16, "fp16": fp16},
+        mem_bandwidth=bw,
+        host_bandwidth=host,
+        # A CUDA kernel launch plus PyTorch's dispatch costs a few microseconds (PyTorch's
+        # eager-mode overhead is commonly measured at 5-10 us per op).
+        launch_overhead=6e-6,
+        # Calibrated on the published BERT-large ladder (shared/REFERENCE.md): batch 1 x 32
+        # (128 tokens per micro-batch) ran 2.8x slower than batch 32, which t/(t+256) gives.
+        half_tokens=256.0,
+        has_bf16=has_bf16,
+        kind="cuda",
+        compute_capability=cc,
+        context_bytes=_CONTEXT_BYTES,
+        workspace_bytes=_WORKSPACE_HOPPER if cc >= (9, 0) else _WORKSPACE_OLDER,
+    )
+
+
+#: Built-in GPU profiles (vendors' dense peak throughput; fp32 without TF32).
+DEVICES: dict[str, DeviceProfile] = {
+    "h100": _gpu("h100", 79.6, 67e12, 989e12, 989e12, 3.35e12, 55e9, (9, 0)),
+    "a100": _gpu("a100", 79.2, 19.5e12, 312e12, 312e12, 2.04e12, 25e9, (8, 0)),
+    "a100-40gb": _gpu("a100-40gb", 39.4, 19.5e12, 312e12, 312e12, 1.56e12, 25e9, (8, 0)),
+    "rtx4090": _gpu("rtx4090", 23.6, 82.6e12, 165e12, 165e12, 1.01e12, 25e9, (8, 9)),
+    # Turing has no bf16 units: bf16 falls back to fp32 rates; fp16 runs on tensor cores.
+    "t4": _gpu("t4", 14.75, 8.1e12, 8.1e12, 65e12, 0.32e12, 12e9, (7, 5), has_bf16=False),
+}
+
+
+def _time(fn: Any, repeat: int = 3) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_profile() -> DeviceProfile:
+    """Measure this CPU once: matmul FLOP/s per dtype, memory bandwidth, op overhead."""
+    n = 384
+    flops = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        a = torch.randn(n, n).to(dtype)
+        seconds = _time(lambda a=a: [a @ a for _ in range(4)])
+        flops[name] = 4 * 2 * n**3 / seconds
+    big = torch.empty(8 * 1024 * 1024)  # 32 MiB: beyond the caches
+    dst = torch.empty_like(big)
+    bandwidth = 2 * big.nbytes / _time(lambda: dst.copy_(big))
+    tiny = torch.ones(8)
+    overhead = _time(lambda: [tiny.add(1) for _ in range(200)]) / 200
+    try:
+        import psutil  # type: ignore[import-not-found]
+
+        memory = int(psutil.virtual_memory().total)
+    except ImportError:
+        import os
+
+        memory = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    return DeviceProfile(
+        name="cpu",
+        memory_bytes=memory,
+        flops=flops,
+        mem_bandwidth=bandwidth,
+        host_bandwidth=bandwidth,
+        launch_overhead=overhead,
+        half_tokens=64.0,
+        kind="cpu",
+        # The host keeps a quarter for the operating system and everything else running.
+        context_bytes=int(0.25 * memory),
+    )
+
+
+def machine_device() -> DeviceProfile:
+    """This machine's own compute device: its GPU's profile (closest by memory), else the CPU."""
+    from .. import device as _device
+
+    total = _device.total_memory(_device.default_device())
+    if not total:
+        return cpu_profile()
+    return min(DEVICES.values(), key=lambda d: abs(d.memory_bytes - total))
+
+
+def _known() -> str:
+    return ", ".join(["cpu", *DEVICES])
+
+
+def get_device(name: str | DeviceProfile | None) -> DeviceProfile:
+    """A profile by name (``cpu`` is measured), a custom description, or ``None``: this machine.
+
+    Args:
+        name: A built-in name, a path to a JSON/YAML device description, an inline description
+            (``name=mygpu,memory=24GiB,...``; see :func:`parse_device`), a profile (returned
+            as is), or ``None`` for this machine's own device.
+
+    Raises:
+        ValueError: for an unknown name, listing the known ones, or a custom description that
+            lacks a field, naming it.
+    """
+    if name is None:
+        return machine_device()
+    if isinstance(name, DeviceProfile):
+        return name
+    key = name.strip().lower().replace("_", "-")
+    if key == "cpu":
+        return cpu_profile()
+    if key in DEVICES:
+        return DEVICES[key]
+    if "=" in name or Path(name).suffix.lower() in (".json", ".yaml", ".yml"):
+        return parse_device(name)
+    raise ValueError(
+        f"device {name!r} is not known; use one of {_known()}, or describe another GPU in a "
+        f"JSON/YAML file or inline as {', '.join(CUSTOM_FIELDS)}=VALUE,..."
+    )
+
+
+#: Fields a custom GPU description must give (see :func:`parse_device`).
+CUSTOM_FIELDS: tuple[str, ...] = (
+    "name",
+    "memory",
+    "mem_bandwidth",
+    "host_bandwidth",
+    "compute_capability",
+    "bf16",
+)
+_OPTIONAL = ("fp32_tflops", "bf16_tflops", "fp16_tflops", "context", "workspace")
+
+
+def parse_device(spec: str | Mapping[str, Any]) -> DeviceProfile:
+    """Describe another GPU: a JSON/YAML file, an inline ``key=value,...`` list, or a mapping.
+
+    Fields: ``name``; ``memory`` (a size: ``24GiB``); ``mem_bandwidth`` and ``host_bandwidth``
+    (bytes per second: ``1.0e12``, or a size per second such as ``1TB/s``, ``32GB/s``);
+    ``compute_capability`` (``8.9``); ``bf16`` (true/false). Optional: ``fp32_tflops``,
+    ``bf16_tflops``, ``fp16_tflops`` (dense peak, for the step-time model; default: scaled
+    from the bandwidth like an A100), ``context`` and ``workspace`` (sizes; default: the
+    built-in GPUs' values).
+
+    Example: ``name=l4,memory=22.5GiB,mem_bandwidth=300GB/s,host_bandwidth=32GB/s,
+    compute_capability=8.9,bf16=true,bf16_tflops=121``.
+
+    Raises:
+        ValueError: naming the first missing or malformed field.
+    """
+    data = _read_description(spec)
+    missing = [f for f in CUSTOM_FIELDS if f not in data]
+    if missing:
+        raise ValueError(
+            f"the device description lacks the field {missing[0]!r}; a custom device needs "
+            f"{', '.join(CUSTOM_FIELDS)}"
+        )
+    unknown = sorted(set(data) - set(CUSTOM_FIELDS) - set(_OPTIONAL))
+    if unknown:
+        raise ValueError(
+            f"the device description has an unknown field {unknown[0]!r}; fields are "
+            f"{', '.join(CUSTOM_FIELDS + _OPTIONAL)}"
+        )
+    name = str(data["name"]).strip()
+    if not name:
+        raise ValueError("the device description's field 'name' is empty")
+    memory = _size_field(data, "memory")
+    bw = _rate_field(data, "mem_bandwidth")
+    host = _rate_field(data, "host_bandwidth")
+    cc = _cc_field(data["compute_capability"])
+    bf16 = _bool_field(data, "bf16")
+    # Without throughput figures, scale an A100's by memory bandwidth (the two move together
+    # across generations closely enough for ranking plans; give the figures for timings).
+    scale = bw / 2.04e12
+    flops = {
+        "fp32": _tflops(data, "fp32_tflops", 19.5e12 * scale),
+        "bf16": _tflops(data, "bf16_tflops", 312e12 * scale if bf16 else 19.5e12 * scale),
+        "fp16": _tflops(data, "fp16_tflops", 312e12 * scale),
+    }
+    return DeviceProfile(
+        name=name,
+        memory_bytes=memory,
+        flops=flops,
+        mem_bandwidth=bw,
+        host_bandwidth=host,
+        launch_overhead=6e-6,
+        half_tokens=256.0,
+        has_bf16=bf16,
+        kind="cuda",
+        compute_capability=cc,
+        context_bytes=_size_field(data, "context") if "context" in data else _CONTEXT_BYTES,
+        workspace_bytes=(
+            _size_field(data, "workspace")
+            if "workspace" in data
+            else (_WORKSPACE_HOPPER if cc >= (9, 0) else _WORKSPACE_OLDER)
+        ),
+    )
+
+
+def _read_description(spec: str | Mapping[str, Any]) -> dict[str, Any]:
+    if isinstance(spec, Mapping):
+        return dict(spec)
+    path = Path(spec)
+    if path.suffix.lower() in (".json", ".yaml", ".yml"):
+        if not path.is_file():
+            raise ValueError(f"device description file {str(path)!r} does not exist")
+        text = path.read_text()
+        try:
+            if path.suffix.lower() == ".json":
+                data = json.loads(text)
+            else:
+                import yaml
+
+                data = yaml.safe_load(text)
+        except Exception as e:  # malformed file: say which
+            raise ValueError(f"device description file {str(path)!r} cannot be read ({e})") from None
+        if not isinstance(data, Mapping):
+            raise ValueError(
+                f"device description file {str(path)!r} must hold a mapping of fields "
+                f"({', '.join(CUSTOM_FIELDS)})"
+            )
+        return dict(data)
+    out: dict[str, Any] = {}
+    for part in spec.split(","):
+        if not part.strip():
+            continue
+        key, sep, value = part.partition("=")
+        if not sep:
+            raise ValueError(
+                f"device description part {part.strip()!r} is not key=value; write "
+                f"{', '.join(CUSTOM_FIELDS)}=VALUE separated by commas"
+            )
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _size_field(data: Mapping[str, Any], key: str) -> int:
+    value = data[key]
+    try:
+        return parse_size(value if isinstance(value, (int, str)) else int(value))
+    except (ValueError, TypeError):
+        raise ValueError(
+            f"device description field {key!r} must be a size such as 24GiB, got {value!r}"
+        ) from None
+
+
+def _rate_field(data: Mapping[str, Any], key: str) -> float:
+    value = data[key]
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    text = str(value).strip()
+    try:
+        number = float(text)
+        if number > 0:
+            return number
+    except ValueError:
+        pass
+    if text.lower().endswith("/s"):
+        try:
+            return float(parse_size(text[:-2]))
+        except ValueError:
+            pass
+    raise ValueError(
+        f"device description field {key!r} must be bytes per second (1.5e12, 1.5TB/s, "
+        f"32GB/s), got {value!r}"
+    )
+
+
+def _cc_field(value: Any) -> tuple[int, int]:
+    text = str(value).strip()
+    major, _, minor = text.partition(".")
+    try:
+        cc = (int(major), int(minor or 0))
+    except ValueError:
+        raise ValueError(
+            f"device description field 'compute_capability' must look like 8.0 or 9.0, got "
+            f"{value!r}"
+        ) from None
+    if not 3 <= cc[0] <= 20:
+        raise ValueError(f"compute capability {text} is not a CUDA compute capability")
+    return cc
+
+
+def _bool_field(data: Mapping[str, Any], key: str) -> bool:
+    value = data[key]
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "yes", "1", "on"):
+        return True
+    if text in ("false", "no", "0", "off"):
+        return False
+    raise ValueError(f"device description field {key!r} must be true or false, got {value!r}")
+
+
+def _tflops(data: Mapping[str, Any], key: str, default: float) -> float:
+    if key not in data:
+        return default
+    try:
+        value = float(data[key])
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"device description field {key!r} must be a number of TFLOP/s, got {data[key]!r}"
+        ) from None
+    if value <= 0:
+        raise ValueError(f"device description field {key!r} must be > 0, got {value}")
+    return value * 1e12
+
+
+def parse_budget(text: str | int) -> tuple[int, DeviceProfile | None]:
+    """Parse a budget: a size (``4GiB``, ``4GB``, ``4096MiB``, ``0.5TiB``, bytes) or a device
+    name (``t4``: that device's whole memory; the planner then fits the device total,
+    allocator reserve and CUDA context included).
+
+    Returns:
+        The budget in bytes, and the device profile when a device was named.
+
+    Raises:
+        ValueError: with one sentence naming what is accepted.
+    """
+    if isinstance(text, str) and text.strip().lower().replace("_", "-") in DEVICES:
+        dev = DEVICES[text.strip().lower().replace("_", "-")]
+        return dev.memory_bytes, dev
+    try:
+        return parse_size(text), None
+    except ValueError as e:
+        if "positive" in str(e):
+            raise ValueError(f"budget {text!r} must be a positive size, such as 4GiB") from None
+        raise ValueError(
+            f"budget {text!r} is not understood; use a size such as 4GiB, 4GB, 4096MiB, 0.5TiB "
+            f"or plain bytes, or a device name ({', '.join(DEVICES)})"
+        ) from None
