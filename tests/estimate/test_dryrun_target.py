@@ -1,0 +1,78 @@
+"""Dry runs for a target device: what its kernels keep, its optimizer defaults, its dtypes."""
+
+from __future__ import annotations
+
+import pytest
+
+from memfit.estimate.dryrun import measure, plan_for_target
+from memfit.plan import Plan, PlanError
+from memfit.targets import DEVICES, get_device
+from memfit.workload import load_workload
+
+
+@pytest.mark.parametrize("spec", ["gpt2-tiny", "bert-tiny", "llama-tiny"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_dry_equals_real_under_a_gpu_target(spec, precision):
+    plan = Plan(precision=precision)
+    real = measure(spec, plan, batch_size=2, seq_len=32, device="h100")
+    dry = measure(spec, plan, batch_size=2, seq_len=32, device="h100", dry=True)
+    assert dry.peak_bytes == real.peak_bytes
+    assert dry.peak_by_category == real.peak_by_category
+    assert dry.meta["target_device"] == real.meta["target_device"] == "h100"
+    assert sum(dry.meta["attention_backends"].values()) == 2 * 2  # steps x layers
+
+
+def test_default_target_is_this_machine():
+    report = measure("gpt2-tiny", batch_size=2, seq_len=16, dry=True)
+    assert report.meta["target_device"] == "cpu"
+    assert report.meta["attention_backends"] == {}
+
+
+def test_gpu_target_keeps_less_attention_memory_than_the_cpu():
+    # GPT-2 has attention dropout: the CPU takes the math path and keeps L x L probabilities.
+    kw = dict(batch_size=2, seq_len=128, dry=True)
+    cpu = measure("gpt2-tiny", Plan(precision="bf16-mixed"), device="cpu", **kw)
+    gpu = measure("gpt2-tiny", Plan(precision="bf16-mixed"), device="h100", **kw)
+    assert gpu.meta["attention_backends"]["flash"] > 0
+    assert gpu.peak_by_category["activations"] < cpu.peak_by_category["activations"]
+
+
+def _activations(device: str, seq_len: int) -> int:
+    workload = load_workload("gpt2-medium", 4, seq_len).with_depth(2)
+    report = measure(workload, Plan(precision="bf16-mixed"), device=device, dry=True)
+    return report.peak_by_category["activations"]
+
+
+def test_attention_memory_is_linear_on_h100_and_quadratic_on_cpu():
+    # gpt2-medium (two of its blocks), batch 4, bf16-mixed, lengths 1024 and 2048.
+    h100 = _activations("h100", 2048) / _activations("h100", 1024)
+    cpu = _activations("cpu", 2048) / _activations("cpu", 1024)
+    assert 1.8 <= h100 <= 2.2, h100  # fused attention: linear in the length
+    assert cpu >= 2.8, cpu  # the CPU's math path keeps L x L probabilities: quadratic
+
+
+def test_optimizer_defaults_follow_the_target():
+    plan = Plan()
+    assert plan_for_target(plan, DEVICES["h100"]).optimizer.foreach is True
+    assert plan_for_target(plan, get_device("cpu")).optimizer.foreach is None
+    explicit = Plan(optimizer={"name": "adamw", "foreach": False})
+    assert plan_for_target(explicit, DEVICES["h100"]).optimizer.foreach is False
+    fused = Plan(optimizer={"name": "adamw", "kwargs": {"fused": True}})
+    assert plan_for_target(fused, DEVICES["h100"]).optimizer.foreach is None
+    assert plan_for_target(Plan(optimizer="adafactor"), DEVICES["h100"]).optimizer.foreach is None
+
+
+def test_foreach_on_a_gpu_target_costs_a_parameter_copy_at_the_step():
+    kw = dict(batch_size=2, seq_len=16, dry=True)
+    cpu = measure("gpt2-tiny", device="cpu", **kw)
+    gpu = measure("gpt2-tiny", device="h100", **kw)
+    assert gpu.phase_peaks["optimizer"] > cpu.phase_peaks["optimizer"]
+
+
+def test_bf16_on_a_t4_is_refused_with_a_sentence():
+    with pytest.raises(PlanError, match=r"t4 has no bf16 support.*fp16-mixed"):
+        measure("gpt2-tiny", Plan(precision="bf16-mixed"), batch_size=2, seq_len=16,
+                dry=True, device="t4")
+    report = measure("gpt2-tiny", Plan(precision="fp16-mixed"), batch_size=2, seq_len=16,
+                     dry=True, device="t4")
+    assert report.meta["target_device"] == "t4"
