@@ -76,3 +76,23 @@ def test_bf16_on_a_t4_is_refused_with_a_sentence():
     report = measure("gpt2-tiny", Plan(precision="fp16-mixed"), batch_size=2, seq_len=16,
                      dry=True, device="t4")
     assert report.meta["target_device"] == "t4"
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        Plan(precision="bf16-mixed", checkpointing="full"),
+        Plan(precision="bf16-mixed", checkpointing="selective"),
+        Plan(precision="bf16-pure", optimizer="adafactor", optimizer_in_backward=True,
+             checkpointing="full"),
+        Plan(grad_accum_steps=2, optimizer="adafactor"),
+    ],
+    ids=["full", "selective", "best", "accum-adafactor"],
+)
+def test_recomputation_takes_the_targets_kernels(plan):
+    # Checkpointing recomputes the forward inside backward: it must take the same (emulated)
+    # kernels, or torch.utils.checkpoint finds different saved tensors and raises.
+    real = measure("gpt2-tiny", plan, batch_size=2, seq_len=32, device="h100")
+    dry = measure("gpt2-tiny", plan, batch_size=2, seq_len=32, device="h100", dry=True)
+    assert dry.peak_by_category == real.peak_by_category
+    assert dry.meta["attention_backends"]["flash"] > 0 or plan.precision.mode == "fp32"

@@ -272,11 +272,50 @@ class KernelEmulation(TorchFunctionMode):
         handler = self._handlers.get(name)
         if handler is not None:
             return handler(func, args, kwargs)
+        if name == "backward":
+            return self._backward(func, args, kwargs)
         if name in _AUTOCAST_NAMES and torch.is_autocast_enabled("cpu"):
             return self._autocast(name, func, args, kwargs)
         return func(*args, **kwargs)
 
     # -------------------------------------------------------------- handlers
+    def _backward(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        # A mode is suspended while it handles a call, and backward runs checkpointing's
+        # recomputation, which must take the same kernels as the forward did. Calling
+        # backward again under the mode would dispatch back here, so run autograd's engine
+        # directly, with the mode on, after torch.autograd.backward's own preparation.
+        from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
+        from torch.autograd.graph import _engine_run_backward
+
+        if func is torch.Tensor.backward:
+            names = ("tensors", "grad_tensors", "retain_graph", "create_graph", "inputs")
+        else:
+            names = ("tensors", "grad_tensors", "retain_graph", "create_graph", "grad_variables",
+                     "inputs")  # fmt: skip
+        bound = dict(zip(names, args, strict=False)) | kwargs
+        if "gradient" in bound:
+            bound["grad_tensors"] = bound.pop("gradient")
+        tensors = bound["tensors"]
+        tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+        inputs = bound.get("inputs")
+        inputs = () if inputs is None else (
+            (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+        )
+        create_graph = bool(bound.get("create_graph", False))
+        retain_graph = bound.get("retain_graph")
+        with self:
+            grads = _tensor_or_tensors_to_tuple(bound.get("grad_tensors"), len(tensors))
+            grads = _make_grads(tensors, grads, is_grads_batched=False)
+            _engine_run_backward(
+                tensors,
+                grads,
+                create_graph if retain_graph is None else retain_graph,
+                create_graph,
+                inputs,
+                allow_unreachable=True,
+                accumulate_grad=True,
+            )
+
     def _attention(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         q, k, v, mask, dropout_p, is_causal, scale, enable_gqa = _sdpa_args(*args, **kwargs)
         if torch.is_autocast_enabled("cpu"):
