@@ -55,6 +55,11 @@ class MemoryReport:
         num_ops: Operations seen.
         device: The compute device.
         meta: Free-form facts added by the caller (``num_parameters``, ``dry_run``, ...).
+        peak_reserved_bytes: Peak bytes the device's allocator holds: for a CUDA target, the
+            caching allocator's reserved peak (allocator model replaying this run's
+            allocations); for the CPU, ``peak_bytes``. ``None`` until a target is modelled.
+        overhead_bytes: Device memory outside the allocator (CUDA context, library
+            workspaces) on the modelled target; 0 on the CPU.
     """
 
     peak_bytes: int
@@ -71,6 +76,13 @@ class MemoryReport:
     num_ops: int = 0
     device: str = "cpu"
     meta: dict[str, Any] = field(default_factory=dict)
+    peak_reserved_bytes: int | None = None
+    overhead_bytes: int = 0
+
+    @property
+    def device_total_bytes(self) -> int:
+        """What the device holds at the peak: reserved bytes plus the fixed overhead."""
+        return (self.peak_reserved_bytes or self.peak_bytes) + self.overhead_bytes
 
     # ------------------------------------------------------------------ export
     def to_dict(self, max_points: int = MAX_TIMELINE_POINTS) -> dict[str, Any]:
@@ -89,6 +101,9 @@ class MemoryReport:
             phase_peak_by_category={k: dict(v) for k, v in self.phase_peak_by_category.items()},
             num_ops=self.num_ops,
             device=self.device,
+            peak_reserved_bytes=self.peak_reserved_bytes,
+            overhead_bytes=self.overhead_bytes,
+            predicted_device_total_bytes=self.device_total_bytes,
             timeline=_downsample(self.timeline, max_points),
         )
         return out
