@@ -106,6 +106,15 @@ def profile(
         typer.Option("--cap", help="Virtual memory cap (e.g. 4GiB): fail like a GPU would."),
     ] = None,
     top: Annotated[int, typer.Option("--top", help="Modules to list.")] = 8,
+    device: Annotated[
+        str | None,
+        typer.Option(
+            "--device",
+            help="Target device whose memory to reproduce: h100, a100, a100-40gb, rtx4090, t4, "
+            "cpu, or a custom GPU (a JSON/YAML file, or name=...,memory=...,mem_bandwidth=...,"
+            "host_bandwidth=...,compute_capability=...,bf16=...). Default: this machine.",
+        ),
+    ] = None,
 ) -> None:
     """Measure where a training step's memory goes, by category, phase and module."""
     _quiet_libraries()
@@ -115,14 +124,24 @@ def profile(
 
     _check_sizes(batch_size, seq_len, steps)
     cap_bytes = _parse_cap(cap)
+    from .targets import get_device
+
+    target = _run_guarded(get_device, device)
     the_plan = _run_guarded(Plan.load, plan) if plan is not None else None
     workload = _run_guarded(load_workload, model, batch_size, seq_len)
     report = _with_progress(
         f"{'dry-running' if dry_run else 'running'} {workload.name} "
-        f"(batch {batch_size}, length {seq_len})",
+        f"(batch {batch_size}, length {seq_len}) for {target.name}",
         steps,
         lambda progress: _run_guarded(
-            measure, workload, the_plan, steps=steps, dry=dry_run, cap=cap_bytes, progress=progress
+            measure,
+            workload,
+            the_plan,
+            steps=steps,
+            dry=dry_run,
+            cap=cap_bytes,
+            device=target,
+            progress=progress,
         ),
     )
     _print_report(report)
@@ -267,6 +286,15 @@ def bench_ladder(
     markdown: Annotated[
         Path | None, typer.Option("--markdown", help="Write the table as Markdown here.")
     ] = None,
+    device: Annotated[
+        str,
+        typer.Option(
+            "--device",
+            help="Target device of the peaks (h100, a100, a100-40gb, rtx4090, t4, cpu, or a "
+            "custom GPU description). GPU targets add reserved and device-total peaks and the "
+            "cost model's compute ratio.",
+        ),
+    ] = "cpu",
 ) -> None:
     """Reproduce and extend the published BERT-large strategy ladder."""
     _quiet_libraries()
@@ -277,6 +305,9 @@ def bench_ladder(
     from .bench.ladder import ladder_markdown, ladder_table, run_ladder
 
     _check_sizes(batch_size, seq_len)
+    from .targets import get_device
+
+    target = _run_guarded(get_device, device)
     with Status("ladder...", console=err) as status:
         rows = _run_guarded(
             run_ladder,
@@ -286,6 +317,7 @@ def bench_ladder(
             short_seq=max(1, seq_len // 2),
             compute_depth=compute_depth,
             compute_seq=compute_seq,
+            device=target,
             progress=lambda msg: status.update(msg),
         )
     out.print(ladder_table(rows))
@@ -324,13 +356,27 @@ def _print_report(report: Any) -> None:
 
     meta = report.meta
     mode = "dry run (fake tensors)" if meta.get("dry_run") else "real run"
+    backends = {k: v for k, v in meta.get("attention_backends", {}).items() if v}
+    attention = (
+        "; attention: " + ", ".join(f"{k} x{v}" for k, v in backends.items()) if backends else ""
+    )
     out.print(
         f"[bold]{meta.get('model')}[/]: {meta.get('num_parameters', 0):,} parameters, "
-        f"{mode}, {meta.get('steps')} steps, device {report.device}",
+        f"{mode}, {meta.get('steps')} steps, target {meta.get('target_device', report.device)}"
+        f"{attention}",
         highlight=False,
     )
     out.print(report.table())
-    out.print(f"peak: [bold]{format_bytes(report.peak_bytes)}[/]", highlight=False)
+    target = meta.get("target_device", report.device)
+    out.print(f"peak: [bold]{format_bytes(report.peak_bytes)}[/] of tensors", highlight=False)
+    if report.overhead_bytes or (report.peak_reserved_bytes or 0) > report.peak_bytes:
+        out.print(
+            f"on {target}: [bold]{format_bytes(report.peak_reserved_bytes or 0)}[/] reserved by "
+            f"the caching allocator (model), + {format_bytes(report.overhead_bytes)} CUDA "
+            f"context and workspaces = [bold]{format_bytes(report.device_total_bytes)}[/] "
+            "device total (what nvidia-smi shows)",
+            highlight=False,
+        )
 
 
 def _register_train() -> None:

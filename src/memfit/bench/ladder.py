@@ -1,9 +1,11 @@
 """The strategy ladder: the published BERT-large fine-tuning ladder, reproduced and extended.
 
 Each row is a :class:`~memfit.plan.Plan`. Its peak is measured by a dry run at full scale
-(fake tensors, category by category); its relative compute cost is measured on this CPU at a
-reduced scale (fewer layers, shorter sequences) in the same run, as a ratio to the baseline's
-step time, so recomputation and micro-batching both show.
+(fake tensors, category by category) for a target device; its relative compute cost is measured
+on this CPU at a reduced scale (fewer layers, shorter sequences) in the same run, as a ratio to
+the baseline's step time, so recomputation and micro-batching both show. For a GPU target the
+rows add what that GPU would hold (the caching allocator's reserved peak and the device total
+with the CUDA context) and the cost model's compute ratio on that GPU.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 import torch
 
 from ..plan import Plan
+from ..targets import DeviceProfile
 from ..workload import Workload, load_workload
 
 __all__ = ["LadderRow", "ladder_plans", "run_ladder"]
@@ -43,16 +46,26 @@ class LadderRow:
     compute_ratio: float = 0.0
     step_seconds: float = 0.0
     published: tuple[float, float] | None = None
+    target_device: str = "cpu"
+    peak_reserved_bytes: int = 0
+    device_total_bytes: int = 0
+    predicted_compute_ratio: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON row: ``name``, ``plan``, ``peak_bytes``, ``peak_by_category``,
-        ``compute_ratio`` (and the published figures where there are any)."""
+        ``compute_ratio`` (CPU-measured), ``target_device``, ``peak_reserved_bytes``,
+        ``device_total_bytes``, ``predicted_compute_ratio`` (cost model on the target; ``None``
+        for the CPU) and the published figures where there are any."""
         out: dict[str, Any] = {
             "name": self.name,
             "plan": self.plan.to_dict(),
+            "target_device": self.target_device,
             "peak_bytes": self.peak_bytes,
             "peak_by_category": self.peak_by_category,
+            "peak_reserved_bytes": self.peak_reserved_bytes,
+            "device_total_bytes": self.device_total_bytes,
             "compute_ratio": self.compute_ratio,
+            "predicted_compute_ratio": self.predicted_compute_ratio,
             "step_seconds_reduced_scale": self.step_seconds,
         }
         if self.published:
@@ -107,17 +120,24 @@ def ladder_plans(batch_size: int = 32, short_seq: int = 64) -> list[tuple[str, P
     return published + extra
 
 
-def _peak(workload: Workload, plan: Plan) -> tuple[int, dict[str, int]]:
-    """Full-scale peak from a dry run; accumulation is run with two micro-batches (memory
-    does not grow with more) and the inputs scaled back to the whole batch."""
+def _peak(workload: Workload, plan: Plan, device: DeviceProfile) -> dict[str, Any]:
+    """Full-scale peak on ``device`` from a dry run; accumulation is run with two micro-batches
+    (memory does not grow with more) and the inputs scaled back to the whole batch."""
     from ..estimate.compose import _reduced
     from ..estimate.dryrun import dry_run
 
     small_wl, small_plan, scale = _reduced(workload, plan)
-    report = dry_run(small_wl, small_plan, steps=2)
+    report = dry_run(small_wl, small_plan, steps=2, device=device)
     by_cat = dict(report.peak_by_category)
-    by_cat["inputs"] = round(by_cat["inputs"] * scale)
-    return sum(by_cat.values()), by_cat
+    grown = round(by_cat["inputs"] * scale) - by_cat["inputs"]
+    by_cat["inputs"] += grown
+    reserved = (report.peak_reserved_bytes or report.peak_bytes) + grown
+    return {
+        "peak_bytes": sum(by_cat.values()),
+        "peak_by_category": by_cat,
+        "peak_reserved_bytes": reserved,
+        "device_total_bytes": reserved + report.overhead_bytes,
+    }
 
 
 def _step_time(workload: Workload, plan: Plan, steps: int) -> float:
@@ -158,6 +178,7 @@ def run_ladder(
     compute_depth: int = 2,
     compute_seq: int = 32,
     compute_steps: int = 2,
+    device: str | DeviceProfile | None = "cpu",
     progress: Callable[[str], None] | None = None,
 ) -> list[LadderRow]:
     """Measure every rung.
@@ -171,17 +192,26 @@ def run_ladder(
         compute_seq: Sequence length of the reduced model (the batch stays the same, so
             micro-batching shows).
         compute_steps: Timed steps per rung (after one warm-up step).
+        device: The target whose memory the dry runs reproduce (a profile name, a custom
+            description or a profile; ``None`` is this machine). For a GPU target each row
+            also gets the cost model's compute ratio on it.
         progress: Called with the rung's name as it starts.
     """
+    from ..estimate.cost import profile_workload, step_cost
+    from ..estimate.dryrun import plan_for_target
+    from ..targets import get_device
+
+    target = get_device(device)
     say = progress or (lambda msg: None)
     full = load_workload(model, batch_size, seq_len)
     small = full.with_depth(compute_depth) if full.scalable and full.with_depth else full
     small = small.replace(seq_len=min(compute_seq, seq_len))
     rows = []
     for name, plan in ladder_plans(batch_size, short_seq):
-        row = LadderRow(name, plan, published=PUBLISHED.get(name))
-        say(f"{name}: dry run at full scale")
-        row.peak_bytes, row.peak_by_category = _peak(full, plan)
+        row = LadderRow(name, plan, published=PUBLISHED.get(name), target_device=target.name)
+        say(f"{name}: dry run at full scale for {target.name}")
+        for key, value in _peak(full, plan, target).items():
+            setattr(row, key, value)
         small_plan = plan
         if plan.max_seq_len is not None:
             # Keep the same proportion of the sequence at the reduced scale.
@@ -194,54 +224,85 @@ def run_ladder(
     base = rows[0].step_seconds
     for row in rows:
         row.compute_ratio = row.step_seconds / base
+    if target.is_cuda:
+        say(f"costing the rungs on {target.name}")
+        profile = profile_workload(full)
+
+        def cost(plan: Plan) -> float:
+            # Freezing trains fewer parameters; the cost model takes that as a fraction.
+            frac = _trainable_fraction(full, plan) if plan.freeze else 1.0
+            resolved = plan_for_target(plan, target)
+            return step_cost(
+                profile, resolved, target, batch_size=batch_size, trainable_fraction=frac
+            ).total
+
+        base_cost = cost(rows[0].plan)
+        for row in rows:
+            row.predicted_compute_ratio = cost(row.plan) / base_cost
     return rows
+
+
+def _trainable_fraction(workload: Workload, plan: Plan) -> float:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ..strategies.freezing import apply_freezing
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = workload.build_model()
+        total = sum(p.numel() for p in model.parameters())
+        apply_freezing(model, plan.freeze)
+        return sum(p.numel() for p in model.parameters() if p.requires_grad) / total
+
+
+def _cells(row: LadderRow, gpu: bool) -> list[str]:
+    from ..units import format_bytes
+
+    cats = row.peak_by_category or {}
+    main = ("parameters", "gradients", "optimizer_state", "activations")
+    other = sum(v for k, v in cats.items() if k not in main)
+    cells = [row.name, format_bytes(row.peak_bytes)]
+    if gpu:
+        cells += [format_bytes(row.peak_reserved_bytes), format_bytes(row.device_total_bytes)]
+    cells += [format_bytes(cats.get(k, 0)) for k in main] + [format_bytes(other)]
+    cells.append(f"{row.compute_ratio:.2f}x")
+    if gpu:
+        cells.append(f"{row.predicted_compute_ratio or 0.0:.2f}x")
+    cells.append(f"{row.published[0]} GB, {row.published[1]} s" if row.published else "")
+    return cells
+
+
+def _headers(rows: list[LadderRow]) -> tuple[list[str], bool]:
+    gpu = any(row.predicted_compute_ratio is not None for row in rows)
+    device = rows[0].target_device if rows else "cpu"
+    headers = ["strategy", "peak" if not gpu else "allocated"]
+    if gpu:
+        headers += ["reserved", "device total"]
+    headers += ["params", "grads", "state", "activations", "other", "compute (CPU)"]
+    if gpu:
+        headers.append(f"compute ({device}, model)")
+    headers.append("published GPU")
+    return headers, gpu
 
 
 def ladder_table(rows: list[LadderRow]) -> Any:
     """A rich table of the rungs."""
     from rich.table import Table
 
-    from ..units import format_bytes
-
-    table = Table(title="Strategy ladder (memfit: dry run at full scale; compute measured on CPU)")
-    table.add_column("strategy")
-    table.add_column("peak", justify="right")
-    for col in ("params", "grads", "state", "acts", "other"):
-        table.add_column(col, justify="right")
-    table.add_column("compute", justify="right")
-    table.add_column("published GPU", justify="right")
+    headers, gpu = _headers(rows)
+    device = rows[0].target_device if rows else "cpu"
+    table = Table(
+        title=f"Strategy ladder for {device} (dry run at full scale; compute measured on CPU)"
+    )
+    for i, name in enumerate(headers):
+        table.add_column(name, justify="left" if i == 0 else "right")
     for row in rows:
-        cats = row.peak_by_category or {}
-        main = ("parameters", "gradients", "optimizer_state", "activations")
-        other = sum(v for k, v in cats.items() if k not in main)
-        pub = f"{row.published[0]} GB, {row.published[1]} s" if row.published else ""
-        table.add_row(
-            row.name,
-            format_bytes(row.peak_bytes),
-            *(format_bytes(cats.get(k, 0)) for k in main),
-            format_bytes(other),
-            f"{row.compute_ratio:.2f}x",
-            pub,
-        )
+        table.add_row(*_cells(row, gpu))
     return table
 
 
 def ladder_markdown(rows: list[LadderRow]) -> str:
     """The same table as Markdown, for the README."""
-    from ..units import format_bytes
-
-    lines = [
-        "| strategy | peak | params | grads | state | activations | other | compute | published GPU |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for row in rows:
-        cats = row.peak_by_category or {}
-        main = ("parameters", "gradients", "optimizer_state", "activations")
-        other = sum(v for k, v in cats.items() if k not in main)
-        pub = f"{row.published[0]} GB, {row.published[1]} s" if row.published else ""
-        cells = [format_bytes(cats.get(k, 0)) for k in main]
-        lines.append(
-            f"| {row.name} | {format_bytes(row.peak_bytes)} | {' | '.join(cells)} | "
-            f"{format_bytes(other)} | {row.compute_ratio:.2f}x | {pub} |"
-        )
+    headers, gpu = _headers(rows)
+    lines = ["| " + " | ".join(headers) + " |", "|---|" + "---:|" * (len(headers) - 1)]
+    lines += ["| " + " | ".join(_cells(row, gpu)) + " |" for row in rows]
     return "\n".join(lines)
