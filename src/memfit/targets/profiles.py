@@ -3,7 +3,7 @@
 A profile says what memfit needs to know of a device to predict a training run on it:
 
 * memory: the card's memory, the CUDA context and library workspaces that live outside
-  PyTorch's caching allocator (``nvidia-smi`` shows them; ``torch.cuda.memory_reserved`` does
+  PyTorch's caching allocator (``nvidia-smi`` shows them; the allocator's ``memory_reserved`` does
   not), and whether the caching allocator models its reserved bytes (``kind == "cuda"``);
 * kernels: compute capability and bf16 support, which decide the attention backend and the
   autocast dtype (see :mod:`memfit.targets.kernels`);
@@ -59,7 +59,7 @@ class DeviceProfile:
         compute_capability: CUDA compute capability ``(major, minor)``; decides which fused
             attention kernels exist (flash attention needs 8.0 or newer).
         context_bytes: Memory the CUDA context takes outside the allocator (driver, kernels
-            loaded lazily). Shown by ``nvidia-smi``, never by ``torch.cuda.memory_reserved``.
+            loaded lazily). Shown by ``nvidia-smi``, never by the allocator's ``memory_reserved``.
         workspace_bytes: cuBLAS/cuDNN workspaces. PyTorch allocates the cuBLAS workspace
             through its caching allocator once per handle and stream; memfit counts it here,
             beside the context, as fixed device overhead.

@@ -1,0 +1,91 @@
+"""The layout's rules, checked on the source: no import cycles, CUDA in one module."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "memfit"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports() -> dict[str, set[str]]:
+    """Every memfit module's memfit imports, wherever they stand (function bodies included:
+    a lazy import still makes a cycle, only a later one)."""
+    modules = {_module_name(p): p for p in SRC.rglob("*.py")}
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")
+                    anchor = anchor[: len(anchor) - (node.level - 1)]
+                    base = ".".join([*anchor, base] if base else anchor)
+                targets = [base] + [f"{base}.{a.name}" for a in node.names]
+            for target in targets:
+                # The deepest known module the import names.
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                if target and target != name and target.startswith("memfit"):
+                    graph[name].add(target)
+    return graph
+
+
+def _is_package(name: str) -> bool:
+    return (SRC.parent / Path(*name.split(".")) / "__init__.py").exists()
+
+
+def test_no_import_cycles():
+    graph = _imports()
+    # A package's __init__ re-exporting its submodules is not a dependency of theirs on it,
+    # so edges into a package from its own submodules are the only ones left out.
+    edges = {
+        a: {b for b in deps if not (_is_package(b) and a.startswith(b + "."))}
+        for a, deps in graph.items()
+    }
+    cycles = []
+    for start in edges:
+        stack = [(start, [start])]
+        seen = set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in edges[node]:
+                if nxt == start:
+                    cycles.append(" -> ".join([*path, nxt]))
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, [*path, nxt]))
+    assert not cycles, "import cycles:\n" + "\n".join(sorted(set(cycles))[:20])
+
+
+def test_torch_cuda_only_in_device_module():
+    offenders = [
+        str(p.relative_to(SRC))
+        for p in SRC.rglob("*.py")
+        if p.name != "device.py" and "torch.cuda" in p.read_text()
+    ]
+    assert offenders == []
+
+
+@pytest.mark.parametrize("path", sorted(SRC.rglob("*.py")), ids=lambda p: str(p.relative_to(SRC)))
+def test_no_module_over_800_lines(path):
+    assert len(path.read_text().splitlines()) <= 800
+
+
+def test_nothing_imports_the_cli_but_main():
+    graph = _imports()
+    users = sorted(a for a, deps in graph.items() if "memfit.cli" in deps)
+    assert users in ([], ["memfit.__main__"])
