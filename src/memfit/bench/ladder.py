@@ -207,7 +207,7 @@ def run_ladder(
     small = full.with_depth(compute_depth) if full.scalable and full.with_depth else full
     small = small.replace(seq_len=min(compute_seq, seq_len))
     rows = []
-    for name, plan in ladder_plans(batch_size, short_seq):
+    for name, plan in _for_target(ladder_plans(batch_size, short_seq), target):
         row = LadderRow(name, plan, published=PUBLISHED.get(name), target_device=target.name)
         say(f"{name}: dry run at full scale for {target.name}")
         for key, value in _peak(full, plan, target).items():
@@ -240,6 +240,22 @@ def run_ladder(
         for row in rows:
             row.predicted_compute_ratio = cost(row.plan) / base_cost
     return rows
+
+
+def _for_target(rungs: list[tuple[str, Plan]], target: DeviceProfile) -> list[tuple[str, Plan]]:
+    """The rungs a target can run: without bf16 (T4), mixed precision is fp16 and the
+    bf16-pure rungs are left out (there is no fp16-pure plan)."""
+    if target.supports_bf16:
+        return rungs
+    out = []
+    for name, plan in rungs:
+        if plan.precision.mode == "bf16-pure":
+            continue
+        if plan.precision.mode == "bf16-mixed":
+            plan = plan.replace(precision="fp16-mixed")
+            name = name.replace("bf16-mixed", "fp16-mixed")
+        out.append((name, plan))
+    return out
 
 
 def _trainable_fraction(workload: Workload, plan: Plan) -> float:

@@ -1,0 +1,76 @@
+"""The ladder: a small run whose rows must order as the techniques claim."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from memfit.bench.ladder import ladder_markdown, run_ladder
+from memfit.cli import app
+
+
+@pytest.fixture(scope="module")
+def rows():
+    result = run_ladder(
+        "bert-tiny", batch_size=4, seq_len=32, short_seq=16, compute_steps=1, device="h100"
+    )
+    return {row.name: row for row in result}
+
+
+@pytest.mark.slow
+def test_rows_order_as_the_techniques_claim(rows):
+    base = rows["baseline"]
+    cats = {name: row.peak_by_category for name, row in rows.items()}
+    assert base.compute_ratio == 1.0 and base.predicted_compute_ratio == 1.0
+    # Adafactor's factored state is far below AdamW's two moments.
+    assert cats["+ Adafactor"]["optimizer_state"] < cats["+ gradient checkpointing"][
+        "optimizer_state"
+    ] / 10
+    # Freezing the body leaves only the classifier's gradients.
+    assert cats["+ freeze body"]["gradients"] < cats["+ Adafactor"]["gradients"] / 100
+    # bf16-pure halves the parameters exactly.
+    assert 2 * cats["baseline + bf16-pure"]["parameters"] == cats["baseline"]["parameters"]
+    # 8-bit AdamW keeps about a quarter of AdamW's state.
+    ratio = cats["accumulation + 8-bit AdamW"]["optimizer_state"] / cats["baseline"][
+        "optimizer_state"
+    ]
+    assert 0.2 < ratio < 0.35
+    # A shorter sequence cannot raise the peak.
+    assert rows["+ max length 64"].peak_bytes <= rows["+ freeze body"].peak_bytes
+    # Recomputation costs time in the cost model.
+    assert (
+        rows["+ gradient checkpointing"].predicted_compute_ratio
+        > rows["+ gradient accumulation"].predicted_compute_ratio
+    )
+    for row in rows.values():
+        assert row.target_device == "h100"
+        assert row.device_total_bytes >= row.peak_reserved_bytes >= row.peak_bytes
+        assert row.peak_bytes == sum(row.peak_by_category.values())
+    table = ladder_markdown(list(rows.values()))
+    assert "reserved" in table and "compute (h100, model)" in table
+
+
+@pytest.mark.slow
+def test_ladder_command(tmp_path):
+    out = tmp_path / "ladder.json"
+    result = CliRunner().invoke(
+        app,
+        ["bench", "ladder", "--model", "bert-tiny", "-b", "2", "-l", "16", "--device", "t4",
+         "--json", str(out)],
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    names = [row["name"] for row in data]
+    assert names[0] == "baseline" and "baseline + fp16-mixed" in names
+    assert not any("bf16" in name for name in names)
+    assert {"peak_bytes", "peak_reserved_bytes", "device_total_bytes", "compute_ratio",
+            "predicted_compute_ratio", "target_device"} <= set(data[0])
+    assert {row["target_device"] for row in data} == {"t4"}
+
+
+def test_ladder_command_refuses_an_unknown_device():
+    result = CliRunner().invoke(app, ["bench", "ladder", "--device", "v100"])
+    assert result.exit_code == 2
+    assert "not known" in result.output
