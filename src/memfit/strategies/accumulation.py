@@ -114,7 +114,7 @@ def count_loss_terms(
     labels = batch.get("labels") if isinstance(batch, Mapping) else None
     pre_shifted = batch.get("shift_labels") if isinstance(batch, Mapping) else None
     if isinstance(pre_shifted, torch.Tensor):
-        return int((pre_shifted != ignore_index).sum().item())
+        return _count(pre_shifted, ignore_index)
     if not isinstance(labels, torch.Tensor):
         raise ValueError(
             "loss normalization 'tokens' counts label tokens, but the batch has no 'labels' "
@@ -123,7 +123,7 @@ def count_loss_terms(
     if labels.is_floating_point() or labels.is_complex():
         return int(labels.shape[0]) if labels.dim() > 0 else 1
     if labels.dim() <= 1:
-        return int((labels != ignore_index).sum().item())
+        return _count(labels, ignore_index)
     if shift_labels is None:
         ids = batch.get("input_ids")
         shift_labels = (
@@ -131,4 +131,17 @@ def count_loss_terms(
         )
     if shift_labels:
         labels = labels[:, 1:]
+    return _count(labels, ignore_index)
+
+
+def _count(labels: torch.Tensor, ignore_index: int) -> int:
+    """Entries of ``labels`` that are not ``ignore_index``.
+
+    A dry run's labels are fake tensors without values: there every entry counts. The weights
+    only scale each micro-batch's loss, so the memory a dry run measures is the same.
+    """
+    from ..device import is_fake
+
+    if is_fake(labels):
+        return int(labels.numel())
     return int((labels != ignore_index).sum().item())
