@@ -96,3 +96,21 @@ def test_recomputation_takes_the_targets_kernels(plan):
     dry = measure("gpt2-tiny", plan, batch_size=2, seq_len=32, device="h100", dry=True)
     assert dry.peak_by_category == real.peak_by_category
     assert dry.meta["attention_backends"]["flash"] > 0 or plan.precision.mode == "fp32"
+
+
+def test_reports_carry_reserved_and_device_totals():
+    kw = dict(batch_size=2, seq_len=32, dry=True)
+    gpu = measure("gpt2-tiny", Plan(precision="bf16-mixed"), device="h100", **kw)
+    h100 = DEVICES["h100"]
+    # Every segment is at least 2 MiB: the allocator model reserves more than tensors take.
+    assert gpu.peak_reserved_bytes >= gpu.meta["peak_allocated_bytes"] >= gpu.peak_bytes
+    assert gpu.peak_reserved_bytes >= 2 * 1024 * 1024
+    assert gpu.overhead_bytes == h100.context_bytes + h100.workspace_bytes
+    assert gpu.device_total_bytes == gpu.peak_reserved_bytes + gpu.overhead_bytes
+    data = gpu.to_dict()
+    assert data["target_device"] == "h100"
+    assert data["predicted_device_total_bytes"] == gpu.device_total_bytes
+    assert data["peak_reserved_bytes"] == gpu.peak_reserved_bytes
+    cpu = measure("gpt2-tiny", device="cpu", **kw)
+    # The CPU has no caching allocator and no context to count.
+    assert cpu.peak_reserved_bytes == cpu.peak_bytes and cpu.overhead_bytes == 0

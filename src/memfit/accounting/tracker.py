@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .trace import AllocationTrace
+
 __all__ = ["CATEGORIES", "PHASES", "MemoryTracker", "track"]
 
 #: Categories in order of precedence: a storage's category is the lowest-ranked role it plays.
@@ -465,6 +467,16 @@ class MemoryTracker(TorchDispatchMode):
         self._refs.clear()
         self._live.clear()
         self._report = None
+
+    def trace(self) -> AllocationTrace:
+        """The allocation trace recorded so far (sizes, births, deaths, tiers, categories)."""
+        return AllocationTrace(
+            nbytes=tuple(self._nbytes),
+            birth=tuple(self._birth),
+            death=tuple(self._death),
+            tier=tuple(self._tier),
+            category=tuple(self._cat),
+        )
 
     def report(self) -> Any:
         """Build the :class:`~memfit.accounting.report.MemoryReport` of what was recorded."""

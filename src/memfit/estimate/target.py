@@ -53,9 +53,6 @@ def device_memory(trace: Any, target: DeviceProfile, peak_bytes: int) -> dict[st
 
 def add_device_memory(report: MemoryReport, tracker: Any, target: DeviceProfile) -> None:
     """Fill ``report``'s device fields for ``target`` from ``tracker``'s allocation trace."""
-    if not hasattr(tracker, "trace"):  # TEMPORARY until the tracker's trace lands
-        report.meta.update(target_device=target.name)
-        return
     values = device_memory(tracker.trace(), target, report.peak_bytes)
     report.peak_reserved_bytes = values["peak_reserved_bytes"]
     report.overhead_bytes = values["overhead_bytes"]
