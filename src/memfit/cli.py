@@ -6,10 +6,11 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any
 
 import typer
-from rich.console import Console
+
+from .console import err, fail, out, quiet_libraries
 
 app = typer.Typer(
     name="memfit",
@@ -23,22 +24,8 @@ bench_app = typer.Typer(
 )
 app.add_typer(bench_app, name="bench")
 
-out = Console()
-err = Console(stderr=True)
-
-
-def _quiet_libraries() -> None:
-    # transformers chats about configs built with random weights; keep the terminal for memfit.
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    import warnings
-
-    warnings.filterwarnings("ignore", category=UserWarning)
-    warnings.filterwarnings("ignore", category=FutureWarning)
-
-
-def _fail(message: str, code: int = 2) -> NoReturn:
-    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
-    raise typer.Exit(code)
+_fail = fail
+_quiet_libraries = quiet_libraries
 
 
 def _run_guarded(fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -380,7 +367,8 @@ def _print_report(report: Any) -> None:
 
 
 def _register_train() -> None:
-    # The train command lives with the trainer (memfit/train/command.py); the CLI only names it.
+    # The train command lives with the trainer (memfit/train/command.py); the CLI only names it
+    # (train/command.py imports nothing from here: shared helpers are in memfit/console.py).
     from .train.command import train
 
     app.command("train")(train)

@@ -4,8 +4,8 @@ A GPU run's tensors take what the tracker counts, but the device holds what PyTo
 allocator has *reserved* from the driver: requests are rounded up, served from segments of
 fixed sizes, split and cached when freed instead of returned. Replaying a run's allocation
 trace (sizes, births and deaths, in order) through this model gives the reserved peak that
-``torch.cuda.max_memory_reserved`` would report, and the allocated peak that
-``torch.cuda.max_memory_allocated`` would (rounded block sizes, not tensor bytes).
+PyTorch's ``max_memory_reserved`` would report, and the allocated peak that
+``max_memory_allocated`` would (rounded block sizes, not tensor bytes).
 
 The rules follow ``c10/cuda/CUDACachingAllocator.cpp`` (PyTorch 2.x) and the CUDA semantics
 notes on memory management:
@@ -371,7 +371,7 @@ class AllocatorReplay:
 
     Attributes:
         peak_allocated_bytes: Peak of allocated block sizes (rounded, split or not): what
-            ``torch.cuda.max_memory_allocated`` reports.
+            PyTorch's ``max_memory_allocated`` reports.
         peak_reserved_bytes: Peak of reserved segment bytes: ``max_memory_reserved``.
         peak_requested_bytes: Peak of the requested (tensor) bytes, for comparison.
         num_segments: Segments reserved at the end.

@@ -6,15 +6,12 @@ import itertools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from ..units import format_bytes
-from .tracker import CATEGORIES, PHASES
-
-if TYPE_CHECKING:
-    from .tracker import MemoryTracker
+from .trace import CATEGORIES, PHASES
 
 __all__ = ["MemoryReport", "build_report"]
 
@@ -205,7 +202,7 @@ class MemoryReport:
         plt.close(fig)
 
 
-def build_report(tracker: MemoryTracker) -> MemoryReport:
+def build_report(tracker: Any) -> MemoryReport:
     """Resolve the tracker's storage records into a :class:`MemoryReport`."""
     nseq = tracker._seq + 2
     nb = np.asarray(tracker._nbytes, dtype=np.int64)

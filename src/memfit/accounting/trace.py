@@ -8,7 +8,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["AllocationTrace"]
+__all__ = ["CATEGORIES", "PHASES", "AllocationTrace"]
+
+#: Categories in order of precedence: a storage's category is the lowest-ranked role it plays.
+CATEGORIES: tuple[str, ...] = (
+    "parameters",
+    "buffers",
+    "gradients",
+    "optimizer_state",
+    "inputs",
+    "activations",
+    "temporaries",
+    "other",
+)
+
+#: Phases of a training step; ``other`` is anything outside forward, backward and the step.
+PHASES: tuple[str, ...] = ("forward", "backward", "optimizer", "other")
 
 
 @dataclass(frozen=True)
@@ -22,7 +37,7 @@ class AllocationTrace:
             frees.
         death: Event stamp of each storage's free; ``-1`` if alive when tracking ended.
         tier: ``0`` for the compute device, ``1`` for host memory.
-        category: Index into :data:`~memfit.accounting.tracker.CATEGORIES` of each storage's
+        category: Index into :data:`CATEGORIES` of each storage's
             most specific role.
     """
 

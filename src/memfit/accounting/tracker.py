@@ -24,26 +24,13 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .trace import AllocationTrace
+from .trace import CATEGORIES, PHASES, AllocationTrace
 
 __all__ = ["CATEGORIES", "PHASES", "MemoryTracker", "track"]
 
-#: Categories in order of precedence: a storage's category is the lowest-ranked role it plays.
-CATEGORIES: tuple[str, ...] = (
-    "parameters",
-    "buffers",
-    "gradients",
-    "optimizer_state",
-    "inputs",
-    "activations",
-    "temporaries",
-    "other",
-)
 _RANK = {name: i for i, name in enumerate(CATEGORIES)}
 _PARAM, _BUF, _GRAD, _OPT, _INPUT, _ACT, _TEMP, _OTHER = range(len(CATEGORIES))
 
-#: Phases of a training step; ``other`` is anything outside forward, backward and the step.
-PHASES: tuple[str, ...] = ("forward", "backward", "optimizer", "other")
 _FWD, _BWD, _OPTPHASE, _OTHERPHASE = range(len(PHASES))
 
 

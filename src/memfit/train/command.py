@@ -337,9 +337,10 @@ def train(
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the latest checkpoint in --checkpoint-dir.")] = False,
 ) -> None:
     """Train a causal LM on text under a memory budget: plan, train, report memory."""
-    from ..cli import _fail, _quiet_libraries, err, out
+    from ..console import err, out, quiet_libraries
+    from ..console import fail as _fail
 
-    _quiet_libraries()
+    quiet_libraries()
     try:
         settings = _settings(config, max_steps, seed, budget, cap, plan_path, checkpoint_dir)
         # Planner progress goes to a transient status line: it is noise once a plan is chosen.
