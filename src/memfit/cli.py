@@ -184,7 +184,9 @@ def plan_command(
         str | None,
         typer.Option(
             "--device",
-            help="Device profile for the cost model (cpu, h100, a100, a100-40gb, rtx4090, t4). Default: the budget's device, else this machine.",
+            help="Target device: its kernels and caching allocator for the dry runs, its speed "
+            "for the cost model (cpu, h100, a100, a100-40gb, rtx4090, t4, or a custom GPU "
+            "description). Default: the budget's device, else this machine.",
         ),
     ] = None,
     base: Annotated[
@@ -236,10 +238,18 @@ def plan_command(
     cats = ", ".join(
         f"{k} {format_bytes(v)}" for k, v in result.predicted_peak_by_category.items() if v
     )
+    total = ""
+    if result.predicted_device_total_bytes > result.predicted_peak_bytes:
+        total = (
+            f"[bold]on {result.device}:[/] {format_bytes(result.predicted_peak_reserved_bytes)} "
+            f"reserved by the caching allocator, "
+            f"{format_bytes(result.predicted_device_total_bytes)} device total with the CUDA "
+            f"context (fitted into {format_bytes(result.budget_bytes)})\n"
+        )
     out.print(
         f"[bold]plan:[/] {result.plan.summary()}\n"
-        f"[bold]predicted peak:[/] {format_bytes(result.predicted_peak_bytes)} of "
-        f"{format_bytes(result.budget_bytes)} ({cats})\n"
+        f"[bold]predicted peak:[/] {format_bytes(result.predicted_peak_bytes)} of tensors "
+        f"({cats})\n{total}"
         f"[bold]predicted step time:[/] {result.predicted_step_time_ratio:.2f}x the unoptimised plan "
         f"(cost model: {result.device}); searched in {result.seconds:.1f} s",
         highlight=False,

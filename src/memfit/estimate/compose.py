@@ -14,6 +14,10 @@ with more), and the inputs are scaled back to the full batch.
 
 Workloads that cannot change depth (``module:function``) and plans whose memory is not linear
 in depth (``sqrt`` checkpointing) are dry-run at full size instead.
+
+For a CUDA target the caching allocator's reserved peak is composed the same way from the two
+shallow runs' replays (segments grow with the blocks they serve), and the device total adds
+the target's fixed overhead (CUDA context, workspaces).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 
 from ..accounting import CATEGORIES, PHASES
 from ..plan import Plan
+from ..targets import DeviceProfile, get_device
 from ..workload import Workload
 from .dryrun import dry_run
 
@@ -38,7 +43,11 @@ class Prediction:
         by_category: Bytes per category at that peak.
         phase_peaks: Predicted peak of each phase.
         peak_phase: The phase holding the peak.
-        method: ``composed`` (depth 1 and 2 extrapolated) or ``dry-run`` (full size).
+        method: ``composed`` (depth 2 and 3 extrapolated) or ``dry-run`` (full size).
+        reserved_bytes: Predicted peak the target's caching allocator reserves (``peak_bytes``
+            on the CPU).
+        overhead_bytes: The target's memory outside the allocator (CUDA context, workspaces).
+        target_device: The target modelled.
     """
 
     peak_bytes: int
@@ -47,6 +56,14 @@ class Prediction:
     peak_phase: str
     method: str
     extra: dict[str, Any] = field(default_factory=dict)
+    reserved_bytes: int = 0
+    overhead_bytes: int = 0
+    target_device: str = "cpu"
+
+    @property
+    def device_total_bytes(self) -> int:
+        """What the device holds at the peak: reserved bytes plus the fixed overhead."""
+        return max(self.reserved_bytes, self.peak_bytes) + self.overhead_bytes
 
 
 def _reduced(workload: Workload, plan: Plan) -> tuple[Workload, Plan, float]:
@@ -71,34 +88,43 @@ def _by_phase(report: Any, input_scale: float) -> dict[str, dict[str, float]]:
 
 
 def predict_peak(
-    workload: Workload, plan: Plan | None = None, *, compose: bool = True
+    workload: Workload,
+    plan: Plan | None = None,
+    *,
+    compose: bool = True,
+    device: str | DeviceProfile | None = "cpu",
 ) -> Prediction:
-    """Predict the peak of training ``workload`` under ``plan``.
+    """Predict the peak of training ``workload`` under ``plan`` on ``device``.
 
     Args:
         workload: The workload at its full size and batch.
         plan: The plan (default: the plain plan).
-        compose: Compose from depth-1 and depth-2 profiles when possible; otherwise (or when
+        compose: Compose from depth-2 and depth-3 profiles when possible; otherwise (or when
             impossible) dry-run at full size.
+        device: The target whose kernels and allocator the dry runs model (default: the CPU,
+            as measured here).
     """
     plan = plan or Plan()
+    target = get_device(device)
+    reserved: list[int] = []  # the shallow runs' reserved peaks...
+    shallow_peaks: list[int] = []  # ...and their tensor peaks
     small_wl, small_plan, scale = _reduced(workload, plan)
     linear = plan.checkpointing.mode not in ("sqrt", "budget")
     phases: dict[str, dict[str, int]] = {}
     method = "dry-run"
     if compose and workload.scalable and linear and (workload.depth or 0) > 3:
         assert workload.with_depth is not None and workload.depth is not None
-        shallow = [
-            _by_phase(
-                dry_run(
-                    workload.with_depth(d).replace(batch_size=small_wl.batch_size),
-                    small_plan,
-                    steps=2,
-                ),
-                scale,
+        shallow = []
+        for d in (2, 3):
+            report = dry_run(
+                workload.with_depth(d).replace(batch_size=small_wl.batch_size),
+                small_plan,
+                steps=2,
+                device=target,
             )
-            for d in (2, 3)
-        ]
+            shallow.append(_by_phase(report, scale))
+            reserved.append(report.peak_reserved_bytes or report.peak_bytes)
+            shallow_peaks.append(report.peak_bytes)
         n = workload.depth
         for phase in PHASES[:3]:
             two, three = shallow[0][phase], shallow[1][phase]
@@ -109,12 +135,20 @@ def predict_peak(
                 break
             phases[phase] = {c: round(two[c] + (n - 2) * (three[c] - two[c])) for c in CATEGORIES}
         method = "composed"
+    reserved_bytes = 0
+    if phases:
+        # The allocator's slack (reserved minus tensors) is not linear in depth: it depends on
+        # which cached blocks happen to fit. Take the larger slack of the two shallow runs.
+        peak = max(sum(v.values()) for v in phases.values())
+        reserved_bytes = peak + max(reserved[0] - shallow_peaks[0], reserved[1] - shallow_peaks[1])
     if not phases:
+        report = dry_run(small_wl, small_plan, steps=2, device=target)
         phases = {
             k: {c: round(v) for c, v in cats.items()}
-            for k, cats in _by_phase(dry_run(small_wl, small_plan, steps=2), scale).items()
+            for k, cats in _by_phase(report, scale).items()
             if cats
         }
+        reserved_bytes = report.peak_reserved_bytes or report.peak_bytes
         method = "dry-run"
     phase_peaks = {k: sum(v.values()) for k, v in phases.items()}
     peak_phase = max(phase_peaks, key=lambda k: phase_peaks[k])
@@ -124,4 +158,7 @@ def predict_peak(
         phase_peaks=phase_peaks,
         peak_phase=peak_phase,
         method=method,
+        reserved_bytes=max(reserved_bytes, phase_peaks[peak_phase]),
+        overhead_bytes=target.overhead_bytes if target.is_cuda else 0,
+        target_device=target.name,
     )

@@ -10,6 +10,10 @@ full depth and returned. Two rules keep the number of memory predictions small:
 * dominance: a candidate that uses at least as much memory as a known misfit in every
   dimension (larger micro-batch, less checkpointing, wider precision, bigger optimizer state,
   ...) cannot fit and is skipped without a prediction.
+
+What must fit is what the target device would hold. For a GPU that is the device total: the
+caching allocator's reserved peak (the allocator model replaying the dry runs' allocations)
+plus the CUDA context and library workspaces; for the CPU, the tensors' peak.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..plan import Plan
+from ..targets import DeviceProfile
 from ..workload import Workload
 
 __all__ = ["ALLOW", "FORBID", "Candidate", "PlanResult", "plan"]
@@ -59,6 +64,8 @@ class Candidate:
         by_category: Predicted bytes per category at the peak.
         fits: Whether the prediction fits the budget (``None`` when not predicted).
         note: How the verdict was reached.
+        reserved_bytes: Predicted reserved peak of the target's caching allocator.
+        device_total_bytes: Predicted device total (what is compared with the budget).
     """
 
     plan: Plan
@@ -70,6 +77,8 @@ class Candidate:
     fits: bool | None = None
     note: str = ""
     cost_terms: dict[str, float] = field(default_factory=dict)
+    reserved_bytes: int | None = None
+    device_total_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready summary."""
@@ -79,6 +88,8 @@ class Candidate:
             "predicted_step_time_ratio": self.ratio,
             "predicted_peak_bytes": self.peak_bytes,
             "predicted_peak_by_category": self.by_category,
+            "predicted_peak_reserved_bytes": self.reserved_bytes,
+            "predicted_device_total_bytes": self.device_total_bytes,
             "fits": self.fits,
             "note": self.note,
         }
@@ -99,8 +110,12 @@ class PlanResult:
         frontier: Fitting plans (and plans predicted to fit), fastest first: the trainer's
             fallbacks when a step runs out of memory.
         explanation: Why the winner won, in a sentence or two.
-        device: The device profile's name.
+        device: The device profile's name (the cost model's and the dry runs' target).
         seconds: Time the search took.
+        predicted_peak_reserved_bytes: Reserved peak of ``plan`` on the target (allocator
+            model; the tensors' peak on the CPU).
+        predicted_device_total_bytes: Reserved plus the target's CUDA context and workspaces:
+            what was fitted into the budget.
     """
 
     fits: bool
@@ -114,6 +129,8 @@ class PlanResult:
     explanation: str
     device: str
     seconds: float = 0.0
+    predicted_peak_reserved_bytes: int = 0
+    predicted_device_total_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON of ``memfit plan``."""
@@ -123,10 +140,13 @@ class PlanResult:
             "budget_bytes": self.budget_bytes,
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "predicted_peak_by_category": self.predicted_peak_by_category,
+            "predicted_peak_reserved_bytes": self.predicted_peak_reserved_bytes,
+            "predicted_device_total_bytes": self.predicted_device_total_bytes,
             "predicted_step_time_ratio": self.predicted_step_time_ratio,
             "candidates": [c.to_dict() for c in self.candidates],
             "explanation": self.explanation,
             "device": self.device,
+            "target_device": self.device,
             "seconds": self.seconds,
         }
 
@@ -341,9 +361,10 @@ def plan(
 
     def predict(c: Candidate) -> bool:
         say(f"predicting memory: {c.plan.summary()}")
-        pred = predict_peak(workload, c.plan)
+        pred = predict_peak(workload, c.plan, device=profile_device)
         c.peak_bytes, c.by_category = pred.peak_bytes, pred.by_category
-        c.fits = pred.peak_bytes <= budget_bytes
+        c.reserved_bytes, c.device_total_bytes = pred.reserved_bytes, pred.device_total_bytes
+        c.fits = pred.device_total_bytes <= budget_bytes
         c.note = f"{pred.method}, peak in {pred.peak_phase}"
         predicted.append(c)
         if not c.fits:
@@ -381,17 +402,19 @@ def plan(
             # Confirm with one dry run at full depth (two micro-batches stand for all).
             say(f"confirming at full size: {c.plan.summary()}")
             small_wl, small_plan, scale = _reduced(workload, c.plan)
-            report = dry_run(small_wl, small_plan, steps=2)
+            report = dry_run(small_wl, small_plan, steps=2, device=profile_device)
             by_cat = dict(report.peak_by_category)
-            by_cat["inputs"] = round(by_cat["inputs"] * scale)
+            grown = round(by_cat["inputs"] * scale) - by_cat["inputs"]
+            by_cat["inputs"] += grown
             peak = sum(by_cat.values())
-            c.note += f"; confirmed by a full-depth dry run: {peak} bytes"
-            if peak <= budget_bytes:
-                c.peak_bytes, c.by_category = peak, by_cat
+            c.peak_bytes, c.by_category = peak, by_cat
+            c.reserved_bytes = max((report.peak_reserved_bytes or 0) + grown, peak)
+            c.device_total_bytes = _device_total(c.reserved_bytes, profile_device)
+            c.note += f"; confirmed by a full-depth dry run: {c.device_total_bytes} bytes"
+            if c.device_total_bytes <= budget_bytes:
                 winner = c
                 break
             c.fits = False
-            c.peak_bytes, c.by_category = peak, by_cat
             misfits.append(c.rank)
     predicted.sort(key=lambda c: c.step_time)
     seconds = time.perf_counter() - started
@@ -399,7 +422,8 @@ def plan(
 
     if winner is None:
         closest = min(
-            (c for c in predicted if c.peak_bytes is not None), key=lambda c: c.peak_bytes or 0
+            (c for c in predicted if c.device_total_bytes is not None),
+            key=lambda c: c.device_total_bytes or 0,
         )
         result = PlanResult(
             fits=False,
@@ -413,8 +437,10 @@ def plan(
             explanation="",
             device=profile_device.name,
             seconds=seconds,
+            predicted_peak_reserved_bytes=int(closest.reserved_bytes or 0),
+            predicted_device_total_bytes=int(closest.device_total_bytes or 0),
         )
-        message = _nothing_fits_message(result, allow)
+        message = _nothing_fits_message(result, allow, profile_device)
         result.explanation = message
         raise NothingFits(result, message)
 
@@ -422,18 +448,20 @@ def plan(
     from ..units import format_bytes
 
     if faster_misfits:
-        smallest = min(faster_misfits, key=lambda c: c.peak_bytes or 0)
+        smallest = min(faster_misfits, key=lambda c: c.device_total_bytes or 0)
         why = (
             f"{len(faster_misfits)} faster candidate(s) were predicted over the budget (the "
-            f"smallest of them, {smallest.plan.summary()}, needs {format_bytes(smallest.peak_bytes or 0)}); "
-            f"this is the fastest predicted plan that fits, confirmed at "
-            f"{format_bytes(winner.peak_bytes or 0)} of {format_bytes(budget_bytes)}."
+            f"smallest of them, {smallest.plan.summary()}, needs "
+            f"{format_bytes(smallest.device_total_bytes or 0)}); this is the fastest predicted "
+            f"plan that fits, confirmed at {format_bytes(winner.device_total_bytes or 0)} of "
+            f"{format_bytes(budget_bytes)}."
         )
     else:
         why = (
-            f"the fastest plan in the search already fits: {format_bytes(winner.peak_bytes or 0)} "
-            f"of {format_bytes(budget_bytes)}."
+            "the fastest plan in the search already fits: "
+            f"{format_bytes(winner.device_total_bytes or 0)} of {format_bytes(budget_bytes)}."
         )
+    why += " " + _what_fits(profile_device, winner)
     return PlanResult(
         fits=True,
         plan=winner.plan,
@@ -446,6 +474,26 @@ def plan(
         explanation=why,
         device=profile_device.name,
         seconds=seconds,
+        predicted_peak_reserved_bytes=int(winner.reserved_bytes or 0),
+        predicted_device_total_bytes=int(winner.device_total_bytes or 0),
+    )
+
+
+def _device_total(reserved: int, target: DeviceProfile) -> int:
+    """What ``target`` holds when its allocator has ``reserved`` bytes: the CUDA context and
+    workspaces come on top on a GPU; the CPU holds the tensors."""
+    return reserved + (target.overhead_bytes if target.is_cuda else 0)
+
+
+def _what_fits(target: DeviceProfile, winner: Candidate) -> str:
+    from ..units import format_bytes
+
+    if not target.is_cuda:
+        return "Fitted: the tensors' peak (the CPU has no caching allocator)."
+    return (
+        f"Fitted on {target.name}: the device total, {format_bytes(winner.peak_bytes or 0)} of "
+        f"tensors, {format_bytes(winner.reserved_bytes or 0)} reserved by the caching allocator "
+        f"(model), plus {format_bytes(target.overhead_bytes)} of CUDA context and workspaces."
     )
 
 
@@ -468,7 +516,7 @@ def _trainable_fractions(workload: Workload) -> dict[tuple[str, ...], float]:
     return out
 
 
-def _nothing_fits_message(result: PlanResult, allow: Sequence[str]) -> str:
+def _nothing_fits_message(result: PlanResult, allow: Sequence[str], target: DeviceProfile) -> str:
     from ..units import format_bytes
 
     missing = [a for a in ALLOW if a not in allow]
@@ -477,9 +525,16 @@ def _nothing_fits_message(result: PlanResult, allow: Sequence[str]) -> str:
         if missing
         else "offloading to host memory (not yet available) or a smaller batch or sequence"
     )
+    need = result.predicted_device_total_bytes or result.predicted_peak_bytes
+    what = (
+        f"the smallest device total reachable on {target.name} is {format_bytes(need)} "
+        f"({format_bytes(result.predicted_peak_bytes)} of tensors; the caching allocator's "
+        "reserve and the CUDA context included)"
+        if target.is_cuda
+        else f"the smallest peak reachable is {format_bytes(need)}"
+    )
     return (
-        f"Nothing fits in {format_bytes(result.budget_bytes)}: the smallest peak reachable is "
-        f"{format_bytes(result.predicted_peak_bytes)}, with {result.plan.summary()}. "
-        f"It would need a budget of at least {format_bytes(result.predicted_peak_bytes)}, or "
-        f"{hint}."
+        f"Nothing fits in {format_bytes(result.budget_bytes)}: {what}, with "
+        f"{result.plan.summary()}. It would need a budget of at least {format_bytes(need)}, "
+        f"or {hint}."
     )

@@ -367,6 +367,8 @@ def _read_description(spec: str | Mapping[str, Any]) -> dict[str, Any]:
 
 def _size_field(data: Mapping[str, Any], key: str) -> int:
     value = data[key]
+    if key != "memory" and str(value).strip() == "0":
+        return 0  # no context or workspace to count
     try:
         return parse_size(value if isinstance(value, (int, str)) else int(value))
     except (ValueError, TypeError):
