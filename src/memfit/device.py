@@ -10,15 +10,25 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "cuda_available",
     "default_device",
+    "device_name",
+    "empty_cache",
     "is_cuda",
     "is_fake",
     "max_memory_allocated",
+    "max_memory_reserved",
+    "mem_get_info",
     "memory_allocated",
     "reset_peak_memory_stats",
     "synchronize",
     "total_memory",
 ]
+
+
+def cuda_available() -> bool:
+    """Whether a CUDA device can be used."""
+    return bool(torch.cuda.is_available())
 
 
 def default_device() -> torch.device:
@@ -70,4 +80,33 @@ def total_memory(device: torch.device | str) -> int | None:
     """Total memory of the CUDA device; ``None`` off CUDA."""
     if is_cuda(device):
         return int(torch.cuda.get_device_properties(device).total_memory)
+    return None
+
+
+def max_memory_reserved(device: torch.device | str) -> int | None:
+    """Peak bytes reserved by the CUDA caching allocator since the last reset; ``None`` off CUDA."""
+    if is_cuda(device):
+        return int(torch.cuda.max_memory_reserved(device))
+    return None
+
+
+def mem_get_info(device: torch.device | str) -> tuple[int, int] | None:
+    """``(free, total)`` bytes of the CUDA device as the driver sees them (context included);
+    ``None`` off CUDA."""
+    if is_cuda(device):
+        free, total = torch.cuda.mem_get_info(device)
+        return int(free), int(total)
+    return None
+
+
+def empty_cache() -> None:
+    """Return the caching allocator's unused cached blocks to the driver (no-op off CUDA)."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def device_name(device: torch.device | str) -> str | None:
+    """The CUDA device's name (``NVIDIA H100 80GB HBM3``); ``None`` off CUDA."""
+    if is_cuda(device):
+        return str(torch.cuda.get_device_name(device))
     return None
