@@ -339,8 +339,6 @@ class MemoryTracker(TorchDispatchMode):
             # Without a model, any outermost module's forward starts a forward phase.
             self._phase = _FWD
             self.label(args, "inputs")
-            if self._forward_start_seq is None:
-                self._forward_start_seq = self._seq
         ev = self._events
         ev.open_forward.append(len(ev.intervals))
         ev.intervals.append([name, "forward", self._op + 1, None])
