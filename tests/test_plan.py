@@ -33,7 +33,6 @@ def test_short_forms_and_round_trips(tmp_path):
         optimizer={"name": "adamw8bit", "lr": 3e-4},
         freeze=["embeddings"],
         max_seq_len=64,
-        offload={"optimizer_state": True},
     )
     assert plan.checkpointing.mode == "selective" and plan.freeze == ("embeddings",)
     assert Plan.from_dict(plan.to_dict()) == plan
@@ -42,6 +41,18 @@ def test_short_forms_and_round_trips(tmp_path):
     assert Plan.load(tmp_path / "p.json") == plan
     assert Plan.load(tmp_path / "p.yaml") == plan
     assert "micro-batch 2 x 4" in plan.summary() and "max length 64" in plan.summary()
+
+
+def test_offload_is_refused_until_it_exists(tmp_path):
+    # Accepted, serialised and silently ignored before; now one sentence when the plan is built
+    # (from Python, JSON or YAML alike).
+    with pytest.raises(PlanError, match="offload is not available yet"):
+        Plan(offload={"optimizer_state": True})
+    path = tmp_path / "p.json"
+    path.write_text('{"offload": {"tier": "host"}}')
+    with pytest.raises(PlanError, match="offload is not available yet"):
+        Plan.load(path)
+    assert Plan(offload=None).to_dict()["offload"] is None
 
 
 @pytest.mark.parametrize(

@@ -87,7 +87,12 @@ class Plan:
         coerce(self, "optimizer", _coerce(OptimizerConfig, self.optimizer, "name"))
         coerce(self, "sequence", _coerce(SequenceConfig, self.sequence, None))
         if self.offload is not None:
-            coerce(self, "offload", _coerce(OffloadConfig, self.offload, None))
+            # Accepted, serialised and then ignored would be worse than refused: offload is
+            # not built yet (the field stays so that plans can carry it once it is).
+            raise PlanError(
+                "offload is not available yet: this plan asks for it, but memfit cannot move "
+                "memory to the host or disk; remove 'offload' (or set it to null)"
+            )
         if isinstance(self.freeze, str):
             coerce(self, "freeze", (self.freeze,) if self.freeze else ())
         coerce(self, "freeze", tuple(self.freeze))
