@@ -51,7 +51,7 @@ def test_step_micro_batches_like_the_whole_batch():
 def test_prepare_uses_my_optimizer():
     model = tiny_gpt2()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    prepared = prepare(model, opt, Plan(grad_accum_steps=2))
+    prepared = prepare(model, Plan(grad_accum_steps=2), optimizer=opt)
     assert prepared.optimizer is opt
     for _ in range(2):
         prepared.step(_batch())
@@ -87,3 +87,16 @@ def test_a_failed_micro_batch_is_not_counted():
     assert prepared.sync_gradients is False  # still waiting for the first of two
     with pytest.raises(RuntimeError, match="nested"), prepared.accumulate(), prepared.accumulate():
         pass
+
+
+def test_prepare_takes_the_plan_second_like_apply_plan():
+    import torch
+
+    model = tiny_gpt2()
+    plan = Plan(grad_accum_steps=2)
+    assert prepare(model, plan).plan == plan  # once silently taken as the optimizer
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=r"takes a memfit\.Plan second"):
+        prepare(model, opt)
+    with pytest.raises(TypeError, match=r"optimizer= got a memfit\.Plan"):
+        prepare(model, optimizer=plan)

@@ -128,22 +128,37 @@ class Prepared:
 
 def prepare(
     model: nn.Module,
-    optimizer: Any = None,
     plan: Plan | None = None,
     *,
+    optimizer: Any = None,
     loss_fn: LossFn | None = None,
 ) -> Prepared:
     """Apply ``plan`` to ``model`` for a training loop you write yourself.
 
+    The same arguments, in the same order, as :func:`memfit.apply_plan`, which returns the
+    bare :class:`~memfit.strategies.compose.TrainingSetup` this wraps.
+
     Args:
         model: The model, in train mode.
+        plan: The plan (default: plain AdamW, fp32).
         optimizer: Your optimizer, used instead of the plan's (not with
             ``optimizer_in_backward``, which builds its own per-parameter optimizers).
-        plan: The plan (default: plain AdamW, fp32).
         loss_fn: ``loss_fn(output, batch)`` for :meth:`Prepared.step`; default: the output's
             ``.loss``.
 
     Returns:
         The :class:`Prepared` model, optimizer and step.
+
+    Raises:
+        TypeError: when ``plan`` is not a :class:`~memfit.plan.Plan` (an optimizer passed
+            where the plan goes, as the old ``prepare(model, optimizer, plan)`` order did) or
+            ``optimizer`` is a plan.
     """
+    if plan is not None and not isinstance(plan, Plan):
+        raise TypeError(
+            f"prepare(model, plan, *, optimizer=...) takes a memfit.Plan second, got a "
+            f"{type(plan).__name__}; pass an optimizer as optimizer=..."
+        )
+    if isinstance(optimizer, Plan):
+        raise TypeError("optimizer= got a memfit.Plan; pass the plan second: prepare(model, plan)")
     return Prepared(apply_plan(model, plan, loss_fn=loss_fn, optimizer=optimizer))
