@@ -16,6 +16,7 @@ group dicts, so the same scheduler drives every per-parameter optimizer.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -428,6 +429,13 @@ class Trainer:
         on_step: Called with a :class:`StepInfo` after every step.
         report_png: Write the memory report's plot here at the end.
         console: The rich console for progress and messages (default: stderr).
+        track_every: Memory is tracked in windows, so that a long run's host memory stays
+            bounded (the tracker records every operation while open): the first two steps,
+            every ``track_every``-th step, and the two steps after a step-down are tracked,
+            each by a fresh tracker; the report is the tracked step with the highest peak.
+            Steps in between run with no dispatch mode at all (no overhead), unless ``cap``
+            is set: then every step is tracked, the cap needs it, and only windowed steps
+            build a report.
     """
 
     def __init__(
@@ -456,6 +464,7 @@ class Trainer:
         on_step: Callable[[StepInfo], None] | None = None,
         report_png: str | Path | None = None,
         console: Any = None,
+        track_every: int = 100,
     ) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(
@@ -463,6 +472,9 @@ class Trainer:
             )
         if not isinstance(max_steps, int) or max_steps < 1:
             raise ValueError(f"max_steps must be a whole number >= 1, got {max_steps!r}")
+        if not isinstance(track_every, int) or track_every < 1:
+            raise ValueError(f"track_every must be a whole number >= 1, got {track_every!r}")
+        self.track_every = track_every
         for name, value in (("eval_every", eval_every), ("checkpoint_every", checkpoint_every)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a whole number >= 1 or None, got {value!r}")
@@ -634,16 +646,26 @@ class Trainer:
         fallback.steps = self.step_count
         device = _device_of(self.model)
         tokens, checkpoint, start_step = 0, None, self.step_count
+        window = _TrackWindow(self.track_every)
         t0 = time.perf_counter()
-        with (
-            track(self.model, self.optimizer, cap=self.cap) as tracker,
-            bar,
-        ):
+        with bar:
             while self.step_count < self.max_steps:
                 indices, batch = self.stream.next_batch()
                 batch = _to_device(batch, device)
-                tracker.add_inputs(batch)
-                loss = float(fallback.step(batch))
+                step_downs = len(fallback.step_downs)
+                record = window.records(self.step_count - start_step)
+                tracker = None
+                if record or self.cap is not None:
+                    tracker = track(self.model, self.optimizer, cap=self.cap)
+                with tracker if tracker is not None else contextlib.nullcontext():
+                    if tracker is not None:
+                        tracker.add_inputs(batch)
+                    loss = float(fallback.step(batch))
+                if len(fallback.step_downs) > step_downs:
+                    window.after_step_down()
+                if tracker is not None:
+                    window.seen(tracker, keep_report=record)
+                    del tracker
                 self.scheduler.step()
                 self.step_count += 1
                 self.losses.append(loss)
@@ -653,8 +675,8 @@ class Trainer:
                     self.step_count,
                     loss,
                     tokens / max(elapsed, 1e-9),
-                    tracker.live_bytes,
-                    tracker.peak_bytes,
+                    window.live_bytes,
+                    window.peak_bytes,
                 )
                 if self.on_step is not None:
                     self.on_step(StepInfo(self.step_count, loss, batch, list(indices), self.plan))
@@ -666,8 +688,12 @@ class Trainer:
                 if self._due(self.checkpoint_dir is not None, self.checkpoint_every):
                     checkpoint = str(self.save())
         seconds = time.perf_counter() - t0
-        report = tracker.report()
+        report = window.report
+        if report is None:  # only when no step ran (a resumed run already at max_steps)
+            raise ValueError("no step was run: max_steps is already reached by the checkpoint")
         report.meta.update(
+            tracked_steps=window.tracked_steps,
+            run_peak_bytes=window.peak_bytes,
             steps=self.step_count,
             batch_size=self.batch_size,
             plan=self.plan.to_dict(),
@@ -687,7 +713,7 @@ class Trainer:
             first_loss=self.losses[0],
             final_loss=self.losses[-1],
             steps=self.step_count,
-            peak_bytes=int(report.peak_bytes),
+            peak_bytes=int(max(report.peak_bytes, window.peak_bytes)),
             losses=list(self.losses),
             eval_losses=list(self.eval_losses),
             report=report,
@@ -715,6 +741,41 @@ class Trainer:
                 max_steps=self.max_steps,
                 start_step=self.step_count,
             )
+
+
+class _TrackWindow:
+    """Which steps a trainer tracks, and what it keeps of them: bounded, however long the run.
+
+    Each tracked step gets a fresh tracker, dropped after the step; the report of the tracked
+    step with the highest peak is kept, with running figures for the progress bar.
+    """
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self.report: MemoryReport | None = None
+        self.peak_bytes = 0
+        self.live_bytes = 0
+        self.tracked_steps = 0
+        self._extra = 0  # steps still to track after a step-down
+
+    def records(self, step: int) -> bool:
+        """Whether the ``step``-th step of this run (from 0) is tracked."""
+        return step < 2 or (step + 1) % self.every == 0 or self._extra > 0
+
+    def after_step_down(self) -> None:
+        """Track the next two steps too: they run under the plan stepped down to."""
+        self._extra = 3  # the step that stepped down (already done) counts itself off
+
+    def seen(self, tracker: Any, *, keep_report: bool) -> None:
+        """Fold a finished step's tracker in."""
+        self._extra = max(0, self._extra - 1)
+        self.peak_bytes = max(self.peak_bytes, tracker.peak_bytes)
+        self.live_bytes = tracker.live_bytes
+        if keep_report:
+            self.tracked_steps += 1
+            report = tracker.report()
+            if self.report is None or report.peak_bytes >= self.report.peak_bytes:
+                self.report = report
 
 
 def _with_lr(plan: Plan, lr: float | None) -> Plan:
