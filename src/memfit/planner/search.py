@@ -215,7 +215,7 @@ def _space(
         seqs += [max(1, length // 2), max(1, length // 4)]
 
     out = []
-    for (mi, m), (ci, ck), (pi, pr), (oi, op), (fi, fu), (ei, fe), (zi, fz), (
+    for (mi, m), (ci, ck), (_pi, pr), (_oi, op), (fi, fu), (ei, fe), (zi, fz), (
         si,
         sq,
     ) in itertools.product(
@@ -257,9 +257,41 @@ def _space(
         except ValueError:
             continue  # an impossible combination: the Plan says so
         # The fused step frees gradients only without accumulation (accumulated gradients must
-        # persist across micro-batches), so it ranks as a saving only then.
-        out.append((plan, (mi, ci, pi, oi, fi if accum == 1 else 0, ei, zi, si)))
+        # persist across micro-batches), so it ranks as a saving only then. Precision, the
+        # optimizer and freezing rank by what they keep, not by their place in the lists
+        # (which start from the user's base plan, whatever it is).
+        rank = (
+            mi,
+            ci,
+            _PRECISION_RANK[pr],
+            -_STATE_BYTES.get(op, 8.0),
+            fi if accum == 1 else 0,
+            ei,
+            _FREEZE_RANK.get(fz, zi),
+            si,
+        )
+        out.append((plan, rank))
     return out
+
+
+# Memory ranks of the options (higher keeps less). Precision: fp32 weights and gradients,
+# then autocast (half-size activations), then bf16 weights, gradients and state.
+_PRECISION_RANK = {"fp32": 0, "bf16-mixed": 1, "fp16-mixed": 1, "bf16-pure": 2}
+# Optimizer state in bytes per parameter (OptimizerConfig's docstring; tests/optim measure
+# them): Adam-like two fp32 moments, LARS one, 8-bit AdamW two int8 moments plus block scales,
+# Adafactor factored row and column statistics (far under one byte for matrices). SGD keeps
+# momentum only when asked to (torch's default momentum is 0).
+_STATE_BYTES = {
+    "adamw": 8.0,
+    "adam": 8.0,
+    "lamb": 8.0,
+    "lars": 4.0,
+    "sgd": 0.0,
+    "adamw8bit": 2.03,
+    "adafactor": 0.01,
+}
+# Freezing: the embeddings, then the whole body (only the head trains).
+_FREEZE_RANK = {(): 0, ("embeddings",): 1, ("body",): 2}
 
 
 def _dominated(rank: tuple[int, ...], misfits: list[tuple[int, ...]]) -> bool:
