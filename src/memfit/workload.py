@@ -51,9 +51,19 @@ class WorkloadError(ValueError):
 # ---------------------------------------------------------------------------------- presets
 @dataclass(frozen=True)
 class _Preset:
-    family: str  # "bert" (sequence classification), "gpt2" or "llama" (causal LM)
+    family: str  # a key of _FAMILIES: "bert" (sequence classification), else a causal LM
     config: dict[str, Any]
     about: str
+
+
+#: Preset family -> (transformers config class, model class).
+_FAMILIES: dict[str, tuple[str, str]] = {
+    "bert": ("BertConfig", "BertForSequenceClassification"),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+}
 
 
 PRESETS: dict[str, _Preset] = {
@@ -104,6 +114,41 @@ PRESETS: dict[str, _Preset] = {
             tie_word_embeddings=True,
         ),
         "Llama-architecture causal LM (1.24B parameters, Llama-3.2-1B dimensions)",
+    ),
+    "mixtral-8x7b": _Preset(
+        "mixtral",
+        dict(
+            vocab_size=32000,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            max_position_embeddings=32768,
+            rope_theta=1e6,
+        ),
+        "Mixtral-8x7B mixture of experts, 8 experts, top-2 (46.7B parameters, 12.9B active)",
+    ),
+    "qwen3-30b-a3b": _Preset(
+        "qwen3_moe",
+        dict(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_hidden_layers=48,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            num_experts=128,
+            num_experts_per_tok=8,
+            decoder_sparse_step=1,
+            max_position_embeddings=40960,
+            tie_word_embeddings=False,
+        ),
+        "Qwen3-30B-A3B mixture of experts, 128 experts, top-8 (30.5B parameters, 3.3B active)",
     ),
     "bert-tiny": _Preset(
         "bert",
@@ -177,12 +222,8 @@ def _hf_model_from_config_impl(config: Any, family: str | None) -> nn.Module:
     import transformers
 
     archs = list(getattr(config, "architectures", None) or [])
-    if family == "bert":
-        return transformers.BertForSequenceClassification(config)
-    if family == "gpt2":
-        return transformers.GPT2LMHeadModel(config)
-    if family == "llama":
-        return transformers.LlamaForCausalLM(config)
+    if family is not None:
+        return getattr(transformers, _FAMILIES[family][1])(config)
     for arch in archs:
         cls = getattr(transformers, arch, None)
         if isinstance(cls, type) and issubclass(cls, nn.Module):
@@ -329,11 +370,7 @@ def _preset_workload(
     def build() -> nn.Module:
         import transformers
 
-        cls = {
-            "bert": transformers.BertConfig,
-            "gpt2": transformers.GPT2Config,
-            "llama": transformers.LlamaConfig,
-        }[preset.family]
+        cls = getattr(transformers, _FAMILIES[preset.family][0])
         return _hf_model_from_config(cls(**config_kwargs), preset.family)
 
     return Workload(
@@ -353,6 +390,8 @@ _POSITION_KEYS = {
     "bert": ("max_position_embeddings",),
     "gpt2": ("n_positions",),
     "llama": ("max_position_embeddings",),
+    "mixtral": ("max_position_embeddings",),
+    "qwen3_moe": ("max_position_embeddings",),
 }
 # transformers' defaults, for presets that leave the key out.
 _DEFAULT_POSITIONS = {"max_position_embeddings": 512, "n_positions": 1024}

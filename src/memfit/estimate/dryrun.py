@@ -98,7 +98,12 @@ def measure(
     if dry:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        from .fake_kernels import real_kernel_rules
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(real_kernel_rules())
+        stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+        mode = stack
     losses: list[float | None] = []
     emulation = emulate(target)
     with mode:

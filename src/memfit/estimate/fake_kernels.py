@@ -1,0 +1,67 @@
+"""Fake-tensor kernels that follow the real kernels' capabilities, for dry runs.
+
+A dry run computes shapes with each operator's fake (meta) implementation. Where that is
+stricter than the kernel a real run would use, the dry run would fail on a model the real run
+trains, so :func:`real_kernel_rules` installs, for the duration of a dry run only, fake
+implementations that do what the real kernel does:
+
+* ``aten._grouped_mm`` (mixture-of-experts layers in transformers route their experts through
+  it): its meta implementation follows the CUDA kernel and accepts bf16 only; the CPU kernel
+  also takes fp32 and fp16 and returns a contiguous output of the inputs' dtype. The output's
+  shape rules are the meta implementation's own (``_create_grouped_mm_output_tensor``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["real_kernel_rules"]
+
+aten = torch.ops.aten
+
+
+def _grouped_mm(
+    fake_mode: Any,
+    func: Any,
+    mat_a: torch.Tensor,
+    mat_b: torch.Tensor,
+    offs: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> Any:
+    if mat_a.dtype == torch.bfloat16 and mat_b.dtype == torch.bfloat16:
+        return NotImplemented  # the meta implementation covers it
+    from torch._meta_registrations import _create_grouped_mm_output_tensor
+    from torch._subclasses.fake_impls import in_kernel_invocation_manager
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    device = mat_a.device
+    torch._check(mat_a.dtype == mat_b.dtype, lambda: "grouped_mm: inputs of one dtype")
+    with in_kernel_invocation_manager(fake_mode):
+        out = _create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype)
+        out = torch.empty(out.shape, dtype=out.dtype, device="meta")  # contiguous, as on CPU
+    return FakeTensor(fake_mode, out, device)
+
+
+_RULES = ((lambda func: func is aten._grouped_mm.default, _grouped_mm),)
+
+
+@contextlib.contextmanager
+def real_kernel_rules() -> Iterator[None]:
+    """Install the fake implementations above while a dry run is open, then remove them."""
+    from torch._subclasses.fake_impls import op_implementations_checks
+
+    added = [rule for rule in _RULES if rule not in op_implementations_checks]
+    # Checked in order: ours go first, ahead of any broader rule.
+    for rule in reversed(added):
+        op_implementations_checks.insert(0, rule)
+    try:
+        yield
+    finally:
+        for rule in added:
+            if rule in op_implementations_checks:
+                op_implementations_checks.remove(rule)
