@@ -79,3 +79,37 @@ def broken_forward_workload(batch_size: int, seq_len: int):
             raise RuntimeError("custom failure inside Broken.forward")
 
     return Broken(), torch.randn(batch_size, 4)
+
+
+class Gated(nn.Module):
+    """Keeps only the positive activations: an output shape that depends on the data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h[torch.nonzero(h > 0, as_tuple=True)].sum()
+
+
+def data_dependent_workload(batch_size: int, seq_len: int):
+    model = nn.Sequential()
+    model.add_module("gate", Gated())
+    return model, torch.randn(batch_size, 8)
+
+
+def value_read_in_constructor_workload(batch_size: int, seq_len: int):
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            # A schedule read from a tensor's values while building (as ConvNeXt reads its
+            # drop-path rates): the value of a computed tensor.
+            rates = torch.randn(4).abs().cumsum(0).tolist()
+            self.lin = nn.Linear(4, 4)
+            self.rates = rates
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x).sum()
+
+    return Net(), torch.randn(batch_size, 4)

@@ -103,3 +103,24 @@ def test_hf_configs_dry_run_equals_real_run(tmp_path, name):
     dry = memfit.dry_run(str(path), batch_size=2, seq_len=16)
     assert dry.meta["num_parameters"] == real.meta["num_parameters"]
     assert dry.peak_by_category == real.peak_by_category
+
+
+def test_dry_run_limitations_blame_the_dry_run_and_name_the_operator():
+    from memfit.estimate.dryrun import DryRunLimitation
+
+    # The real run handles a data-dependent output shape...
+    memfit.measure("tests.models:data_dependent_workload", batch_size=2, seq_len=1)
+    # ...the dry run cannot, and says so: the operator, the module, what to do instead.
+    with pytest.raises(DryRunLimitation) as info:
+        memfit.dry_run("tests.models:data_dependent_workload", batch_size=2, seq_len=1)
+    message = str(info.value)
+    assert message.startswith("dry-run limitation: operator aten.nonzero")
+    assert "inside module 'gate'" in message and "without --dry-run" in message
+    assert "the model raised" not in message
+
+
+def test_dry_run_limitation_while_the_model_is_built():
+    from memfit.estimate.dryrun import DryRunLimitation
+
+    with pytest.raises(DryRunLimitation, match="while the model was built"):
+        memfit.dry_run("tests.models:value_read_in_constructor_workload", batch_size=2, seq_len=1)

@@ -16,6 +16,7 @@ after the peak (a gradient is born as an op output before autograd assigns it).
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -112,6 +113,8 @@ class MemoryTracker(TorchDispatchMode):
         self._closed = True
         self._report: Any = None
         self._pack_fn = self._pack  # one bound method, to recognise our hook on the stack
+        #: Qualified name of the innermost module whose forward raised, if one did.
+        self.failed_module: str | None = None
 
     # ------------------------------------------------------------------ storage records
     def _register(self, t: torch.Tensor, cat: int, promote: bool = True) -> int | None:
@@ -358,6 +361,10 @@ class MemoryTracker(TorchDispatchMode):
         ev = self._events
         if ev.open_forward:
             ev.intervals[ev.open_forward.pop()][3] = self._op
+        if output is None and sys.exc_info()[1] is not None and self.failed_module is None:
+            # Called on the way out of a forward that raised (always_call): the innermost
+            # module's hook runs first, so this names where the error happened.
+            self.failed_module = name
         if torch.is_grad_enabled():
             tensors = [o for o in _iter_tensors(output) if o.requires_grad]
             if tensors:
@@ -413,6 +420,12 @@ class MemoryTracker(TorchDispatchMode):
         self._close_backward()
         self._phase = _OTHERPHASE
         self.step_boundaries.append(self._op)
+
+    @property
+    def current_module(self) -> str | None:
+        """Qualified name of the innermost module whose forward is running (``None``: none)."""
+        ev = self._events
+        return ev.intervals[ev.open_forward[-1]][0] if ev.open_forward else None
 
     @property
     def live_bytes(self) -> int:

@@ -19,7 +19,7 @@ from ..plan import Plan, PlanError
 from ..targets import DeviceProfile, emulate, get_device
 from ..workload import Workload, load_workload
 
-__all__ = ["dry_run", "measure", "model_error", "plan_for_target"]
+__all__ = ["DryRunLimitation", "dry_run", "measure", "model_error", "plan_for_target"]
 
 #: Called after each step with (steps done, steps in all).
 Progress = Callable[[int, int], None]
@@ -27,6 +27,12 @@ Progress = Callable[[int, int], None]
 
 class ModelError(RuntimeError):
     """The model itself raised inside its forward or backward (the cause is its own error)."""
+
+
+class DryRunLimitation(ModelError):
+    """A dry run cannot follow an operator that a real run handles (fake tensors have shapes,
+    not values: a data-dependent output shape or a value read); the message names the operator
+    and the module and says what to do instead."""
 
 
 def model_error(exc: BaseException) -> ModelError:
@@ -94,20 +100,18 @@ def measure(
         raise ValueError(f"steps must be a whole number >= 1, got {steps!r}")
     target = get_device(device)
     plan = plan_for_target(plan or Plan(), target)
-    mode: Any = contextlib.nullcontext()
-    if dry:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        from .fake_kernels import real_kernel_rules
-
-        stack = contextlib.ExitStack()
-        stack.enter_context(real_kernel_rules())
-        stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
-        mode = stack
     losses: list[float | None] = []
     emulation = emulate(target)
-    with mode:
-        model, batch = workload.build(seed=seed)
+    with _fake_mode() if dry else contextlib.nullcontext():
+        try:
+            model, batch = workload.build(seed=seed)
+        except WorkloadError:
+            raise
+        except Exception as e:
+            limitation = _dry_limitation(e, "while the model was built")
+            if limitation is None:
+                raise
+            raise limitation from e
         num_parameters = sum(p.numel() for p in model.parameters())
         setup = apply_plan(model, plan, loss_fn=workload.loss_fn)
         with track(model, setup.optimizer, cap=cap) as tracker, emulation:
@@ -118,7 +122,11 @@ def measure(
                 except (WorkloadError, torch.OutOfMemoryError):
                     raise
                 except Exception as e:
-                    raise model_error(e) from e
+                    where = tracker.failed_module or tracker.current_module
+                    limitation = _dry_limitation(
+                        e, f"inside module {where!r}" if where else "in the training step"
+                    )
+                    raise (limitation or model_error(e)) from e
                 losses.append(None if dry else float(loss))
                 del loss
                 if progress is not None:
@@ -140,6 +148,43 @@ def measure(
 
     add_device_memory(report, tracker, target)
     return report
+
+
+@contextlib.contextmanager
+def _fake_mode() -> Any:
+    """Fake tensors, with the fake kernels that follow the real ones (:mod:`.fake_kernels`)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .fake_kernels import real_kernel_rules
+
+    with real_kernel_rules(), FakeTensorMode(allow_non_fake_inputs=True):
+        yield
+
+
+def _dry_limitation(exc: BaseException, where: str) -> DryRunLimitation | None:
+    """A :class:`DryRunLimitation` when ``exc`` is fake tensors' own failure, else ``None``."""
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+        UnsupportedOperatorException,
+    )
+
+    if isinstance(exc, (DataDependentOutputException, DynamicOutputShapeException)):
+        why = (
+            "reads a tensor's value"
+            if isinstance(exc, DataDependentOutputException)
+            else "has an output shape that depends on the data"
+        )
+    elif isinstance(exc, UnsupportedOperatorException):
+        why = "has no fake-tensor implementation"
+    else:
+        return None
+    op = getattr(exc, "func", None)
+    return DryRunLimitation(
+        f"dry-run limitation: operator {op} {why}, which fake tensors cannot follow ({where}); "
+        "the real run handles it. Profile for real at a small size instead (without "
+        "--dry-run, with a smaller --batch-size and --seq-len, or a shallower config)"
+    )
 
 
 def plan_for_target(plan: Plan, target: DeviceProfile) -> Plan:
