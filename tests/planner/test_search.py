@@ -11,9 +11,9 @@ from typer.testing import CliRunner
 import memfit
 from memfit.cli import app
 from memfit.estimate.compose import _reduced, predict_peak
-from memfit.estimate.devices import DEVICES, parse_budget
 from memfit.planner import NothingFits, plan
 from memfit.planner.search import _space
+from memfit.targets import DEVICES, parse_budget
 from memfit.units import GiB
 
 # The A100's speed for a deterministic cost model, with the memory of the CPU these tests run

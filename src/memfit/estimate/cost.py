@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..plan import Plan
+from ..targets import DeviceProfile
 from ..workload import Workload, call_model
-from .devices import DeviceProfile
 
 __all__ = ["StepCost", "WorkloadProfile", "profile_workload", "step_cost"]
 

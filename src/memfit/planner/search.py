@@ -337,8 +337,8 @@ def plan(
     """
     from ..estimate.compose import _reduced, predict_peak
     from ..estimate.cost import profile_workload, step_cost
-    from ..estimate.devices import get_device, parse_budget
     from ..estimate.dryrun import dry_run
+    from ..targets import get_device, parse_budget
 
     started = time.perf_counter()
     say = progress or (lambda msg: None)

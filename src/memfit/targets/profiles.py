@@ -120,21 +120,23 @@ _WORKSPACE_HOPPER = 32 * MiB
 _WORKSPACE_OLDER = 4096 * 1024 + 8 * 16 * 1024
 
 
-def _gpu(
+def _cuda(
     name: str,
-    mem_gib: float,
-    fp32: float,
-    bf16: float,
-    fp16: float,
+    memory_bytes: int,
+    flops: Mapping[str, float],
     bw: float,
     host: float,
     cc: tuple[int, int],
     has_bf16: bool = True,
+    context_bytes: int | None = None,
+    workspace_bytes: int | None = None,
 ) -> DeviceProfile:
+    if workspace_bytes is None:
+        workspace_bytes = _WORKSPACE_HOPPER if cc >= (9, 0) else _WORKSPACE_OLDER
     return DeviceProfile(
         name=name,
-        memory_bytes=int(mem_gib * GiB),
-        flops={"fp32": fp32, "bf16": bf16, "fp16": fp16},
+        memory_bytes=memory_bytes,
+        flops=dict(flops),
         mem_bandwidth=bw,
         host_bandwidth=host,
         # A CUDA kernel launch plus PyTorch's dispatch costs a few microseconds (PyTorch's
@@ -146,9 +148,24 @@ def _gpu(
         has_bf16=has_bf16,
         kind="cuda",
         compute_capability=cc,
-        context_bytes=_CONTEXT_BYTES,
-        workspace_bytes=_WORKSPACE_HOPPER if cc >= (9, 0) else _WORKSPACE_OLDER,
+        context_bytes=_CONTEXT_BYTES if context_bytes is None else context_bytes,
+        workspace_bytes=workspace_bytes,
     )
+
+
+def _gpu(
+    name: str,
+    mem_gib: float,
+    fp32: float,
+    bf16: float,
+    fp16: float,
+    bw: float,
+    host: float,
+    cc: tuple[int, int],
+    has_bf16: bool = True,
+) -> DeviceProfile:
+    flops = {"fp32": fp32, "bf16": bf16, "fp16": fp16}
+    return _cuda(name, int(mem_gib * GiB), flops, bw, host, cc, has_bf16)
 
 
 #: Built-in GPU profiles (vendors' dense peak throughput; fp32 without TF32).
@@ -308,23 +325,16 @@ def parse_device(spec: str | Mapping[str, Any]) -> DeviceProfile:
         "bf16": _tflops(data, "bf16_tflops", 312e12 * scale if bf16 else 19.5e12 * scale),
         "fp16": _tflops(data, "fp16_tflops", 312e12 * scale),
     }
-    return DeviceProfile(
-        name=name,
-        memory_bytes=memory,
-        flops=flops,
-        mem_bandwidth=bw,
-        host_bandwidth=host,
-        launch_overhead=6e-6,
-        half_tokens=256.0,
-        has_bf16=bf16,
-        kind="cuda",
-        compute_capability=cc,
-        context_bytes=_size_field(data, "context") if "context" in data else _CONTEXT_BYTES,
-        workspace_bytes=(
-            _size_field(data, "workspace")
-            if "workspace" in data
-            else (_WORKSPACE_HOPPER if cc >= (9, 0) else _WORKSPACE_OLDER)
-        ),
+    return _cuda(
+        name,
+        memory,
+        flops,
+        bw,
+        host,
+        cc,
+        bf16,
+        context_bytes=_size_field(data, "context") if "context" in data else None,
+        workspace_bytes=_size_field(data, "workspace") if "workspace" in data else None,
     )
 
 

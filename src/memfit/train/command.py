@@ -414,7 +414,7 @@ def _settings(
 
 
 def _prepare_run(cfg: Mapping[str, Any], say: Any) -> dict[str, Any]:
-    from ..estimate.devices import parse_budget
+    from ..targets import parse_budget
     from ..units import parse_size
     from .data import TextDataset, collate, load_text_files, stdlib_corpus, train_eval_split
     from .tokenizer import load_tokenizer
