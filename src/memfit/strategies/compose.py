@@ -48,6 +48,17 @@ class TrainingSetup:
     precision: Any
     info: dict[str, Any] = field(default_factory=dict)
     steps_done: int = 0
+    undo: list[tuple[str, Callable[[], None]]] = field(default_factory=list, repr=False)
+
+    def remove(self) -> None:
+        """Take the plan off the model, last technique first: the fused step's hooks,
+        checkpointing's wrappers, bf16-pure's dtypes and input hook, freezing's
+        ``requires_grad``. The model is then what it was before :func:`apply_plan` (its
+        parameter values are the trained ones), ready for another plan; this setup must not
+        step again."""
+        while self.undo:
+            _, undo = self.undo.pop()
+            undo()
 
     def step(self, batch: Batch) -> torch.Tensor:
         """One optimizer step on ``batch`` (the effective batch): returns the (detached) loss."""
@@ -107,17 +118,24 @@ def apply_plan(
     """
     plan = plan or Plan()
     info: dict[str, Any] = {}
+    undo: list[tuple[str, Callable[[], None]]] = []  # (technique, how to take it off)
     if plan.freeze:
         from .freezing import apply_freezing
 
+        trainable = {n: p.requires_grad for n, p in model.named_parameters()}
         info["frozen"] = apply_freezing(model, plan.freeze)
-    from .precision import apply_precision
+        undo.append(("freeze", lambda: _restore_requires_grad(model, trainable)))
+    from .precision import apply_precision, remove_precision
 
+    dtypes = {n: t.dtype for n, t in model.named_parameters(remove_duplicate=False)}
+    dtypes.update({n: t.dtype for n, t in model.named_buffers(remove_duplicate=False)})
     precision = apply_precision(model, plan.precision)
+    undo.append(("precision", lambda: remove_precision(model, dtypes)))
     if plan.checkpointing.mode != "none":
-        from .checkpointing import apply_checkpointing
+        from .checkpointing import apply_checkpointing, remove_checkpointing
 
         info["checkpointed"] = apply_checkpointing(model, plan.checkpointing)
+        undo.append(("checkpointing", lambda: remove_checkpointing(model)))
     params = [p for p in model.parameters() if p.requires_grad]
     if plan.optimizer_in_backward:
         if optimizer is not None:
@@ -135,6 +153,7 @@ def apply_plan(
             max_grad_norm=plan.max_grad_norm,
             clip_mode=plan.grad_clip_mode,
         )
+        undo.append(("optimizer_in_backward", optimizer.remove))
     elif optimizer is None:
         optimizer = precision.optimizer_config(plan.optimizer).build(params)
         optimizer = precision.wrap_optimizer(optimizer)
@@ -145,7 +164,14 @@ def apply_plan(
         loss_fn=loss_fn or (lambda out, batch: loss_from_output(out)),
         precision=precision,
         info=info,
+        undo=undo,
     )
+
+
+def _restore_requires_grad(model: nn.Module, trainable: dict[str, bool]) -> None:
+    for name, p in model.named_parameters():
+        if name in trainable:
+            p.requires_grad_(trainable[name])
 
 
 def _batch_size(batch: Batch) -> int:

@@ -42,6 +42,7 @@ __all__ = [
     "PrecisionRuntime",
     "apply_precision",
     "cast_module",
+    "remove_precision",
     "stochastic_round_to_bf16",
     "wrap_optimizer_bf16",
 ]
@@ -622,10 +623,27 @@ def _fp16_mixed(model: nn.Module, config: PrecisionConfig) -> PrecisionRuntime:
 
 def _bf16_pure(model: nn.Module, config: PrecisionConfig) -> PrecisionRuntime:
     cast_module(model, torch.bfloat16)
-    if not getattr(model, "_memfit_bf16_inputs", False):
-        model.register_forward_pre_hook(_cast_inputs, with_kwargs=True)
-        model.__dict__["_memfit_bf16_inputs"] = True
+    if model.__dict__.get("_memfit_bf16_inputs") is None:
+        handle = model.register_forward_pre_hook(_cast_inputs, with_kwargs=True)
+        model.__dict__["_memfit_bf16_inputs"] = handle
     return Bf16PureRuntime(_device_type(model), stochastic_rounding=config.stochastic_rounding)
+
+
+def remove_precision(model: nn.Module, dtypes: dict[str, torch.dtype]) -> None:
+    """Undo :func:`apply_precision` on ``model``: the input-cast hook goes and every parameter
+    and buffer gets back the dtype ``dtypes`` names (by qualified name), its current values
+    converted (a model trained in bf16 comes back in fp32 with its trained values)."""
+    handle = model.__dict__.pop("_memfit_bf16_inputs", None)
+    if handle is not None:
+        handle.remove()
+    named = dict(model.named_parameters(remove_duplicate=False))
+    named.update(model.named_buffers(remove_duplicate=False))
+    for name, t in named.items():
+        dtype = dtypes.get(name)
+        if dtype is not None and t.dtype != dtype:
+            t.data = t.data.to(dtype)
+            if isinstance(t, nn.Parameter):
+                t.grad = None
 
 
 _RUNTIMES = {

@@ -100,16 +100,21 @@ def switch_plan(setup: TrainingSetup, plan: Plan) -> tuple[TrainingSetup, bool]:
     model = setup.model
     if changed <= _SWAPPABLE:
         info = dict(setup.info)
+        undo = list(setup.undo)
         if "checkpointing" in changed:
             remove_checkpointing(model)
             info["checkpointed"] = apply_checkpointing(model, plan.checkpointing)
+            undo = [u for u in undo if u[0] != "checkpointing"]
+            if plan.checkpointing.mode != "none":
+                undo.append(("checkpointing", lambda: remove_checkpointing(model)))
         if plan.optimizer_in_backward:
             # The fused handle counts micro-batches itself when not told which is the last.
             setup.optimizer.grad_accum_steps = plan.grad_accum_steps
-        return dataclasses.replace(setup, plan=plan, info=info), False
-    remove_checkpointing(model)
-    if hasattr(setup.optimizer, "remove"):
-        setup.optimizer.remove()  # an optimizer-in-backward handle: its hooks must go
+        return dataclasses.replace(setup, plan=plan, info=info, undo=undo), False
+    # Every technique is undone before the new plan is applied: bf16-pure's weights come back
+    # to their dtype (with the trained values) and its hooks go, freezing is lifted, the fused
+    # step's hooks and checkpointing's wrappers go.
+    setup.remove()
     new = apply_plan(model, plan, loss_fn=setup.loss_fn)
     new.steps_done = setup.steps_done
     return new, True
