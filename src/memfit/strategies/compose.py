@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..plan import Plan
-from ..workload import Batch, call_model, loss_from_output, split_batch
+from ..workload import Batch, loss_from_output
 
 __all__ = ["TrainingSetup", "apply_plan"]
 
@@ -60,40 +60,33 @@ class TrainingSetup:
             _, undo = self.undo.pop()
             undo()
 
+    @property
+    def stepper(self) -> Any:
+        """The :class:`~memfit.strategies.stepper.Stepper` that turns losses into updates."""
+        from .stepper import FusedStepper, PlainStepper
+
+        if self.plan.optimizer_in_backward:
+            return FusedStepper(self.optimizer)
+        return PlainStepper(self.optimizer, self.precision, self.model, self.plan.max_grad_norm)
+
     def step(self, batch: Batch) -> torch.Tensor:
-        """One optimizer step on ``batch`` (the effective batch): returns the (detached) loss."""
+        """One optimizer step on ``batch`` (the effective batch): returns the (detached) loss.
+
+        Runs :func:`~memfit.strategies.stepper.run_step`, the one training loop."""
+        from .stepper import run_step
+
         plan = self.plan
-        if plan.max_seq_len is not None:
-            from .sequence import truncate
-
-            batch = truncate(batch, plan.max_seq_len)
-        micro = plan.micro_batch_for(_batch_size(batch))
-        parts = split_batch(batch, micro) if micro < _batch_size(batch) else [batch]
-        from .accumulation import loss_weights
-
-        weights = loss_weights(parts, plan.loss_normalization)
-        total = None
-        fused = plan.optimizer_in_backward
-        for i, (part, weight) in enumerate(zip(parts, weights, strict=False)):
-            last = i == len(parts) - 1
-            with self.precision.autocast():
-                out = call_model(self.model, part)
-                loss = self.loss_fn(out, part)
-            scaled = loss * weight
-            del out
-            if fused:
-                self.optimizer.backward(scaled, last=last)
-            else:
-                self.precision.backward(scaled)
-            del scaled
-            contribution = loss.detach() * weight
-            total = contribution if total is None else total + contribution
-            del loss
-        if not fused:
-            self.precision.step(self.optimizer, max_grad_norm=plan.max_grad_norm, model=self.model)
-            self.optimizer.zero_grad(set_to_none=True)
+        total = run_step(
+            self.model,
+            batch,
+            stepper=self.stepper,
+            autocast=self.precision.autocast,
+            loss_fn=self.loss_fn,
+            micro_batch_size=plan.micro_batch_for(_batch_size(prepare_batch(batch, plan))),
+            normalization=plan.loss_normalization,
+            max_seq_len=plan.max_seq_len,
+        )
         self.steps_done += 1
-        assert total is not None
         return total
 
 
@@ -172,6 +165,13 @@ def _restore_requires_grad(model: nn.Module, trainable: dict[str, bool]) -> None
     for name, p in model.named_parameters():
         if name in trainable:
             p.requires_grad_(trainable[name])
+
+
+def prepare_batch(batch: Batch, plan: Plan) -> Batch:
+    """``batch`` as ``plan`` trains on it (sequences truncated to ``max_seq_len``)."""
+    from .stepper import prepare_batch as _prepare
+
+    return _prepare(batch, plan.max_seq_len)
 
 
 def _batch_size(batch: Batch) -> int:

@@ -12,9 +12,12 @@ or, when the loop computes its own loss::
         with prepared.accumulate():
             with prepared.autocast():
                 loss = my_loss(prepared.model(**micro_batch), micro_batch)
-            prepared.backward(loss)      # scaled by 1 / grad_accum_steps
+            prepared.backward(loss, batch=micro_batch)   # weighted as the plan says
         # the optimizer stepped (and gradients were cleared) after every
         # grad_accum_steps-th block
+
+(``prepared.loss(micro_batch)`` is the plan's own forward and loss: truncation, autocast.)
+Both ways run the plan's :class:`~memfit.strategies.stepper.Stepper`, as the trainer does.
 
 Do not call ``optimizer.step()`` yourself inside ``accumulate``: the context does it at the
 right micro-batch, with the plan's clipping, loss scaling and optimizer-in-backward handling.
@@ -50,6 +53,7 @@ class Prepared:
         self.setup = setup
         self._micro = 0  # micro-batches done towards the current optimizer step
         self._open = False
+        self._tokens = 0.0  # loss terms seen towards the current step ("tokens" normalisation)
 
     @property
     def model(self) -> nn.Module:
@@ -99,30 +103,69 @@ class Prepared:
             self._micro = 0
             self._optimizer_step()
 
-    def backward(self, loss: torch.Tensor, *, weight: float | None = None) -> None:
-        """Backward of one micro-batch's loss, scaled for accumulation.
+    def loss(self, micro_batch: Batch) -> torch.Tensor:
+        """The loss of one micro-batch as the plan computes it: truncated to ``max_seq_len``,
+        the forward and the loss under the plan's autocast. For loops that do not need their
+        own forward."""
+        from ..strategies.stepper import prepare_batch
+        from ..workload import call_model
+
+        micro_batch = prepare_batch(micro_batch, self.plan.max_seq_len)
+        with self.autocast():
+            return self.setup.loss_fn(call_model(self.model, micro_batch), micro_batch)
+
+    def backward(
+        self, loss: torch.Tensor, *, batch: Batch | None = None, weight: float | None = None
+    ) -> None:
+        """Backward of one micro-batch's loss, weighted for accumulation.
 
         Args:
             loss: The micro-batch's mean loss.
-            weight: Its share of the optimizer step's loss; default ``1 / grad_accum_steps``,
-                exact when every micro-batch has as many loss terms (see
-                :func:`memfit.strategies.accumulation.loss_weights` for token-weighted
-                shares).
+            batch: The micro-batch. With ``loss_normalization="tokens"`` it is needed: the
+                loss is weighted by the micro-batch's count of loss terms (label tokens that
+                are not ignored), and the accumulated gradients are divided by the step's total
+                before the optimizer steps, which is exactly the full batch's token-mean
+                gradient, whatever the micro-batches' sizes.
+            weight: An explicit share of the step's loss instead (``mean``: default
+                ``1 / grad_accum_steps``).
+
+        Raises:
+            ValueError: for token normalisation without ``batch``, or with the optimizer step
+                fused into backward (the step's token total is not known before its last
+                backward: use :meth:`step`, which weighs the whole batch first).
         """
-        w = weight if weight is not None else 1.0 / self.plan.grad_accum_steps
-        scaled = loss * w
-        if self.plan.optimizer_in_backward:
-            # The fused handle steps inside this backward when told it is the last one.
-            self.optimizer.backward(scaled, last=self.sync_gradients)
+        tokens = self.plan.loss_normalization == "tokens" and weight is None
+        if tokens:
+            if batch is None:
+                raise ValueError(
+                    "loss_normalization 'tokens' weighs each micro-batch by its label tokens: "
+                    "pass the micro-batch, prepared.backward(loss, batch=micro_batch)"
+                )
+            if self.plan.optimizer_in_backward:
+                raise ValueError(
+                    "loss_normalization 'tokens' with the optimizer step fused into backward "
+                    "needs the whole step's token count before its last backward; use "
+                    "prepared.step(batch) for such plans"
+                )
+            from ..strategies.accumulation import count_loss_terms
+            from ..strategies.stepper import prepare_batch
+
+            w = float(count_loss_terms(prepare_batch(batch, self.plan.max_seq_len)))
+            self._tokens += w
         else:
-            self.setup.precision.backward(scaled)
+            w = weight if weight is not None else 1.0 / self.plan.grad_accum_steps
+        self.setup.stepper.backward(loss * w, last=self.sync_gradients)
 
     def _optimizer_step(self) -> None:
-        if self.plan.optimizer_in_backward:
-            self.setup.steps_done += 1
-            return
-        self.setup.precision.step(self.optimizer, max_grad_norm=self.plan.max_grad_norm, model=self.model)
-        self.optimizer.zero_grad(set_to_none=True)
+        if self._tokens:
+            # Micro-batch losses were weighted by their token counts: divide by the total.
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.div_(self._tokens)
+            self._tokens = 0.0
+        stepper = self.setup.stepper
+        stepper.step()
+        stepper.zero_grad()
         self.setup.steps_done += 1
 
 
