@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from ..units import format_bytes
-from .trace import CATEGORIES, PHASES
+from .trace import CATEGORIES, PHASES, AllocationTrace
 
 __all__ = ["MemoryReport", "build_report"]
 
@@ -202,14 +202,15 @@ class MemoryReport:
         plt.close(fig)
 
 
-def build_report(tracker: Any) -> MemoryReport:
-    """Resolve the tracker's storage records into a :class:`MemoryReport`."""
-    nseq = tracker._seq + 2
-    nb = np.asarray(tracker._nbytes, dtype=np.int64)
-    birth = np.asarray(tracker._birth, dtype=np.int64)
-    death = np.asarray(tracker._death, dtype=np.int64)
-    cat = np.asarray(tracker._cat, dtype=np.int64)
-    on_dev = np.asarray(tracker._tier, dtype=np.int64) == 0
+def build_report(trace: AllocationTrace) -> MemoryReport:
+    """Resolve a tracker's :class:`~memfit.accounting.trace.AllocationTrace` into a
+    :class:`MemoryReport` (the trace is all it reads)."""
+    nseq = trace.num_events + 2
+    nb = np.asarray(trace.nbytes, dtype=np.int64)
+    birth = np.asarray(trace.birth, dtype=np.int64)
+    death = np.asarray(trace.death, dtype=np.int64)
+    cat = np.asarray(trace.category, dtype=np.int64)
+    on_dev = np.asarray(trace.tier, dtype=np.int64) == 0
     alive_end = death < 0
     death = np.where(alive_end, nseq, death)  # still alive: dies past the last event
     nb, birth, death, cat = nb[on_dev], birth[on_dev], death[on_dev], cat[on_dev]
@@ -221,14 +222,14 @@ def build_report(tracker: Any) -> MemoryReport:
     per_cat = np.cumsum(per_cat, axis=1)[:, :nseq]
     total = per_cat.sum(axis=0)
 
-    peak_seq = tracker._peak_seq
+    peak_seq = trace.peak_event
     peak_by_category = {c: int(per_cat[i, peak_seq]) for i, c in enumerate(CATEGORIES)}
-    peak_bytes = int(tracker._peak)
+    peak_bytes = int(trace.peak_bytes)
     if sum(peak_by_category.values()) != peak_bytes:  # pragma: no cover - internal invariant
         raise AssertionError("memfit tracker: category breakdown does not add up to the peak")
 
-    op_seq = np.asarray(tracker.timeline_seq, dtype=np.int64)  # seq at the end of op i
-    op_phase = np.asarray(tracker.timeline_phase, dtype=np.int64)
+    op_seq = np.asarray(trace.op_end_event, dtype=np.int64)  # seq at the end of op i
+    op_phase = np.asarray(trace.op_phase, dtype=np.int64)
     # Each event belongs to the first op whose end is at or after it.
     seq_op = np.searchsorted(op_seq, np.arange(nseq), side="left")
     seq_op = np.minimum(seq_op, len(op_seq) - 1)
@@ -252,7 +253,7 @@ def build_report(tracker: Any) -> MemoryReport:
     peak_op_index = int(min(seq_op[peak_seq], len(op_seq) - 1))
     best: tuple[int, str] | None = None
     last = len(op_seq) - 1
-    for name, kind, start, end in tracker._events.intervals:
+    for name, kind, start, end in trace.module_intervals:
         end = last if end is None else end
         value = seq_range_max(start, end)
         entry = by_module.setdefault(name, {"forward": 0, "backward": 0, "peak": 0})
@@ -263,7 +264,7 @@ def build_report(tracker: Any) -> MemoryReport:
 
     step_peaks = []
     prev = 0
-    for b in tracker.step_boundaries:
+    for b in trace.step_boundaries:
         step_peaks.append(seq_range_max(prev + 1, b))
         prev = b
 
@@ -274,7 +275,6 @@ def build_report(tracker: Any) -> MemoryReport:
     for i, c in enumerate(CATEGORIES):
         timeline[c] = per_cat[i, op_seq].tolist()
 
-    func = tracker._peak_func
     return MemoryReport(
         peak_bytes=peak_bytes,
         peak_by_category=peak_by_category,
@@ -282,13 +282,13 @@ def build_report(tracker: Any) -> MemoryReport:
         phase_peak_by_category=phase_peak_by_category,
         by_module=by_module,
         timeline=timeline,
-        peak_op=None if func is None else str(func),
+        peak_op=trace.peak_op,
         peak_op_index=peak_op_index,
         peak_module=best[1] if best else None,
         peak_phase=PHASES[int(seq_phase[peak_seq])],
         step_peaks=step_peaks,
         num_ops=len(op_seq) - 1,
-        device=str(tracker.device),
+        device=trace.device,
     )
 
 

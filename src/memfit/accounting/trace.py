@@ -28,17 +28,26 @@ PHASES: tuple[str, ...] = ("forward", "backward", "optimizer", "other")
 
 @dataclass(frozen=True)
 class AllocationTrace:
-    """Storages in the order they appeared.
+    """What a tracker recorded, as plain frozen data: everything a report is built from.
 
     Attributes:
-        nbytes: Bytes of each storage.
+        nbytes: Bytes of each storage, in the order they appeared.
         birth: Event stamp of each storage's allocation. Births and deaths share one
             increasing counter, so sorting both by stamp gives the order of allocations and
             frees.
         death: Event stamp of each storage's free; ``-1`` if alive when tracking ended.
         tier: ``0`` for the compute device, ``1`` for host memory.
-        category: Index into :data:`CATEGORIES` of each storage's
-            most specific role.
+        category: Index into :data:`CATEGORIES` of each storage's most specific role.
+        num_events: Events stamped in all (the counter's last value).
+        op_end_event: For each operation (index 0 is the start), the event stamp at its end.
+        op_phase: For each operation, its phase (index into :data:`PHASES`).
+        module_intervals: ``(qualified name, "forward" | "backward", first op, last op)``;
+            the last op is ``None`` when the interval never closed.
+        step_boundaries: The operation index at the end of each marked training step.
+        peak_bytes: Highest live device bytes.
+        peak_event: The event stamp at that peak.
+        peak_op: The operation during which the peak happened (its name), if known.
+        device: The compute device.
     """
 
     nbytes: tuple[int, ...]
@@ -46,6 +55,15 @@ class AllocationTrace:
     death: tuple[int, ...]
     tier: tuple[int, ...]
     category: tuple[int, ...]
+    num_events: int = 0
+    op_end_event: tuple[int, ...] = (0,)
+    op_phase: tuple[int, ...] = (3,)
+    module_intervals: tuple[tuple[str, str, int, int | None], ...] = ()
+    step_boundaries: tuple[int, ...] = ()
+    peak_bytes: int = 0
+    peak_event: int = 0
+    peak_op: str | None = None
+    device: str = "cpu"
 
     def __len__(self) -> int:
         return len(self.nbytes)

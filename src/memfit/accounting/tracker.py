@@ -474,6 +474,17 @@ class MemoryTracker(TorchDispatchMode):
             death=tuple(self._death),
             tier=tuple(self._tier),
             category=tuple(self._cat),
+            num_events=self._seq,
+            op_end_event=tuple(self.timeline_seq),
+            op_phase=tuple(self.timeline_phase),
+            module_intervals=tuple(
+                (name, kind, start, end) for name, kind, start, end in self._events.intervals
+            ),
+            step_boundaries=tuple(self.step_boundaries),
+            peak_bytes=self._peak,
+            peak_event=self._peak_seq,
+            peak_op=None if self._peak_func is None else str(self._peak_func),
+            device=str(self.device),
         )
 
     def report(self) -> Any:
@@ -481,7 +492,7 @@ class MemoryTracker(TorchDispatchMode):
         from .report import build_report
 
         if self._report is None or not self._closed:
-            self._report = build_report(self)
+            self._report = build_report(self.trace())
         return self._report
 
 
