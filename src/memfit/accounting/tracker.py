@@ -422,6 +422,11 @@ class MemoryTracker(TorchDispatchMode):
         self.step_boundaries.append(self._op)
 
     @property
+    def num_ops(self) -> int:
+        """Operations dispatched so far."""
+        return self._op
+
+    @property
     def current_module(self) -> str | None:
         """Qualified name of the innermost module whose forward is running (``None``: none)."""
         ev = self._events

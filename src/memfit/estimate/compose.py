@@ -29,6 +29,7 @@ from ..accounting import CATEGORIES, PHASES
 from ..plan import Plan
 from ..targets import DeviceProfile, get_device
 from ..workload import Workload
+from .depth import SHALLOW_DEPTHS, extrapolate
 from .dryrun import dry_run
 
 __all__ = ["Prediction", "predict_peak"]
@@ -115,7 +116,7 @@ def predict_peak(
     if compose and workload.scalable and linear and (workload.depth or 0) > 3:
         assert workload.with_depth is not None and workload.depth is not None
         shallow = []
-        for d in (2, 3):
+        for d in SHALLOW_DEPTHS:
             report = dry_run(
                 workload.with_depth(d).replace(batch_size=small_wl.batch_size),
                 small_plan,
@@ -133,7 +134,7 @@ def predict_peak(
             if any(three[c] < two[c] for c in CATEGORIES):
                 phases = {}
                 break
-            phases[phase] = {c: round(two[c] + (n - 2) * (three[c] - two[c])) for c in CATEGORIES}
+            phases[phase] = {c: round(extrapolate(two[c], three[c], n)) for c in CATEGORIES}
         method = "composed"
     reserved_bytes = 0
     if phases:

@@ -22,11 +22,14 @@ from typing import Any
 from ..plan import Plan
 from ..targets import DeviceProfile
 from ..workload import Workload, call_model
+from .depth import SHALLOW_DEPTHS, extrapolate
 
 __all__ = ["StepCost", "WorkloadProfile", "profile_workload", "step_cost"]
 
-# Bytes read + written per trainable parameter by one optimizer step, for fp32 parameters.
-# AdamW: read p, g, m, v (16) and write p, m, v (12).
+# Bytes read + written per trainable parameter by one optimizer step, for fp32 parameters,
+# counted from each algorithm's update (a step is memory-bound: bytes / bandwidth is its time).
+# AdamW: read p, g, m, v (16) and write p, m, v (12). SGD: read p, g (8) and write p (4), plus
+# the momentum buffer when there is one (read and written: 8); 16 sits between the two.
 _OPT_BYTES = {
     "adamw": 28.0,
     "adam": 28.0,
@@ -36,7 +39,11 @@ _OPT_BYTES = {
     "adamw8bit": 18.0,  # 1-byte moments read and written, fp32 weights and gradient
     "adafactor": 20.0,  # update temporaries, row/column statistics are negligible
 }
-# Ops per parameter tensor when an optimizer loops over tensors one by one.
+# Ops per parameter tensor when an optimizer loops over tensors one by one: counted from the
+# kernels of torch's single-tensor implementations (torch/optim/adamw.py _single_tensor_adamw:
+# weight decay mul_, lerp_, mul_, addcmul_, step counter, bias corrections, sqrt, div_, add_,
+# addcdiv_ = 10) and of memfit's optimizers (quantise/dequantise and the factored statistics
+# add their own), each costing one launch overhead.
 _OPT_OPS_PER_TENSOR = {
     "adamw": 10,
     "adam": 10,
@@ -90,10 +97,10 @@ def _measure(workload: Workload) -> dict[str, float]:
             with FlopCounterMode(display=False) as fwd_counter:
                 loss = workload.loss_fn(call_model(model, batch), batch)
             acts = tracker.snapshot()["activations"]
-            fwd_ops = tracker._op
+            fwd_ops = tracker.num_ops
             with FlopCounterMode(display=False) as bwd_counter:
                 loss.backward()
-            ops = tracker._op
+            ops = tracker.num_ops
         n_params = sum(p.numel() for p in model.parameters())
         n_tensors = len(list(model.parameters()))
     return {
@@ -113,11 +120,11 @@ _PROFILES: dict[tuple[str, int, int], WorkloadProfile] = {}
 def _profile(workload: Workload) -> WorkloadProfile:
     if workload.scalable and (workload.depth or 0) > 3:
         assert workload.with_depth is not None and workload.depth is not None
-        two, three = _measure(workload.with_depth(2)), _measure(workload.with_depth(3))
+        two, three = (_measure(workload.with_depth(d)) for d in SHALLOW_DEPTHS)
         n = workload.depth
 
         def at(k: str) -> float:
-            return two[k] + (n - 2) * (three[k] - two[k])
+            return extrapolate(two[k], three[k], n)
 
         block_fwd = n * (three["fwd"] - two["fwd"])
         block_ops = n * (three["fwd_ops"] - two["fwd_ops"])
