@@ -97,3 +97,14 @@ def test_plan_json_written_by_memfit_plan_is_accepted(tmp_path):
     path = tmp_path / "answer.json"
     path.write_text(json.dumps({"fits": True, "plan": Plan(grad_accum_steps=2).to_dict()}))
     assert Plan.load(path).grad_accum_steps == 2
+
+
+def test_memfit_plan_is_the_planner_and_names_the_plan_class():
+    import importlib
+
+    import memfit
+
+    importlib.import_module("memfit.plan")  # importing the submodule must not rebind the name
+    assert callable(memfit.plan) and memfit.plan.__module__ == "memfit"
+    assert memfit.plan.Plan is memfit.Plan is Plan
+    assert memfit.plan.PlanError is PlanError

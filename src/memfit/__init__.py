@@ -57,11 +57,18 @@ def plan(workload: Any, budget: int | str, **kwargs: Any) -> Any:
     """Find the fastest plan whose peak fits ``budget``: see :func:`memfit.planner.plan`.
 
     ``workload`` is a :class:`Workload` or a SPEC (then pass ``batch_size`` and ``seq_len``).
-    The name shadows the ``memfit.plan`` module on purpose: ``memfit.Plan`` is the class.
+
+    ``memfit.plan`` is this function, also after ``import memfit.plan``: the module of that
+    name (where :class:`Plan` lives) is reached with ``from memfit.plan import Plan``, and the
+    function carries the module's public names, so ``memfit.plan.Plan`` is the class too.
     """
     from .planner import plan as _plan
 
     return _plan(workload, budget, **kwargs)
+
+
+plan.Plan = Plan  # type: ignore[attr-defined]
+plan.PlanError = PlanError  # type: ignore[attr-defined]
 
 
 def __getattr__(name: str) -> Any:

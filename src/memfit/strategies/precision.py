@@ -87,6 +87,13 @@ class DynamicLossScaler:
     ``backoff_factor``; after ``growth_interval`` consecutive good steps the scale is
     multiplied by ``growth_factor``.
 
+    Why not ``torch.amp.GradScaler``: its step reads the overflow flag's value
+    (``found_inf.item()``), which a dry run's fake tensors do not have, so a plan with fp16
+    could not be dry-run; and clipping must happen between unscaling and the step, which
+    GradScaler leaves to the caller. This scaler uses the same fused ATen kernels
+    (``_amp_foreach_non_finite_check_and_unscale_``) and follows GradScaler's growth and
+    backoff rules, with clipping built in.
+
     Example::
 
         scaler = DynamicLossScaler()

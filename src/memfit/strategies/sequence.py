@@ -200,6 +200,12 @@ class LengthGroupedSampler(Sampler[int]):
     batches. Every index appears exactly once per epoch. Without ``shuffle`` the order is
     all indices sorted by length, longest first.
 
+    Why not transformers' ``LengthGroupedSampler``: the idea is the same (mega-batches sorted
+    by length, the longest batch first), but it needs transformers' Trainer arguments and a
+    dataset of its own shape, has no ``set_epoch`` for a per-epoch seed without a generator
+    object, and does not keep the partial batch last, which a ``DataLoader`` needs to cut the
+    same batches the sampler grouped.
+
     Args:
         lengths: Length of every sample.
         batch_size: Samples per batch (the DataLoader's batch size).
