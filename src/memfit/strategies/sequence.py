@@ -200,11 +200,11 @@ class LengthGroupedSampler(Sampler[int]):
     batches. Every index appears exactly once per epoch. Without ``shuffle`` the order is
     all indices sorted by length, longest first.
 
-    Why not transformers' ``LengthGroupedSampler``: the idea is the same (mega-batches sorted
-    by length, the longest batch first), but it needs transformers' Trainer arguments and a
-    dataset of its own shape, has no ``set_epoch`` for a per-epoch seed without a generator
-    object, and does not keep the partial batch last, which a ``DataLoader`` needs to cut the
-    same batches the sampler grouped.
+    Why not transformers' ``LengthGroupedSampler``: the grouping is the same idea (mega-batches
+    sorted by length, the longest first), but its batches keep their sorted order inside each
+    mega-batch (long batches then short ones, every mega-batch), where this one shuffles whole
+    batches; and it reseeds through a ``generator`` object, where this one has ``set_epoch``
+    as torch's ``DistributedSampler`` does.
 
     Args:
         lengths: Length of every sample.
