@@ -136,20 +136,19 @@ def predict_peak(
                 break
             phases[phase] = {c: round(extrapolate(two[c], three[c], n)) for c in CATEGORIES}
         method = "composed"
-    reserved_bytes = 0
     if phases:
         # The allocator's slack (reserved minus tensors) is not linear in depth: it depends on
         # which cached blocks happen to fit. Take the larger slack of the two shallow runs.
-        peak = max(sum(v.values()) for v in phases.values())
-        reserved_bytes = peak + max(reserved[0] - shallow_peaks[0], reserved[1] - shallow_peaks[1])
-    if not phases:
+        slack = max(r - p for r, p in zip(reserved, shallow_peaks, strict=True))
+    else:
         report = dry_run(small_wl, small_plan, steps=2, device=target)
         phases = {
             k: {c: round(v) for c, v in cats.items()}
             for k, cats in _by_phase(report, scale).items()
             if cats
         }
-        reserved_bytes = report.peak_reserved_bytes or report.peak_bytes
+        # The slack of the reduced run, on top of the peak with the full batch's inputs.
+        slack = (report.peak_reserved_bytes or report.peak_bytes) - report.peak_bytes
         method = "dry-run"
     phase_peaks = {k: sum(v.values()) for k, v in phases.items()}
     peak_phase = max(phase_peaks, key=lambda k: phase_peaks[k])
@@ -159,7 +158,7 @@ def predict_peak(
         phase_peaks=phase_peaks,
         peak_phase=peak_phase,
         method=method,
-        reserved_bytes=max(reserved_bytes, phase_peaks[peak_phase]),
+        reserved_bytes=phase_peaks[peak_phase] + max(slack, 0),
         overhead_bytes=target.overhead_bytes if target.is_cuda else 0,
         target_device=target.name,
     )
