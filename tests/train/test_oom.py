@@ -162,19 +162,20 @@ def test_fallbacks_that_keep_the_optimizer_come_first():
 
 
 def test_a_fallback_with_another_optimizer_rebuilds_it_and_reattaches_the_schedule():
-    # The most frugal plan step_down knows, then one with another precision: switching to it
-    # needs a new optimizer. SGD keeps the peak in forward/backward, where a step can be redone.
+    # The most frugal plan step_down knows, then one that freezes the embeddings: switching to
+    # it needs a new optimizer (over fewer parameters). SGD keeps the peak in forward/backward,
+    # where a step can be redone.
     frugal = Plan(
         micro_batch_size=1, grad_accum_steps=8, checkpointing="full", optimizer={"name": "sgd"}
     )
-    mixed = frugal.replace(precision="bf16-mixed")
+    mixed = frugal.replace(freeze=("embeddings",))
     _, fp32_run, seen_fp32 = _run(frugal)
     _, mixed_run, _ = _run(mixed)
     assert mixed_run.peak_bytes < fp32_run.peak_bytes
     cap = (fp32_run.peak_bytes + mixed_run.peak_bytes) // 2
     trainer, result, seen = _run(frugal, cap=cap, fallback_plans=[mixed])
     assert [d["rebuilt"] for d in result.step_downs] == [True]
-    assert trainer.plan.precision.mode == "bf16-mixed"
+    assert trainer.plan.freeze == ("embeddings",)
     assert trainer.scheduler.optimizer is trainer.optimizer
     assert trainer.optimizer.param_groups[0]["initial_lr"] == 1e-2  # the run's lr
     assert seen == seen_fp32
