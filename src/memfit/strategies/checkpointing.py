@@ -36,6 +36,7 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -216,14 +217,9 @@ def _warn_once(key: str, message: str) -> None:
 
 
 def _tensors(obj: Any) -> Iterable[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
+    """The tensors in nested arguments (torch's pytree: dicts, lists, tuples, named tuples,
+    model outputs; other objects, such as a KV cache, are leaves and are skipped)."""
+    return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
 
 
 def _storage_key(t: torch.Tensor) -> int | None:
@@ -336,13 +332,7 @@ def _fake_state(module: nn.Module, mode: Any) -> Iterator[set[int | None]]:
 
 
 def _to_fake(mode: Any, obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return mode.from_tensor(obj)
-    if isinstance(obj, dict):
-        return {k: _to_fake(mode, v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
-        return type(obj)(_to_fake(mode, v) for v in obj)
-    return obj
+    return tree_map_only(torch.Tensor, mode.from_tensor, obj)
 
 
 def _count_saved(

@@ -224,6 +224,14 @@ class Bf16PureRuntime(PrecisionRuntime):
             self._wrapped[id(wrapped)] = wrapped
         return wrapped
 
+    @property
+    def kept_bytes(self) -> int:
+        """Host bytes held for an exact :meth:`remove` (``keep_original_weights``); 0 without
+        it and after removal. On the CPU these are the original storages themselves."""
+        if self._restore is None:
+            return 0
+        return sum(t.untyped_storage().nbytes() for t in self._restore.kept.values())
+
     def remove(self) -> None:
         """Restore dtypes (current values), drop the input-cast hook, unwrap the optimizers
         this runtime wrapped (see the module docstring for what comes back exactly)."""
