@@ -195,6 +195,7 @@ def prepare(
     *,
     optimizer: Any = None,
     loss_fn: LossFn | None = None,
+    keep_original_weights: bool = False,
 ) -> Prepared:
     """Apply ``plan`` to ``model`` for a training loop you write yourself.
 
@@ -208,6 +209,9 @@ def prepare(
             ``optimizer_in_backward``, which builds its own per-parameter optimizers).
         loss_fn: ``loss_fn(output, batch)`` for :meth:`Prepared.step` and
             :meth:`Prepared.loss`; default: the output's ``.loss``.
+        keep_original_weights: For ``bf16-pure``: keep the original weights on the host so
+            that :meth:`Prepared.remove` gives back every weight training did not change bit
+            for bit (see :func:`~memfit.strategies.precision.apply_precision`).
 
     Returns:
         The :class:`Prepared` model, optimizer and step.
@@ -218,4 +222,11 @@ def prepare(
             ``optimizer`` is a plan, or another argument has the wrong kind.
     """
     check_plan_arguments("prepare", model, plan, optimizer, loss_fn)
-    return Prepared(apply_plan(model, plan, optimizer=optimizer, loss_fn=loss_fn))
+    setup = apply_plan(
+        model,
+        plan,
+        optimizer=optimizer,
+        loss_fn=loss_fn,
+        keep_original_weights=keep_original_weights,
+    )
+    return Prepared(setup)
