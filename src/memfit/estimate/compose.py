@@ -12,6 +12,12 @@ depth instead. Blocks x count + embeddings + head + state, measured
 rather than assumed. Micro-batching is profiled with two micro-batches (memory does not grow
 with more), and the inputs are scaled back to the full batch.
 
+A stack of unlike blocks (dense then mixture-of-experts layers, Mamba and attention
+interleaved) is composed per block type (:mod:`memfit.estimate.depth`): the blocks' types come
+from the full model built on fake tensors, the shallow depths profiled are ``2 .. m`` for the
+least ``m`` whose prefix holds every type that comes after it, and each later block adds the
+step its type added there.
+
 Workloads that cannot change depth (``module:function``) and plans whose memory is not linear
 in depth (``sqrt`` checkpointing) are dry-run at full size instead.
 
@@ -22,6 +28,7 @@ the target's fixed overhead (CUDA context, workspaces).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,10 +36,10 @@ from ..accounting import CATEGORIES, PHASES
 from ..plan import Plan
 from ..targets import DeviceProfile, get_device
 from ..workload import Workload
-from .depth import SHALLOW_DEPTHS, extrapolate
+from .depth import compose_pattern, layer_pattern, profile_depths
 from .dryrun import dry_run
 
-__all__ = ["Prediction", "predict_peak"]
+__all__ = ["Prediction", "block_pattern", "predict_peak"]
 
 
 @dataclass
@@ -65,6 +72,27 @@ class Prediction:
     def device_total_bytes(self) -> int:
         """What the device holds at the peak: reserved bytes plus the fixed overhead."""
         return max(self.reserved_bytes, self.peak_bytes) + self.overhead_bytes
+
+
+_PATTERNS: dict[tuple[str, int, int], list[int] | None] = {}
+
+
+def block_pattern(workload: Workload) -> list[int] | None:
+    """The type of each block of ``workload``'s model (:func:`~.depth.layer_pattern`), from the
+    full-depth model built on fake tensors (nothing allocated); ``None`` when unknown."""
+    assert workload.depth is not None
+    key = (workload.name, workload.depth, id(workload.build_model))
+    if key not in _PATTERNS:
+        from .dryrun import _fake_mode
+        from .values import DryRunValues
+
+        try:
+            with _fake_mode(), DryRunValues():
+                model = workload.build_model()
+            _PATTERNS[key] = layer_pattern(model, workload.depth)
+        except Exception:  # the model cannot be built on fake tensors: compose as uniform
+            _PATTERNS[key] = None
+    return _PATTERNS[key]
 
 
 def _reduced(workload: Workload, plan: Plan) -> tuple[Workload, Plan, float]:
@@ -115,8 +143,11 @@ def predict_peak(
     method = "dry-run"
     if compose and workload.scalable and linear and (workload.depth or 0) > 3:
         assert workload.with_depth is not None and workload.depth is not None
+        n = workload.depth
+        pattern = block_pattern(workload) or [0] * n
+        depths = profile_depths(pattern)
         shallow = []
-        for d in SHALLOW_DEPTHS:
+        for d in depths or ():
             report = dry_run(
                 workload.with_depth(d).replace(batch_size=small_wl.batch_size),
                 small_plan,
@@ -126,15 +157,17 @@ def predict_peak(
             shallow.append(_by_phase(report, scale))
             reserved.append(report.peak_reserved_bytes or report.peak_bytes)
             shallow_peaks.append(report.peak_bytes)
-        n = workload.depth
-        for phase in PHASES[:3]:
-            two, three = shallow[0][phase], shallow[1][phase]
-            if not two or not three:
+        for phase in PHASES[:3] if depths else ():
+            at = [s[phase] for s in shallow]
+            if not all(at):
                 continue
-            if any(three[c] < two[c] for c in CATEGORIES):
+            if any(b[c] < a[c] for a, b in itertools.pairwise(at) for c in CATEGORIES):
                 phases = {}
                 break
-            phases[phase] = {c: round(extrapolate(two[c], three[c], n)) for c in CATEGORIES}
+            phases[phase] = {
+                c: round(compose_pattern({d: v[c] for d, v in zip(depths, at, strict=True)}, pattern))
+                for c in CATEGORIES
+            }
         method = "composed"
     if phases:
         # The allocator's slack (reserved minus tensors) is not linear in depth: it depends on

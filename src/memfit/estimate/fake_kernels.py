@@ -47,13 +47,58 @@ def _grouped_mm(
     return FakeTensor(fake_mode, out, device)
 
 
-_RULES = ((lambda func: func is aten._grouped_mm.default, _grouped_mm),)
+def _dynamic(func: Any) -> bool:
+    from .values import _is_dynamic
+
+    return _is_dynamic(func)
+
+
+def _dynamic_shape(fake_mode: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+    from .values import dynamic_shape_rule
+
+    return dynamic_shape_rule(fake_mode, func, *args, **kwargs)
+
+
+_RULES = (
+    (lambda func: func is aten._grouped_mm.default, _grouped_mm),
+    # Data-dependent shapes and values: replayed from constants or by the stated policy
+    # (:mod:`memfit.estimate.values`); without an open DryRunValues, fake tensors' own rules.
+    (_dynamic, _dynamic_shape),
+)
+
+
+def _same_module_to(original: Any) -> Any:
+    """``nn.Module.to`` that returns the module untouched when nothing would change.
+
+    A real ``module.to(dtype)`` to the dtype the module already has sets each parameter's
+    ``.data`` to itself, which costs nothing. On fake parameters ``Module._apply`` swaps the
+    tensors instead, which fails once autograd holds a parameter (a model that casts its router
+    to its own dtype inside ``forward``, as Switch Transformers does). Dry runs skip the no-op.
+    """
+
+    def to(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        if memory_format is None:
+            tensors = [*self.parameters(), *self.buffers()]
+            same = all(
+                (device is None or t.device == device)
+                and (dtype is None or not (t.is_floating_point() or t.is_complex()) or t.dtype == dtype)
+                for t in tensors
+            )
+            if same:
+                return self
+        return original(self, *args, **kwargs)
+
+    return to
 
 
 @contextlib.contextmanager
 def real_kernel_rules() -> Iterator[None]:
     """Install the fake implementations above while a dry run is open, then remove them."""
     from torch._subclasses.fake_impls import op_implementations_checks
+
+    original_to = torch.nn.Module.to
+    torch.nn.Module.to = _same_module_to(original_to)  # type: ignore[method-assign]
 
     added = [rule for rule in _RULES if rule not in op_implementations_checks]
     # Checked in order: ours go first, ahead of any broader rule.
@@ -62,6 +107,7 @@ def real_kernel_rules() -> Iterator[None]:
     try:
         yield
     finally:
+        torch.nn.Module.to = original_to  # type: ignore[method-assign]
         for rule in added:
             if rule in op_implementations_checks:
                 op_implementations_checks.remove(rule)
