@@ -62,3 +62,14 @@ def test_module_view_shows_router_and_experts(tmp_path):
     experts = dry.by_module["model.layers.0.mlp.experts"]["forward"]
     assert experts > dry.by_module["model.layers.0.mlp.gate"]["forward"]
     assert [u["op"] for u in dry.meta["data_dependent"]] == ["routing", "routing"]
+
+
+@pytest.mark.slow
+def test_moe_preset_plans():
+    from memfit.planner import plan
+
+    workload = memfit.load_workload("qwen3-30b-a3b", 1, 256)
+    result = plan(workload, "640GiB", device="cpu")
+    assert result.fits and result.predicted_peak_bytes <= 640 * 2**30
+    # 30.5B parameters with AdamW: at least the fp32 weights and two moments.
+    assert result.predicted_peak_bytes >= 12 * 30.5e9

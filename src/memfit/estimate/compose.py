@@ -83,11 +83,10 @@ def block_pattern(workload: Workload) -> list[int] | None:
     assert workload.depth is not None
     key = (workload.name, workload.depth, id(workload.build_model))
     if key not in _PATTERNS:
-        from .dryrun import _fake_mode
-        from .values import DryRunValues
+        from .fake_kernels import dry_tensors
 
         try:
-            with _fake_mode(), DryRunValues():
+            with dry_tensors():
                 model = workload.build_model()
             _PATTERNS[key] = layer_pattern(model, workload.depth)
         except Exception:  # the model cannot be built on fake tensors: compose as uniform

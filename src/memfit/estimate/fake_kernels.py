@@ -14,12 +14,14 @@ implementations that do what the real kernel does:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["real_kernel_rules"]
+from .values import DryRunValues, _is_dynamic, dynamic_shape_rule
+
+__all__ = ["dry_tensors", "real_kernel_rules"]
 
 aten = torch.ops.aten
 
@@ -47,23 +49,11 @@ def _grouped_mm(
     return FakeTensor(fake_mode, out, device)
 
 
-def _dynamic(func: Any) -> bool:
-    from .values import _is_dynamic
-
-    return _is_dynamic(func)
-
-
-def _dynamic_shape(fake_mode: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
-    from .values import dynamic_shape_rule
-
-    return dynamic_shape_rule(fake_mode, func, *args, **kwargs)
-
-
 _RULES = (
     (lambda func: func is aten._grouped_mm.default, _grouped_mm),
     # Data-dependent shapes and values: replayed from constants or by the stated policy
     # (:mod:`memfit.estimate.values`); without an open DryRunValues, fake tensors' own rules.
-    (_dynamic, _dynamic_shape),
+    (_is_dynamic, dynamic_shape_rule),
 )
 
 
@@ -111,3 +101,16 @@ def real_kernel_rules() -> Iterator[None]:
         for rule in added:
             if rule in op_implementations_checks:
                 op_implementations_checks.remove(rule)
+
+
+@contextlib.contextmanager
+def dry_tensors(
+    *, expert_load: float = 1.0, where: Callable[[], str | None] | None = None
+) -> Iterator[DryRunValues]:
+    """Fake tensors as every dry run uses them: the fake kernels above and the values and
+    data-dependent policies of :mod:`memfit.estimate.values`."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    values = DryRunValues(expert_load=expert_load, where=where)
+    with real_kernel_rules(), FakeTensorMode(allow_non_fake_inputs=True), values:
+        yield values

@@ -358,8 +358,7 @@ def trainable_fractions(
 
     A choice the model cannot take (``ValueError`` from freezing) is left out.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+    from ..estimate.fake_kernels import dry_tensors
     from ..strategies.freezing import apply_freezing
 
     out: dict[tuple[str, ...], float] = {}
@@ -368,7 +367,7 @@ def trainable_fractions(
             out[spec] = 1.0
             continue
         try:
-            with FakeTensorMode(allow_non_fake_inputs=True):
+            with dry_tensors():
                 model = workload.build_model()
                 total = sum(p.numel() for p in model.parameters())
                 apply_freezing(model, spec)
