@@ -73,3 +73,21 @@ def test_a_model_with_nothing_to_fuse_is_refused():
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2))
     with pytest.raises(ValueError, match="fused_pointwise found nothing to fuse in GPT2LMHeadModel"):
         apply_fused_pointwise(gpt2)
+
+
+def test_plan_field_dry_run_equals_real_run_and_saves(tmp_path):
+    import json
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+                                **SIZES, "max_position_embeddings": 64}))  # fmt: skip
+    plan = memfit.Plan(fused_pointwise=True)
+    real = memfit.measure(str(path), plan, batch_size=2, seq_len=32)
+    dry = memfit.dry_run(str(path), plan, batch_size=2, seq_len=32)
+    plain = memfit.dry_run(str(path), memfit.Plan(), batch_size=2, seq_len=32)
+    assert dry.peak_by_category == real.peak_by_category
+    assert dry.peak_by_category["activations"] < plain.peak_by_category["activations"]
+    assert "fused pointwise" in plan.summary()
+    assert memfit.Plan.from_dict(plan.to_dict()) == plan
+    with pytest.raises(memfit.PlanError, match="fused_pointwise must be true or false"):
+        memfit.Plan(fused_pointwise="yes")

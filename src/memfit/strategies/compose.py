@@ -172,6 +172,12 @@ def apply_plan(
             frozen = apply_freezing(model, plan.freeze)
             handles.append(("freeze", frozen))
             info["frozen"] = frozen.names
+        if plan.fused_pointwise:
+            from .fused_pointwise import apply_fused_pointwise
+
+            fused = apply_fused_pointwise(model)
+            handles.append(("fused_pointwise", fused))
+            info["fused_pointwise"] = fused.norms + fused.mlps
         from .precision import apply_precision
 
         precision = apply_precision(
