@@ -21,10 +21,16 @@ from .strategies.optimizer import OptimizerConfig
 from .strategies.precision import PrecisionConfig
 from .strategies.sequence import SequenceConfig
 
-__all__ = ["Plan", "PlanError"]
+__all__ = ["COMPILE_BACKENDS", "Plan", "PlanError"]
 
 _CLIP_MODES = ("exact", "approx")
 _NORMALIZATIONS = ("mean", "tokens")
+
+#: ``torch.compile`` backends a plan may name: ``inductor`` (what ``compile: true`` means:
+#: generated kernels), ``aot_eager_decomp_partition`` (inductor's decompositions and min-cut
+#: partitioner with eager kernels: the same saved activations, no code generation) and
+#: ``aot_eager`` (AOTAutograd's default partition, eager kernels).
+COMPILE_BACKENDS = ("inductor", "aot_eager_decomp_partition", "aot_eager")
 
 
 class PlanError(ValueError):
@@ -68,6 +74,11 @@ class Plan:
             backward: per layer, about one activation of the hidden width per norm and one of
             the MLP width less (more in bf16), for a few elementwise passes recomputed in
             backward. Same arithmetic: gradients equal to rounding.
+        compile: ``torch.compile`` the model: ``true`` (inductor) or a backend name from
+            :data:`COMPILE_BACKENDS`. Its min-cut partitioner keeps fewer activations for
+            backward (recomputing pointwise results) and fused kernels drop temporaries; a dry
+            run cannot see either, so the saving is measured once for real at a small size
+            (:mod:`memfit.strategies.compiling`). Costs compile time at the first steps.
     """
 
     micro_batch_size: int | None = None
@@ -84,6 +95,7 @@ class Plan:
     sequence: SequenceConfig = field(default_factory=SequenceConfig)
     offload: OffloadConfig | None = None
     fused_pointwise: bool = False
+    compile: bool | str = False
 
     def __post_init__(self) -> None:
         # Accept short forms (strings, dicts, lists) and store the canonical configs.
@@ -162,6 +174,14 @@ class Plan:
                 "gradient, which accumulation keeps; use grad_clip_mode 'approx' or set "
                 "optimizer_in_backward false"
             )
+        if not (
+            isinstance(self.compile, bool)
+            or (isinstance(self.compile, str) and self.compile in COMPILE_BACKENDS)
+        ):
+            raise PlanError(
+                f"compile must be true, false or a backend ({', '.join(COMPILE_BACKENDS)}), "
+                f"got {self.compile!r}"
+            )
         if not isinstance(self.fused_pointwise, bool):
             raise PlanError(f"fused_pointwise must be true or false, got {self.fused_pointwise!r}")
         if self.max_seq_len is not None and (
@@ -172,6 +192,13 @@ class Plan:
             )
 
     # ------------------------------------------------------------------ derived
+    @property
+    def compile_backend(self) -> str | None:
+        """The ``torch.compile`` backend the plan asks for (``None``: not compiled)."""
+        if self.compile is True:
+            return "inductor"
+        return self.compile or None
+
     def micro_batch_for(self, batch_size: int) -> int:
         """Samples per micro-batch for an effective batch of ``batch_size``."""
         if self.micro_batch_size is not None:
@@ -275,6 +302,10 @@ class Plan:
             parts.append(f"offload to {self.offload.tier}")
         if self.fused_pointwise:
             parts.append("fused pointwise")
+        if self.compile_backend is not None:
+            parts.append(
+                "compiled" if self.compile_backend == "inductor" else f"compiled ({self.compile_backend})"
+            )
         return ", ".join(parts)
 
 

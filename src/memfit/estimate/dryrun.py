@@ -90,8 +90,10 @@ def measure(
     Returns:
         The :class:`MemoryReport`, with ``meta`` holding ``num_parameters``, ``dry_run``,
         ``model``, ``batch_size``, ``seq_len``, ``steps``, ``plan``, ``losses``,
-        ``target_device``, ``attention_backends`` and, for a dry run, ``data_dependent``:
-        where a data-dependent policy decided a shape or value (operator, module, policy).
+        ``target_device``, ``attention_backends``; for a dry run, ``data_dependent``: where a
+        data-dependent policy decided a shape or value (operator, module, policy); for a
+        compiled plan, ``compile``: the kept-activation saving measured for real at a small
+        size and applied (:mod:`memfit.estimate.compiled`).
 
     Raises:
         ModelError: when the model itself fails; its own exception is the cause.
@@ -154,6 +156,10 @@ def measure(
     )
     if dry:
         report.meta["data_dependent"] = values.summary()
+    if plan.compile_backend is not None:
+        # Neither a dry run (fake tensors) nor the tracker's dispatch mode (under which dynamo
+        # runs the model eagerly) sees compiled code: both apply the saving measured for real.
+        _apply_compiled_saving(report, workload, plan, seed)
     from .target import add_device_memory
 
     add_device_memory(report, tracker, target)
@@ -169,6 +175,21 @@ def _fake_mode() -> Any:
 
     with real_kernel_rules(), FakeTensorMode(allow_non_fake_inputs=True):
         yield
+
+
+def _apply_compiled_saving(report: MemoryReport, workload: Workload, plan: Plan, seed: int) -> None:
+    """Scale a compiled plan's kept activations by the saving measured for real
+    (:mod:`memfit.estimate.compiled`); the report says so in ``meta["compile"]``."""
+    from .compiled import compiled_activation_scale
+
+    measured = compiled_activation_scale(workload, plan, seed=seed)
+    kept = report.peak_by_category.get("activations", 0)
+    saved = kept - round(kept * min(measured["scale"], 1.0))
+    report.peak_by_category["activations"] = kept - saved
+    report.peak_bytes -= saved
+    if report.peak_reserved_bytes is not None:
+        report.peak_reserved_bytes -= saved
+    report.meta["compile"] = {**measured, "activation_bytes_saved": saved}
 
 
 def _values(dry: bool, expert_load: float, where: Callable[[], str | None]) -> Any:

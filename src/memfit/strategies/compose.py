@@ -6,8 +6,9 @@ where they meet, in a fixed order:
 1. freezing (decides which parameters train),
 2. precision (may cast the model to bf16),
 3. checkpointing (wraps blocks; sees the final dtypes and the frozen set),
-4. the optimizer, fused into backward or not,
-5. per step (:func:`~memfit.strategies.stepper.run_step`): sequence truncation, micro-batches
+4. ``torch.compile`` (last, so dynamo traces the other techniques' wrappers),
+5. the optimizer, fused into backward or not,
+6. per step (:func:`~memfit.strategies.stepper.run_step`): sequence truncation, micro-batches
    with weighted losses, autocast and loss scaling, clipping, the optimizer step and
    ``zero_grad(set_to_none=True)``, through the plan's
    :class:`~memfit.strategies.stepper.Stepper`.
@@ -190,6 +191,18 @@ def apply_plan(
             checkpointed = apply_checkpointing(model, plan.checkpointing)
             handles.append(("checkpointing", checkpointed))
             info["checkpointed"] = checkpointed.names
+        if plan.compile_backend is not None:
+            from torch._guards import active_fake_mode
+
+            if active_fake_mode() is None:
+                from .compiling import apply_compile
+
+                handles.append(("compile", apply_compile(model, plan.compile_backend)))
+                info["compiled"] = plan.compile_backend
+            else:
+                # Dynamo cannot trace a model of fake tensors: a dry run runs it eagerly and
+                # applies the compiled step's measured saving (memfit.estimate.dryrun).
+                info["compiled"] = "eager in the dry run (saving measured for real)"
         given = optimizer is not None
         optimizer = _build_optimizer(model, plan, precision, optimizer)
         if plan.optimizer_in_backward:

@@ -1,0 +1,116 @@
+"""``torch.compile`` as a plan technique: :func:`apply_compile`.
+
+Built on :meth:`torch.nn.Module.compile` (the module's calls go through the compiled
+function; the module object, its parameters, hooks and state dict stay the same), which
+:meth:`CompileHandle.remove` undoes. What memfit adds is the accounting: compiling changes which
+activations the backward keeps (AOTAutograd's min-cut partitioner recomputes cheap pointwise
+results instead of saving them) and fuses temporaries away, none of which a dry run on fake
+tensors can see. :func:`compiled_saved_ratio` measures it instead (see its docstring), once per
+model and plan, at a small size.
+
+The optimizer step is compiled only where it helps: on CUDA, where torch's foreach kernels
+launch one kernel per parameter group and inductor fuses them. On the CPU the eager loop is
+already one pass per tensor and compiling it costs minutes of compile time for no saving.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..plan import COMPILE_BACKENDS
+
+__all__ = ["BACKENDS", "CompileHandle", "apply_compile", "compiled_saved_ratio", "saved_bytes"]
+
+#: The backends a plan may name (see :data:`memfit.plan.COMPILE_BACKENDS`).
+BACKENDS = COMPILE_BACKENDS
+
+
+@dataclass
+class CompileHandle:
+    """A model compiled by :func:`apply_compile`; :meth:`remove` makes it eager again."""
+
+    model: nn.Module
+    backend: str
+
+    def remove(self) -> None:
+        """Drop the compiled call (idempotent); the model's next call runs eagerly."""
+        self.model._compiled_call_impl = None  # what Module.compile sets
+
+
+def apply_compile(model: nn.Module, backend: str = "inductor") -> CompileHandle:
+    """Compile ``model``'s forward (and so its backward) with ``torch.compile``.
+
+    Args:
+        model: The model, with the plan's other techniques already applied (compiling last
+            lets dynamo trace their wrappers).
+        backend: One of :data:`BACKENDS`.
+
+    Raises:
+        ValueError: for an unknown backend.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"compile backend {backend!r} is not known; use one of {', '.join(BACKENDS)}")
+    model.compile(backend=backend)
+    return CompileHandle(model, backend)
+
+
+def saved_bytes(run: Callable[[], torch.Tensor]) -> int:
+    """Bytes of the distinct storages autograd saves for backward while ``run()`` computes a
+    loss (counted by :func:`torch.autograd.graph.saved_tensors_hooks`, which sees the tensors a
+    compiled region saves as well as eager ones); backward is then run to free them."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        with contextlib.suppress(RuntimeError):  # tensors without storage (sparse, ...)
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = run()
+    loss.backward()
+    return sum(seen.values())
+
+
+@contextlib.contextmanager
+def _fresh_dynamo() -> Iterator[None]:
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    try:
+        yield
+    finally:
+        torch._dynamo.reset()
+
+
+def compiled_saved_ratio(
+    build: Callable[[], tuple[nn.Module, Callable[[], torch.Tensor]]],
+    backend: str = "aot_eager_decomp_partition",
+) -> tuple[int, int]:
+    """Saved-for-backward bytes of one training step, eager and compiled, measured for real.
+
+    ``build()`` returns a model small enough to run here and a function computing its loss.
+    It is called twice: once the step runs eagerly, once through ``torch.compile`` with
+    ``backend``. The default backend runs inductor's decompositions and its min-cut
+    partitioner, which decide what the compiled backward keeps, with eager kernels: the same
+    saved activations as ``inductor`` without minutes of code generation. Temporaries inside
+    inductor's fused kernels are in neither figure (they live only within a kernel).
+
+    Returns:
+        ``(eager_bytes, compiled_bytes)``.
+    """
+    _, run = build()
+    eager = saved_bytes(run)
+    model, run = build()
+    with _fresh_dynamo():
+        handle = apply_compile(model, backend)
+        try:
+            compiled = saved_bytes(run)
+        finally:
+            handle.remove()
+    return eager, compiled

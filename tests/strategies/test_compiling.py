@@ -1,0 +1,96 @@
+"""torch.compile as a plan technique: same training, removable, its saving measured."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+import memfit
+from memfit.strategies.compiling import apply_compile, compiled_saved_ratio, saved_bytes
+from memfit.strategies.compose import apply_plan
+
+SIZES = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=128)  # fmt: skip
+
+
+def _llama(seed=0):
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**SIZES))
+
+
+def _batch():
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+    return {"input_ids": ids, "labels": ids}
+
+
+@pytest.fixture(autouse=True)
+def _reset_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_compiled_training_equals_eager():
+    eager, compiled = _llama(), _llama()
+    a = apply_plan(eager, memfit.Plan())
+    b = apply_plan(compiled, memfit.Plan(compile="aot_eager_decomp_partition"))
+    assert b.info["compiled"] == "aot_eager_decomp_partition"
+    for _ in range(2):
+        la, lb = a.step(_batch()), b.step(_batch())
+        torch.testing.assert_close(lb, la, rtol=1e-5, atol=1e-6)
+    for p, q in zip(eager.parameters(), compiled.parameters(), strict=True):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+
+
+def test_remove_makes_the_model_eager_again():
+    model = _llama()
+    handle = apply_compile(model, "aot_eager")
+    assert model._compiled_call_impl is not None
+    handle.remove()
+    handle.remove()
+    assert model._compiled_call_impl is None
+    with pytest.raises(ValueError, match="compile backend 'tvm' is not known"):
+        apply_compile(model, "tvm")
+
+
+def test_the_partitioner_keeps_fewer_activations():
+    def build():
+        model = _llama()
+        batch = _batch()
+        return model, lambda: model(**batch).loss
+
+    eager, compiled = compiled_saved_ratio(build)
+    _, run = build()
+    assert eager == saved_bytes(run)  # the eager figure is the plain model's
+    assert 0 < compiled < eager
+
+
+def test_plan_field_and_the_dry_run_applies_the_measured_saving(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+                                **SIZES, "num_hidden_layers": 4, "max_position_embeddings": 64}))  # fmt: skip
+    plain = memfit.dry_run(str(path), memfit.Plan(), batch_size=4, seq_len=32)
+    plan = memfit.Plan(compile=True)
+    dry = memfit.dry_run(str(path), plan, batch_size=4, seq_len=32)
+    measured = dry.meta["compile"]
+    assert measured["backend"] == "inductor" and 0 < measured["scale"] < 1
+    kept = plain.peak_by_category["activations"]
+    assert dry.peak_by_category["activations"] == kept - measured["activation_bytes_saved"]
+    assert measured["activation_bytes_saved"] == kept - round(kept * measured["scale"])
+    assert dry.peak_bytes == plain.peak_bytes - measured["activation_bytes_saved"]
+    assert plan.summary().endswith("compiled") and plan.compile_backend == "inductor"
+    assert memfit.Plan.from_dict(plan.to_dict()) == plan
+    with pytest.raises(memfit.PlanError, match="compile must be true, false or a backend"):
+        memfit.Plan(compile="fast")
+
+
+@pytest.mark.slow
+def test_inductor_trains_like_eager():
+    eager, compiled = _llama(), _llama()
+    a = apply_plan(eager, memfit.Plan())
+    b = apply_plan(compiled, memfit.Plan(compile=True))
+    for _ in range(2):
+        torch.testing.assert_close(b.step(_batch()), a.step(_batch()), rtol=1e-4, atol=1e-5)
