@@ -69,10 +69,34 @@ def test_remove_restores_the_stock_forward():
     assert fused(input_ids=ids).logits.equal(plain(input_ids=ids).logits)
 
 
+def test_gpt2_gelu_keeps_only_its_input():
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=128,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    plain = transformers.GPT2LMHeadModel(config)
+    torch.manual_seed(0)
+    fused = transformers.GPT2LMHeadModel(config)
+    handle = apply_fused_pointwise(fused)
+    assert handle.activations == ["transformer.h.0.mlp.act", "transformer.h.1.mlp.act"]
+    ids = torch.randint(0, 128, (4, 32))
+    kept = {}
+    for key, model in (("plain", plain), ("fused", fused)):
+        with memfit.track(model) as tracker:
+            loss = model(input_ids=ids, labels=ids).loss
+            kept[key] = tracker.snapshot()["activations"]
+        loss.backward()
+    for p, q in zip(plain.parameters(), fused.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6)
+    # Per layer the written-out GELU keeps x^3-free intermediates: the tanh, (1 + tanh) and
+    # 0.5 x, each of the MLP's width (4 x 32) in fp32, besides its input.
+    assert kept["plain"] - kept["fused"] >= 2 * 3 * (4 * 32) * (4 * 32) * 4
+
+
 def test_a_model_with_nothing_to_fuse_is_refused():
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2))
-    with pytest.raises(ValueError, match="fused_pointwise found nothing to fuse in GPT2LMHeadModel"):
-        apply_fused_pointwise(gpt2)
+    bert = transformers.BertForMaskedLM(transformers.BertConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64))
+    with pytest.raises(ValueError, match="fused_pointwise found nothing to fuse in BertForMaskedLM"):
+        apply_fused_pointwise(bert)
 
 
 def test_plan_field_dry_run_equals_real_run_and_saves(tmp_path):

@@ -178,7 +178,7 @@ def apply_plan(
 
             fused = apply_fused_pointwise(model)
             handles.append(("fused_pointwise", fused))
-            info["fused_pointwise"] = fused.norms + fused.mlps
+            info["fused_pointwise"] = fused.norms + fused.mlps + fused.activations
         from .precision import apply_precision
 
         precision = apply_precision(

@@ -8,6 +8,10 @@ Replaces, per module instance, the forward of the blocks whose pointwise chains
   the fp32 copy either). Costs one more elementwise pass in backward.
 * **Gated MLPs** (``down_proj(act(gate_proj(x)) * up_proj(x))``, SwiGLU and GeGLU): saves
   ``gate`` and ``up``, not ``act(gate)``. Costs recomputing the activation in backward.
+* **The tanh GELU written out in Python** (transformers' ``NewGELUActivation``, GPT-2's
+  ``gelu_new``: seven elementwise operators, four of whose results are kept): one
+  ``F.gelu(approximate="tanh")``, which keeps only its input. Same formula; values differ by
+  rounding only.
 
 transformers' modules are not changed in their class, parameters or hooks: only an instance
 ``forward`` is set, which :meth:`FusedPointwiseHandle.remove` deletes. A model with none of these
@@ -35,10 +39,12 @@ class FusedPointwiseHandle:
     Attributes:
         norms: Qualified names of the RMSNorm modules fused.
         mlps: Qualified names of the gated MLPs fused.
+        activations: Qualified names of the Python tanh-GELU activations replaced.
     """
 
     norms: list[str] = field(default_factory=list)
     mlps: list[str] = field(default_factory=list)
+    activations: list[str] = field(default_factory=list)
     _modules: list[nn.Module] = field(default_factory=list, repr=False)
 
     def remove(self) -> None:
@@ -90,6 +96,10 @@ def _mlp_forward(act: str) -> Any:
     return forward
 
 
+def _tanh_gelu(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.gelu(x, approximate="tanh")
+
+
 def apply_fused_pointwise(model: nn.Module, config: Any = None) -> FusedPointwiseHandle:
     """Fuse the RMSNorms and gated MLPs of ``model`` (see the module docstring).
 
@@ -113,6 +123,11 @@ def apply_fused_pointwise(model: nn.Module, config: Any = None) -> FusedPointwis
             handle.norms.append(name)
             handle._modules.append(module)
             continue
+        if type(module).__name__ == "NewGELUActivation":
+            module.forward = types.MethodType(_tanh_gelu, module)
+            handle.activations.append(name)
+            handle._modules.append(module)
+            continue
         if _is_gated_mlp(module):
             act = _activation(module)
             if act is not None:
@@ -122,7 +137,8 @@ def apply_fused_pointwise(model: nn.Module, config: Any = None) -> FusedPointwis
     if not handle._modules:
         raise ValueError(
             f"fused_pointwise found nothing to fuse in {type(model).__name__}: it fuses "
-            "transformers' RMSNorm modules and gated MLPs (gate_proj, up_proj, down_proj with "
-            f"activation {', '.join(ACTIVATIONS)}); turn it off for this model"
+            "transformers' RMSNorm modules, gated MLPs (gate_proj, up_proj, down_proj with "
+            f"activation {', '.join(ACTIVATIONS)}) and Python tanh-GELUs (gelu_new); turn it "
+            "off for this model"
         )
     return handle
