@@ -117,7 +117,38 @@ def ladder_plans(batch_size: int = 32, short_seq: int = 64) -> list[tuple[str, P
             ),
         ),
     ]
-    return published + extra
+    return published + extra + fusion_plans()
+
+
+def fusion_plans() -> list[tuple[str, Plan]]:
+    """The fusion rungs: each fusion on the baseline, then on the best full fine-tune. A rung
+    whose fusion the model has nothing for (fused pointwise on BERT) is left out of a run."""
+    adamw = {"name": "adamw", "foreach": True}
+    best = {
+        "precision": "bf16-pure",
+        "optimizer": "adafactor",
+        "optimizer_in_backward": True,
+        "checkpointing": "full",
+    }
+    return [
+        ("baseline + fused pointwise", Plan(optimizer=adamw, fused_pointwise=True)),
+        ("baseline + compiled", Plan(optimizer=adamw, compile=True)),
+        ("best full fine-tune + fused pointwise", Plan(**best, fused_pointwise=True)),
+    ]
+
+
+def _applies(workload: Workload, plan: Plan) -> bool:
+    """Whether ``plan`` can be applied to ``workload``'s model (checked on fake tensors)."""
+    from ..estimate.fake_kernels import dry_tensors
+    from ..strategies.compose import apply_plan
+
+    with dry_tensors():
+        model = workload.build_model()
+        try:
+            apply_plan(model, plan).remove()
+        except ValueError:
+            return False
+    return True
 
 
 def _peak(workload: Workload, plan: Plan, device: DeviceProfile) -> dict[str, Any]:
@@ -163,10 +194,34 @@ def _step_time(workload: Workload, plan: Plan, steps: int) -> float:
     torch.set_num_threads(1)
     try:
         torch.manual_seed(0)
-        measure(workload, plan, steps=steps + 1, progress=tick)
+        if plan.compile_backend is not None:
+            # Under the tracker's dispatch mode dynamo runs the model eagerly: time the
+            # compiled step without it (the warm-up step compiles).
+            _time_untracked(workload, plan, steps + 1, tick)
+        else:
+            measure(workload, plan, steps=steps + 1, progress=tick)
     finally:
         torch.set_num_threads(threads)
     return min(times)
+
+
+def _time_untracked(
+    workload: Workload, plan: Plan, steps: int, tick: Callable[[int, int], None]
+) -> None:
+    import torch._dynamo
+
+    from ..strategies.compose import apply_plan
+
+    model, batch = workload.build(seed=0)
+    torch._dynamo.reset()
+    setup = apply_plan(model, plan, loss_fn=workload.loss_fn)
+    try:
+        for i in range(steps):
+            setup.step(batch)
+            tick(i + 1, steps)
+    finally:
+        setup.remove()
+        torch._dynamo.reset()
 
 
 def run_ladder(
@@ -208,6 +263,9 @@ def run_ladder(
     small = small.replace(seq_len=min(compute_seq, seq_len))
     rows = []
     for name, plan in _for_target(ladder_plans(batch_size, short_seq), target):
+        if (plan.fused_pointwise or plan.compile) and not _applies(small, plan):
+            say(f"{name}: left out ({full.name} has nothing it fuses)")
+            continue
         row = LadderRow(name, plan, published=PUBLISHED.get(name), target_device=target.name)
         say(f"{name}: dry run at full scale for {target.name}")
         for key, value in _peak(full, plan, target).items():
