@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from ..units import format_bytes
+from .tiers import DEVICE, HOST, HOST_PINNED
 from .trace import CATEGORIES, PHASES, AllocationTrace
 
 __all__ = ["MemoryReport", "build_report"]
@@ -57,6 +58,11 @@ class MemoryReport:
             allocations); for the CPU, ``peak_bytes``. ``None`` until a target is modelled.
         overhead_bytes: Device memory outside the allocator (CUDA context, library
             workspaces) on the modelled target; 0 on the CPU.
+        peak_by_tier: Peak bytes per tier (:mod:`memfit.accounting.tiers`): ``device`` (the
+            headline, ``peak_bytes``), ``host`` (pinned and pageable) and ``disk``. Each tier
+            peaks at its own moment.
+        peak_by_tier_category: For each tier, the categories at that tier's peak.
+        host_pinned_peak_bytes: Peak of page-locked host memory alone (part of ``host``).
     """
 
     peak_bytes: int
@@ -75,6 +81,9 @@ class MemoryReport:
     meta: dict[str, Any] = field(default_factory=dict)
     peak_reserved_bytes: int | None = None
     overhead_bytes: int = 0
+    peak_by_tier: dict[str, int] = field(default_factory=dict)
+    peak_by_tier_category: dict[str, dict[str, int]] = field(default_factory=dict)
+    host_pinned_peak_bytes: int = 0
 
     @property
     def device_total_bytes(self) -> int:
@@ -101,6 +110,9 @@ class MemoryReport:
             peak_reserved_bytes=self.peak_reserved_bytes,
             overhead_bytes=self.overhead_bytes,
             predicted_device_total_bytes=self.device_total_bytes,
+            peak_by_tier=dict(self.peak_by_tier),
+            peak_by_tier_category={k: dict(v) for k, v in self.peak_by_tier_category.items()},
+            host_pinned_peak_bytes=self.host_pinned_peak_bytes,
             timeline=_downsample(self.timeline, max_points),
         )
         return out
@@ -127,11 +139,22 @@ class MemoryReport:
         cats.add_column("category")
         cats.add_column("bytes at peak", justify="right")
         cats.add_column("share", justify="right")
+        # Host and disk tiers get a column each when anything lives there (each at its own peak).
+        others = [t for t in ("host", "disk") if self.peak_by_tier.get(t)]
+        for tier in others:
+            cats.add_column(f"{tier} (its peak)", justify="right")
         for name in CATEGORIES:
             value = self.peak_by_category[name]
             share = value / self.peak_bytes if self.peak_bytes else 0.0
-            cats.add_row(name, format_bytes(value), f"{share:6.1%}")
-        cats.add_row("total", format_bytes(self.peak_bytes), "100.0%", style="bold")
+            extra = [format_bytes(self.peak_by_tier_category[t].get(name, 0)) for t in others]
+            cats.add_row(name, format_bytes(value), f"{share:6.1%}", *extra)
+        cats.add_row(
+            "total",
+            format_bytes(self.peak_bytes),
+            "100.0%",
+            *[format_bytes(self.peak_by_tier[t]) for t in others],
+            style="bold",
+        )
 
         phases = Table(title="Peak by phase", title_justify="left")
         phases.add_column("phase")
@@ -188,7 +211,13 @@ class MemoryReport:
         )
         ax.set_xlabel("operation index")
         ax.set_ylabel(f"live device memory ({unit})")
-        ax.set_title(title or "memfit: memory over the training step")
+        tiers = ", ".join(
+            f"{t} peak {format_bytes(self.peak_by_tier[t])}"
+            for t in ("host", "disk")
+            if self.peak_by_tier.get(t)
+        )
+        heading = title or "memfit: memory over the training step"
+        ax.set_title(f"{heading}\n(device tier; {tiers})" if tiers else heading)
         handles, _labels = ax.get_legend_handles_labels()
         from matplotlib.patches import Patch
 
@@ -210,9 +239,11 @@ def build_report(trace: AllocationTrace) -> MemoryReport:
     birth = np.asarray(trace.birth, dtype=np.int64)
     death = np.asarray(trace.death, dtype=np.int64)
     cat = np.asarray(trace.category, dtype=np.int64)
-    on_dev = np.asarray(trace.tier, dtype=np.int64) == 0
+    tier = np.asarray(trace.tier, dtype=np.int64)
+    on_dev = tier == DEVICE
     alive_end = death < 0
     death = np.where(alive_end, nseq, death)  # still alive: dies past the last event
+    host = _tier_peaks(nb, birth, death, cat, tier, nseq)
     nb, birth, death, cat = nb[on_dev], birth[on_dev], death[on_dev], cat[on_dev]
 
     # Per-category bytes after every event, as cumulative sums of births minus deaths.
@@ -289,7 +320,36 @@ def build_report(trace: AllocationTrace) -> MemoryReport:
         step_peaks=step_peaks,
         num_ops=len(op_seq) - 1,
         device=trace.device,
+        peak_by_tier={"device": peak_bytes, "host": host[0], "disk": int(trace.disk_peak_bytes)},
+        peak_by_tier_category={
+            "device": dict(peak_by_category),
+            "host": host[1],
+            "disk": {c: dict(trace.disk_at_peak).get(c, 0) for c in CATEGORIES},
+        },
+        host_pinned_peak_bytes=host[2],
     )
+
+
+def _tier_peaks(
+    nb: np.ndarray, birth: np.ndarray, death: np.ndarray, cat: np.ndarray, tier: np.ndarray, nseq: int
+) -> tuple[int, dict[str, int], int]:
+    """Host memory's peak, its categories at that peak, and pinned host memory's own peak."""
+
+    def live(mask: np.ndarray) -> np.ndarray:
+        out = np.zeros((len(CATEGORIES), nseq + 1), dtype=np.int64)
+        np.add.at(out, (cat[mask], birth[mask]), nb[mask])
+        np.add.at(out, (cat[mask], death[mask]), -nb[mask])
+        return np.cumsum(out, axis=1)[:, :nseq]
+
+    on_host = (tier == HOST) | (tier == HOST_PINNED)
+    if not on_host.any():
+        return 0, dict.fromkeys(CATEGORIES, 0), 0
+    per_cat = live(on_host)
+    total = per_cat.sum(axis=0)
+    at = int(np.argmax(total))
+    pinned = tier == HOST_PINNED
+    pinned_peak = int(live(pinned).sum(axis=0).max()) if pinned.any() else 0
+    return int(total[at]), {c: int(per_cat[i, at]) for i, c in enumerate(CATEGORIES)}, pinned_peak
 
 
 def _downsample(timeline: dict[str, list[Any]], max_points: int) -> dict[str, list[Any]]:

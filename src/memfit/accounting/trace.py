@@ -36,7 +36,8 @@ class AllocationTrace:
             increasing counter, so sorting both by stamp gives the order of allocations and
             frees.
         death: Event stamp of each storage's free; ``-1`` if alive when tracking ended.
-        tier: ``0`` for the compute device, ``1`` for host memory.
+        tier: Each storage's tier code (:mod:`memfit.accounting.tiers`): ``0`` the compute
+            device, ``1`` pageable host memory, ``2`` pinned host memory.
         category: Index into :data:`CATEGORIES` of each storage's most specific role.
         num_events: Events stamped in all (the counter's last value).
         op_end_event: For each operation (index 0 is the start), the event stamp at its end.
@@ -48,6 +49,8 @@ class AllocationTrace:
         peak_event: The event stamp at that peak.
         peak_op: The operation during which the peak happened (its name), if known.
         device: The compute device.
+        disk_peak_bytes: Highest bytes on disk (reported by the techniques that write them).
+        disk_at_peak: ``(category, bytes)`` on disk at that peak.
     """
 
     nbytes: tuple[int, ...]
@@ -64,6 +67,8 @@ class AllocationTrace:
     peak_event: int = 0
     peak_op: str | None = None
     device: str = "cpu"
+    disk_peak_bytes: int = 0
+    disk_at_peak: tuple[tuple[str, int], ...] = ()
 
     def __len__(self) -> int:
         return len(self.nbytes)

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .tiers import DEVICE, HOST, HOST_PINNED, in_host_tier
 from .trace import CATEGORIES, PHASES, AllocationTrace
 
 __all__ = ["CATEGORIES", "PHASES", "MemoryTracker", "track"]
@@ -84,7 +85,10 @@ class MemoryTracker(TorchDispatchMode):
         self._birth: list[int] = []
         self._death: list[int] = []
         self._cat: list[int] = []
-        self._tier: list[int] = []  # 0 = device, 1 = host
+        self._tier: list[int] = []  # DEVICE, HOST, HOST_PINNED (see .tiers)
+        self._disk: dict[str, int] = {}  # bytes on disk per category, now
+        self._disk_peak = 0
+        self._disk_at_peak: dict[str, int] = {}
         self._key: list[int] = []  # storage _cdata, to forget it when freed
         self._live: dict[int, int] = {}  # storage _cdata -> record index
         self._refs: dict[weakref.ref, int] = {}
@@ -137,7 +141,10 @@ class MemoryTracker(TorchDispatchMode):
             return None  # a real meta tensor holds no memory (fake tensors report is_meta False)
         nbytes = st.nbytes()
         idx = len(self._nbytes)
-        tier = 0 if t.device.type == self._dev_type else 1
+        if t.device.type != self._dev_type or in_host_tier():
+            tier = HOST_PINNED if _is_pinned(t) else HOST
+        else:
+            tier = DEVICE
         self._seq += 1
         self._nbytes.append(nbytes)
         self._birth.append(self._seq)
@@ -170,6 +177,20 @@ class MemoryTracker(TorchDispatchMode):
             del self._live[key]
         if self._tier[idx] == 0:
             self._total -= self._nbytes[idx]
+
+    def account_disk(self, nbytes: int, category: str) -> None:
+        """Note that ``nbytes`` of ``category`` now live on disk (negative: removed from it).
+
+        Disk bytes are files, not storages; a technique that writes them (the disk tier of
+        offload) reports them here, and the report's ``peak_by_tier["disk"]`` is their peak.
+        """
+        if category not in CATEGORIES:
+            raise ValueError(f"category {category!r} is not known; use one of {', '.join(CATEGORIES)}")
+        self._disk[category] = self._disk.get(category, 0) + int(nbytes)
+        total = sum(self._disk.values())
+        if total > self._disk_peak:
+            self._disk_peak = total
+            self._disk_at_peak = dict(self._disk)
 
     def label(self, tensors: Any, category: str) -> None:
         """Attribute the storages of ``tensors`` (any nesting of tensors) to ``category``.
@@ -490,6 +511,8 @@ class MemoryTracker(TorchDispatchMode):
             peak_event=self._peak_seq,
             peak_op=None if self._peak_func is None else str(self._peak_func),
             device=str(self.device),
+            disk_peak_bytes=self._disk_peak,
+            disk_at_peak=tuple(sorted(self._disk_at_peak.items())),
         )
 
     def report(self) -> Any:
@@ -573,3 +596,13 @@ def _iter_tensors(obj: Any) -> Iterable[torch.Tensor]:
         if fields:
             for name in fields:
                 yield from _iter_tensors(getattr(obj, name, None))
+
+
+def _is_pinned(t: torch.Tensor) -> bool:
+    """Whether ``t``'s host memory is page-locked (False for fake and device tensors)."""
+    if t.device.type != "cpu":
+        return False
+    try:
+        return bool(t.is_pinned())
+    except (RuntimeError, NotImplementedError):
+        return False

@@ -1,0 +1,47 @@
+"""Memory tiers: where a byte lives, ``device``, ``host`` or ``disk``.
+
+The tracker records every storage with its tier. A storage on the compute device is in the
+``device`` tier, one elsewhere (host memory of a GPU run) in the ``host`` tier, pinned or
+pageable, which reports keep apart. On a machine whose compute device *is* the host (CPU
+training, every test here), what an offload technique moves is host memory all the same: it
+allocates inside :func:`host_tier`, and the tracker puts those storages in the ``host`` tier.
+So the offload logic and its accounting run, and are tested, without a GPU. ``disk`` bytes are
+files, not storages: a technique that writes them reports them with
+:meth:`memfit.accounting.MemoryTracker.account_disk`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+__all__ = ["DEVICE", "DISK", "HOST", "HOST_PINNED", "TIERS", "host_tier", "in_host_tier"]
+
+#: Tier codes in a trace. ``HOST_PINNED`` is host memory that is page-locked (fast copies to
+#: and from a GPU, and never swapped); reports count it in ``host`` and also apart.
+DEVICE, HOST, HOST_PINNED, DISK = 0, 1, 2, 3
+
+#: The tier names a report uses (``peak_by_tier`` keys).
+TIERS: tuple[str, ...] = ("device", "host", "disk")
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def host_tier() -> Iterator[None]:
+    """Storages allocated inside this context are host memory, whatever their device type.
+
+    Offload techniques wrap their host pools in it, so that on a CPU-only machine their
+    buffers are accounted as the ``host`` tier rather than as device memory.
+    """
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
+
+
+def in_host_tier() -> bool:
+    """Whether allocations now are host memory (inside :func:`host_tier`)."""
+    return getattr(_local, "depth", 0) > 0
