@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from memfit import Plan, PlanError
@@ -43,15 +45,26 @@ def test_short_forms_and_round_trips(tmp_path):
     assert "micro-batch 2 x 4" in plan.summary() and "max length 64" in plan.summary()
 
 
-def test_offload_is_refused_until_it_exists(tmp_path):
-    # Accepted, serialised and silently ignored before; now one sentence when the plan is built
-    # (from Python, JSON or YAML alike).
-    with pytest.raises(PlanError, match="offload is not available yet"):
-        Plan(offload={"optimizer_state": True})
-    path = tmp_path / "p.json"
-    path.write_text('{"offload": {"tier": "host"}}')
-    with pytest.raises(PlanError, match="offload is not available yet"):
-        Plan.load(path)
+def test_offload_config_round_trips_and_refuses_bad_values(tmp_path):
+    plan = Plan(offload={"optimizer": "host", "activations": True})
+    assert plan.offload.optimizer == "host" and plan.offload.activations
+    assert Plan.from_dict(json.loads(plan.to_json())) == plan
+    assert Plan(offload="host").offload.optimizer == "host"
+    data = plan.to_dict()["offload"]
+    assert {"optimizer", "parameters", "activations", "disk_dir"} <= set(data)
+    for bad, match in [
+        ({"optimizer": "gpu"}, "offload optimizer must be null, 'host' or 'disk'"),
+        ({"optimizer": "disk"}, "needs disk_dir"),
+        ({"parameters": "host"}, "offload parameters is not available yet"),
+        ({}, "offload moves nothing"),
+        ({"optimizer": "host", "bucket_bytes": 0}, "bucket_bytes must be"),
+        ({"activations": True, "host_bytes": 10}, "host_bytes must be at least"),
+        ({"optimizer_state": True}, "has no field 'optimizer_state'"),
+    ]:
+        with pytest.raises(PlanError, match=match):
+            Plan(offload=bad)
+    with pytest.raises(PlanError, match="cannot be combined with fp16-mixed"):
+        Plan(offload="host", precision="fp16-mixed")
     assert Plan(offload=None).to_dict()["offload"] is None
 
 

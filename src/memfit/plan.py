@@ -68,7 +68,8 @@ class Plan:
         max_seq_len: Truncate sequences to this many tokens (``None``: unchanged). Activation
             memory is linear in it (quadratic for eager attention).
         sequence: Padding and batching of sequences (see :class:`SequenceConfig`).
-        offload: Offload to host or disk (``None``: off).
+        offload: Offload to host or disk (``None``: off; ``"host"`` is short for the
+            optimizer on the host): see :class:`~memfit.strategies.offload.OffloadConfig`.
         fused_pointwise: Replace transformers' RMSNorms and gated MLPs (SwiGLU, GeGLU) by
             single autograd nodes (:mod:`memfit.ops.pointwise`) that keep only their inputs for
             backward: per layer, about one activation of the hidden width per norm and one of
@@ -105,12 +106,9 @@ class Plan:
         coerce(self, "optimizer", _coerce(OptimizerConfig, self.optimizer, "name"))
         coerce(self, "sequence", _coerce(SequenceConfig, self.sequence, None))
         if self.offload is not None:
-            # Accepted, serialised and then ignored would be worse than refused: offload is
-            # not built yet (the field stays so that plans can carry it once it is).
-            raise PlanError(
-                "offload is not available yet: this plan asks for it, but memfit cannot move "
-                "memory to the host or disk; remove 'offload' (or set it to null)"
-            )
+            # "host" is short for the optimizer on the host (ZeRO-Offload).
+            offload = {"optimizer": self.offload} if isinstance(self.offload, str) else self.offload
+            coerce(self, "offload", _coerce(OffloadConfig, offload, None))
         if isinstance(self.freeze, str):
             coerce(self, "freeze", (self.freeze,) if self.freeze else ())
         coerce(self, "freeze", tuple(self.freeze))
@@ -182,6 +180,18 @@ class Plan:
                 f"compile must be true, false or a backend ({', '.join(COMPILE_BACKENDS)}), "
                 f"got {self.compile!r}"
             )
+        off = self.offload
+        if off is not None and off.optimizer is not None:
+            if self.precision.mode == "fp16-mixed":
+                raise PlanError(
+                    "optimizer offload cannot be combined with fp16-mixed: the loss scaler "
+                    "checks device gradients that offload has moved; use bf16-mixed or bf16-pure"
+                )
+            if self.optimizer_in_backward:
+                raise PlanError(
+                    "optimizer offload with optimizer_in_backward is not available yet: the host "
+                    "steps after backward; set optimizer_in_backward false"
+                )
         if not isinstance(self.fused_pointwise, bool):
             raise PlanError(f"fused_pointwise must be true or false, got {self.fused_pointwise!r}")
         if self.max_seq_len is not None and (
@@ -299,7 +309,7 @@ class Plan:
         if self.max_seq_len is not None:
             parts.append(f"max length {self.max_seq_len}")
         if self.offload is not None:
-            parts.append(f"offload to {self.offload.tier}")
+            parts.append(self.offload.summary())
         if self.fused_pointwise:
             parts.append("fused pointwise")
         if self.compile_backend is not None:

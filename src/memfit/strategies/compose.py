@@ -164,6 +164,11 @@ def apply_plan(
             "optimizer_in_backward builds one optimizer per parameter from the plan; "
             "pass no optimizer (or set optimizer_in_backward false)"
         )
+    if plan.offload is not None:
+        raise ValueError(
+            "offload is not available yet: this plan asks for it, but apply_plan cannot move "
+            "memory to the host or disk; set offload to null"
+        )
     info: dict[str, Any] = {}
     handles: list[tuple[str, Removable]] = []
     try:
