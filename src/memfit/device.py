@@ -7,15 +7,19 @@ they are kept deliberately thin: each is a direct call into ``torch.cuda`` with 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 __all__ = [
+    "copy_to_host",
     "cuda_available",
     "default_device",
     "device_capability",
     "device_memory_used",
     "device_name",
     "empty_cache",
+    "host_buffer",
     "is_cuda",
     "is_fake",
     "max_memory_allocated",
@@ -137,3 +141,17 @@ def device_memory_used(device: torch.device | str) -> int | None:
     if is_cuda(device):
         return int(torch.cuda.device_memory_used(device))
     return None
+
+
+def host_buffer(shape: Any, dtype: torch.dtype, *, pin: bool = True) -> torch.Tensor:
+    """An empty host tensor; page-locked when ``pin`` and CUDA is available (pinned memory is a
+    CUDA facility: copies from it can be asynchronous)."""
+    return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin and cuda_available())
+
+
+def copy_to_host(t: torch.Tensor, dtype: torch.dtype, *, pin: bool = True) -> torch.Tensor:
+    """A new host tensor holding ``t`` in ``dtype``: non-blocking from a CUDA tensor into
+    pinned memory (call :func:`synchronize` before reading it), a plain copy otherwise."""
+    out = host_buffer(t.shape, dtype, pin=pin)
+    out.copy_(t, non_blocking=is_cuda(t.device) and out.is_pinned())
+    return out

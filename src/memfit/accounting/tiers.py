@@ -14,9 +14,23 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Iterator
+from typing import Any
 
-__all__ = ["DEVICE", "DISK", "HOST", "HOST_PINNED", "TIERS", "host_tier", "in_host_tier"]
+import torch
+
+__all__ = [
+    "DEVICE",
+    "DISK",
+    "HOST",
+    "HOST_PINNED",
+    "TIERS",
+    "host_tier",
+    "in_host_tier",
+    "is_marked_host",
+    "mark_host",
+]
 
 #: Tier codes in a trace. ``HOST_PINNED`` is host memory that is page-locked (fast copies to
 #: and from a GPU, and never swapped); reports count it in ``host`` and also apart.
@@ -45,3 +59,29 @@ def host_tier() -> Iterator[None]:
 def in_host_tier() -> bool:
     """Whether allocations now are host memory (inside :func:`host_tier`)."""
     return getattr(_local, "depth", 0) > 0
+
+
+# Storages marked as host memory, by the address of their StorageImpl; an entry goes when its
+# storage is freed (the weak reference's callback).
+_MARKED: dict[int, weakref.ref] = {}
+
+
+def mark_host(tensors: Any) -> None:
+    """Mark the storages of ``tensors`` (a tensor or an iterable of them) as host memory for
+    good: a tracker opened later still counts them in the ``host`` tier. Offload techniques mark
+    the buffers they keep between steps (masters, state); allocations made while a tracker runs
+    only need :func:`host_tier`."""
+    items = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    for t in items:
+        if not isinstance(t, torch.Tensor):
+            continue
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key not in _MARKED:
+            _MARKED[key] = weakref.ref(storage, lambda _ref, key=key: _MARKED.pop(key, None))
+
+
+def is_marked_host(storage: Any) -> bool:
+    """Whether ``storage`` was marked with :func:`mark_host` (and is still alive)."""
+    ref = _MARKED.get(storage._cdata)
+    return ref is not None and ref() is storage

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .tiers import DEVICE, HOST, HOST_PINNED, in_host_tier
+from .tiers import DEVICE, HOST, HOST_PINNED, in_host_tier, is_marked_host
 from .trace import CATEGORIES, PHASES, AllocationTrace
 
 __all__ = ["CATEGORIES", "PHASES", "MemoryTracker", "track"]
@@ -141,7 +141,7 @@ class MemoryTracker(TorchDispatchMode):
             return None  # a real meta tensor holds no memory (fake tensors report is_meta False)
         nbytes = st.nbytes()
         idx = len(self._nbytes)
-        if t.device.type != self._dev_type or in_host_tier():
+        if t.device.type != self._dev_type or in_host_tier() or is_marked_host(st):
             tier = HOST_PINNED if _is_pinned(t) else HOST
         else:
             tier = DEVICE

@@ -164,11 +164,7 @@ def apply_plan(
             "optimizer_in_backward builds one optimizer per parameter from the plan; "
             "pass no optimizer (or set optimizer_in_backward false)"
         )
-    if plan.offload is not None:
-        raise ValueError(
-            "offload is not available yet: this plan asks for it, but apply_plan cannot move "
-            "memory to the host or disk; set offload to null"
-        )
+    _check_offload(plan, optimizer)
     info: dict[str, Any] = {}
     handles: list[tuple[str, Removable]] = []
     try:
@@ -212,6 +208,8 @@ def apply_plan(
         optimizer = _build_optimizer(model, plan, precision, optimizer)
         if plan.optimizer_in_backward:
             handles.append(("optimizer_in_backward", optimizer))
+        if plan.offload is not None and plan.offload.optimizer is not None:
+            handles.append(("optimizer_offload", optimizer))
     except Exception:
         # A technique that cannot apply leaves the model as it was, not half-changed.
         for _, handle in reversed(handles):
@@ -229,7 +227,34 @@ def apply_plan(
     )
 
 
+def _check_offload(plan: Plan, optimizer: Any) -> None:
+    """Refuse the offload settings apply_plan cannot honour, before anything changes."""
+    off = plan.offload
+    if off is None:
+        return
+    if off.optimizer == "disk":
+        raise ValueError(
+            "optimizer offload to 'disk' is not available yet; use optimizer 'host' (or null)"
+        )
+    if off.activations:
+        raise ValueError(
+            "activation offload is not available yet; set offload activations to false"
+        )
+    if off.optimizer is not None and optimizer is not None:
+        raise ValueError(
+            "optimizer offload builds its own optimizer over host copies of the parameters from "
+            "the plan; pass no optimizer (or set offload optimizer to null)"
+        )
+
+
 def _build_optimizer(model: nn.Module, plan: Plan, precision: Any, optimizer: Any) -> Any:
+    if plan.offload is not None and plan.offload.optimizer is not None:
+        from .optimizer_offload import HostOffloadOptimizer
+
+        # fp32 masters on the host: the plan's optimizer as configured (no bf16 wrapper: the
+        # host copy is the high-precision weight that bf16-pure's rounding stands in for).
+        params = [p for p in model.parameters() if p.requires_grad]
+        return HostOffloadOptimizer(params, plan.optimizer.build, plan.offload)
     if plan.optimizer_in_backward:
         from .fused_step import optimizer_in_backward
 

@@ -150,6 +150,8 @@ def make_stepper(
     (``fused``), else :class:`PlainStepper`."""
     if fused:
         return FusedStepper(optimizer)
+    if hasattr(optimizer, "make_stepper"):  # an engine that steps its own way (offload)
+        return optimizer.make_stepper(precision, model, max_grad_norm)
     return PlainStepper(optimizer, precision, model, max_grad_norm)
 
 
@@ -183,9 +185,13 @@ def finish_step(stepper: Stepper, model: nn.Module, *, divide_by: float | None =
     (a user loop that weighted micro-batch losses by their token counts), then ``step`` and
     ``zero_grad``."""
     if divide_by is not None:
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.div_(divide_by)
+        divide = getattr(stepper, "divide_grads", None)
+        if divide is not None:  # the stepper keeps the gradients elsewhere (offload: the host)
+            divide(divide_by)
+        else:
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.div_(divide_by)
     stepper.step()
     stepper.zero_grad()
 

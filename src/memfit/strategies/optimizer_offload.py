@@ -1,0 +1,246 @@
+"""Optimizer offload (ZeRO-Offload on one device): master weights, state and step on the host.
+
+:class:`HostOffloadOptimizer` keeps an fp32 master copy of every trainable parameter in host
+memory and builds the plan's optimizer (any ``torch.optim.Optimizer``: torch's AdamW, memfit's
+AdamW8bit, Adafactor, ...) over the masters, so its state is allocated on the host too. The
+device keeps the parameters in the training dtype and, at any moment, at most one bucket of
+gradients waiting to leave:
+
+* each parameter's post-accumulate-grad hook marks it ready; when every parameter of a bucket
+  (``bucket_bytes`` of gradients, in registration order, a constant independent of model size)
+  is ready, the bucket's gradients are copied to the host and dropped on the device, while the
+  rest of backward goes on. Without ``gradients_on_host`` this happens in the last micro-batch
+  (gradients accumulate on the device until then); with it, in every micro-batch, and the host
+  accumulates.
+* :meth:`HostOffloadOptimizer.step` clips on the host (the global norm over the host
+  gradients), steps the host optimizer, and copies the updated masters back into the device
+  parameters (cast to their dtype) before the next forward.
+
+What torch lacks: FSDP2's ``CPUOffloadPolicy`` offloads parameters, gradients and the step
+together and needs a process group; torchao's ``CPUOffloadOptimizer`` offloads the step of a
+torch optimizer but keeps no low-precision device copy with an fp32 host master, has no
+accumulation on the host, and knows nothing of memfit's accounting. Host buffers are allocated
+inside :func:`memfit.accounting.host_tier`, so the tracker reports them as host memory even
+when the compute device is the CPU.
+
+On CUDA the copies are non-blocking into pinned buffers (:mod:`memfit.device`); on the CPU they
+are plain copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..accounting.tiers import host_tier, mark_host
+from .offload import OffloadConfig
+
+__all__ = ["HostOffloadOptimizer", "OffloadStepper"]
+
+
+class HostOffloadOptimizer:
+    """The plan's optimizer, stepping fp32 host masters of the device parameters.
+
+    Args:
+        params: The trainable parameters (on the compute device, any floating dtype).
+        build: Builds the optimizer over a list of host master tensors.
+        config: The offload settings (``bucket_bytes``, ``gradients_on_host``, ``pin_memory``).
+
+    Attributes:
+        optimizer: The host optimizer (over :attr:`masters`).
+        masters: fp32 host copies of the parameters, in order.
+        buckets: Parameter indices per gradient bucket.
+    """
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        build: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+        config: OffloadConfig,
+    ) -> None:
+        from ..device import host_buffer
+
+        self.params = list(params)
+        self.config = config
+        with host_tier(), torch.no_grad():
+            self.masters = [
+                host_buffer(p.shape, torch.float32, pin=config.pin_memory).copy_(p.detach())
+                for p in self.params
+            ]
+        mark_host(self.masters)
+        self.optimizer = build(self.masters)
+        self.buckets = _buckets(self.params, config.bucket_bytes)
+        self._bucket_of = {i: b for b, members in enumerate(self.buckets) for i in members}
+        self._pending = [len(m) for m in self.buckets]
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._offloading = True  # whether this backward moves gradients (last micro-batch)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._ready) for p in self.params]
+        self.transfers = 0  # gradient buckets moved (for tests and reports)
+
+    # ------------------------------------------------------------------ optimizer face
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The host optimizer's groups (an LR scheduler attached here drives the host step)."""
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> dict[Any, Any]:
+        """The host optimizer's state, each master included (the tracker labels it as state)."""
+        out: dict[Any, Any] = {}
+        for m in self.masters:
+            out[m] = {"master": m, **self.optimizer.state.get(m, {})}
+        return out
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the host gradients (and any device gradient not moved yet)."""
+        for p, m in zip(self.params, self.masters, strict=True):
+            p.grad = None
+            m.grad = None
+        self._pending = [len(m) for m in self.buckets]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The host optimizer's state and the masters."""
+        return {"optimizer": self.optimizer.state_dict(), "masters": [m.clone() for m in self.masters]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`; the device parameters take the restored masters."""
+        self.optimizer.load_state_dict(state["optimizer"])
+        with torch.no_grad():
+            for m, saved in zip(self.masters, state["masters"], strict=True):
+                m.copy_(saved)
+        self._push()
+
+    # ------------------------------------------------------------------ gradients
+    def begin_backward(self, last: bool) -> None:
+        """Set whether the coming backward moves its gradients (the last micro-batch, or every
+        one with ``gradients_on_host``)."""
+        self._offloading = last or self.config.gradients_on_host
+        self._pending = [len(m) for m in self.buckets]
+
+    def _ready(self, p: torch.Tensor) -> None:
+        if not self._offloading:
+            return
+        b = self._bucket_of[self._index[id(p)]]
+        self._pending[b] -= 1
+        if self._pending[b] == 0:
+            self._move(b)
+
+    def end_backward(self) -> None:
+        """Move the buckets some of whose parameters got no gradient this backward."""
+        if not self._offloading:
+            return
+        for b, left in enumerate(self._pending):
+            if 0 < left < len(self.buckets[b]):
+                self._move(b)
+        self._pending = [len(m) for m in self.buckets]
+
+    def _move(self, b: int) -> None:
+        from ..device import copy_to_host
+
+        with host_tier(), torch.no_grad():
+            for i in self.buckets[b]:
+                p, m = self.params[i], self.masters[i]
+                if p.grad is None:
+                    continue
+                if m.grad is None:
+                    m.grad = copy_to_host(p.grad, torch.float32, pin=self.config.pin_memory)
+                    mark_host(m.grad)
+                else:
+                    m.grad.add_(p.grad.to("cpu", torch.float32))
+                p.grad = None
+        self.transfers += 1
+
+    def scale_grads(self, factor: float) -> None:
+        """Multiply the step's gradients (on the host) by ``factor``."""
+        with torch.no_grad():
+            for m in self.masters:
+                if m.grad is not None:
+                    m.grad.mul_(factor)
+
+    # ------------------------------------------------------------------ the step
+    def step(self, max_grad_norm: float | None = None) -> None:
+        """Clip on the host, step the host optimizer, copy the masters back to the device."""
+        from ..device import synchronize
+
+        if self.params:
+            synchronize(self.params[0].device)  # the non-blocking gradient copies have landed
+        grads = [m.grad for m in self.masters if m.grad is not None]
+        with host_tier():
+            if max_grad_norm is not None and grads:
+                torch.nn.utils.clip_grad_norm_(
+                    [m for m in self.masters if m.grad is not None], max_grad_norm
+                )
+            self.optimizer.step()
+        # State made in the first step: host memory for any tracker opened later too.
+        mark_host(v for s in self.optimizer.state.values() for v in s.values())
+        self._push()
+
+    def _push(self) -> None:
+        with torch.no_grad():
+            for p, m in zip(self.params, self.masters, strict=True):
+                p.copy_(m.to(p.device, p.dtype, non_blocking=True))
+
+    def remove(self) -> None:
+        """Take the gradient hooks off the parameters (idempotent)."""
+        hooks, self._hooks = self._hooks, []
+        for h in hooks:
+            h.remove()
+
+    def make_stepper(self, precision: Any, model: nn.Module, max_grad_norm: float | None) -> Any:
+        """The :class:`OffloadStepper` for this optimizer."""
+        return OffloadStepper(self, precision, max_grad_norm)
+
+
+class OffloadStepper:
+    """The Stepper of optimizer offload: backward moves gradients, step runs on the host.
+
+    Args:
+        optimizer: The :class:`HostOffloadOptimizer`.
+        precision: The precision runtime (its backward; offload refuses fp16 loss scaling).
+        max_grad_norm: Clip to this global norm on the host (``None``: no clipping).
+    """
+
+    def __init__(self, optimizer: HostOffloadOptimizer, precision: Any, max_grad_norm: float | None) -> None:
+        self.optimizer = optimizer
+        self.precision = precision
+        self.max_grad_norm = max_grad_norm
+
+    def backward(self, loss: torch.Tensor, *, last: bool) -> None:
+        self.optimizer.begin_backward(last)
+        self.precision.backward(loss)
+        self.optimizer.end_backward()
+
+    def step(self) -> None:
+        self.optimizer.step(self.max_grad_norm)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def divide_grads(self, divide_by: float) -> None:
+        """Divide the step's gradients (on the host) by ``divide_by``."""
+        self.optimizer.scale_grads(1.0 / divide_by)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+def _buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[int]]:
+    """Consecutive parameter indices whose gradients fill at most ``bucket_bytes`` each (a
+    larger parameter is a bucket of its own)."""
+    buckets: list[list[int]] = []
+    size = 0
+    for i, p in enumerate(params):
+        nbytes = p.numel() * p.element_size()
+        if buckets and size + nbytes <= bucket_bytes:
+            buckets[-1].append(i)
+            size += nbytes
+        else:
+            buckets.append([i])
+            size = nbytes
+    return buckets
