@@ -2,7 +2,7 @@
 
 A ``--model`` SPEC names a workload in one of three ways:
 
-* a built-in preset (``bert-base``, ``bert-large``, ``gpt2``, ``gpt2-medium``, ``llama-1b``,
+* a built-in preset (``bert-base``, ``bert-large``, ``gpt2``, ``gpt2-medium``, ``llama-1b``, ``llama-8b``,
   and small ones for tests), built from a config with random weights: nothing is downloaded;
 * a path to a Hugging Face ``config.json``: the model is built from it with random weights;
 * ``package.module:function``, where ``function(batch_size, seq_len)`` returns
@@ -114,6 +114,21 @@ PRESETS: dict[str, _Preset] = {
             tie_word_embeddings=True,
         ),
         "Llama-architecture causal LM (1.24B parameters, Llama-3.2-1B dimensions)",
+    ),
+    "llama-8b": _Preset(
+        "llama",
+        dict(
+            vocab_size=128256,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            max_position_embeddings=8192,
+            rope_theta=500000.0,
+            tie_word_embeddings=False,
+        ),
+        "Llama-architecture causal LM (8.03B parameters, Llama-3.1-8B dimensions)",
     ),
     "mixtral-8x7b": _Preset(
         "mixtral",
