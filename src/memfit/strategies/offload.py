@@ -1,11 +1,27 @@
-"""Offload to host or disk memory (placeholder config; the technique is future work)."""
+"""What a plan moves off the device: :class:`OffloadConfig`.
+
+The field names are the plan JSON's (``offload: {optimizer: host, activations: true, ...}``).
+Each setting is a technique in its own module:
+
+* ``optimizer`` (ZeRO-Offload): fp32 master weights and optimizer state on the host (or on
+  disk), the step computed there (:mod:`memfit.strategies.optimizer_offload`);
+* ``activations``: tensors saved for backward moved to host memory
+  (:mod:`memfit.strategies.activation_offload`);
+* ``parameters`` (ZeRO-Infinity on one device): not built yet, refused with a sentence.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any
 
-__all__ = ["OffloadConfig"]
+__all__ = ["OFFLOAD_TIERS", "OffloadConfig"]
+
+#: Where offloaded state may live.
+OFFLOAD_TIERS = ("host", "disk")
+
+MiB = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -13,12 +29,94 @@ class OffloadConfig:
     """What moves off the device, and where to.
 
     Attributes:
-        optimizer_state: Keep optimizer state in host memory and step there: removes the state
-            from device memory at the cost of moving gradients down and weights up each step.
-        activations: Move saved activations to host memory during forward, back in backward.
-        tier: ``host`` (pinned CPU memory) or ``disk``.
+        optimizer: ``None`` (state on the device), ``"host"`` or ``"disk"``: fp32 master
+            weights and optimizer state live there and the optimizer steps on the host. Saves
+            the state (and, with a low-precision model, the master copy) and all but a bucket of
+            gradients on the device; costs moving every gradient down and every updated weight
+            up per step, and the host step's time (bounded by host memory bandwidth).
+        parameters: ``None``, ``"host"`` or ``"disk"``: parameters streamed to the device per
+            block. Not available yet: a plan asking for it is refused.
+        activations: Move tensors saved for backward to host memory during forward and back in
+            backward. Saves their device bytes (beyond ``activation_min_bytes`` each, within
+            ``host_bytes``); costs two transfers per saved byte.
+        disk_dir: The directory of the ``disk`` tier's files (must exist and be writable).
+        gradients_on_host: With ``optimizer`` offload, accumulate gradients on the host across
+            micro-batches (each micro-batch's gradients leave the device at once) instead of on
+            the device until the last micro-batch. Saves the device gradients under
+            accumulation; costs one transfer per micro-batch instead of per step.
+        bucket_bytes: Gradients leave the device in buckets of this many bytes (at most one
+            bucket's worth waits on the device): a constant, not a function of model size.
+        activation_min_bytes: Saved tensors smaller than this stay on the device (transfers of
+            small tensors cost more in latency than they save).
+        host_bytes: Most host bytes the activation offload may hold (``None``: no bound); past
+            it, saved tensors stay on the device.
+        pin_memory: Use page-locked host buffers on CUDA (faster, non-blocking copies; they
+            cannot be swapped out).
     """
 
-    optimizer_state: bool = True
+    optimizer: str | None = None
+    parameters: str | None = None
     activations: bool = False
-    tier: Literal["host", "disk"] = "host"
+    disk_dir: str | None = None
+    gradients_on_host: bool = False
+    bucket_bytes: int = 32 * MiB
+    activation_min_bytes: int = 1 * MiB
+    host_bytes: int | None = None
+    pin_memory: bool = True
+
+    def __post_init__(self) -> None:
+        for key in ("optimizer", "parameters"):
+            value = getattr(self, key)
+            if value is not None and value not in OFFLOAD_TIERS:
+                raise ValueError(
+                    f"offload {key} must be null, 'host' or 'disk', got {value!r}"
+                )
+        if self.parameters is not None:
+            raise ValueError(
+                "offload parameters is not available yet: memfit cannot stream parameters from "
+                "the host or disk; set it to null (optimizer and activation offload are built)"
+            )
+        if "disk" in (self.optimizer, self.parameters) and not self.disk_dir:
+            raise ValueError("offload to 'disk' needs disk_dir, the directory for its files")
+        for key in ("activations", "gradients_on_host", "pin_memory"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"offload {key} must be true or false, got {getattr(self, key)!r}")
+        if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 1:
+            raise ValueError(f"offload bucket_bytes must be a whole number >= 1, got {self.bucket_bytes!r}")
+        if not isinstance(self.activation_min_bytes, int) or self.activation_min_bytes < 0:
+            raise ValueError(
+                "offload activation_min_bytes must be a whole number >= 0, got "
+                f"{self.activation_min_bytes!r}"
+            )
+        if self.host_bytes is not None and (
+            not isinstance(self.host_bytes, int) or self.host_bytes < self.activation_min_bytes
+        ):
+            raise ValueError(
+                f"offload host_bytes must be at least activation_min_bytes "
+                f"({self.activation_min_bytes}), the smallest tensor it moves, got {self.host_bytes!r}"
+            )
+        if self.gradients_on_host and self.optimizer is None:
+            raise ValueError("offload gradients_on_host needs optimizer offload ('host' or 'disk')")
+        if self.optimizer is None and not self.activations:
+            raise ValueError(
+                "offload moves nothing: set optimizer ('host' or 'disk') or activations (true), "
+                "or set offload to null"
+            )
+
+    @property
+    def any(self) -> bool:
+        """Whether anything moves."""
+        return self.optimizer is not None or self.activations
+
+    def replace(self, **changes: Any) -> OffloadConfig:
+        """A copy with some fields changed (checked again)."""
+        return dataclasses.replace(self, **changes)
+
+    def summary(self) -> str:
+        """A few words for a plan's summary."""
+        parts = []
+        if self.optimizer:
+            parts.append(f"optimizer on {self.optimizer}")
+        if self.activations:
+            parts.append("activations on host")
+        return "offload " + " + ".join(parts)
