@@ -11,6 +11,7 @@ exactly ``B * H1 * 4`` and ``B * H2 * 4``; nothing else is saved inside the mode
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -300,6 +301,65 @@ def test_with_checkpointing_only_block_inputs_move():
         loss = off(x).square().mean()
         loss.backward()
     assert tracker.report().peak_by_tier["host"] == (N_BLOCKS - 1) * HIDDEN
+
+
+# ---------------------------------------------------------------------------------- prefetch
+def test_prefetch_copies_back_one_block_ahead(monkeypatch):
+    """The CUDA path's logic, run on the CPU with a stand-in copy stream whose copies are the
+    ordinary synchronous ones: which storages are copied back ahead, and that each is then
+    used instead of copied again."""
+    from memfit import device
+
+    calls = {"stream": 0, "consumed": []}
+
+    @contextlib.contextmanager
+    def on_stream(stream):
+        calls["stream"] += 1
+        yield
+
+    monkeypatch.setattr(device, "copy_stream", lambda d: "copy stream")
+    monkeypatch.setattr(device, "stream_ready", lambda stream, after: None)
+    monkeypatch.setattr(device, "on_stream", on_stream)
+    monkeypatch.setattr(device, "record_event", lambda stream: "event")
+    monkeypatch.setattr(device, "wait_for", lambda event, d: None)
+    monkeypatch.setattr(device, "record_stream",
+                        lambda t, d: calls["consumed"].append(t.numel()))  # fmt: skip
+    torch.manual_seed(0)
+    plain = Stack(N_BLOCKS, D)
+    off = copy.deepcopy(plain)
+    handle = apply_activation_offload(off, ALL)
+    per_block = []  # bytes each block's forward moved
+    for block in off.blocks:
+        block.register_forward_pre_hook(lambda m, a: per_block.append(-handle.offloaded_bytes))
+        block.register_forward_hook(lambda m, a, o: per_block.append(handle.offloaded_bytes))
+    x = torch.randn(B, S, D, generator=torch.Generator().manual_seed(2))
+    _assert_same(_grads(plain, lambda m: m(x).square().mean()),
+                 _grads(off, lambda m: m(x).square().mean()))
+    per_block = [a + b for a, b in zip(per_block[::2], per_block[1::2], strict=True)]
+    moved = handle.counters.offloaded_bytes
+    assert len(per_block) == N_BLOCKS and sum(per_block) == moved > 0  # all inside blocks
+    # Backward reaches the last block first: it is copied back on demand, and each block
+    # before it ahead, while the block after it computes; nothing is copied twice.
+    assert calls["stream"] == N_BLOCKS - 1
+    assert sum(calls["consumed"]) == sum(per_block[:-1])
+    assert handle.counters.restored_bytes == moved
+    assert handle.host_bytes_live == 0
+
+
+# ---------------------------------------------------------------------------------- fake
+def test_fake_tensors_move_like_real_ones():
+    """A dry run (fake tensors) sees the same saving as a real run."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        plain, off = _mlp(), _mlp()
+        handle = apply_activation_offload(off, ALL)
+        x = torch.randn(B, D_IN)
+        plain_live, _, _ = _forward_then_backward(plain, x)
+        off_live, _, report = _forward_then_backward(off, x)
+    assert handle.counters.offloaded_bytes == RELU1 + RELU2
+    assert plain_live - off_live == RELU1 + RELU2
+    assert report.peak_by_tier["host"] == RELU1 + RELU2
 
 
 # ---------------------------------------------------------------------------------- lifecycle

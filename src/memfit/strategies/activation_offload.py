@@ -30,6 +30,14 @@ With activation checkpointing (apply it first, then activation offload) autograd
 what the checkpointed blocks keep, their inputs, plus the tensors of the unchecked parts; those
 are what move. The recomputation in backward runs outside the hooks and stays on the device.
 
+Under fake tensors (a dry run) the same happens to fake storages, so a dry run with the
+tracker shows the device saving and the host bytes that a real run would.
+
+A storage that something besides autograd still holds when the forward returns (a tensor the
+model returns, the keyword arguments a checkpointed block keeps for its recomputation) is
+copied all the same but stays on the device; :class:`OffloadCounters` reports those bytes
+(``last_forward_held_bytes``).
+
 On a CPU-only machine, the host buffers are allocated inside
 :func:`~memfit.accounting.tiers.host_tier`, so the tracker reports them as the ``host`` tier,
 and the device copies made in backward are ordinary (``device`` tier) allocations: the tracker
@@ -130,20 +138,20 @@ class _HostCopy:
         self.pool = pool
         self.fwd = fwd
         self.group = group
-        self.restored: weakref.ref | None = None  # the device storage, while alive
+        self.restored: weakref.ref | None = None  # the device copy (flat bytes), while alive
         self.prefetched: torch.Tensor | None = None  # copied back ahead, not used yet
         self.event: Any = None
         # Saved tensors of this storage that backward has not unpacked yet: while there are
         # any, the device copy is held (one copy back serves every use, e.g. a ReLU output
         # read by the next layer's backward and then by the ReLU's own).
         self.waiting = 0
-        self.held: torch.UntypedStorage | None = None
+        self.held: torch.Tensor | None = None
         pool.add(self.nbytes)
 
     def __del__(self) -> None:
         self.pool.live -= self.nbytes
 
-    def device_storage(self) -> torch.UntypedStorage | None:
+    def device_copy(self) -> torch.Tensor | None:
         return self.restored() if self.restored is not None else None
 
     def done_one(self) -> None:
@@ -185,8 +193,10 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
 
 
 def _bytes_of(storage: torch.UntypedStorage, t: torch.Tensor) -> torch.Tensor:
-    """The whole storage as a flat byte tensor on its device."""
-    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+    """The whole storage as a flat byte tensor on its device (a view of ``t``: ``set_`` would
+    do too, but under fake tensors it keeps the storage alive)."""
+    flat = t.as_strided((storage.nbytes() // t.element_size(),), (1,), 0)
+    return flat.view(torch.uint8)
 
 
 class _Offloader:
@@ -201,7 +211,8 @@ class _Offloader:
         self.skip: set[int] = set()
         self.depth = 0
         self.ctx: Any = None
-        self.stream: Any = None  # the copy stream, made at the first CUDA copy
+        self.stream: Any = None  # the copy stream (CUDA only), made at the first copy
+        self.stream_made = False
 
     # ------------------------------------------------------------------ model hooks
     def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -242,7 +253,7 @@ class _Offloader:
     # ------------------------------------------------------------------ saved tensors
     def pack(self, t: torch.Tensor) -> Any:
         st = _storage(t)
-        if st is None or t.is_meta or dev.is_fake(t):
+        if st is None or t.is_meta:
             return t.detach()
         key = st._cdata
         if key in self.skip:
@@ -256,7 +267,9 @@ class _Offloader:
         nbytes = st.nbytes()
         entry = None
         bound = self.config.host_bytes
-        if nbytes < self.config.activation_min_bytes:
+        if nbytes % t.element_size():
+            pass  # not whole elements of t's dtype (a reinterpreted storage): kept, uncounted
+        elif nbytes < self.config.activation_min_bytes:
             self.counters.kept_small_bytes += nbytes
         elif bound is not None and self.pool.live + nbytes > bound:
             self.counters.kept_over_bound_bytes += nbytes
@@ -266,11 +279,13 @@ class _Offloader:
         return t.detach() if entry is None else self._saved(entry, t)
 
     def _to_host(self, t: torch.Tensor, st: torch.UntypedStorage, nbytes: int) -> _HostCopy:
-        if self.stream is None and t.is_cuda:
-            self.stream = dev.copy_stream(t.device)
+        real = not dev.is_fake(t)  # a dry run's fake tensors: no streams, no pinning
+        if not self.stream_made:
+            self.stream_made = True
+            self.stream = dev.copy_stream(t.device) if real else None
         with torch.no_grad():
             with host_tier():
-                host = dev.empty_host(nbytes, pin=self.config.pin_memory and t.is_cuda)
+                host = dev.empty_host(nbytes, pin=self.config.pin_memory and t.is_cuda and real)
             # Non-blocking from the compute stream: the copy is queued before anything that
             # could reuse the device storage once it is freed.
             host.copy_(_bytes_of(st, t), non_blocking=host.is_pinned())
@@ -290,17 +305,17 @@ class _Offloader:
         if isinstance(packed, torch.Tensor):
             return packed
         entry = packed.entry
-        st = self._restore(entry)
-        entry.held = st
+        buf = self._restore(entry)
+        entry.held = buf
         packed.used()
         with torch.no_grad():
-            out = torch.empty(0, dtype=packed.dtype, device=entry.device)
-            return out.set_(st, packed.offset, packed.size, packed.stride)
+            return buf.view(packed.dtype).as_strided(packed.size, packed.stride, packed.offset)
 
-    def _restore(self, entry: _HostCopy) -> torch.UntypedStorage:
-        st = entry.device_storage()
-        if st is not None:
-            return st
+    def _restore(self, entry: _HostCopy) -> torch.Tensor:
+        """The storage's bytes on the device, as a flat byte tensor (copied back if needed)."""
+        buf = entry.device_copy()
+        if buf is not None:
+            return buf
         if self.stream is not None:
             self._prefetch_before(entry)
         buf = entry.prefetched
@@ -313,9 +328,9 @@ class _Offloader:
                 buf = torch.empty(entry.nbytes, dtype=torch.uint8, device=entry.device)
                 buf.copy_(entry.host, non_blocking=entry.host.is_pinned())
             self.counters.restored_bytes += entry.nbytes
-        st = buf.untyped_storage()
-        entry.restored = weakref.ref(st)
-        return st
+        # Weakly: the copy lives as long as the tensors handed to autograd (views of it) do.
+        entry.restored = weakref.ref(buf)
+        return buf
 
     def _prefetch_before(self, entry: _HostCopy) -> None:
         """Copy back, on the copy stream, the storages of the nearest earlier block that has
@@ -326,7 +341,7 @@ class _Offloader:
             return
         fwd.prefetched.add(group)
         todo = [e for e in (r() for r in fwd.groups[group]) if e is not None]
-        todo = [e for e in todo if e.device_storage() is None and e.prefetched is None]
+        todo = [e for e in todo if e.device_copy() is None and e.prefetched is None]
         if not todo:
             return
         # The copy stream starts after what the compute stream has queued so far.
