@@ -151,6 +151,8 @@ def test_tracker_measures_the_bytes_moved():
     assert plain_snap["activations"] == moved and off_snap["activations"] == 0
     # ...and the host holds them: its peak is the copies of one forward.
     assert off_report.peak_by_tier["host"] == moved
+    # The tracker knows the host copies for what they are: activations kept for backward.
+    assert off_report.peak_by_tier_category["host"]["activations"] == moved
     assert plain_report.peak_by_tier["host"] == 0
     assert handle.counters.host_peak_bytes == moved
 

@@ -192,6 +192,15 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
         return None  # sparse, nested and other storage-less tensors
 
 
+def _movable(t: torch.Tensor) -> bool:
+    """Whether ``t``'s bytes can be copied as they are: a plain dense tensor (or a dry run's
+    fake one). Tensor subclasses (quantised weights, distributed tensors) and meta tensors
+    stay where they are."""
+    if t.is_meta or t.layout != torch.strided or t.is_quantized:
+        return False
+    return type(t) is torch.Tensor or dev.is_fake(t)
+
+
 def _bytes_of(storage: torch.UntypedStorage, t: torch.Tensor) -> torch.Tensor:
     """The whole storage as a flat byte tensor on its device (a view of ``t``: ``set_`` would
     do too, but under fake tensors it keeps the storage alive)."""
@@ -253,7 +262,7 @@ class _Offloader:
     # ------------------------------------------------------------------ saved tensors
     def pack(self, t: torch.Tensor) -> Any:
         st = _storage(t)
-        if st is None or t.is_meta:
+        if st is None or not _movable(t):
             return t.detach()
         key = st._cdata
         if key in self.skip:
