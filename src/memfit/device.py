@@ -7,11 +7,14 @@ they are kept deliberately thin: each is a direct call into ``torch.cuda`` with 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 __all__ = [
+    "copy_stream",
     "copy_to_host",
     "cuda_available",
     "default_device",
@@ -19,6 +22,7 @@ __all__ = [
     "device_memory_used",
     "device_name",
     "empty_cache",
+    "empty_host",
     "host_buffer",
     "is_cuda",
     "is_fake",
@@ -27,9 +31,14 @@ __all__ = [
     "mem_get_info",
     "memory_allocated",
     "memory_reserved",
+    "on_stream",
+    "record_event",
+    "record_stream",
     "reset_peak_memory_stats",
+    "stream_ready",
     "synchronize",
     "total_memory",
+    "wait_for",
 ]
 
 
@@ -155,3 +164,57 @@ def copy_to_host(t: torch.Tensor, dtype: torch.dtype, *, pin: bool = True) -> to
     out = host_buffer(t.shape, dtype, pin=pin)
     out.copy_(t, non_blocking=is_cuda(t.device) and out.is_pinned())
     return out
+# ------------------------------------------------------------------ copies between tiers
+# Offload techniques move bytes between the device and host memory through these. Off CUDA
+# they are plain allocations and synchronous copies (streams and events are ``None``), so the
+# offload logic runs unchanged on a CPU-only machine.
+
+
+def empty_host(nbytes: int, *, pin: bool) -> torch.Tensor:
+    """An uninitialised host byte buffer, page-locked when ``pin`` and CUDA is available
+    (pinning only speeds up copies to and from a GPU, so it is skipped without one)."""
+    return torch.empty(int(nbytes), dtype=torch.uint8, pin_memory=pin and cuda_available())
+
+
+def copy_stream(device: torch.device | str) -> Any:
+    """A new CUDA stream on ``device`` for copies beside compute; ``None`` off CUDA."""
+    if is_cuda(device):
+        return torch.cuda.Stream(torch.device(device))
+    return None
+
+
+@contextlib.contextmanager
+def on_stream(stream: Any) -> Iterator[None]:
+    """Queue work on ``stream`` inside the block (no-op when ``stream`` is ``None``)."""
+    if stream is None:
+        yield
+        return
+    with torch.cuda.stream(stream):
+        yield
+
+
+def stream_ready(stream: Any, after: torch.device | str) -> None:
+    """Make ``stream`` wait for the work queued so far on ``after``'s current stream (no-op
+    when ``stream`` is ``None``)."""
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream(torch.device(after)))
+
+
+def record_event(stream: Any) -> Any:
+    """An event marking the work queued so far on ``stream``; ``None`` off CUDA."""
+    if stream is None:
+        return None
+    return stream.record_event()
+
+
+def wait_for(event: Any, device: torch.device | str) -> None:
+    """Make ``device``'s current stream wait for ``event`` (no-op when ``event`` is ``None``)."""
+    if event is not None:
+        torch.cuda.current_stream(torch.device(device)).wait_event(event)
+
+
+def record_stream(tensor: torch.Tensor, device: torch.device | str) -> None:
+    """Tell the caching allocator that ``device``'s current stream uses ``tensor`` (made on
+    another stream), so its memory is not reused before that work is done (no-op off CUDA)."""
+    if tensor.is_cuda:
+        tensor.record_stream(torch.cuda.current_stream(torch.device(device)))
