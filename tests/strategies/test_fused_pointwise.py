@@ -115,3 +115,29 @@ def test_plan_field_dry_run_equals_real_run_and_saves(tmp_path):
     assert memfit.Plan.from_dict(plan.to_dict()) == plan
     with pytest.raises(memfit.PlanError, match="fused_pointwise must be true or false"):
         memfit.Plan(fused_pointwise="yes")
+
+
+def test_only_the_stock_forward_is_replaced():
+    from transformers.models.gemma3n.modeling_gemma3n import Gemma3nRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    class ClampedNorm(LlamaRMSNorm):
+        def forward(self, hidden_states):
+            return super().forward(hidden_states).clamp(-5, 5)
+
+    model = torch.nn.ModuleDict({
+        "stock": LlamaRMSNorm(8), "variant": ClampedNorm(8), "gemma3n": Gemma3nRMSNorm(8),
+    })  # fmt: skip
+    handle = apply_fused_pointwise(model)
+    assert handle.norms == ["stock"]
+
+
+def test_gemma_offset_is_added_in_fp32():
+    from memfit.ops.pointwise import rms_norm
+
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    w = torch.full((8,), 0.003, dtype=torch.bfloat16)  # 1 + w rounds to 1 in bf16
+    h = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+    expected = (h * (1.0 + w.float())).to(torch.bfloat16)
+    got = rms_norm(x, w, 1e-6, offset=1.0, cast_before_weight=False)
+    assert torch.equal(got, expected)

@@ -13,7 +13,9 @@ compile (dry runs, eager debugging, models compile cannot take).
   the fp32 copy, its square, the normalised rows and the cast: from 3-5 activation-sized
   tensors to one.
 * :func:`bias_dropout_add`: ``residual + dropout(x + bias)`` saves the dropout mask as bool
-  (one byte per element) instead of eager's mask in the activation's dtype, and nothing else.
+  (one byte per element) and nothing else. On the CPU eager dropout keeps its mask in the
+  activation's dtype; CUDA's ``native_dropout`` already keeps a bool mask, so there the
+  saving is the sum's intermediate only.
 """
 
 from __future__ import annotations
@@ -108,10 +110,9 @@ class _RMSNorm(torch.autograd.Function):
         ctx.offset, ctx.cast = offset, cast_before_weight  # type: ignore[attr-defined]
         if weight is None:
             return normed.to(x.dtype)
-        scale = weight + offset if offset else weight
         if cast_before_weight:  # Llama: the weight multiplies the normalised rows in x's dtype
-            return scale * normed.to(x.dtype)
-        return (normed * scale.float()).to(x.dtype)  # Gemma: in fp32, then cast
+            return (weight + offset if offset else weight) * normed.to(x.dtype)
+        return (normed * (weight.float() + offset)).to(x.dtype)  # Gemma: in fp32, then cast
 
     @staticmethod
     def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[Any, ...]:
@@ -121,7 +122,7 @@ class _RMSNorm(torch.autograd.Function):
         g = grad.float()
         grad_weight = None
         if weight is not None:
-            scale = (weight + ctx.offset if ctx.offset else weight).float()  # type: ignore[attr-defined]
+            scale = weight.float() + ctx.offset  # type: ignore[attr-defined]
             if ctx.needs_input_grad[1]:  # type: ignore[attr-defined]
                 rows = normed.to(x.dtype).float() if ctx.cast else normed  # type: ignore[attr-defined]
                 grad_weight = (g * rows).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)

@@ -13,6 +13,10 @@ Replaces, per module instance, the forward of the blocks whose pointwise chains
   ``F.gelu(approximate="tanh")``, which keeps only its input. Same formula; values differ by
   rounding only.
 
+Only modules whose class ``forward`` is transformers' stock code for these blocks (Llama's
+RMSNorm and MLP, Gemma's RMSNorm, and their generated copies in other models) are replaced;
+a variant with anything more (a clamp, a multiplier, a sub-norm, dropout) is left alone.
+
 transformers' modules are not changed in their class, parameters or hooks: only an instance
 ``forward`` is set, which :meth:`FusedPointwiseHandle.remove` deletes. A model with none of these
 blocks is refused with a sentence (the plan asked for something that would do nothing).
@@ -20,6 +24,7 @@ blocks is refused with a sentence (the plan asked for something that would do no
 
 from __future__ import annotations
 
+import functools
 import types
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,16 +59,72 @@ class FusedPointwiseHandle:
             module.__dict__.pop("forward", None)
 
 
-def _norm_style(module: nn.Module) -> tuple[float, bool] | None:
-    """(offset, cast before weight) for an RMSNorm transformers writes one of two ways."""
-    name = type(module).__name__
-    weight = getattr(module, "weight", None)
-    if not name.endswith("RMSNorm") or not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+def _source(func: Any) -> str | None:
+    """``func``'s code without comments, docstrings or formatting (for comparing copies)."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(func)))
+    except (OSError, TypeError, SyntaxError):
         return None
-    if name.startswith("Gemma") and hasattr(module, "eps"):
-        return 1.0, False  # output * (1 + weight) in fp32, then cast
-    if hasattr(module, "variance_epsilon"):
+    fn = tree.body[0]
+    if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        body = fn.body
+        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+            fn.body = body[1:]  # the docstring
+        fn.name = "forward"
+        fn.decorator_list = []
+    return ast.dump(tree)
+
+
+@functools.cache
+def _reference(kind: str) -> str | None:
+    """The code of the stock transformers forward each fused kind reproduces."""
+    import transformers.models.gemma.modeling_gemma as gemma
+    import transformers.models.llama.modeling_llama as llama
+
+    return {
+        "llama-norm": _source(llama.LlamaRMSNorm.forward),
+        "gemma-norm": _source(gemma.GemmaRMSNorm.forward),
+        "gemma-norm-inner": _source(gemma.GemmaRMSNorm._norm),
+        "gated-mlp": _source(llama.LlamaMLP.forward),
+    }[kind]
+
+
+@functools.cache
+def _class_kind(cls: type) -> str | None:
+    """Which fused kind ``cls`` is: only classes whose forward is transformers' stock code,
+    character for character up to names (the many generated copies of Llama's RMSNorm and
+    MLP are), qualify; a variant (a clamp, a multiplier, a sub-norm, dropout) does not."""
+    forward = getattr(cls, "forward", None)
+    if forward is None:
+        return None
+    code = _source(forward)
+    if code is None:
+        return None
+    if code == _reference("llama-norm"):
+        return "llama-norm"
+    if code == _reference("gemma-norm") and _source(getattr(cls, "_norm", None)) == _reference(
+        "gemma-norm-inner"
+    ):
+        return "gemma-norm"
+    if code == _reference("gated-mlp"):
+        return "gated-mlp"
+    return None
+
+
+def _norm_style(module: nn.Module) -> tuple[float, bool] | None:
+    """(offset, cast before weight) for an RMSNorm whose forward is Llama's or Gemma's."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+        return None
+    kind = _class_kind(type(module))
+    if kind == "llama-norm" and hasattr(module, "variance_epsilon"):
         return 0.0, True  # weight * normed.to(input dtype)
+    if kind == "gemma-norm" and hasattr(module, "eps"):
+        return 1.0, False  # normed * (1 + weight) in fp32, then cast
     return None
 
 
@@ -86,7 +147,11 @@ def _activation(module: nn.Module) -> str | None:
 
 
 def _is_gated_mlp(module: nn.Module) -> bool:
-    return all(isinstance(getattr(module, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")) and hasattr(module, "act_fn")
+    return (
+        all(isinstance(getattr(module, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj"))
+        and hasattr(module, "act_fn")
+        and _class_kind(type(module)) == "gated-mlp"
+    )
 
 
 def _mlp_forward(act: str) -> Any:
