@@ -7,7 +7,10 @@ results), and inductor's fused kernels never materialise the intermediates of a 
 chain. The first dominates at training scale (kept activations are most of the peak), and it
 is what :func:`compiled_activation_scale` measures: the saved-for-backward bytes of one step of
 the same model at depth 2, batch 1 and at most 64 tokens, eager and compiled
-(:func:`memfit.strategies.compiling.compiled_saved_ratio`), for real on this machine. The dry
+(:func:`memfit.strategies.compiling.compiled_saved_ratio`), for real on this machine. The model's own
+parameters and buffers are not counted (autograd saves them by reference). The measurement
+builds that small model for real, one at a time, so it is skipped (no saving applied, and the
+report says so) when its parameters exceed :data:`MEASURE_LIMIT_BYTES`. The dry
 run's kept activations are scaled by that ratio. The second is not applied (temporaries are
 left as eager has them), so a compiled plan's prediction errs on the high side.
 """
@@ -23,8 +26,21 @@ __all__ = ["compiled_activation_scale"]
 
 _CACHE: dict[tuple[Any, ...], tuple[int, int]] = {}
 
+#: Most bytes of parameters the small model measured for real may have; a larger one is not
+#: built (the saving is then not applied, and the report says so).
+MEASURE_LIMIT_BYTES = 2 << 30
+
 #: The partitioner-equivalent backend each plan backend is measured with.
 _MEASURE_WITH = {"inductor": "aot_eager_decomp_partition"}
+
+
+def _parameter_bytes(workload: Workload) -> int:
+    """Bytes of ``workload``'s parameters, counted on fake tensors (nothing allocated)."""
+    from .fake_kernels import dry_tensors
+
+    with dry_tensors():
+        model = workload.build_model()
+        return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def compiled_activation_scale(workload: Workload, plan: Plan, *, seed: int = 0) -> dict[str, Any]:
@@ -42,7 +58,15 @@ def compiled_activation_scale(workload: Workload, plan: Plan, *, seed: int = 0) 
         small = workload.with_depth(2)
     small = small.replace(batch_size=1, seq_len=min(workload.seq_len, 64))
     eager_plan = plan.replace(compile=False, grad_accum_steps=1, micro_batch_size=None)
-    key = (workload.name, small.seq_len, eager_plan.to_json(), backend, seed)
+    key = (workload.name, workload.depth, small.seq_len, eager_plan.to_json(), backend, seed)
+    if key not in _CACHE and _parameter_bytes(small) > MEASURE_LIMIT_BYTES:
+        return {
+            "scale": 1.0,
+            "eager_saved_bytes": None,
+            "compiled_saved_bytes": None,
+            "backend": backend,
+            "measured_at": "not measured: the model at depth 2 is too large to build here",
+        }
     if key not in _CACHE:
 
         def build() -> Any:

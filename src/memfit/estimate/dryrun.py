@@ -156,13 +156,13 @@ def measure(
     )
     if dry:
         report.meta["data_dependent"] = values.summary()
+    from .target import add_device_memory
+
+    add_device_memory(report, tracker, target)
     if plan.compile_backend is not None:
         # Neither a dry run (fake tensors) nor the tracker's dispatch mode (under which dynamo
         # runs the model eagerly) sees compiled code: both apply the saving measured for real.
         _apply_compiled_saving(report, workload, plan, seed)
-    from .target import add_device_memory
-
-    add_device_memory(report, tracker, target)
     return report
 
 
@@ -179,16 +179,30 @@ def _fake_mode() -> Any:
 
 def _apply_compiled_saving(report: MemoryReport, workload: Workload, plan: Plan, seed: int) -> None:
     """Scale a compiled plan's kept activations by the saving measured for real
-    (:mod:`memfit.estimate.compiled`); the report says so in ``meta["compile"]``."""
+    (:mod:`memfit.estimate.compiled`), phase by phase: each phase's peak loses its scaled-away
+    activations, and the step's peak is the highest phase peak after that (it may move to
+    another phase). The reserved peak falls by the same bytes. ``meta["compile"]`` says what
+    was measured and applied."""
     from .compiled import compiled_activation_scale
 
     measured = compiled_activation_scale(workload, plan, seed=seed)
-    kept = report.peak_by_category.get("activations", 0)
-    saved = kept - round(kept * min(measured["scale"], 1.0))
-    report.peak_by_category["activations"] = kept - saved
-    report.peak_bytes -= saved
+    scale = min(measured["scale"], 1.0)
+    for phase, cats in report.phase_peak_by_category.items():
+        kept = cats.get("activations", 0)
+        saved = kept - round(kept * scale)
+        cats["activations"] = kept - saved
+        report.phase_peaks[phase] = report.phase_peaks.get(phase, 0) - saved
+    before = report.peak_bytes
+    if report.phase_peak_by_category:
+        top = max(report.phase_peaks, key=lambda k: report.phase_peaks[k])
+        report.peak_phase = top
+        report.peak_bytes = report.phase_peaks[top]
+        report.peak_by_category = dict(report.phase_peak_by_category[top])
+    saved = before - report.peak_bytes
     if report.peak_reserved_bytes is not None:
         report.peak_reserved_bytes -= saved
+    report.peak_by_tier["device"] = report.peak_bytes
+    report.peak_by_tier_category["device"] = dict(report.peak_by_category)
     report.meta["compile"] = {**measured, "activation_bytes_saved": saved}
 
 

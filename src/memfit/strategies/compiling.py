@@ -59,16 +59,21 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> CompileHandle:
     return CompileHandle(model, backend)
 
 
-def saved_bytes(run: Callable[[], torch.Tensor]) -> int:
+def saved_bytes(run: Callable[[], torch.Tensor], model: nn.Module | None = None) -> int:
     """Bytes of the distinct storages autograd saves for backward while ``run()`` computes a
     loss (counted by :func:`torch.autograd.graph.saved_tensors_hooks`, which sees the tensors a
-    compiled region saves as well as eager ones); backward is then run to free them."""
+    compiled region saves as well as eager ones), not counting ``model``'s parameters and
+    buffers (saved by reference, they are no activation); backward is then run to free them."""
     seen: dict[int, int] = {}
+    own = set()
+    if model is not None:
+        own = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         with contextlib.suppress(RuntimeError):  # tensors without storage (sparse, ...)
             storage = t.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
+            if storage.data_ptr() not in own:
+                seen[storage.data_ptr()] = storage.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -79,6 +84,8 @@ def saved_bytes(run: Callable[[], torch.Tensor]) -> int:
 
 @contextlib.contextmanager
 def _fresh_dynamo() -> Iterator[None]:
+    """Dynamo's caches emptied before and after (process-wide: a measurement should not reuse,
+    or leave behind, another model's compiled code)."""
     import torch._dynamo
 
     torch._dynamo.reset()
@@ -104,13 +111,14 @@ def compiled_saved_ratio(
     Returns:
         ``(eager_bytes, compiled_bytes)``.
     """
-    _, run = build()
-    eager = saved_bytes(run)
+    model, run = build()
+    eager = saved_bytes(run, model)
+    del model, run  # one model alive at a time
     model, run = build()
     with _fresh_dynamo():
         handle = apply_compile(model, backend)
         try:
-            compiled = saved_bytes(run)
+            compiled = saved_bytes(run, model)
         finally:
             handle.remove()
     return eager, compiled
