@@ -105,3 +105,36 @@ def test_transformers_sees_fake_tensors_again_afterwards():
         assert not import_utils.is_fake_tensor(torch.ones(2))  # a constant: values known
         assert import_utils.is_fake_tensor(torch.randn(2))
     assert import_utils.is_fake_tensor is original
+
+
+def test_a_write_through_an_alias_makes_the_value_unknown():
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    with _dry():
+        fake = torch.randn(2)
+        for write in (
+            lambda x: x[:2].copy_(fake),
+            lambda x: torch.add(fake, 1, out=x[:2]),
+            lambda x: torch._foreach_add_([x], [fake.sum().expand(4)]),
+        ):
+            x = torch.zeros(4)
+            assert x.tolist() == [0, 0, 0, 0]
+            write(x)
+            with pytest.raises(DataDependentOutputException):
+                x.tolist()
+
+
+def test_unique_over_a_dimension_takes_the_rows_as_upper_bound():
+    with _dry():
+        x = torch.randn(5, 3)
+        out, inverse, counts = torch.unique(x, dim=0, return_inverse=True, return_counts=True)
+        assert (out.shape, inverse.shape, counts.shape) == ((5, 3), (5,), (5,))
+
+
+def test_a_top_k_outside_a_router_is_not_routing():
+    with _dry(where=lambda: "classifier") as values:
+        _, chosen = torch.randn(8, 4).topk(2)
+        assert chosen not in values.shadows
+    with _dry(where=lambda: "model.layers.0.mlp.gate") as values:
+        _, chosen = torch.randn(8, 4).topk(2)
+        assert chosen in values.shadows

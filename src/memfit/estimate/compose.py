@@ -74,24 +74,27 @@ class Prediction:
         return max(self.reserved_bytes, self.peak_bytes) + self.overhead_bytes
 
 
-_PATTERNS: dict[tuple[str, int, int], list[int] | None] = {}
-
-
 def block_pattern(workload: Workload) -> list[int] | None:
     """The type of each block of ``workload``'s model (:func:`~.depth.layer_pattern`), from the
-    full-depth model built on fake tensors (nothing allocated); ``None`` when unknown."""
+    full-depth model built on fake tensors (nothing allocated); ``None`` when unknown. Kept on
+    the workload object, so every candidate of one search shares it."""
     assert workload.depth is not None
-    key = (workload.name, workload.depth, id(workload.build_model))
-    if key not in _PATTERNS:
-        from .fake_kernels import dry_tensors
+    cached = workload.__dict__.get("_block_pattern", _UNKNOWN)
+    if cached is not _UNKNOWN:
+        return cached
+    from .fake_kernels import dry_tensors
 
-        try:
-            with dry_tensors():
-                model = workload.build_model()
-            _PATTERNS[key] = layer_pattern(model, workload.depth)
-        except Exception:  # the model cannot be built on fake tensors: compose as uniform
-            _PATTERNS[key] = None
-    return _PATTERNS[key]
+    try:
+        with dry_tensors():
+            model = workload.build_model()
+        pattern = layer_pattern(model, workload.depth)
+    except Exception:  # the model cannot be built on fake tensors: compose as uniform
+        pattern = None
+    workload.__dict__["_block_pattern"] = pattern
+    return pattern
+
+
+_UNKNOWN = object()
 
 
 def _reduced(workload: Workload, plan: Plan) -> tuple[Workload, Plan, float]:

@@ -47,23 +47,39 @@ MAX_PATTERN_DEPTH = 8
 def layer_pattern(model: nn.Module, depth: int) -> list[int] | None:
     """The type of each of ``model``'s ``depth`` blocks, as small integers in order of first use.
 
-    Blocks are the children of the module list holding ``depth`` modules (the layers). Two
-    blocks have the same type when their module classes, parameter names, shapes and dtypes
-    match. ``None`` when no such list is found.
+    Blocks are the children of the module list holding ``depth`` modules that has the most
+    parameters (the main stack, not a vision tower or an encoder that happens to have as many
+    blocks). Two blocks have the same type when their module classes, parameter names, shapes
+    and dtypes, and their modules' plain settings (``sliding_window``, ``layer_type``,
+    ``is_causal`` and other scalar attributes) all match. ``None`` when no such list is found.
     """
     stacks = [
         m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) == depth
     ]
     if not stacks:
         return None
+    stack = max(stacks, key=lambda m: sum(p.numel() for p in m.parameters()))
     types: dict[tuple[Any, ...], int] = {}
     pattern = []
-    for block in stacks[0]:
+    for block in stack:
         signature = tuple(
-            (name, type(m).__name__) for name, m in block.named_modules()
+            (name, type(m).__name__, _settings(m)) for name, m in block.named_modules()
         ) + tuple((name, tuple(p.shape), p.dtype) for name, p in block.named_parameters())
         pattern.append(types.setdefault(signature, len(types)))
     return pattern
+
+
+def _settings(module: nn.Module) -> tuple[tuple[str, Any], ...]:
+    """A module's own scalar attributes (not ``training``, not private, not its layer index)."""
+    return tuple(
+        sorted(
+            (k, v)
+            for k, v in vars(module).items()
+            if not k.startswith("_")
+            and k not in ("training", "layer_idx", "layer_id", "idx")
+            and (v is None or isinstance(v, (bool, int, float, str)))
+        )
+    )
 
 
 def profile_depths(pattern: Sequence[int]) -> list[int] | None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,6 +95,9 @@ _READS = {
     _Tensor.__format__,
 }
 _ROUTERS = {torch.topk, _Tensor.topk, torch.argmax, _Tensor.argmax}
+# Module names under which a top-k is a mixture-of-experts router (transformers names them
+# gate, router, moe, experts, block_sparse_moe, ...; the router sits in the MLP's place).
+_ROUTER_NAMES = re.compile(r"(gate|rout|moe|expert|mlp)", re.IGNORECASE)
 
 # Operators whose output shape (or value) depends on their inputs' values.
 _UPPER_BOUND = {"aten::nonzero", "aten::masked_select", "aten::_unique2", "aten::unique_dim"}
@@ -147,6 +151,9 @@ class DryRunValues(TorchFunctionMode):
         self.expert_load = float(expert_load)
         self.where = where or (lambda: None)
         self.shadows: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # Fake tensors with shadows, by their storage: a write through any alias (a view, an
+        # out= argument) makes every shadow of that storage stale.
+        self._by_storage: dict[int, list[Any]] = {}
         self.uses: dict[PolicyUse, int] = {}
         self._pending: _Pending | None = None
         self._constant_calls = 0  # > 0 while a call computed from constants runs fake
@@ -191,7 +198,7 @@ class DryRunValues(TorchFunctionMode):
         elif tensors and all(t in self.shadows for t in tensors):
             real_in = [self.shadows[x] if isinstance(x, _Tensor) else x for x in flat]
         if real_in is None:
-            _forget_mutated(self.shadows, func, args, kwargs)
+            self._forget_mutated(func, args, kwargs)
             out = func(*args, **kwargs)
             if func in _ROUTERS:
                 self._route(func, args, kwargs, out)
@@ -246,14 +253,46 @@ class DryRunValues(TorchFunctionMode):
                 and isinstance(r, _Tensor)
                 and r.numel() <= SHADOW_LIMIT
                 and tuple(f.shape) == tuple(r.shape)
+                and f.dtype == r.dtype
             ):
-                self.shadows[f] = r
+                self._shadow(f, r)
+
+    def _shadow(self, fake: Any, real: torch.Tensor) -> None:
+        import weakref
+
+        self.shadows[fake] = real
+        key = _storage_key(fake)
+        if key is not None:
+            refs = self._by_storage.setdefault(key, [])
+            refs[:] = [r for r in refs if r() is not None]
+            refs.append(weakref.ref(fake))
+
+    def _forget_mutated(self, func: Any, args: Any, kwargs: Any) -> None:
+        """A write from values without shadows makes the target's storage's shadows stale."""
+        name = getattr(func, "__name__", "")
+        targets: list[Any] = []
+        inplace = name == "__setitem__" or (name.endswith("_") and not name.startswith("__"))
+        if inplace and args:
+            first = args[0]
+            targets += list(first) if isinstance(first, (list, tuple)) else [first]  # _foreach_*_
+        targets += tree_flatten(kwargs.get("out"))[0]
+        for t in targets:
+            if not isinstance(t, _Tensor):
+                continue
+            self.shadows.pop(t, None)
+            for ref in self._by_storage.pop(_storage_key(t), []):
+                alias = ref()
+                if alias is not None:
+                    self.shadows.pop(alias, None)
 
     def _route(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
         """Give a router's expert choice a synthetic value, by the routing policy."""
         scores = args[0] if args else kwargs.get("input")
         if not isinstance(scores, _Tensor) or not scores.is_floating_point() or scores.dim() < 1:
             return
+        module = self.where()
+        if module is not None and not _ROUTER_NAMES.search(module):
+            return  # a top-k outside any router (a classifier's prediction): not routing
         if func in (torch.topk, _Tensor.topk):
             k = args[1] if len(args) > 1 else kwargs.get("k")
             dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
@@ -272,7 +311,7 @@ class DryRunValues(TorchFunctionMode):
         tokens = math.prod(scores.shape[:-1])
         if tokens * k > SHADOW_LIMIT:
             return
-        self.shadows[indices] = _routing(tokens, k, experts, self.expert_load, indices.shape)
+        self._shadow(indices, _routing(tokens, k, experts, self.expert_load, indices.shape))
         policy = "balanced" if self.expert_load == 1 else f"expert_load={self.expert_load:g}"
         self.record("routing", f"{policy} expert choice ({experts} experts, top-{k})")
 
@@ -288,9 +327,13 @@ def _patch_transformers(values: DryRunValues) -> Callable[[], None]:
     all-ones mask, passes ``is_causal`` to SDPA and builds none. A fake tensor with a real
     shadow is not traced: its values are known, so the dry run takes the real run's path.
     """
-    import sys
+    import importlib
+    import importlib.util
 
-    utils = sys.modules.get("transformers.utils.import_utils")
+    utils = None
+    if importlib.util.find_spec("transformers") is not None:
+        # Imported now, not left to the model's build: patched before transformers runs.
+        utils = importlib.import_module("transformers.utils.import_utils")
     original = getattr(utils, "is_fake_tensor", None)
     if utils is None or original is None:
         return lambda: None
@@ -389,7 +432,13 @@ def dynamic_shape_rule(fake_mode: Any, func: Any, *args: Any, **kwargs: Any) -> 
             mask = args[1]
             n = math.prod(torch.broadcast_shapes(x.shape, mask.shape))
             meta = [((n,), x.dtype)]
-        else:
+        elif name == "aten::unique_dim":  # (self, dim, sorted, return_inverse, return_counts)
+            dim = _arg(args, 1) % x.dim()
+            rows = x.shape[dim]
+            inverse = (rows,) if (kwargs.get("return_inverse") or _arg(args, 3)) else (0,)
+            counts = (rows,) if (kwargs.get("return_counts") or _arg(args, 4)) else (0,)
+            meta = [(tuple(x.shape), x.dtype), (inverse, torch.long), (counts, torch.long)]
+        else:  # _unique2: (self, sorted, return_inverse, return_counts)
             inverse = x.shape if (kwargs.get("return_inverse") or _arg(args, 2)) else (0,)
             counts = (n,) if (kwargs.get("return_counts") or _arg(args, 3)) else (0,)
             meta = [((n,), x.dtype), (tuple(inverse), torch.long), (counts, torch.long)]
@@ -438,13 +487,8 @@ def _host(x: Any) -> Any:
     return x
 
 
-def _forget_mutated(shadows: WeakIdKeyDictionary, func: Any, args: Any, kwargs: Any) -> None:
-    """An in-place write from a value without a shadow leaves the target's shadow stale."""
-    name = getattr(func, "__name__", "")
-    inplace = name == "__setitem__" or (name.endswith("_") and not name.startswith("__"))
-    if inplace and args and isinstance(args[0], _Tensor):
-        shadows.pop(args[0], None)
-    out = kwargs.get("out")
-    for t in tree_flatten(out)[0]:
-        if isinstance(t, _Tensor):
-            shadows.pop(t, None)
+def _storage_key(t: Any) -> int | None:
+    try:
+        return int(t.untyped_storage()._cdata)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
