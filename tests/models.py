@@ -113,3 +113,42 @@ def value_read_in_constructor_workload(batch_size: int, seq_len: int):
             return self.lin(x).sum()
 
     return Net(), torch.randn(batch_size, 4)
+
+
+class ReadsValue(nn.Module):
+    """Branches in Python on a value computed from activations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h.sum() if h.mean().item() > 0 else -h.sum()
+
+
+def value_read_workload(batch_size: int, seq_len: int):
+    model = nn.Sequential()
+    model.add_module("reader", ReadsValue())
+    return model, torch.randn(batch_size, 8)
+
+
+def constant_schedule_workload(batch_size: int, seq_len: int):
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            # Drop-path rates from constants, as ConvNeXt and Swin build theirs.
+            self.rates = [r.item() for r in torch.linspace(0, 0.1, 3)]
+            self.widths = torch.tensor([8, 16, 8]).tolist()
+            self.lins = nn.ModuleList(
+                nn.Linear(a, b) for a, b in zip(self.widths, self.widths[1:], strict=False)
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for lin in self.lins:
+                x = lin(x)
+            # A data-dependent shape computed from constants: its real size.
+            keep = torch.arange(8)[torch.arange(8) % 2 == 0]
+            return x[:, keep].sum()
+
+    return Net(), torch.randn(batch_size, 8)

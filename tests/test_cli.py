@@ -82,6 +82,7 @@ def test_profile_real_run_and_plan(tmp_path):
         (["--model", "tests.models:returns_model_only"], "must return a (model, batch) tuple"),
         (["--model", "tests.models:no_loss_workload"], "has no loss"),
         (["--model", "gpt2-tiny", "--cap", "lots"], "--cap"),
+        (["--model", "gpt2-tiny", "--expert-load", "0.5"], "expert_load must be a number >= 1"),
     ],
 )
 def test_bad_input_exits_2_with_one_sentence(args, match):
@@ -123,3 +124,18 @@ def test_python_dash_m_entry_point_has_no_traceback():
     assert "names nothing" in res.stderr
     assert "Traceback" not in res.stderr + res.stdout
     assert len([ln for ln in res.stderr.splitlines() if ln.strip()]) <= 3
+
+
+def test_profile_names_the_dry_run_policies_it_applied(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({
+        "model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 256, "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+    }))  # fmt: skip
+    res = _invoke("profile", "--model", str(config), "--dry-run", "-b", "2", "-l", "16",
+                  "--expert-load", "2")  # fmt: skip
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.output.split())
+    assert "dry-run policy: routing in model.layers.0.mlp.gate: expert_load=2 expert choice" in text

@@ -2,6 +2,13 @@
 
 Measure where training memory goes (:func:`track`, :func:`dry_run`), predict what fits, and
 apply the techniques that make it fit (:class:`Plan`).
+
+Applying a plan has one signature, ``(model, plan=None, *, optimizer=None, loss_fn=None,
+keep_original_weights=False)``:
+:func:`prepare` is the entry point for a training loop of your own (whole-batch ``step`` or
+micro-batch ``accumulate``/``backward``); :func:`apply_plan` returns the bare
+``TrainingSetup`` it wraps (``step``, ``stepper``, ``remove``), which the Trainer and the OOM
+fallback use. Both refuse a plan passed where the optimizer goes, and the reverse.
 """
 
 from __future__ import annotations

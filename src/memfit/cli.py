@@ -102,6 +102,14 @@ def profile(
             "host_bandwidth=...,compute_capability=...,bf16=...). Default: this machine.",
         ),
     ] = None,
+    expert_load: Annotated[
+        float,
+        typer.Option(
+            "--expert-load",
+            help="With --dry-run, mixture-of-experts routing: 1 spreads tokens evenly; c > 1 "
+            "gives one expert c times its share (a worst case).",
+        ),
+    ] = 1.0,
 ) -> None:
     """Measure where a training step's memory goes, by category, phase and module."""
     _quiet_libraries()
@@ -129,9 +137,16 @@ def profile(
             cap=cap_bytes,
             device=target,
             progress=progress,
+            expert_load=expert_load,
         ),
     )
     _print_report(report)
+    for use in report.meta.get("data_dependent") or ():
+        where = f" in {use['module']}" if use["module"] else ""
+        out.print(
+            f"dry-run policy: {use['op']}{where}: {use['policy']} ({use['count']}x)",
+            highlight=False,
+        )
     if json_path is not None:
         report.to_json(json_path)
         out.print(f"wrote {json_path}")

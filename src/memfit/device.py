@@ -12,6 +12,8 @@ import torch
 __all__ = [
     "cuda_available",
     "default_device",
+    "device_capability",
+    "device_memory_used",
     "device_name",
     "empty_cache",
     "is_cuda",
@@ -20,6 +22,7 @@ __all__ = [
     "max_memory_reserved",
     "mem_get_info",
     "memory_allocated",
+    "memory_reserved",
     "reset_peak_memory_stats",
     "synchronize",
     "total_memory",
@@ -83,6 +86,13 @@ def total_memory(device: torch.device | str) -> int | None:
     return None
 
 
+def memory_reserved(device: torch.device | str) -> int | None:
+    """Bytes the CUDA caching allocator holds from the driver now; ``None`` off CUDA."""
+    if is_cuda(device):
+        return int(torch.cuda.memory_reserved(device))
+    return None
+
+
 def max_memory_reserved(device: torch.device | str) -> int | None:
     """Peak bytes reserved by the CUDA caching allocator since the last reset; ``None`` off CUDA."""
     if is_cuda(device):
@@ -109,4 +119,21 @@ def device_name(device: torch.device | str) -> str | None:
     """The CUDA device's name (``NVIDIA H100 80GB HBM3``); ``None`` off CUDA."""
     if is_cuda(device):
         return str(torch.cuda.get_device_name(device))
+    return None
+
+
+def device_capability(device: torch.device | str) -> tuple[int, int] | None:
+    """The CUDA device's compute capability ``(major, minor)``; ``None`` off CUDA."""
+    if is_cuda(device):
+        major, minor = torch.cuda.get_device_capability(device)
+        return int(major), int(minor)
+    return None
+
+
+def device_memory_used(device: torch.device | str) -> int | None:
+    """Device memory in use by every process, as NVML (``nvidia-smi``) reports it; ``None`` off
+    CUDA. Needs the ``pynvml`` module (raises without it). Given an explicit index (``cuda:0``)
+    it creates no CUDA context, so it can measure memory before this process takes any."""
+    if is_cuda(device):
+        return int(torch.cuda.device_memory_used(device))
     return None

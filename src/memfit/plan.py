@@ -63,6 +63,11 @@ class Plan:
             memory is linear in it (quadratic for eager attention).
         sequence: Padding and batching of sequences (see :class:`SequenceConfig`).
         offload: Offload to host or disk (``None``: off).
+        fused_pointwise: Replace transformers' RMSNorms and gated MLPs (SwiGLU, GeGLU) by
+            single autograd nodes (:mod:`memfit.ops.pointwise`) that keep only their inputs for
+            backward: per layer, about one activation of the hidden width per norm and one of
+            the MLP width less (more in bf16), for a few elementwise passes recomputed in
+            backward. Same arithmetic: gradients equal to rounding.
     """
 
     micro_batch_size: int | None = None
@@ -78,6 +83,7 @@ class Plan:
     max_seq_len: int | None = None
     sequence: SequenceConfig = field(default_factory=SequenceConfig)
     offload: OffloadConfig | None = None
+    fused_pointwise: bool = False
 
     def __post_init__(self) -> None:
         # Accept short forms (strings, dicts, lists) and store the canonical configs.
@@ -156,6 +162,8 @@ class Plan:
                 "gradient, which accumulation keeps; use grad_clip_mode 'approx' or set "
                 "optimizer_in_backward false"
             )
+        if not isinstance(self.fused_pointwise, bool):
+            raise PlanError(f"fused_pointwise must be true or false, got {self.fused_pointwise!r}")
         if self.max_seq_len is not None and (
             not isinstance(self.max_seq_len, int) or self.max_seq_len < 1
         ):
@@ -265,6 +273,8 @@ class Plan:
             parts.append(f"max length {self.max_seq_len}")
         if self.offload is not None:
             parts.append(f"offload to {self.offload.tier}")
+        if self.fused_pointwise:
+            parts.append("fused pointwise")
         return ", ".join(parts)
 
 

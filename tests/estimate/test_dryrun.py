@@ -108,15 +108,34 @@ def test_hf_configs_dry_run_equals_real_run(tmp_path, name):
 def test_dry_run_limitations_blame_the_dry_run_and_name_the_operator():
     from memfit.estimate.dryrun import DryRunLimitation
 
-    # The real run handles a data-dependent output shape...
-    memfit.measure("tests.models:data_dependent_workload", batch_size=2, seq_len=1)
+    # The real run reads a value computed from activations...
+    memfit.measure("tests.models:value_read_workload", batch_size=2, seq_len=1)
     # ...the dry run cannot, and says so: the operator, the module, what to do instead.
     with pytest.raises(DryRunLimitation) as info:
-        memfit.dry_run("tests.models:data_dependent_workload", batch_size=2, seq_len=1)
+        memfit.dry_run("tests.models:value_read_workload", batch_size=2, seq_len=1)
     message = str(info.value)
-    assert message.startswith("dry-run limitation: operator aten.nonzero")
-    assert "inside module 'gate'" in message and "without --dry-run" in message
+    assert message.startswith("dry-run limitation: operator aten._local_scalar_dense")
+    assert "inside module 'reader'" in message and "without --dry-run" in message
     assert "the model raised" not in message
+
+
+def test_a_data_dependent_shape_of_activations_takes_its_upper_bound():
+    real = memfit.measure("tests.models:data_dependent_workload", batch_size=2, seq_len=1)
+    dry = memfit.dry_run("tests.models:data_dependent_workload", batch_size=2, seq_len=1)
+    assert dry.meta["data_dependent"] == [
+        {"op": "aten.nonzero", "module": "gate", "policy": "upper bound: every element kept",
+         "count": 2}
+    ]  # fmt: skip
+    # Every element kept: at least what the real run kept, and the index tensors in full.
+    assert dry.peak_bytes >= real.peak_bytes
+    assert real.meta.get("data_dependent") is None
+
+
+def test_constants_are_computed_for_real():
+    real = memfit.measure("tests.models:constant_schedule_workload", batch_size=2, seq_len=1)
+    dry = memfit.dry_run("tests.models:constant_schedule_workload", batch_size=2, seq_len=1)
+    assert dry.peak_by_category == real.peak_by_category
+    assert dry.meta["data_dependent"] == []
 
 
 def test_dry_run_limitation_while_the_model_is_built():

@@ -50,3 +50,26 @@ def test_moe_presets_have_the_published_sizes_and_dry_run(spec, billions):
     assert round(report.meta["num_parameters"] / 1e9, 1) == billions
     # fp32 weights, gradients and two AdamW moments at the step: 16 bytes per parameter.
     assert report.peak_bytes >= 16 * report.meta["num_parameters"]
+
+
+def test_module_view_shows_router_and_experts(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**BASE, **MOE["mixtral"]}))
+    dry = memfit.measure(str(path), batch_size=2, seq_len=32, steps=1, dry=True)
+    modules = set(dry.by_module)
+    assert "model.layers.0.mlp.gate" in modules and "model.layers.0.mlp.experts" in modules
+    # The experts' step peaks above the router's: the permuted tokens and expert activations.
+    experts = dry.by_module["model.layers.0.mlp.experts"]["forward"]
+    assert experts > dry.by_module["model.layers.0.mlp.gate"]["forward"]
+    assert [u["op"] for u in dry.meta["data_dependent"]] == ["routing", "routing"]
+
+
+@pytest.mark.slow
+def test_moe_preset_plans():
+    from memfit.planner import plan
+
+    workload = memfit.load_workload("qwen3-30b-a3b", 1, 256)
+    result = plan(workload, "640GiB", device="cpu")
+    assert result.fits and result.predicted_peak_bytes <= 640 * 2**30
+    # 30.5B parameters with AdamW: at least the fp32 weights and two moments.
+    assert result.predicted_peak_bytes >= 12 * 30.5e9

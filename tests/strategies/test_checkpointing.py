@@ -142,7 +142,7 @@ def _reference(which: str, request: pytest.FixtureRequest) -> tuple:
 def test_gradients_equal_unchecked_with_dropout(which, mode, request):
     model, batch, ref = _reference(which, request)
     model = copy.deepcopy(model)
-    names = apply_checkpointing(model, _config(mode))
+    names = apply_checkpointing(model, _config(mode)).names
     # Non-reentrant checkpoint restores the RNG state for the recomputation: same masks, same
     # gradients (bit for bit here; the tolerance only guards against kernel reordering).
     _assert_same_grads(ref, _grads(model, batch))
@@ -317,7 +317,7 @@ def test_budget_keeps_activations_under_budget(blocks_kept):
     # A budget with room for `blocks_kept` unchecked blocks, the rest keeping their inputs.
     budget = blocks_kept * BLOCK + (n - blocks_kept) * HIDDEN + HIDDEN // 2
     model = _stack(n)
-    names = apply_checkpointing(model, CheckpointConfig("budget", budget_bytes=budget))
+    names = apply_checkpointing(model, CheckpointConfig("budget", budget_bytes=budget)).names
     assert names == []  # decided at the first forward, from the real input shapes
     kept, peak = _activation_memory(model, _x())
     assert len(checkpointed_blocks(model)) == n - blocks_kept
@@ -362,11 +362,11 @@ def test_budget_with_an_estimator():
 # ---------------------------------------------------------------------------------- wrapping
 def test_patterns_select_blocks_and_unknown_pattern_fails():
     model = _stack(4)
-    names = apply_checkpointing(model, CheckpointConfig("full", blocks=("blocks.[13]",)))
+    names = apply_checkpointing(model, CheckpointConfig("full", blocks=("blocks.[13]",))).names
     assert names == ["blocks.1", "blocks.3"]
     remove_checkpointing(model)
     # A pattern matching a block and its children keeps the outermost (no nested checkpoints).
-    names = apply_checkpointing(model, CheckpointConfig("full", blocks=("blocks.0", "blocks.0.*")))
+    names = apply_checkpointing(model, CheckpointConfig("full", blocks=("blocks.0", "blocks.0.*"))).names
     assert names == ["blocks.0"]
     remove_checkpointing(model)
     with pytest.raises(ValueError, match=r"pattern 'encoder\.\*' matches no module of Stack"):
@@ -379,21 +379,21 @@ def test_patterns_select_blocks_and_unknown_pattern_fails():
 def test_apply_twice_and_remove():
     model = _stack(3)
     cfg = CheckpointConfig("full")
-    names = apply_checkpointing(model, cfg)
+    names = apply_checkpointing(model, cfg).names
     wrapper = model.blocks[0].forward
     # The same config again: a no-op, nothing wrapped twice.
-    assert apply_checkpointing(model, cfg) == names
+    assert apply_checkpointing(model, cfg).names == names
     assert model.blocks[0].forward is wrapper
     with pytest.raises(RuntimeError, match="already checkpointed"):
         apply_checkpointing(model, CheckpointConfig("selective"))
     assert remove_checkpointing(model) == names
     assert "forward" not in model.blocks[0].__dict__  # the class's forward again
     assert remove_checkpointing(model) == []
-    assert apply_checkpointing(model, CheckpointConfig("selective")) == names
+    assert apply_checkpointing(model, CheckpointConfig("selective")).names == names
     with pytest.raises(RuntimeError, match="remove_checkpointing"):
         apply_checkpointing(model, CheckpointConfig("none"))
     remove_checkpointing(model)
-    assert apply_checkpointing(model, CheckpointConfig("none")) == []
+    assert apply_checkpointing(model, CheckpointConfig("none")).names == []
 
 
 def test_deepcopy_of_a_checkpointed_model_is_independent():

@@ -69,7 +69,7 @@ def test_embeddings(gpt2, bert):
 
 def test_body_keeps_only_the_head(bert, gpt2):
     model = copy.deepcopy(bert[0])
-    frozen = apply_freezing(model, ["body"])
+    frozen = apply_freezing(model, ["body"]).names
     assert _trainable(model) == ["classifier.weight", "classifier.bias"]
     assert "bert.pooler.dense.weight" in frozen  # the pooler is body
     # GPT-2's head is tied to the token embedding: that tensor is the head, so it trains.
@@ -95,7 +95,7 @@ def test_body_of_a_plain_module_trains_its_last_child():
 
 def test_blocks(gpt2):
     model = copy.deepcopy(gpt2[0])
-    frozen = apply_freezing(model, ["blocks:1"])
+    frozen = apply_freezing(model, ["blocks:1"]).names
     assert frozen == [n for n, _ in model.named_parameters() if n.startswith("transformer.h.0.")]
     with pytest.raises(ValueError, match="asks for 3 blocks but the model has 2"):
         resolve_freeze(model, ["blocks:3"])
@@ -152,7 +152,7 @@ def test_trainable_numerics_unchanged(specs):
     frozen_model = Stack()
     reference = copy.deepcopy(frozen_model)
     before = copy.deepcopy(frozen_model.state_dict())
-    names = apply_freezing(frozen_model, specs)
+    names = apply_freezing(frozen_model, specs).names
     # As compose does: the optimizer gets the parameters that still require gradients.
     opt = torch.optim.AdamW([p for p in frozen_model.parameters() if p.requires_grad], lr=1e-2)
     _train(frozen_model, opt)
@@ -172,7 +172,7 @@ def test_optimizer_built_over_all_parameters_keeps_no_state_for_frozen():
     torch.manual_seed(0)
     model = Stack()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    names = apply_freezing(model, ["blocks:3"])
+    names = apply_freezing(model, ["blocks:3"]).names
     _train(model, opt)
     params = dict(model.named_parameters())
     assert {id(p) for p in opt.state} == {id(p) for n, p in params.items() if n not in names}
@@ -186,7 +186,7 @@ def test_peak_gradients_and_state_are_those_of_the_trainable_parameters():
     model = nn.Sequential(
         nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 64)
     )
-    names = apply_freezing(model, ["0.*", "2.weight"])
+    names = apply_freezing(model, ["0.*", "2.weight"]).names
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-3, foreach=False)
     x, y = torch.randn(2, 128), torch.randn(2, 64)

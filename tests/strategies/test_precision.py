@@ -161,6 +161,47 @@ def test_loss_scaler_alone_unscales_exactly_and_clips():
         DynamicLossScaler(backoff_factor=2.0)
 
 
+def test_why_not_grad_scaler_and_the_same_steps_as_it():
+    # What DynamicLossScaler's docstring claims about torch.amp.GradScaler in this torch: it
+    # trains on the CPU, but its step reads the overflow flag's value, which fake tensors do
+    # not have. The day this stops raising, GradScaler can replace memfit's scaler.
+    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = nn.Linear(4, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu")
+        scaler.scale(model(torch.randn(2, 4)).sum()).backward()
+        scaler.unscale_(opt)
+        with pytest.raises(DataDependentOutputException):
+            scaler.step(opt)
+        ours = DynamicLossScaler()
+        model.zero_grad()
+        ours.scale_loss(model(torch.randn(2, 4)).sum()).backward()
+        assert ours.step(opt) is True  # a dry run steps as if the gradients were finite
+    # On real CPU tensors: the same scales and parameters as GradScaler, overflows included
+    # (an inf injected into steps 1 and 3; growth after 2 good steps).
+    models = [nn.Linear(8, 1) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    theirs = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    ours = DynamicLossScaler(init_scale=2.0**10, growth_interval=2)
+    x, y = torch.randn(16, 8), torch.randn(16, 1)
+    for step in range(6):
+        for m, scale in ((models[0], theirs.scale), (models[1], ours.scale_loss)):
+            scale(F.mse_loss(m(x), y)).backward()
+            if step in (1, 3):
+                m.weight.grad[0, 3] = float("inf")
+        theirs.step(opts[0])
+        theirs.update()
+        ours.step(opts[1])
+        assert theirs.get_scale() == ours.scale
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
+    for p, q in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
 # ---------------------------------------------------------------------------------- autocast
 @pytest.mark.parametrize(("mode", "tol"), [("bf16-mixed", 0.05), ("fp16-mixed", 0.01)])
 def test_mixed_forward_close_to_fp32(gpt2, mode, tol):

@@ -58,6 +58,77 @@ def test_switch_plan_keeps_the_optimizer_and_rewraps_blocks():
     assert checkpointed_blocks(model) == []
 
 
+def _lm_batch():
+    ids = torch.randint(0, 259, (2, 16), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "labels": ids}
+
+
+def test_stepping_down_from_bf16_pure_restores_fp32_weights_and_drops_its_rounding():
+    # Before, a step-down re-applied plans to the same model: the weights stayed bf16 and the
+    # input-cast hook stayed on; the new optimizer stepped fp32 math on bf16 weights without
+    # stochastic rounding. Freezing was never lifted.
+    model = tiny_gpt2(seed=0)
+    setup = apply_plan(model, Plan(precision="bf16-pure", freeze=("embeddings",)))
+    old_optimizer = setup.optimizer
+    assert "_memfit_bf16" in old_optimizer.__dict__
+    setup.step(_lm_batch())
+    trained = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    new, rebuilt = switch_plan(setup, Plan(precision="bf16-mixed"))
+    assert rebuilt and new.optimizer is not old_optimizer
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(p.requires_grad for p in model.parameters())  # freezing lifted
+    assert len(model._forward_pre_hooks) == 0 and "_memfit_bf16_inputs" not in model.__dict__
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), trained[n]), n  # the trained values, carried over
+    # The new optimizer is a plain fp32 AdamW: its own step, no rounding context.
+    assert "step" not in new.optimizer.__dict__ and "_memfit_bf16" not in new.optimizer.__dict__
+    assert "_memfit_bf16" not in old_optimizer.__dict__  # the old one was unwrapped too
+    new.step(_lm_batch())
+    assert {s["exp_avg"].dtype for s in new.optimizer.state.values()} == {torch.float32}
+    with pytest.raises(RuntimeError, match="plan was removed"):
+        setup.step(_lm_batch())
+
+
+def test_switching_keeps_a_callers_optimizer_with_its_state_in_the_new_dtype():
+    model = tiny_gpt2(seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    prepared = memfit.prepare(model, Plan(precision="bf16-pure"), optimizer=opt)
+    prepared.step(_lm_batch())
+    assert opt.state[model.lm_head.weight]["exp_avg"].dtype == torch.bfloat16
+    new, rebuilt = switch_plan(prepared.setup, Plan(precision="bf16-mixed", checkpointing="full"))
+    assert not rebuilt and new.optimizer is opt and new.optimizer_given
+    assert "step" not in opt.__dict__  # unwrapped: torch's own AdamW.step
+    assert {s["exp_avg"].dtype for s in opt.state.values()} == {torch.float32}
+    assert {int(s["step"]) for s in opt.state.values()} == {1}  # the state carried over
+    new.step(_lm_batch())
+    assert {int(s["step"]) for s in opt.state.values()} == {2}
+
+
+def test_switches_that_leave_the_weights_alone_keep_the_optimizer():
+    model = tiny_gpt2()
+    setup = apply_plan(model, Plan(checkpointing="selective"))
+    opt = setup.optimizer
+    for plan in (
+        Plan(checkpointing="selective", precision="bf16-mixed"),
+        Plan(checkpointing="full", precision="fp16-mixed", max_grad_norm=1.0),
+        Plan(max_seq_len=8, loss_normalization="tokens", sequence={"group_by_length": True}),
+    ):
+        setup, rebuilt = switch_plan(setup, plan)
+        assert not rebuilt and setup.optimizer is opt and setup.plan == plan
+        assert type(setup.precision).__name__ == {
+            "fp32": "PrecisionRuntime", "bf16-mixed": "MixedRuntime",
+            "fp16-mixed": "Fp16MixedRuntime"}[plan.precision.mode]  # fmt: skip
+        assert setup.stepper.max_grad_norm == plan.max_grad_norm
+        assert checkpointed_blocks(model) == (
+            [] if plan.checkpointing.mode == "none" else ["transformer.h.0", "transformer.h.1"]
+        )
+        setup.step(_lm_batch())
+    # The handles moved with the switches: removing the last setup takes everything off.
+    setup.remove()
+    assert "forward" not in model.transformer.h[0].__dict__
+    assert "_memfit_checkpointing" not in model.__dict__
+
+
 # ---------------------------------------------------------------------------------- trainer
 BATCH = 8
 
@@ -162,19 +233,20 @@ def test_fallbacks_that_keep_the_optimizer_come_first():
 
 
 def test_a_fallback_with_another_optimizer_rebuilds_it_and_reattaches_the_schedule():
-    # The most frugal plan step_down knows, then one with another precision: switching to it
-    # needs a new optimizer. SGD keeps the peak in forward/backward, where a step can be redone.
+    # The most frugal plan step_down knows, then one that freezes the embeddings: switching to
+    # it needs a new optimizer (over fewer parameters). SGD keeps the peak in forward/backward,
+    # where a step can be redone.
     frugal = Plan(
         micro_batch_size=1, grad_accum_steps=8, checkpointing="full", optimizer={"name": "sgd"}
     )
-    mixed = frugal.replace(precision="bf16-mixed")
+    mixed = frugal.replace(freeze=("embeddings",))
     _, fp32_run, seen_fp32 = _run(frugal)
     _, mixed_run, _ = _run(mixed)
     assert mixed_run.peak_bytes < fp32_run.peak_bytes
     cap = (fp32_run.peak_bytes + mixed_run.peak_bytes) // 2
     trainer, result, seen = _run(frugal, cap=cap, fallback_plans=[mixed])
     assert [d["rebuilt"] for d in result.step_downs] == [True]
-    assert trainer.plan.precision.mode == "bf16-mixed"
+    assert trainer.plan.freeze == ("embeddings",)
     assert trainer.scheduler.optimizer is trainer.optimizer
     assert trainer.optimizer.param_groups[0]["initial_lr"] == 1e-2  # the run's lr
     assert seen == seen_fp32

@@ -100,3 +100,75 @@ def test_prepare_takes_the_plan_second_like_apply_plan():
         prepare(model, opt)
     with pytest.raises(TypeError, match=r"optimizer= got a memfit\.Plan"):
         prepare(model, optimizer=plan)
+
+
+def test_apply_plan_and_prepare_refuse_arguments_of_the_wrong_kind():
+    from memfit.strategies.compose import apply_plan
+
+    model = tiny_gpt2()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for func in (prepare, apply_plan):
+        name = func.__name__
+        with pytest.raises(TypeError, match=rf"{name}\(model, plan.*pass an optimizer as optimizer="):
+            func(model, opt)
+        with pytest.raises(TypeError, match=rf"optimizer= got a memfit\.Plan.*{name}\(model, plan\)"):
+            func(model, optimizer=Plan())
+        with pytest.raises(TypeError, match=r"takes an nn\.Module first, got a Plan"):
+            func(Plan(), Plan())
+        with pytest.raises(TypeError, match=r"Plan\.from_dict"):
+            func(model, {"precision": "bf16-mixed"})
+        with pytest.raises(TypeError, match="optimizer= takes a torch optimizer"):
+            func(model, Plan(), optimizer="adamw")
+        with pytest.raises(TypeError, match="loss_fn= takes a function"):
+            func(model, Plan(), loss_fn="mse")
+    # Nothing was applied by the refused calls.
+    assert all(p.requires_grad and p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_the_user_loop_honours_max_seq_len_and_token_weights():
+    # Before, prepared.backward ignored max_seq_len and loss_normalization="tokens": the loop
+    # trained on whole sequences with mean weights while prepared.step truncated and weighed
+    # tokens. A loop with its own forward uses prepare_batch and autocast.
+    plan = Plan(grad_accum_steps=2, micro_batch_size=4, max_seq_len=8,
+                loss_normalization="tokens", optimizer=OPT)  # fmt: skip
+    batch = _batch()
+    batch["labels"][:3, 4:] = -100  # the micro-batches hold different token counts
+    whole = prepare(tiny_gpt2(), plan)
+    whole.step(batch)
+    loop = prepare(tiny_gpt2(), plan)
+    for micro in split_batch(batch, 4):
+        with loop.accumulate():
+            cut = loop.prepare_batch(micro)
+            assert cut["input_ids"].shape == (4, 8)
+            with loop.autocast():
+                loss = loop.model(**cut).loss
+            loop.backward(loss, batch=micro)
+    for (n, p), (_, q) in zip(
+        loop.model.named_parameters(), whole.model.named_parameters(), strict=True
+    ):
+        torch.testing.assert_close(p, q, rtol=2e-5, atol=2e-7, msg=n)
+    # And it differs from the untruncated, mean-weighted training it used to do.
+    plain = prepare(tiny_gpt2(), plan.replace(max_seq_len=None, loss_normalization="mean"))
+    plain.step(batch)
+    assert not torch.allclose(plain.model.lm_head.weight, whole.model.lm_head.weight)
+
+
+def test_prepared_remove_takes_the_plan_off():
+    model = tiny_gpt2()
+    prepared = prepare(model, Plan(precision="bf16-pure", checkpointing="full"))
+    prepared.remove()
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert "forward" not in model.transformer.h[0].__dict__
+
+
+def test_prepare_and_apply_plan_have_one_signature():
+    import inspect
+
+    import memfit
+
+    a, b = inspect.signature(memfit.prepare), inspect.signature(memfit.apply_plan)
+    assert list(a.parameters) == list(b.parameters) == [
+        "model", "plan", "optimizer", "loss_fn", "keep_original_weights"
+    ]  # fmt: skip
+    assert [p.kind for p in a.parameters.values()] == [p.kind for p in b.parameters.values()]
+    assert [p.default for p in a.parameters.values()] == [p.default for p in b.parameters.values()]

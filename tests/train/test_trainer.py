@@ -80,6 +80,7 @@ def test_lr_override_and_schedule_reach_the_optimizer(fused):
         batch_size=4,
         lr=0.02,
         schedule="linear",
+        warmup_steps=0,
         max_steps=4,
         progress=False,
         on_step=lambda info: lrs.append(trainer.optimizer.param_groups[0]["lr"]),

@@ -259,11 +259,10 @@ def _for_target(rungs: list[tuple[str, Plan]], target: DeviceProfile) -> list[tu
 
 
 def _trainable_fraction(workload: Workload, plan: Plan) -> float:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+    from ..estimate.fake_kernels import dry_tensors
     from ..strategies.freezing import apply_freezing
 
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with dry_tensors():
         model = workload.build_model()
         total = sum(p.numel() for p in model.parameters())
         apply_freezing(model, plan.freeze)

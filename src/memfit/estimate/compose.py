@@ -12,6 +12,12 @@ depth instead. Blocks x count + embeddings + head + state, measured
 rather than assumed. Micro-batching is profiled with two micro-batches (memory does not grow
 with more), and the inputs are scaled back to the full batch.
 
+A stack of unlike blocks (dense then mixture-of-experts layers, Mamba and attention
+interleaved) is composed per block type (:mod:`memfit.estimate.depth`): the blocks' types come
+from the full model built on fake tensors, the shallow depths profiled are ``2 .. m`` for the
+least ``m`` whose prefix holds every type that comes after it, and each later block adds the
+step its type added there.
+
 Workloads that cannot change depth (``module:function``) and plans whose memory is not linear
 in depth (``sqrt`` checkpointing) are dry-run at full size instead.
 
@@ -22,6 +28,7 @@ the target's fixed overhead (CUDA context, workspaces).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,10 +36,10 @@ from ..accounting import CATEGORIES, PHASES
 from ..plan import Plan
 from ..targets import DeviceProfile, get_device
 from ..workload import Workload
-from .depth import SHALLOW_DEPTHS, extrapolate
+from .depth import compose_pattern, layer_pattern, profile_depths
 from .dryrun import dry_run
 
-__all__ = ["Prediction", "predict_peak"]
+__all__ = ["Prediction", "block_pattern", "predict_peak"]
 
 
 @dataclass
@@ -65,6 +72,26 @@ class Prediction:
     def device_total_bytes(self) -> int:
         """What the device holds at the peak: reserved bytes plus the fixed overhead."""
         return max(self.reserved_bytes, self.peak_bytes) + self.overhead_bytes
+
+
+_PATTERNS: dict[tuple[str, int, int], list[int] | None] = {}
+
+
+def block_pattern(workload: Workload) -> list[int] | None:
+    """The type of each block of ``workload``'s model (:func:`~.depth.layer_pattern`), from the
+    full-depth model built on fake tensors (nothing allocated); ``None`` when unknown."""
+    assert workload.depth is not None
+    key = (workload.name, workload.depth, id(workload.build_model))
+    if key not in _PATTERNS:
+        from .fake_kernels import dry_tensors
+
+        try:
+            with dry_tensors():
+                model = workload.build_model()
+            _PATTERNS[key] = layer_pattern(model, workload.depth)
+        except Exception:  # the model cannot be built on fake tensors: compose as uniform
+            _PATTERNS[key] = None
+    return _PATTERNS[key]
 
 
 def _reduced(workload: Workload, plan: Plan) -> tuple[Workload, Plan, float]:
@@ -115,8 +142,11 @@ def predict_peak(
     method = "dry-run"
     if compose and workload.scalable and linear and (workload.depth or 0) > 3:
         assert workload.with_depth is not None and workload.depth is not None
+        n = workload.depth
+        pattern = block_pattern(workload) or [0] * n
+        depths = profile_depths(pattern)
         shallow = []
-        for d in SHALLOW_DEPTHS:
+        for d in depths or ():
             report = dry_run(
                 workload.with_depth(d).replace(batch_size=small_wl.batch_size),
                 small_plan,
@@ -126,30 +156,31 @@ def predict_peak(
             shallow.append(_by_phase(report, scale))
             reserved.append(report.peak_reserved_bytes or report.peak_bytes)
             shallow_peaks.append(report.peak_bytes)
-        n = workload.depth
-        for phase in PHASES[:3]:
-            two, three = shallow[0][phase], shallow[1][phase]
-            if not two or not three:
+        for phase in PHASES[:3] if depths else ():
+            at = [s[phase] for s in shallow]
+            if not all(at):
                 continue
-            if any(three[c] < two[c] for c in CATEGORIES):
+            if any(b[c] < a[c] for a, b in itertools.pairwise(at) for c in CATEGORIES):
                 phases = {}
                 break
-            phases[phase] = {c: round(extrapolate(two[c], three[c], n)) for c in CATEGORIES}
+            phases[phase] = {
+                c: round(compose_pattern({d: v[c] for d, v in zip(depths, at, strict=True)}, pattern))
+                for c in CATEGORIES
+            }
         method = "composed"
-    reserved_bytes = 0
     if phases:
         # The allocator's slack (reserved minus tensors) is not linear in depth: it depends on
         # which cached blocks happen to fit. Take the larger slack of the two shallow runs.
-        peak = max(sum(v.values()) for v in phases.values())
-        reserved_bytes = peak + max(reserved[0] - shallow_peaks[0], reserved[1] - shallow_peaks[1])
-    if not phases:
+        slack = max(r - p for r, p in zip(reserved, shallow_peaks, strict=True))
+    else:
         report = dry_run(small_wl, small_plan, steps=2, device=target)
         phases = {
             k: {c: round(v) for c, v in cats.items()}
             for k, cats in _by_phase(report, scale).items()
             if cats
         }
-        reserved_bytes = report.peak_reserved_bytes or report.peak_bytes
+        # The slack of the reduced run, on top of the peak with the full batch's inputs.
+        slack = (report.peak_reserved_bytes or report.peak_bytes) - report.peak_bytes
         method = "dry-run"
     phase_peaks = {k: sum(v.values()) for k, v in phases.items()}
     peak_phase = max(phase_peaks, key=lambda k: phase_peaks[k])
@@ -159,7 +190,7 @@ def predict_peak(
         phase_peaks=phase_peaks,
         peak_phase=peak_phase,
         method=method,
-        reserved_bytes=max(reserved_bytes, phase_peaks[peak_phase]),
+        reserved_bytes=phase_peaks[peak_phase] + max(slack, 0),
         overhead_bytes=target.overhead_bytes if target.is_cuda else 0,
         target_device=target.name,
     )

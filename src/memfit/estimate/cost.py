@@ -85,12 +85,12 @@ class WorkloadProfile:
 
 def _measure(workload: Workload) -> dict[str, float]:
     """Forward/backward FLOPs, ops and kept activations of one sample, on fake tensors."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
     from ..accounting import track
+    from .fake_kernels import dry_tensors
 
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with dry_tensors():
         model, batch = workload.replace(batch_size=1).build()
         with track(model) as tracker:
             tracker.add_inputs(batch)

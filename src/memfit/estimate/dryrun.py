@@ -54,6 +54,7 @@ def measure(
     seq_len: int = 128,
     device: str | DeviceProfile | None = None,
     progress: Progress | None = None,
+    expert_load: float = 1.0,
 ) -> MemoryReport:
     """Run ``steps`` full training steps of ``workload`` under ``plan`` and report memory.
 
@@ -81,11 +82,16 @@ def measure(
             implementation torch picks there (foreach), and the report adds the caching
             allocator's reserved peak and the device's fixed overhead.
         progress: Called after each step with (done, total).
+        expert_load: Dry runs only: how a mixture-of-experts router spreads tokens, whose
+            choice depends on trained weights a dry run lacks. ``1.0``: evenly; ``c > 1``:
+            expert 0 takes ``c`` times its share (a worst case). See
+            :mod:`memfit.estimate.values` for this and the other data-dependent policies.
 
     Returns:
         The :class:`MemoryReport`, with ``meta`` holding ``num_parameters``, ``dry_run``,
         ``model``, ``batch_size``, ``seq_len``, ``steps``, ``plan``, ``losses``,
-        ``target_device`` and ``attention_backends``.
+        ``target_device``, ``attention_backends`` and, for a dry run, ``data_dependent``:
+        where a data-dependent policy decided a shape or value (operator, module, policy).
 
     Raises:
         ModelError: when the model itself fails; its own exception is the cause.
@@ -102,7 +108,9 @@ def measure(
     plan = plan_for_target(plan or Plan(), target)
     losses: list[float | None] = []
     emulation = emulate(target)
-    with _fake_mode() if dry else contextlib.nullcontext():
+    tracker = None
+    values = _values(dry, expert_load, lambda: tracker and tracker.current_module)
+    with _fake_mode() if dry else contextlib.nullcontext(), values:
         try:
             model, batch = workload.build(seed=seed)
         except WorkloadError:
@@ -144,6 +152,8 @@ def measure(
         target_device=target.name,
         attention_backends=dict(getattr(emulation, "backends", {})),
     )
+    if dry:
+        report.meta["data_dependent"] = values.summary()
     from .target import add_device_memory
 
     add_device_memory(report, tracker, target)
@@ -159,6 +169,14 @@ def _fake_mode() -> Any:
 
     with real_kernel_rules(), FakeTensorMode(allow_non_fake_inputs=True):
         yield
+
+
+def _values(dry: bool, expert_load: float, where: Callable[[], str | None]) -> Any:
+    """The dry run's value shadows and data-dependent policies (nothing for a real run)."""
+    from .values import DryRunValues
+
+    values = DryRunValues(expert_load=expert_load, where=where)  # checks expert_load always
+    return values if dry else contextlib.nullcontext()
 
 
 def _dry_limitation(exc: BaseException, where: str) -> DryRunLimitation | None:

@@ -14,12 +14,14 @@ implementations that do what the real kernel does:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["real_kernel_rules"]
+from .values import DryRunValues, _is_dynamic, dynamic_shape_rule
+
+__all__ = ["dry_tensors", "real_kernel_rules"]
 
 aten = torch.ops.aten
 
@@ -47,13 +49,46 @@ def _grouped_mm(
     return FakeTensor(fake_mode, out, device)
 
 
-_RULES = ((lambda func: func is aten._grouped_mm.default, _grouped_mm),)
+_RULES = (
+    (lambda func: func is aten._grouped_mm.default, _grouped_mm),
+    # Data-dependent shapes and values: replayed from constants or by the stated policy
+    # (:mod:`memfit.estimate.values`); without an open DryRunValues, fake tensors' own rules.
+    (_is_dynamic, dynamic_shape_rule),
+)
+
+
+def _same_module_to(original: Any) -> Any:
+    """``nn.Module.to`` that returns the module untouched when nothing would change.
+
+    A real ``module.to(dtype)`` to the dtype the module already has sets each parameter's
+    ``.data`` to itself, which costs nothing. On fake parameters ``Module._apply`` swaps the
+    tensors instead, which fails once autograd holds a parameter (a model that casts its router
+    to its own dtype inside ``forward``, as Switch Transformers does). Dry runs skip the no-op.
+    """
+
+    def to(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        if memory_format is None:
+            tensors = [*self.parameters(), *self.buffers()]
+            same = all(
+                (device is None or t.device == device)
+                and (dtype is None or not (t.is_floating_point() or t.is_complex()) or t.dtype == dtype)
+                for t in tensors
+            )
+            if same:
+                return self
+        return original(self, *args, **kwargs)
+
+    return to
 
 
 @contextlib.contextmanager
 def real_kernel_rules() -> Iterator[None]:
     """Install the fake implementations above while a dry run is open, then remove them."""
     from torch._subclasses.fake_impls import op_implementations_checks
+
+    original_to = torch.nn.Module.to
+    torch.nn.Module.to = _same_module_to(original_to)  # type: ignore[method-assign]
 
     added = [rule for rule in _RULES if rule not in op_implementations_checks]
     # Checked in order: ours go first, ahead of any broader rule.
@@ -62,6 +97,20 @@ def real_kernel_rules() -> Iterator[None]:
     try:
         yield
     finally:
+        torch.nn.Module.to = original_to  # type: ignore[method-assign]
         for rule in added:
             if rule in op_implementations_checks:
                 op_implementations_checks.remove(rule)
+
+
+@contextlib.contextmanager
+def dry_tensors(
+    *, expert_load: float = 1.0, where: Callable[[], str | None] | None = None
+) -> Iterator[DryRunValues]:
+    """Fake tensors as every dry run uses them: the fake kernels above and the values and
+    data-dependent policies of :mod:`memfit.estimate.values`."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    values = DryRunValues(expert_load=expert_load, where=where)
+    with real_kernel_rules(), FakeTensorMode(allow_non_fake_inputs=True), values:
+        yield values

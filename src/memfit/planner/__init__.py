@@ -1,6 +1,7 @@
 """The planner: the fastest plan that fits a memory budget, with the evidence."""
 
 from .explain import explain_table
-from .search import ALLOW, FORBID, Candidate, NothingFits, PlanResult, plan
+from .result import Candidate, NothingFits, PlanResult
+from .search import ALLOW, FORBID, plan
 
 __all__ = ["ALLOW", "FORBID", "Candidate", "NothingFits", "PlanResult", "explain_table", "plan"]

@@ -2,20 +2,53 @@
 
 The space is the product of the techniques' options (micro-batch sizes, checkpointing modes,
 precisions, optimizers, the fused step, ``foreach``, freezing, shorter sequences), starting
-from the user's plan and limited by ``--allow`` and ``--forbid``. Each candidate carries a
-rank vector (higher keeps less memory in that dimension) that dominance pruning compares.
+from the user's plan and limited by ``--allow`` and ``--forbid``.
+
+Each candidate carries a rank vector, one entry per dimension, for dominance pruning: a
+candidate that ranks at most as high as a known misfit in every dimension keeps at least as
+much memory and cannot fit. A rank is never an option's place in a list (the lists start from
+the user's plan, whatever it is); it is computed from what the option keeps:
+
+* micro-batch and sequence length: the samples and tokens held at once;
+* checkpointing: what a mode keeps for backward (``full`` keeps only block inputs,
+  ``selective`` the matmul outputs, ``none`` everything);
+* precision: two dimensions, the bytes kept per parameter and per activation element
+  (:data:`PRECISION_BYTES`): autocast halves activations but adds half-precision copies of the
+  weights, so fp32 and mixed precision are incomparable, and bf16-pure beats both;
+* optimizer: the state bytes per parameter, measured by building the optimizer on a probe
+  (:func:`state_bytes_per_parameter`);
+* the fused step (only without accumulation, where it frees the gradients), ``foreach`` off;
+* freezing: the share of parameters that still train, measured on fake tensors.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ..plan import Plan
+from ..strategies.optimizer import OptimizerConfig
 from ..workload import Workload
 
-__all__ = ["ALLOW", "FORBID"]
+__all__ = [
+    "ALLOW",
+    "FORBID",
+    "PRECISION_BYTES",
+    "RANK_DIMENSIONS",
+    "Space",
+    "check_names",
+    "dominated",
+    "generate",
+    "maximal",
+    "micro_batches",
+    "options",
+    "ordinal",
+    "space_pairs",
+    "state_bytes_per_parameter",
+    "trainable_fractions",
+]
 
 
 #: Techniques that change what is trained or how (only used when allowed).
@@ -36,8 +69,39 @@ FORBID: dict[str, str] = {
     "foreach-off": "turning the multi-tensor optimizer off",
 }
 
+#: The dimensions of a rank vector, in order.
+RANK_DIMENSIONS: tuple[str, ...] = (
+    "micro_batch",
+    "checkpointing",
+    "precision_parameters",
+    "precision_activations",
+    "optimizer_state",
+    "fused_step",
+    "per_tensor_step",
+    "freezing",
+    "sequence",
+)
 
-def _check_names(values: Iterable[str], known: dict[str, str], flag: str) -> tuple[str, ...]:
+#: Bytes a precision mode keeps (per parameter: weights, gradients and, under autocast, the
+#: half-precision weight copies its matmuls save for backward; per activation element). From
+#: the dtypes each mode stores: fp32 4 + 4 per parameter and 4 per activation; autocast 4 + 4
+#: + 2 and 2; bf16-pure 2 + 2 and 2. Measured: a GPT-2 with the step fused into backward peaks
+#: higher under bf16-mixed than under fp32 when its activations are small (the copies win).
+PRECISION_BYTES: dict[str, tuple[int, int]] = {
+    "fp32": (8, 4),
+    "bf16-mixed": (10, 2),
+    "fp16-mixed": (10, 2),
+    "bf16-pure": (4, 2),
+}
+# torch's optimizers with a multi-tensor (foreach) implementation; memfit's loop per tensor.
+_TORCH_FOREACH = ("adamw", "adam", "sgd")
+# What a checkpointing mode keeps for backward, in its order of size (not measured: each
+# mode's kept set contains the next one's): everything, the matmul outputs, block inputs.
+_CHECKPOINT_KEEPS = {"none": 2, "selective": 1, "full": 0}
+
+
+def check_names(values: Iterable[str], known: Mapping[str, str], flag: str) -> tuple[str, ...]:
+    """The stripped, non-empty ``values``; an unknown one is a ``ValueError`` sentence."""
     out = tuple(v.strip() for v in values if v.strip())
     for v in out:
         if v not in known:
@@ -47,7 +111,8 @@ def _check_names(values: Iterable[str], known: dict[str, str], flag: str) -> tup
     return out
 
 
-def _micro_batches(batch_size: int) -> list[int]:
+def micro_batches(batch_size: int) -> list[int]:
+    """Micro-batch sizes tried: the batch, halved (rounding up) down to 1, largest first."""
     sizes = []
     m = batch_size
     while m >= 1:
@@ -58,14 +123,81 @@ def _micro_batches(batch_size: int) -> list[int]:
     return sorted(set(sizes), reverse=True)
 
 
-def _space(
-    workload: Workload, base: Plan, allow: Sequence[str], forbid: Sequence[str], device: Any
-) -> list[tuple[Plan, tuple[int, ...]]]:
-    """Every candidate plan with its memory rank vector (higher = less memory)."""
+def ordinal(keeps: Mapping[Hashable, float]) -> dict[Hashable, int]:
+    """Rank options by what they keep: the one keeping most ranks 0; equal keeps, equal ranks."""
+    levels = sorted(set(keeps.values()), reverse=True)
+    return {option: levels.index(kept) for option, kept in keeps.items()}
+
+
+_STATE_BYTES: dict[tuple[str, str], float] = {}
+
+
+def state_bytes_per_parameter(config: OptimizerConfig) -> float:
+    """Optimizer state bytes per fp32 parameter, measured once per optimizer and arguments.
+
+    The optimizer is built from ``config`` on a small probe, stepped once, and its state
+    measured (:func:`memfit.optim.state_bytes`): 8 for AdamW, about 2.1 for 8-bit AdamW,
+    well under 1 for Adafactor, 0 or 4 for SGD depending on its momentum.
+
+    Raises:
+        ValueError: when the optimizer does not accept the config's arguments.
+    """
+    key = (config.name, repr(sorted(dict(config.kwargs).items())))
+    if key not in _STATE_BYTES:
+        _STATE_BYTES[key] = _measure_state_bytes(config)
+    return _STATE_BYTES[key]
+
+
+def _measure_state_bytes(config: OptimizerConfig) -> float:
+    import torch
+
+    from ..optim import state_bytes
+
+    # A probe shaped like a transformer's parameters: one weight matrix large enough for the
+    # 8-bit optimizer to quantise (its threshold is 4096 elements) and one bias vector.
+    params = [torch.nn.Parameter(torch.zeros(256, 256)), torch.nn.Parameter(torch.zeros(256))]
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)
+    try:
+        optimizer = OptimizerConfig(name=config.name, kwargs=dict(config.kwargs)).build(params)
+        optimizer.step()
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"optimizer {config.name!r} cannot be built with the plan's arguments "
+            f"{dict(config.kwargs)}: {e}"
+        ) from None
+    return state_bytes(optimizer) / sum(p.numel() for p in params)
+
+
+@dataclass(frozen=True)
+class Space:
+    """The options of each dimension the search combines."""
+
+    micros: tuple[int, ...]
+    checkpointing: tuple[str, ...]
+    precisions: tuple[str, ...]
+    optimizers: tuple[OptimizerConfig, ...]
+    fused: tuple[bool, ...]
+    foreach: tuple[bool | None, ...]
+    freezes: tuple[tuple[str, ...], ...]
+    seq_lens: tuple[int | None, ...]
+
+
+def options(
+    workload: Workload,
+    base: Plan,
+    allow: Sequence[str],
+    forbid: Sequence[str],
+    device: Any,
+    freezes: Sequence[tuple[str, ...]] | None = None,
+) -> Space:
+    """The options of every dimension, from ``base`` and the allowed and forbidden names.
+
+    ``freezes`` are the freezing choices that apply to the model (default: the base plan's,
+    plus the embeddings and the body when ``freeze`` is allowed).
+    """
     batch = workload.batch_size
-    micros = (
-        _micro_batches(batch) if "accumulation" not in forbid else [base.micro_batch_for(batch)]
-    )
+    micros = micro_batches(batch) if "accumulation" not in forbid else [base.micro_batch_for(batch)]
     ckpts = ["none"]
     if "checkpointing" not in forbid:
         ckpts.append("selective")
@@ -73,45 +205,98 @@ def _space(
             ckpts.append("full")
     mixed = "bf16-mixed" if device.supports_bf16 else "fp16-mixed"
     precisions = [base.precision.mode]
-    if "mixed-precision" not in forbid and mixed not in precisions:
+    if "mixed-precision" not in forbid:
         precisions.append(mixed)
     if "bf16-pure" in allow:
         precisions.append("bf16-pure")
-    optimizers = [base.optimizer.name]
-    if "8bit" in allow and "adamw8bit" not in optimizers:
-        optimizers.append("adamw8bit")
-    if "factored" in allow and "adafactor" not in optimizers:
-        optimizers.append("adafactor")
-    fused_options = [False] + ([True] if "fused-step" not in forbid else [])
-    foreach_options = [base.optimizer.foreach] + ([False] if "foreach-off" not in forbid else [])
-    freezes: list[tuple[str, ...]] = [tuple(base.freeze)]
-    if "freeze" in allow:
-        freezes += [("embeddings",), ("body",)]
+    optimizers = [base.optimizer]
+    for flag, name in (("8bit", "adamw8bit"), ("factored", "adafactor")):
+        if flag in allow:
+            # Another optimizer gets the base's learning rate, not its (foreign) arguments.
+            optimizers.append(OptimizerConfig(name=name, lr=base.optimizer.lr))
+    if freezes is None:
+        freezes = [tuple(base.freeze)] + ([("embeddings",), ("body",)] if "freeze" in allow else [])
     seqs: list[int | None] = [base.max_seq_len]
     if "shorter-seq" in allow:
         length = base.max_seq_len or workload.seq_len
         seqs += [max(1, length // 2), max(1, length // 4)]
+    return Space(
+        micros=tuple(micros),
+        checkpointing=_unique(ckpts),
+        precisions=_unique(precisions),
+        optimizers=_unique(optimizers, key=lambda o: o.name),
+        fused=(False, True) if "fused-step" not in forbid else (False,),
+        foreach=_unique([base.optimizer.foreach] + ([False] if "foreach-off" not in forbid else [])),
+        freezes=_unique(tuple(f) for f in freezes),
+        seq_lens=_unique(seqs, key=lambda s: s or workload.seq_len),
+    )
+
+
+def _unique(items: Iterable[Any], key: Any = None) -> tuple[Any, ...]:
+    seen: set[Any] = set()
+    out = []
+    for item in items:
+        k = key(item) if key else item
+        if k not in seen:
+            seen.add(k)
+            out.append(item)
+    return tuple(out)
+
+
+def generate(
+    workload: Workload,
+    base: Plan,
+    space: Space,
+    trainable: Mapping[tuple[str, ...], float] | None = None,
+    *,
+    device: Any,
+) -> list[tuple[Plan, tuple[int, ...]]]:
+    """Every valid combination of ``space``'s options, with its memory rank vector.
+
+    Args:
+        workload: The workload at its full batch and sequence length.
+        base: The user's plan (its settings are kept where the space does not vary them).
+        space: The options (:func:`options`).
+        trainable: Share of parameters that train under each freezing choice (measured by
+            :func:`trainable_fractions`); ranks freezing choices (all 1.0 without it).
+        device: The target: torch's optimizers loop per tensor by default except on CUDA.
+
+    Returns:
+        ``(plan, rank)`` pairs; a higher rank keeps less memory in that dimension.
+    """
+    batch = workload.batch_size
+    trainable = trainable or {}
+    micro_rank = ordinal({m: m for m in space.micros})
+    ckpt_rank = ordinal({c: _CHECKPOINT_KEEPS[c] for c in space.checkpointing})
+    param_rank = ordinal({p: PRECISION_BYTES[p][0] for p in space.precisions})
+    act_rank = ordinal({p: PRECISION_BYTES[p][1] for p in space.precisions})
+    state_rank = ordinal({o.name: state_bytes_per_parameter(o) for o in space.optimizers})
+    freeze_rank = ordinal({f: trainable.get(f, 1.0) for f in space.freezes})
+    seq_rank = ordinal({s: s or workload.seq_len for s in space.seq_lens})
+    base_foreach = base.optimizer.foreach
+    cuda = bool(getattr(device, "is_cuda", False))
 
     out = []
-    for (mi, m), (ci, ck), (_pi, pr), (_oi, op), (fi, fu), (ei, fe), (zi, fz), (
-        si,
-        sq,
-    ) in itertools.product(
-        enumerate(micros),
-        enumerate(ckpts),
-        enumerate(precisions),
-        enumerate(optimizers),
-        enumerate(fused_options),
-        enumerate(foreach_options),
-        enumerate(freezes),
-        enumerate(seqs),
+    for m, ck, pr, opt, fu, fe, fz, sq in itertools.product(
+        space.micros,
+        space.checkpointing,
+        space.precisions,
+        space.optimizers,
+        space.fused,
+        space.foreach,
+        space.freezes,
+        space.seq_lens,
     ):
         accum = -(-batch // m)
-        if fu and (ei > 0 or accum > 1):
+        foreach_off = fe is False and base_foreach is not False
+        # A step that loops per tensor has no parameter-sized multi-tensor temporaries: the
+        # foreach switch turned off, memfit's optimizers, and torch's default off CUDA.
+        loops = fe is False or opt.name not in _TORCH_FOREACH or (fe is None and not cuda)
+        if fu and (foreach_off or accum > 1):
             # In backward the step runs per tensor anyway (foreach is moot), and accumulated
             # gradients must persist across micro-batches, so fusing saves nothing then.
             continue
-        if ei > 0 and op not in ("adamw", "adam", "sgd"):
+        if foreach_off and opt.name not in _TORCH_FOREACH:
             continue  # memfit's optimizers loop per tensor: foreach off is the same plan
         if fu and pr == "fp16-mixed":
             continue  # the loss scaler must see every gradient before any step
@@ -121,11 +306,8 @@ def _space(
                 grad_accum_steps=accum,
                 checkpointing=base.checkpointing if ck == base.checkpointing.mode else ck,
                 precision=base.precision if pr == base.precision.mode else pr,
-                optimizer=base.optimizer.__class__(
-                    name=op,
-                    lr=base.optimizer.lr,
-                    foreach=fe,
-                    kwargs=base.optimizer.kwargs if op == base.optimizer.name else {},
+                optimizer=OptimizerConfig(
+                    name=opt.name, lr=opt.lr, foreach=fe, kwargs=dict(opt.kwargs)
                 ),
                 optimizer_in_backward=fu,
                 grad_clip_mode=("approx" if fu and accum > 1 else base.grad_clip_mode),
@@ -134,62 +316,77 @@ def _space(
             )
         except ValueError:
             continue  # an impossible combination: the Plan says so
-        # The fused step frees gradients only without accumulation (accumulated gradients must
-        # persist across micro-batches), so it ranks as a saving only then. Precision, the
-        # optimizer and freezing rank by what they keep, not by their place in the lists
-        # (which start from the user's base plan, whatever it is).
         rank = (
-            mi,
-            ci,
-            _PRECISION_RANK[pr],
-            -_STATE_BYTES.get(op, 8.0),
-            fi if accum == 1 else 0,
-            ei,
-            _FREEZE_RANK.get(fz, zi),
-            si,
+            micro_rank[m],
+            ckpt_rank[ck],
+            param_rank[pr],
+            act_rank[pr],
+            state_rank[opt.name],
+            int(fu),  # the fused step frees gradients (it only exists without accumulation)
+            int(loops),
+            freeze_rank[fz],
+            seq_rank[sq],
         )
         out.append((plan, rank))
     return out
 
 
-# Memory ranks of the options (higher keeps less). Precision: fp32 weights and gradients,
-# then autocast (half-size activations), then bf16 weights, gradients and state.
-_PRECISION_RANK = {"fp32": 0, "bf16-mixed": 1, "fp16-mixed": 1, "bf16-pure": 2}
-# Optimizer state in bytes per parameter (OptimizerConfig's docstring; tests/optim measure
-# them): Adam-like two fp32 moments, LARS one, 8-bit AdamW two int8 moments plus block scales,
-# Adafactor factored row and column statistics (far under one byte for matrices). SGD keeps
-# momentum only when asked to (torch's default momentum is 0).
-_STATE_BYTES = {
-    "adamw": 8.0,
-    "adam": 8.0,
-    "lamb": 8.0,
-    "lars": 4.0,
-    "sgd": 0.0,
-    "adamw8bit": 2.03,
-    "adafactor": 0.01,
-}
-# Freezing: the embeddings, then the whole body (only the head trains).
-_FREEZE_RANK = {(): 0, ("embeddings",): 1, ("body",): 2}
+def dominated(rank: Sequence[int], misfits: Iterable[Sequence[int]]) -> bool:
+    """Whether ``rank`` is at most a known misfit's rank in every dimension."""
+    return any(all(r <= f for r, f in zip(rank, bad, strict=True)) for bad in misfits)
 
 
-def _dominated(rank: tuple[int, ...], misfits: list[tuple[int, ...]]) -> bool:
-    return any(all(r <= f for r, f in zip(rank, bad, strict=False)) for bad in misfits)
+def maximal(ranks: Sequence[Sequence[int]]) -> list[int]:
+    """Indices of the ranks no other rank dominates (the most frugal candidates).
+
+    Every rank is dominated by (at most) one of these, so if none of them fits, nothing fits.
+    Equal ranks keep the first. Ordered by the sum of their ranks, largest first.
+    """
+    order = sorted(range(len(ranks)), key=lambda i: -sum(ranks[i]))
+    kept: list[int] = []
+    for i in order:
+        r = ranks[i]
+        if not any(all(a <= b for a, b in zip(r, ranks[k], strict=True)) for k in kept):
+            kept.append(i)
+    return kept
 
 
-def _trainable_fractions(workload: Workload) -> dict[tuple[str, ...], float]:
-    """Share of parameters that still train under each freezing choice (on fake tensors)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+def trainable_fractions(
+    workload: Workload, specs: Iterable[tuple[str, ...]]
+) -> dict[tuple[str, ...], float]:
+    """Share of parameters that still train under each freezing choice (on fake tensors).
 
+    A choice the model cannot take (``ValueError`` from freezing) is left out.
+    """
+    from ..estimate.fake_kernels import dry_tensors
     from ..strategies.freezing import apply_freezing
 
-    out: dict[tuple[str, ...], float] = {(): 1.0}
-    for spec in (("embeddings",), ("body",)):
+    out: dict[tuple[str, ...], float] = {}
+    for spec in specs:
+        if not spec:
+            out[spec] = 1.0
+            continue
         try:
-            with FakeTensorMode(allow_non_fake_inputs=True):
+            with dry_tensors():
                 model = workload.build_model()
                 total = sum(p.numel() for p in model.parameters())
                 apply_freezing(model, spec)
                 out[spec] = sum(p.numel() for p in model.parameters() if p.requires_grad) / total
         except ValueError:
-            out[spec] = 1.0
+            continue
     return out
+
+
+def space_pairs(
+    workload: Workload, base: Plan, allow: Sequence[str], forbid: Sequence[str], device: Any
+) -> list[tuple[Plan, tuple[int, ...]]]:
+    """:func:`options` then :func:`generate`: every candidate plan with its rank vector.
+
+    The planner's own sequence, for tests and tools that enumerate the space; freezing
+    choices are measured (:func:`trainable_fractions`) when ``freeze`` is allowed.
+    """
+    space = options(workload, base, allow, forbid, device)
+    trainable = trainable_fractions(workload, space.freezes) if "freeze" in allow else None
+    if trainable is not None:
+        space = options(workload, base, allow, forbid, device, freezes=list(trainable))
+    return generate(workload, base, space, trainable, device=device)

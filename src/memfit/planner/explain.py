@@ -1,13 +1,17 @@
-"""The planner's explanation table: the candidates it weighed, and why the winner won."""
+"""The planner's explanations: why the winner won, why nothing fits, and the table of the
+candidates it weighed."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+from ..targets import DeviceProfile
 from ..units import format_bytes
-from .search import PlanResult
+from .candidates import ALLOW
+from .result import Candidate, PlanResult
 
-__all__ = ["explain_table"]
+__all__ = ["explain_table", "nothing_fits_message", "why_it_won"]
 
 _SHORT = {
     "parameters": "params",
@@ -55,3 +59,59 @@ def explain_table(result: PlanResult, limit: int = 15) -> Any:
     verdict = "Winner" if result.fits else "Closest"
     notes.append(f"{verdict}: {result.plan.summary()}: {result.explanation}")
     return Group(*notes)
+
+
+def why_it_won(
+    winner: Candidate, predicted: Sequence[Candidate], budget_bytes: int, target: DeviceProfile
+) -> str:
+    """Why ``winner`` won: the faster candidates that did not fit, and what was fitted."""
+    faster_misfits = [c for c in predicted if c.step_time < winner.step_time and c.fits is False]
+    total = format_bytes(winner.device_total_bytes or 0)
+    if faster_misfits:
+        smallest = min(faster_misfits, key=lambda c: c.device_total_bytes or 0)
+        why = (
+            f"{len(faster_misfits)} faster candidate(s) were predicted over the budget (the "
+            f"smallest of them, {smallest.plan.summary()}, needs "
+            f"{format_bytes(smallest.device_total_bytes or 0)}); this is the fastest predicted "
+            f"plan that fits, confirmed at {total} of {format_bytes(budget_bytes)}."
+        )
+    else:
+        why = (
+            f"the fastest plan in the search already fits: {total} of "
+            f"{format_bytes(budget_bytes)}."
+        )
+    return why + " " + _what_fits(target, winner)
+
+
+def _what_fits(target: DeviceProfile, winner: Candidate) -> str:
+    if not target.is_cuda:
+        return "Fitted: the tensors' peak (the CPU has no caching allocator)."
+    return (
+        f"Fitted on {target.name}: the device total, {format_bytes(winner.peak_bytes or 0)} of "
+        f"tensors, {format_bytes(winner.reserved_bytes or 0)} reserved by the caching allocator "
+        f"(model), plus {format_bytes(target.overhead_bytes)} of CUDA context and workspaces."
+    )
+
+
+def nothing_fits_message(result: PlanResult, allow: Sequence[str], target: DeviceProfile) -> str:
+    """The paragraph of :class:`~memfit.planner.NothingFits`: the closest plan, what it needs,
+    and what to allow or change."""
+    missing = [a for a in ALLOW if a not in allow]
+    hint = (
+        f"allowing {', '.join(missing)} (--allow {','.join(missing)})"
+        if missing
+        else "offloading to host memory (not yet available) or a smaller batch or sequence"
+    )
+    need = result.predicted_device_total_bytes or result.predicted_peak_bytes
+    what = (
+        f"the smallest device total reachable on {target.name} is {format_bytes(need)} "
+        f"({format_bytes(result.predicted_peak_bytes)} of tensors; the caching allocator's "
+        "reserve and the CUDA context included)"
+        if target.is_cuda
+        else f"the smallest peak reachable is {format_bytes(need)}"
+    )
+    return (
+        f"Nothing fits in {format_bytes(result.budget_bytes)}: {what}, with "
+        f"{result.plan.summary()}. It would need a budget of at least {format_bytes(need)}, "
+        f"or {hint}."
+    )

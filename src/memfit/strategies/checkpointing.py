@@ -36,6 +36,7 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -48,6 +49,7 @@ __all__ = [
     "SAVE_OPS",
     "BlockEstimator",
     "CheckpointConfig",
+    "CheckpointHandle",
     "apply_checkpointing",
     "checkpointed_blocks",
     "measure_saved_bytes",
@@ -215,14 +217,9 @@ def _warn_once(key: str, message: str) -> None:
 
 
 def _tensors(obj: Any) -> Iterable[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
+    """The tensors in nested arguments (torch's pytree: dicts, lists, tuples, named tuples,
+    model outputs; other objects, such as a KV cache, are leaves and are skipped)."""
+    return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
 
 
 def _storage_key(t: torch.Tensor) -> int | None:
@@ -335,13 +332,7 @@ def _fake_state(module: nn.Module, mode: Any) -> Iterator[set[int | None]]:
 
 
 def _to_fake(mode: Any, obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return mode.from_tensor(obj)
-    if isinstance(obj, dict):
-        return {k: _to_fake(mode, v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
-        return type(obj)(_to_fake(mode, v) for v in obj)
-    return obj
+    return tree_map_only(torch.Tensor, mode.from_tensor, obj)
 
 
 def _count_saved(
@@ -552,7 +543,7 @@ def apply_checkpointing(
     config: CheckpointConfig,
     *,
     estimator: BlockEstimator | None = None,
-) -> list[str]:
+) -> CheckpointHandle:
     """Checkpoint ``model``'s repeated blocks as ``config`` says.
 
     Each chosen block's ``forward`` is replaced (on that instance only) by a wrapper that runs
@@ -562,8 +553,8 @@ def apply_checkpointing(
     for any ``nn.Module``, with frozen parameters or inputs that need no gradient.
 
     Calling it again on a model that is already checkpointed is a no-op when the config is the
-    same (the same names are returned) and raises ``RuntimeError`` otherwise: call
-    :func:`remove_checkpointing` first. Nothing is ever wrapped twice.
+    same (a handle on the same wrappers is returned) and raises ``RuntimeError`` otherwise:
+    remove the first first. Nothing is ever wrapped twice.
 
     Args:
         model: The model.
@@ -576,11 +567,12 @@ def apply_checkpointing(
             and during backward one block's recomputation comes on top.
 
     Returns:
-        Qualified names of the checkpointed blocks. In ``sqrt`` mode, the heads of the
-        segments (each checkpoint covers its head and the blocks up to the next head). In
-        ``budget`` mode the decision depends on the input shapes, so the list is empty until
-        the first forward and is updated in place at every forward (see
-        :func:`checkpointed_blocks`).
+        The :class:`CheckpointHandle`. Its ``names`` are the qualified names of the
+        checkpointed blocks. In ``sqrt`` mode, the heads of the segments (each checkpoint
+        covers its head and the blocks up to the next head). In ``budget`` mode the decision
+        depends on the input shapes, so the list is empty until the first forward and is
+        updated in place at every forward (see :func:`checkpointed_blocks`). Its ``remove()``
+        gives every block its own forward back.
 
     Raises:
         ValueError: when a ``blocks`` pattern matches no module, no repeated blocks are found,
@@ -591,13 +583,14 @@ def apply_checkpointing(
     existing: _State | None = model.__dict__.get("_memfit_checkpointing")
     if existing is not None:
         if existing.config == config:
-            return existing.names
+            return CheckpointHandle(model, existing)
         raise RuntimeError(
             f"{type(model).__name__} is already checkpointed (mode {existing.config.mode!r}); "
-            "call remove_checkpointing(model) before applying another checkpointing config"
+            "call remove_checkpointing(model) (or remove() on the handle apply_checkpointing "
+            "returned) before applying another checkpointing config"
         )
     if config.mode == "none":
-        return []
+        return CheckpointHandle(model, None)
     if config.mode == "budget" and not config.budget_bytes:
         raise ValueError("checkpointing mode 'budget' needs budget_bytes (the activation bytes allowed)")
     blocks = _resolve_blocks(model, config.blocks)
@@ -649,7 +642,31 @@ def apply_checkpointing(
         # An instance attribute shadows the class's forward for this block only.
         block.forward = wrapper
     model.__dict__["_memfit_checkpointing"] = state
-    return state.names
+    return CheckpointHandle(model, state)
+
+
+class CheckpointHandle:
+    """The blocks :func:`apply_checkpointing` wrapped, and how to unwrap them.
+
+    Attributes:
+        names: Qualified names of the checkpointed blocks (updated at every forward in
+            ``budget`` mode).
+    """
+
+    def __init__(self, model: nn.Module, state: _State | None) -> None:
+        self.model = model
+        self._state = state
+        self.names: list[str] = state.names if state is not None else []
+
+    def remove(self) -> None:
+        """Give every wrapped block its own forward back (:func:`remove_checkpointing`), as
+        long as the model is still checkpointed by this handle's call. Idempotent."""
+        if self._state is not None and self.model.__dict__.get("_memfit_checkpointing") is self._state:
+            remove_checkpointing(self.model)
+        self._state = None
+
+    def __repr__(self) -> str:
+        return f"CheckpointHandle({self.names})"
 
 
 def _sibling_groups(blocks: list[tuple[str, nn.Module]]) -> list[list[tuple[str, nn.Module]]]:

@@ -1,4 +1,4 @@
-"""Apply a whole :class:`~memfit.plan.Plan` to a model and run training steps under it.
+"""Apply a whole :class:`~memfit.plan.Plan` to a model, step it, and take it off again.
 
 Each technique lives in its own module and knows nothing of the others; this is the one place
 where they meet, in a fixed order:
@@ -7,8 +7,14 @@ where they meet, in a fixed order:
 2. precision (may cast the model to bf16),
 3. checkpointing (wraps blocks; sees the final dtypes and the frozen set),
 4. the optimizer, fused into backward or not,
-5. per step: sequence truncation, micro-batches with normalised losses, autocast and loss
-   scaling, clipping, the optimizer step and ``zero_grad(set_to_none=True)``.
+5. per step (:func:`~memfit.strategies.stepper.run_step`): sequence truncation, micro-batches
+   with weighted losses, autocast and loss scaling, clipping, the optimizer step and
+   ``zero_grad(set_to_none=True)``, through the plan's
+   :class:`~memfit.strategies.stepper.Stepper`.
+
+Every technique's ``apply`` returns a handle (:class:`~memfit.strategies.removable.Removable`);
+:meth:`TrainingSetup.remove` removes them in reverse order, so a plan can be switched by
+removing one and applying another (:func:`memfit.train.oom.switch_plan`).
 """
 
 from __future__ import annotations
@@ -21,9 +27,11 @@ import torch
 from torch import nn
 
 from ..plan import Plan
-from ..workload import Batch, loss_from_output
+from ..workload import Batch, batch_size_of, loss_from_output
+from .removable import Removable
+from .stepper import Stepper, make_stepper, run_step
 
-__all__ = ["TrainingSetup", "apply_plan"]
+__all__ = ["LossFn", "TrainingSetup", "apply_plan", "check_plan_arguments"]
 
 LossFn = Callable[[Any, Batch], torch.Tensor]
 
@@ -33,12 +41,18 @@ class TrainingSetup:
     """A model with a plan applied, ready to step.
 
     Attributes:
-        model: The (possibly wrapped or cast) model.
+        model: The model (the same object that was passed in, changed in place).
         plan: The plan applied.
         optimizer: The optimizer, or the optimizer-in-backward handle.
         loss_fn: Turns (output, batch) into a scalar loss.
         precision: The precision runtime (autocast context, loss scaler).
-        info: What each technique did (frozen names, wrapped blocks, ...), for reports.
+        stepper: The :class:`~memfit.strategies.stepper.Stepper` that turns losses into
+            updates (built from the fields above when not given).
+        info: What each technique did (``frozen``, ``checkpointed`` names), for reports.
+        steps_done: Optimizer steps taken.
+        handles: ``(technique, handle)`` in the order applied; :meth:`remove` undoes them.
+        optimizer_given: Whether the optimizer was the caller's (kept across plan switches)
+            rather than built from the plan.
     """
 
     model: nn.Module
@@ -46,43 +60,60 @@ class TrainingSetup:
     optimizer: Any
     loss_fn: LossFn
     precision: Any
+    stepper: Stepper | None = None
     info: dict[str, Any] = field(default_factory=dict)
     steps_done: int = 0
-    undo: list[tuple[str, Callable[[], None]]] = field(default_factory=list, repr=False)
+    handles: list[tuple[str, Removable]] = field(default_factory=list, repr=False)
+    optimizer_given: bool = False
+    removed: bool = False
+
+    def __post_init__(self) -> None:
+        if self.stepper is None:
+            self.stepper = make_stepper(
+                self.optimizer,
+                self.precision,
+                self.model,
+                fused=self.plan.optimizer_in_backward,
+                max_grad_norm=self.plan.max_grad_norm,
+            )
 
     def remove(self) -> None:
         """Take the plan off the model, last technique first: the fused step's hooks,
-        checkpointing's wrappers, bf16-pure's dtypes and input hook, freezing's
-        ``requires_grad``. The model is then what it was before :func:`apply_plan` (its
-        parameter values are the trained ones), ready for another plan; this setup must not
-        step again."""
-        while self.undo:
-            _, undo = self.undo.pop()
-            undo()
+        checkpointing's wrappers, precision (dtypes, input hook, optimizer wrappers),
+        freezing's ``requires_grad``.
 
-    @property
-    def stepper(self) -> Any:
-        """The :class:`~memfit.strategies.stepper.Stepper` that turns losses into updates."""
-        from .stepper import FusedStepper, PlainStepper
-
-        if self.plan.optimizer_in_backward:
-            return FusedStepper(self.optimizer)
-        return PlainStepper(self.optimizer, self.precision, self.model, self.plan.max_grad_norm)
+        The model then has the structure, hooks, dtypes and ``requires_grad`` it had before
+        :func:`apply_plan`, with its current (trained) values; see
+        :mod:`memfit.strategies.precision` for which values bf16-pure gives back exactly. The
+        setup cannot step afterwards. Idempotent.
+        """
+        while self.handles:
+            _, handle = self.handles.pop()
+            handle.remove()
+        self.removed = True
 
     def step(self, batch: Batch) -> torch.Tensor:
         """One optimizer step on ``batch`` (the effective batch): returns the (detached) loss.
 
-        Runs :func:`~memfit.strategies.stepper.run_step`, the one training loop."""
-        from .stepper import run_step
+        Runs :func:`~memfit.strategies.stepper.run_step`, the one training loop.
 
+        Raises:
+            RuntimeError: after :meth:`remove`.
+        """
+        if self.removed:
+            raise RuntimeError(
+                "this training setup's plan was removed from the model; apply a plan again "
+                "(apply_plan or switch_plan) to train"
+            )
         plan = self.plan
+        assert self.stepper is not None
         total = run_step(
             self.model,
             batch,
             stepper=self.stepper,
             autocast=self.precision.autocast,
             loss_fn=self.loss_fn,
-            micro_batch_size=plan.micro_batch_for(_batch_size(prepare_batch(batch, plan))),
+            micro_batch_size=plan.micro_batch_for(batch_size_of(batch)),
             normalization=plan.loss_normalization,
             max_seq_len=plan.max_seq_len,
         )
@@ -94,62 +125,80 @@ def apply_plan(
     model: nn.Module,
     plan: Plan | None = None,
     *,
-    loss_fn: LossFn | None = None,
     optimizer: Any = None,
+    loss_fn: LossFn | None = None,
+    keep_original_weights: bool = False,
 ) -> TrainingSetup:
     """Apply ``plan`` to ``model`` and build its optimizer.
 
+    The library-level entry point (the Trainer, the OOM fallback and ``measure`` use it);
+    :func:`memfit.prepare` takes the same arguments in the same order and wraps the result for
+    a training loop of one's own.
+
     Args:
-        model: The model, in train mode.
+        model: The model, in train mode; changed in place (:meth:`TrainingSetup.remove` undoes
+            it).
         plan: The plan (default: the plain plan: AdamW, fp32, no technique on).
-        loss_fn: ``loss_fn(output, batch)``; default: the output's ``.loss`` or scalar output.
         optimizer: Use this optimizer instead of building the plan's (not allowed with
-            ``optimizer_in_backward``, which needs a factory).
+            ``optimizer_in_backward``, which builds one optimizer per parameter).
+        loss_fn: ``loss_fn(output, batch)``; default: the output's ``.loss`` or scalar output.
+        keep_original_weights: For ``bf16-pure``: keep the original weights on the host so
+            that removing the plan gives back every weight training did not change bit for bit
+            (see :func:`~memfit.strategies.precision.apply_precision`).
 
     Returns:
         The :class:`TrainingSetup`.
+
+    Raises:
+        TypeError: when an argument has the wrong kind (a plan where the optimizer goes, or
+            the reverse), see :func:`check_plan_arguments`.
+        ValueError: when the plan cannot apply to this model (a freeze pattern that matches
+            nothing, no blocks to checkpoint) or an optimizer is given with
+            ``optimizer_in_backward``.
     """
+    check_plan_arguments("apply_plan", model, plan, optimizer, loss_fn)
     plan = plan or Plan()
-    info: dict[str, Any] = {}
-    undo: list[tuple[str, Callable[[], None]]] = []  # (technique, how to take it off)
-    if plan.freeze:
-        from .freezing import apply_freezing
-
-        trainable = {n: p.requires_grad for n, p in model.named_parameters()}
-        info["frozen"] = apply_freezing(model, plan.freeze)
-        undo.append(("freeze", lambda: _restore_requires_grad(model, trainable)))
-    from .precision import apply_precision, remove_precision
-
-    dtypes = {n: t.dtype for n, t in model.named_parameters(remove_duplicate=False)}
-    dtypes.update({n: t.dtype for n, t in model.named_buffers(remove_duplicate=False)})
-    precision = apply_precision(model, plan.precision)
-    undo.append(("precision", lambda: remove_precision(model, dtypes)))
-    if plan.checkpointing.mode != "none":
-        from .checkpointing import apply_checkpointing, remove_checkpointing
-
-        info["checkpointed"] = apply_checkpointing(model, plan.checkpointing)
-        undo.append(("checkpointing", lambda: remove_checkpointing(model)))
-    params = [p for p in model.parameters() if p.requires_grad]
-    if plan.optimizer_in_backward:
-        if optimizer is not None:
-            raise ValueError(
-                "optimizer_in_backward builds one optimizer per parameter from the plan; "
-                "pass no optimizer (or set optimizer_in_backward false)"
-            )
-        from .fused_step import optimizer_in_backward
-
-        opt_cfg = precision.optimizer_config(plan.optimizer)
-        optimizer = optimizer_in_backward(
-            model,
-            lambda ps: precision.wrap_optimizer(opt_cfg.build(ps)),
-            grad_accum_steps=plan.grad_accum_steps,
-            max_grad_norm=plan.max_grad_norm,
-            clip_mode=plan.grad_clip_mode,
+    if plan.optimizer_in_backward and optimizer is not None:
+        raise ValueError(
+            "optimizer_in_backward builds one optimizer per parameter from the plan; "
+            "pass no optimizer (or set optimizer_in_backward false)"
         )
-        undo.append(("optimizer_in_backward", optimizer.remove))
-    elif optimizer is None:
-        optimizer = precision.optimizer_config(plan.optimizer).build(params)
-        optimizer = precision.wrap_optimizer(optimizer)
+    info: dict[str, Any] = {}
+    handles: list[tuple[str, Removable]] = []
+    try:
+        if plan.freeze:
+            from .freezing import apply_freezing
+
+            frozen = apply_freezing(model, plan.freeze)
+            handles.append(("freeze", frozen))
+            info["frozen"] = frozen.names
+        if plan.fused_pointwise:
+            from .fused_pointwise import apply_fused_pointwise
+
+            fused = apply_fused_pointwise(model)
+            handles.append(("fused_pointwise", fused))
+            info["fused_pointwise"] = fused.norms + fused.mlps
+        from .precision import apply_precision
+
+        precision = apply_precision(
+            model, plan.precision, keep_original_weights=keep_original_weights
+        )
+        handles.append(("precision", precision))
+        if plan.checkpointing.mode != "none":
+            from .checkpointing import apply_checkpointing
+
+            checkpointed = apply_checkpointing(model, plan.checkpointing)
+            handles.append(("checkpointing", checkpointed))
+            info["checkpointed"] = checkpointed.names
+        given = optimizer is not None
+        optimizer = _build_optimizer(model, plan, precision, optimizer)
+        if plan.optimizer_in_backward:
+            handles.append(("optimizer_in_backward", optimizer))
+    except Exception:
+        # A technique that cannot apply leaves the model as it was, not half-changed.
+        for _, handle in reversed(handles):
+            handle.remove()
+        raise
     return TrainingSetup(
         model=model,
         plan=plan,
@@ -157,24 +206,73 @@ def apply_plan(
         loss_fn=loss_fn or (lambda out, batch: loss_from_output(out)),
         precision=precision,
         info=info,
-        undo=undo,
+        handles=handles,
+        optimizer_given=given,
     )
 
 
-def _restore_requires_grad(model: nn.Module, trainable: dict[str, bool]) -> None:
-    for name, p in model.named_parameters():
-        if name in trainable:
-            p.requires_grad_(trainable[name])
+def _build_optimizer(model: nn.Module, plan: Plan, precision: Any, optimizer: Any) -> Any:
+    if plan.optimizer_in_backward:
+        from .fused_step import optimizer_in_backward
+
+        opt_cfg = precision.optimizer_config(plan.optimizer)
+        return optimizer_in_backward(
+            model,
+            lambda ps: precision.wrap_optimizer(opt_cfg.build(ps)),
+            grad_accum_steps=plan.grad_accum_steps,
+            max_grad_norm=plan.max_grad_norm,
+            clip_mode=plan.grad_clip_mode,
+        )
+    if optimizer is None:
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = precision.optimizer_config(plan.optimizer).build(params)
+    # bf16-pure wraps the optimizer's step (the runtime unwraps it on removal); other modes
+    # return it unchanged.
+    return precision.wrap_optimizer(optimizer)
 
 
-def prepare_batch(batch: Batch, plan: Plan) -> Batch:
-    """``batch`` as ``plan`` trains on it (sequences truncated to ``max_seq_len``)."""
-    from .stepper import prepare_batch as _prepare
+def check_plan_arguments(
+    func: str, model: Any, plan: Any, optimizer: Any, loss_fn: Any
+) -> None:
+    """Refuse arguments of the wrong kind with one sentence (shared by :func:`apply_plan`
+    and :func:`memfit.prepare`, whose signature is ``(model, plan=None, *, optimizer=None,
+    loss_fn=None)``).
 
-    return _prepare(batch, plan.max_seq_len)
+    Raises:
+        TypeError: for a model that is not an ``nn.Module``, a plan that is not a
+            :class:`~memfit.plan.Plan` (an optimizer where the plan goes, as the old
+            ``prepare(model, optimizer, plan)`` order had it), an optimizer that is a plan or
+            has no ``step``/``param_groups``, or a ``loss_fn`` that is not callable.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"{func}(model, plan, *, optimizer=..., loss_fn=...) takes an nn.Module first, got "
+            f"a {type(model).__name__}"
+        )
+    if plan is not None and not isinstance(plan, Plan):
+        hint = (
+            "pass an optimizer as optimizer=..."
+            if hasattr(plan, "param_groups")
+            else "build one with memfit.Plan(...) or Plan.from_dict(...)"
+        )
+        raise TypeError(
+            f"{func}(model, plan, *, optimizer=...) takes a memfit.Plan second, got a "
+            f"{type(plan).__name__}; {hint}"
+        )
+    if isinstance(optimizer, Plan):
+        raise TypeError(
+            f"optimizer= got a memfit.Plan; pass the plan second: {func}(model, plan)"
+        )
+    if optimizer is not None and not (
+        hasattr(optimizer, "step") and hasattr(optimizer, "param_groups")
+    ):
+        raise TypeError(
+            f"optimizer= takes a torch optimizer (with step and param_groups), got a "
+            f"{type(optimizer).__name__}"
+        )
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(
+            f"loss_fn= takes a function loss_fn(output, batch) -> loss, got a "
+            f"{type(loss_fn).__name__}"
+        )
 
-
-def _batch_size(batch: Batch) -> int:
-    from ..workload import batch_size_of
-
-    return batch_size_of(batch)

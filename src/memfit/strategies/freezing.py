@@ -5,6 +5,9 @@ gradient of anything only it needs), and an optimizer built afterwards from the 
 require gradients (as :func:`memfit.strategies.compose.apply_plan` does) holds no state for it.
 Freezing ``body`` in an Adam fine-tune removes about 12 bytes per frozen parameter: 4 of gradient
 and 8 of optimizer state; the weights themselves (4 bytes) stay.
+
+:func:`apply_freezing` returns a :class:`FreezeHandle`; its :meth:`~FreezeHandle.remove` gives
+every parameter it froze its ``requires_grad`` back.
 """
 
 from __future__ import annotations
@@ -12,11 +15,12 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Sequence
 
+import torch
 from torch import nn
 
 from .blocks import find_blocks
 
-__all__ = ["HEAD_NAMES", "apply_freezing", "resolve_freeze"]
+__all__ = ["HEAD_NAMES", "FreezeHandle", "apply_freezing", "resolve_freeze"]
 
 #: Names (fnmatch patterns over a module's own name) of task heads in Hugging Face models:
 #: classifiers (``classifier``, DistilBERT's ``pre_classifier``), ``score`` (sequence
@@ -35,8 +39,8 @@ HEAD_NAMES: tuple[str, ...] = (
 _SHOWN = 6  # parameter names listed in an error message
 
 
-def apply_freezing(model: nn.Module, specs: Sequence[str]) -> list[str]:
-    """Freeze the parameters that ``specs`` select; return their names.
+def apply_freezing(model: nn.Module, specs: Sequence[str]) -> FreezeHandle:
+    """Freeze the parameters that ``specs`` select.
 
     Each spec is one of:
 
@@ -63,21 +67,50 @@ def apply_freezing(model: nn.Module, specs: Sequence[str]) -> list[str]:
         specs: The specs, applied together (the union is frozen).
 
     Returns:
-        Names (as :meth:`nn.Module.named_parameters` gives them) of the parameters the specs
-        select, in model order, including any that were frozen already.
+        The :class:`FreezeHandle`: ``names`` lists (as :meth:`nn.Module.named_parameters`
+        gives them) the parameters the specs select, in model order, including any that were
+        frozen already; ``remove()`` unfreezes what this call froze.
 
     Raises:
         ValueError: when a spec selects nothing, with the parameter names that exist.
     """
     names = resolve_freeze(model, specs)
     params = dict(model.named_parameters())
+    handle = FreezeHandle(names, [(params[n], params[n].requires_grad) for n in names])
     for name in names:
         p = params[name]
         p.requires_grad_(False)
         # A stale gradient would keep its memory and could be stepped by an optimizer built
         # before freezing; frozen means no gradient.
         p.grad = None
-    return names
+    return handle
+
+
+class FreezeHandle:
+    """What :func:`apply_freezing` froze, and how to undo it.
+
+    Attributes:
+        names: The selected parameters' names, in model order (frozen before or by this call).
+    """
+
+    def __init__(self, names: list[str], previous: list[tuple[torch.Tensor, bool]]) -> None:
+        self.names = names
+        self._previous = previous  # (parameter, requires_grad before freezing)
+
+    def remove(self) -> None:
+        """Give each selected parameter the ``requires_grad`` it had before freezing.
+
+        A gradient dropped at freezing is not brought back (the parameter had to lose it to be
+        frozen; an unfrozen parameter gets a new one at its next backward). Idempotent.
+        """
+        previous, self._previous = self._previous, []
+        for p, requires_grad in previous:
+            p.requires_grad_(requires_grad)
+
+    def __repr__(self) -> str:
+        return f"FreezeHandle({len(self.names)} parameters)"
+
+
 
 
 def resolve_freeze(model: nn.Module, specs: Sequence[str]) -> list[str]:

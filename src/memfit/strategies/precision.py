@@ -16,21 +16,39 @@ bf16-pure      nothing              stochastic rounding      2 + 2 + 4
 ``bf16-pure`` casts the model to bf16 and wraps the optimizer so each update is computed in
 fp32 and written back to the bf16 weights with stochastic rounding (unbiased: an update far
 below half a bf16 ulp still moves the weight on average, where round-to-nearest drops it).
+
+The runtime is also the handle of what :func:`apply_precision` changed:
+:meth:`PrecisionRuntime.remove` takes it off again. For ``bf16-pure`` that means:
+
+* every parameter and buffer gets its original dtype back, holding its *current* value
+  converted (a model trained in bf16 comes back in fp32 with its trained values, exactly:
+  every bf16 value is an fp32 value);
+* a weight that was not a bf16 value to begin with was rounded to bf16 when cast, and that
+  rounding cannot be undone from the bf16 value alone (relative error at most 2**-9). Weights
+  loaded from a bf16 checkpoint, as most published LLM weights are, come back bit for bit.
+  With ``keep_original_weights=True`` the original tensors are kept (on the host) and every
+  element that training did not change comes back bit for bit, even right after the cast;
+  that costs their size in host memory, which on a CPU-only run is the memory bf16-pure saves,
+  so it is off by default;
+* the input-cast hook goes, and every optimizer the runtime wrapped for the bf16 step is
+  unwrapped: its own ``step`` again, its stochastic-rounding generators dropped, its per-element
+  state (Adam's moments) converted to the parameters' restored dtype.
 """
 
 from __future__ import annotations
 
 import contextlib
 import types
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
-from ..device import is_fake
 from ..optim.rounding import stochastic_round_to_bf16
+from .loss_scaling import DynamicLossScaler, clip_gradients, optimizer_params
 from .optimizer import OptimizerConfig
 
 __all__ = [
@@ -42,8 +60,8 @@ __all__ = [
     "PrecisionRuntime",
     "apply_precision",
     "cast_module",
-    "remove_precision",
     "stochastic_round_to_bf16",
+    "unwrap_optimizer_bf16",
     "wrap_optimizer_bf16",
 ]
 
@@ -75,160 +93,6 @@ class PrecisionConfig:
     growth_interval: int = 2000
     backoff_factor: float = 0.5
     growth_factor: float = 2.0
-
-
-# ---------------------------------------------------------------------------------- scaler
-class DynamicLossScaler:
-    """Dynamic loss scaling for fp16 training, usable on its own.
-
-    Multiply the loss by :attr:`scale` before backward so small gradients do not flush to
-    zero in fp16; before the step, divide the gradients by it and check them: any inf/NaN means
-    the scale was too high, so the step is skipped and the scale multiplied by
-    ``backoff_factor``; after ``growth_interval`` consecutive good steps the scale is
-    multiplied by ``growth_factor``.
-
-    Why not ``torch.amp.GradScaler``: its step reads the overflow flag's value
-    (``found_inf.item()``), which a dry run's fake tensors do not have, so a plan with fp16
-    could not be dry-run; and clipping must happen between unscaling and the step, which
-    GradScaler leaves to the caller. This scaler uses the same fused ATen kernels
-    (``_amp_foreach_non_finite_check_and_unscale_``) and follows GradScaler's growth and
-    backoff rules, with clipping built in.
-
-    Example::
-
-        scaler = DynamicLossScaler()
-        scaler.scale_loss(loss).backward()
-        stepped = scaler.step(optimizer, max_grad_norm=1.0)
-
-    Args:
-        init_scale: The first scale.
-        growth_factor: Scale multiplier after ``growth_interval`` good steps (> 1).
-        backoff_factor: Scale multiplier after an overflow (in (0, 1)).
-        growth_interval: Consecutive good steps before growing.
-        min_scale: The scale never goes below this.
-    """
-
-    def __init__(
-        self,
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-        min_scale: float = 2.0**-24,
-    ) -> None:
-        if not init_scale > 0:
-            raise ValueError(f"init_scale must be > 0, got {init_scale!r}")
-        if not growth_factor > 1:
-            raise ValueError(f"growth_factor must be > 1, got {growth_factor!r}")
-        if not 0 < backoff_factor < 1:
-            raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
-        if not (isinstance(growth_interval, int) and growth_interval >= 1):
-            raise ValueError(
-                f"growth_interval must be a whole number >= 1, got {growth_interval!r}"
-            )
-        self.scale = float(init_scale)
-        self.growth_factor = float(growth_factor)
-        self.backoff_factor = float(backoff_factor)
-        self.growth_interval = growth_interval
-        self.min_scale = float(min_scale)
-        self.good_steps = 0
-        self.skipped_steps = 0
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss * scale`` (call ``.backward()`` on the result)."""
-        return loss * self.scale
-
-    def unscale_(self, params: Iterable[torch.Tensor]) -> bool:
-        """Divide the gradients of ``params`` by the scale in place.
-
-        Returns:
-            Whether any gradient holds an inf or NaN.
-        """
-        grads = [p.grad for p in params if p.grad is not None]
-        if not grads:
-            return False
-        inv = 1.0 / self.scale
-        found = False
-        for group in _by_device_dtype(grads):
-            flag = torch.zeros((), dtype=torch.float32, device=group[0].device)
-            try:
-                # The fused op GradScaler uses: one kernel unscales and checks every tensor.
-                torch._amp_foreach_non_finite_check_and_unscale_(
-                    group, flag, torch.full((), inv, dtype=torch.float32, device=flag.device)
-                )
-            except (RuntimeError, NotImplementedError):
-                for g in group:
-                    g.mul_(inv)
-                    flag += (~torch.isfinite(g)).any()
-            if is_fake(flag):
-                # A dry run has no values: it steps as if the gradients were finite, which is
-                # the memory path that matters (a skipped step allocates less).
-                continue
-            found = found or bool(flag.item())
-        return found
-
-    def update(self, found_inf: bool) -> None:
-        """Back off after an overflow; grow after ``growth_interval`` good steps in a row."""
-        if found_inf:
-            self.scale = max(self.scale * self.backoff_factor, self.min_scale)
-            self.good_steps = 0
-            self.skipped_steps += 1
-            return
-        self.good_steps += 1
-        if self.good_steps >= self.growth_interval:
-            self.scale *= self.growth_factor
-            self.good_steps = 0
-
-    def step(self, optimizer: Any, max_grad_norm: float | None = None) -> bool:
-        """Unscale, check, clip and step ``optimizer``, then update the scale.
-
-        Returns:
-            Whether the optimizer stepped (``False``: gradients overflowed, step skipped).
-        """
-        params = _optimizer_params(optimizer)
-        found_inf = self.unscale_(params)
-        if not found_inf:
-            _clip(params, max_grad_norm)
-            optimizer.step()
-        self.update(found_inf)
-        return not found_inf
-
-    def state_dict(self) -> dict[str, Any]:
-        """The scaler's state, for checkpoints."""
-        return {
-            "scale": self.scale,
-            "good_steps": self.good_steps,
-            "skipped_steps": self.skipped_steps,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output."""
-        self.scale = float(state["scale"])
-        self.good_steps = int(state["good_steps"])
-        self.skipped_steps = int(state.get("skipped_steps", 0))
-
-
-def _by_device_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    groups: dict[tuple[Any, Any], list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.device, t.dtype), []).append(t)
-    return list(groups.values())
-
-
-def _optimizer_params(optimizer: Any) -> list[torch.Tensor]:
-    groups = getattr(optimizer, "param_groups", None)
-    if groups is None:
-        # An optimizer-in-backward handle or similar: its optimizers' parameters.
-        return [p for opt in getattr(optimizer, "optimizers", ()) for p in _optimizer_params(opt)]
-    return [p for g in groups for p in g["params"]]
-
-
-def _clip(params: list[torch.Tensor], max_grad_norm: float | None) -> None:
-    if max_grad_norm is None:
-        return
-    with_grad = [p for p in params if p.grad is not None]
-    if with_grad:
-        torch.nn.utils.clip_grad_norm_(with_grad, max_grad_norm)
 
 
 # ---------------------------------------------------------------------------------- runtimes
@@ -270,7 +134,7 @@ class PrecisionRuntime:
         Returns:
             Whether the optimizer stepped.
         """
-        _clip(_optimizer_params(optimizer), max_grad_norm)
+        clip_gradients(optimizer_params(optimizer), max_grad_norm)
         optimizer.step()
         return True
 
@@ -281,6 +145,9 @@ class PrecisionRuntime:
     def wrap_optimizer(self, optimizer: Any) -> Any:
         """The optimizer this mode steps (unchanged unless the mode needs it)."""
         return optimizer
+
+    def remove(self) -> None:
+        """Undo what :func:`apply_precision` did to the model (nothing, in this mode)."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(mode={self.mode!r}, device_type={self.device_type!r})"
@@ -325,6 +192,7 @@ class Bf16PureRuntime(PrecisionRuntime):
         seed: Seed of the rounding's own generator (the global RNG, which dropout uses, is
             left alone). Default: derived from ``torch.initial_seed()``.
         chunk_numel: Parameters per fp32 chunk of the step (see :func:`wrap_optimizer_bf16`).
+        restore: What :meth:`remove` puts back (set by :func:`apply_precision`).
     """
 
     mode = "bf16-pure"
@@ -335,19 +203,44 @@ class Bf16PureRuntime(PrecisionRuntime):
         stochastic_rounding: bool = True,
         seed: int | None = None,
         chunk_numel: int = 1 << 20,
+        restore: _Restore | None = None,
     ) -> None:
         super().__init__(device_type)
         self.stochastic_rounding = stochastic_rounding
         self.seed = seed
         self.chunk_numel = chunk_numel
+        self._restore = restore
+        self._wrapped: dict[int, Any] = {}  # optimizers this runtime wrapped, to unwrap
 
     def wrap_optimizer(self, optimizer: Any) -> Any:
-        return wrap_optimizer_bf16(
+        fresh = getattr(optimizer, "_memfit_bf16", None) is None
+        wrapped = wrap_optimizer_bf16(
             optimizer,
             stochastic_rounding=self.stochastic_rounding,
             seed=self.seed,
             chunk_numel=self.chunk_numel,
         )
+        if fresh:
+            self._wrapped[id(wrapped)] = wrapped
+        return wrapped
+
+    @property
+    def kept_bytes(self) -> int:
+        """Host bytes held for an exact :meth:`remove` (``keep_original_weights``); 0 without
+        it and after removal. On the CPU these are the original storages themselves."""
+        if self._restore is None:
+            return 0
+        return sum(t.untyped_storage().nbytes() for t in self._restore.kept.values())
+
+    def remove(self) -> None:
+        """Restore dtypes (current values), drop the input-cast hook, unwrap the optimizers
+        this runtime wrapped (see the module docstring for what comes back exactly)."""
+        restore, self._restore = self._restore, None
+        if restore is not None:
+            restore.undo()
+        wrapped, self._wrapped = self._wrapped, {}
+        for optimizer in wrapped.values():
+            unwrap_optimizer_bf16(optimizer)
 
     def step(self, optimizer: Any, max_grad_norm: float | None = None, model: Any = None) -> bool:
         # An optimizer built by the caller may not be wrapped yet (wrapping is idempotent).
@@ -400,6 +293,9 @@ def wrap_optimizer_bf16(
         # The optimizer updates bf16 weights itself, in fp32 chunks, and rounds as told: no
         # fp32 shadow needed (memfit's Adafactor, whose factored statistics span whole rows
         # and columns, cannot be stepped one chunk at a time from outside).
+        optimizer._memfit_bf16 = _LowPrecision(  # type: ignore[attr-defined]
+            getattr(optimizer, "stochastic_rounding", False)
+        )
         optimizer.stochastic_rounding = stochastic_rounding  # type: ignore[attr-defined]
         return optimizer
     cls_step = type(optimizer).step
@@ -411,6 +307,92 @@ def wrap_optimizer_bf16(
     hooked = torch.optim.Optimizer.profile_hook_step(_bf16_step)
     optimizer.step = types.MethodType(hooked, optimizer)  # type: ignore[method-assign]
     return optimizer
+
+
+def unwrap_optimizer_bf16(optimizer: Any) -> Any:
+    """Undo :func:`wrap_optimizer_bf16`: the optimizer's own ``step`` again, its rounding
+    generators dropped, and its per-element state converted to its parameters' dtype (call it
+    after the parameters got their dtype back). A no-op on an optimizer that is not wrapped.
+
+    Returns:
+        The same optimizer.
+    """
+    ctx = optimizer.__dict__.pop("_memfit_bf16", None)
+    if ctx is None:
+        return optimizer
+    if isinstance(ctx, _LowPrecision):
+        optimizer.stochastic_rounding = ctx.previous
+        return optimizer
+    optimizer.__dict__.pop("step", None)  # the instance's step: the class's shows again
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            for k, v in list(state.items()):
+                if isinstance(v, torch.Tensor) and _moment_like(v, p) and v.dtype != p.dtype:
+                    state[k] = v.to(p.dtype)
+    return optimizer
+
+
+@dataclass
+class _LowPrecision:
+    """Marks an optimizer that rounds bf16 itself; keeps its setting from before."""
+
+    previous: bool
+
+
+class _Restore:
+    """What ``bf16-pure`` changed on a model, to put back (:meth:`Bf16PureRuntime.remove`).
+
+    Every floating parameter and buffer slot (module table, key, original tensor, its dtype)
+    and, with ``keep``, the original values on the host.
+    """
+
+    def __init__(self, model: nn.Module, keep: bool) -> None:
+        self.model = model
+        self.slots: list[tuple[dict[str, Any], str, torch.Tensor, torch.dtype]] = []
+        self.kept: dict[int, torch.Tensor] = {}
+        for mod in model.modules():
+            for table in (mod._parameters, mod._buffers):
+                for key, t in table.items():
+                    if t is None or not t.is_floating_point() or t.dtype == torch.bfloat16:
+                        continue
+                    self.slots.append((table, key, t, t.dtype))
+                    if keep and id(t) not in self.kept:
+                        # On the CPU this is the original storage itself (no copy); from an
+                        # accelerator a host copy, so the device keeps bf16-pure's saving.
+                        self.kept[id(t)] = t.detach().to("cpu")
+        self.hook: Any = None
+
+    def undo(self) -> None:
+        if self.hook is not None:
+            self.hook.remove()
+            self.hook = None
+        self.model.__dict__.pop("_memfit_bf16_inputs", None)
+        done: set[int] = set()
+        for table, key, original, dtype in self.slots:
+            current = table.get(key)
+            if current is None:
+                continue
+            if id(original) not in done:
+                done.add(id(original))
+                _put_back(original, current.detach(), dtype, self.kept.get(id(original)))
+            # Under fake tensors cast_module replaced the objects: the originals go back.
+            table[key] = original
+        self.slots, self.kept = [], {}
+
+
+def _put_back(
+    original: torch.Tensor, value: torch.Tensor, dtype: torch.dtype, kept: torch.Tensor | None
+) -> None:
+    restored = value.to(dtype)
+    if kept is not None:
+        kept = kept.to(value.device)
+        # Elements training left alone are still the bf16 rounding of the original: those
+        # get the original back bit for bit; the others their current value.
+        restored = torch.where(value == kept.to(value.dtype), kept, restored)
+    if restored.dtype != original.dtype and isinstance(original, nn.Parameter):
+        original.grad = None  # a gradient must have its parameter's dtype
+    original.data = restored
 
 
 class _Bf16StepContext:
@@ -564,17 +546,13 @@ def cast_module(module: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 def _cast_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     # Floating inputs (features, inputs_embeds) must match bf16 weights; ids and masks of
-    # integer dtype are left alone.
-    def cast(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.bfloat16:
-            return x.to(torch.bfloat16)
-        if isinstance(x, (list, tuple)) and type(x) in (list, tuple):
-            return type(x)(cast(v) for v in x)
-        if isinstance(x, dict):
-            return {k: cast(v) for k, v in x.items()}
-        return x
+    # integer dtype are left alone. torch's pytree walks the containers it knows (dicts,
+    # lists, tuples, named tuples, Hugging Face model outputs); other objects (a KV cache)
+    # are leaves and pass unchanged.
+    def cast(x: torch.Tensor) -> torch.Tensor:
+        return x.to(torch.bfloat16) if x.is_floating_point() else x
 
-    return cast(args), cast(kwargs)
+    return tree_map_only(torch.Tensor, cast, (args, kwargs))
 
 
 def _device_type(model: nn.Module) -> str:
@@ -585,19 +563,26 @@ def _device_type(model: nn.Module) -> str:
     return "cpu"
 
 
-def apply_precision(model: nn.Module, config: PrecisionConfig) -> PrecisionRuntime:
+def apply_precision(
+    model: nn.Module, config: PrecisionConfig, *, keep_original_weights: bool = False
+) -> PrecisionRuntime:
     """Set ``model`` up for ``config.mode`` and return the runtime that drives its steps.
 
     Only ``bf16-pure`` changes the model: its floating parameters and buffers are cast to
     bf16 (:func:`cast_module`), and a forward pre-hook casts floating inputs to bf16 (integer
     inputs such as token ids are untouched). The other modes act through the runtime alone.
+    The runtime's :meth:`~PrecisionRuntime.remove` undoes it (see the module docstring for
+    which values come back exactly).
 
     Args:
         model: The model (its device picks the autocast device type).
         config: The precision config.
+        keep_original_weights: For ``bf16-pure``: keep the original floating tensors on the
+            host, so that ``remove()`` gives back, bit for bit, every element that training did
+            not change (all of them right after this call). Costs their size in host memory.
 
     Returns:
-        The :class:`PrecisionRuntime` for the mode.
+        The :class:`PrecisionRuntime` for the mode (also the handle that undoes it).
 
     Raises:
         ValueError: for an unknown mode.
@@ -607,18 +592,18 @@ def apply_precision(model: nn.Module, config: PrecisionConfig) -> PrecisionRunti
         raise ValueError(
             f"precision {config.mode!r} is not known; use one of {', '.join(_RUNTIMES)}"
         )
-    return factory(model, config)
+    return factory(model, config, keep_original_weights)
 
 
-def _fp32(model: nn.Module, config: PrecisionConfig) -> PrecisionRuntime:
+def _fp32(model: nn.Module, config: PrecisionConfig, keep: bool) -> PrecisionRuntime:
     return PrecisionRuntime(_device_type(model))
 
 
-def _bf16_mixed(model: nn.Module, config: PrecisionConfig) -> PrecisionRuntime:
+def _bf16_mixed(model: nn.Module, config: PrecisionConfig, keep: bool) -> PrecisionRuntime:
     return MixedRuntime(_device_type(model), torch.bfloat16)
 
 
-def _fp16_mixed(model: nn.Module, config: PrecisionConfig) -> PrecisionRuntime:
+def _fp16_mixed(model: nn.Module, config: PrecisionConfig, keep: bool) -> PrecisionRuntime:
     scaler = DynamicLossScaler(
         init_scale=config.init_scale,
         growth_factor=config.growth_factor,
@@ -628,29 +613,19 @@ def _fp16_mixed(model: nn.Module, config: PrecisionConfig) -> PrecisionRuntime:
     return Fp16MixedRuntime(_device_type(model), scaler)
 
 
-def _bf16_pure(model: nn.Module, config: PrecisionConfig) -> PrecisionRuntime:
+def _bf16_pure(model: nn.Module, config: PrecisionConfig, keep: bool) -> PrecisionRuntime:
+    if model.__dict__.get("_memfit_bf16_inputs") is not None:
+        raise RuntimeError(
+            f"{type(model).__name__} is already in bf16-pure precision; call remove() on the "
+            "runtime apply_precision returned before applying precision again"
+        )
+    restore = _Restore(model, keep)
     cast_module(model, torch.bfloat16)
-    if model.__dict__.get("_memfit_bf16_inputs") is None:
-        handle = model.register_forward_pre_hook(_cast_inputs, with_kwargs=True)
-        model.__dict__["_memfit_bf16_inputs"] = handle
-    return Bf16PureRuntime(_device_type(model), stochastic_rounding=config.stochastic_rounding)
-
-
-def remove_precision(model: nn.Module, dtypes: dict[str, torch.dtype]) -> None:
-    """Undo :func:`apply_precision` on ``model``: the input-cast hook goes and every parameter
-    and buffer gets back the dtype ``dtypes`` names (by qualified name), its current values
-    converted (a model trained in bf16 comes back in fp32 with its trained values)."""
-    handle = model.__dict__.pop("_memfit_bf16_inputs", None)
-    if handle is not None:
-        handle.remove()
-    named = dict(model.named_parameters(remove_duplicate=False))
-    named.update(model.named_buffers(remove_duplicate=False))
-    for name, t in named.items():
-        dtype = dtypes.get(name)
-        if dtype is not None and t.dtype != dtype:
-            t.data = t.data.to(dtype)
-            if isinstance(t, nn.Parameter):
-                t.grad = None
+    restore.hook = model.register_forward_pre_hook(_cast_inputs, with_kwargs=True)
+    model.__dict__["_memfit_bf16_inputs"] = restore.hook
+    return Bf16PureRuntime(
+        _device_type(model), stochastic_rounding=config.stochastic_rounding, restore=restore
+    )
 
 
 _RUNTIMES = {

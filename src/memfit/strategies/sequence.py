@@ -200,11 +200,16 @@ class LengthGroupedSampler(Sampler[int]):
     batches. Every index appears exactly once per epoch. Without ``shuffle`` the order is
     all indices sorted by length, longest first.
 
-    Why not transformers' ``LengthGroupedSampler``: the grouping is the same idea (mega-batches
-    sorted by length, the longest first), but its batches keep their sorted order inside each
-    mega-batch (long batches then short ones, every mega-batch), where this one shuffles whole
-    batches; and it reseeds through a ``generator`` object, where this one has ``set_epoch``
-    as torch's ``DistributedSampler`` does.
+    Why not transformers' ``LengthGroupedSampler`` (transformers 5.23,
+    ``trainer_pt_utils.get_length_grouped_indices``): the grouping is the same idea
+    (mega-batches sorted by length, the longest first), but its batches keep their sorted order
+    inside each mega-batch (long batches then short ones, every mega-batch), where this one
+    shuffles whole batches; it moves only the longest *sample* to the front (the sample it
+    displaces lands in another mega-batch's sorted run); and it reseeds through a
+    ``generator`` object, where this one has ``set_epoch`` as torch's ``DistributedSampler``
+    does. What this one lacks: reading lengths from a dataset of dicts (``model_input_name``;
+    pass ``lengths`` here) and transformers' default mega-batch size for small datasets
+    (``min(n // (4 * batch_size), 50)``; here always ``mega_batch_mult``).
 
     Args:
         lengths: Length of every sample.

@@ -1,16 +1,23 @@
 """The Stepper: how gradients become parameter updates, behind one small protocol.
 
-Every way of training (a whole-batch step, a user's own loop through ``prepare``, the OOM
-fallback) runs the same micro-batch loop (:func:`run_step`) and hands each loss to a
-:class:`Stepper`. The stepper decides what backward and the step mean:
+Every way of training runs the same micro-batch loop, :func:`run_step` (truncation to
+``max_seq_len``, the micro-batch split, the loss weights, the forward under autocast, backward
+through the stepper, the step): :meth:`~memfit.strategies.compose.TrainingSetup.step`,
+``prepare()``'s ``step``, and the OOM fallback. A user's own loop (``prepare()``'s
+``accumulate`` + ``backward``) uses the same pieces one micro-batch at a time:
+:func:`forward_loss` for the forward, the stepper's ``backward``, :func:`finish_step` for the
+step. The :class:`Stepper` decides what backward and the step mean:
 
 * :class:`PlainStepper`: backward through the precision runtime (loss scaling for fp16),
   then clipping, the optimizer step and ``zero_grad(set_to_none=True)``;
 * :class:`FusedStepper`: the optimizer step fused into backward
-  (:func:`~memfit.strategies.fused_step.optimizer_in_backward`); ``step`` has nothing left to do.
+  (:func:`~memfit.strategies.fused_step.optimizer_in_backward`); ``step`` has nothing left.
 
-Offload and the distributed engines plug in as further steppers (host optimizers, FSDP2 and
-DDP with their own synchronisation), without another copy of the loop.
+Engines that step differently plug in as further steppers, without another copy of the loop:
+an offload engine (gradients moved to the host in ``backward``, a host optimizer in
+``step``), DDP or FSDP2 (no gradient synchronisation unless ``last``, the sharded optimizer
+in ``step``), a pipeline schedule. A stepper owns everything between a weighted micro-batch
+loss and updated parameters, including its own checkpointable state.
 """
 
 from __future__ import annotations
@@ -23,22 +30,37 @@ from torch import nn
 
 from ..workload import Batch, batch_size_of, call_model, split_batch
 
-__all__ = ["FusedStepper", "PlainStepper", "Stepper", "run_step"]
+__all__ = [
+    "FusedStepper",
+    "PlainStepper",
+    "Stepper",
+    "finish_step",
+    "forward_loss",
+    "make_stepper",
+    "prepare_batch",
+    "run_step",
+]
 
 
 @runtime_checkable
 class Stepper(Protocol):
-    """Turns micro-batch losses into one optimizer step."""
+    """Turns micro-batch losses into one optimizer step.
+
+    Per optimizer step the loop calls ``backward`` once per micro-batch (``last=True`` on the
+    last one), then ``step`` and ``zero_grad``. Between ``backward(..., last=True)`` and
+    ``step`` the gradients (if the stepper keeps any) are the step's whole gradient, so a
+    caller may still rescale them (``prepare()``'s token weighting does).
+    """
 
     def backward(self, loss: torch.Tensor, *, last: bool) -> None:
         """Backpropagate one micro-batch's (weighted) loss; ``last`` ends the step's
-        micro-batches."""
+        micro-batches (a distributed engine synchronises gradients only then)."""
 
     def step(self) -> None:
-        """Apply the accumulated gradients (clipping, scaling as configured)."""
+        """Apply the accumulated gradients (unscaling, clipping, as configured)."""
 
     def zero_grad(self) -> None:
-        """Drop the gradients (``set_to_none``)."""
+        """Drop the gradients (``set_to_none``): they hold no memory between steps."""
 
     def state_dict(self) -> dict[str, Any]:
         """Optimizer (and scaler) state, for checkpoints."""
@@ -116,6 +138,21 @@ class FusedStepper:
         self.handle.load_state_dict(state["optimizer"])
 
 
+def make_stepper(
+    optimizer: Any,
+    precision: Any,
+    model: nn.Module,
+    *,
+    fused: bool,
+    max_grad_norm: float | None,
+) -> Stepper:
+    """The stepper for a plan: :class:`FusedStepper` over an optimizer-in-backward handle
+    (``fused``), else :class:`PlainStepper`."""
+    if fused:
+        return FusedStepper(optimizer)
+    return PlainStepper(optimizer, precision, model, max_grad_norm)
+
+
 def prepare_batch(batch: Batch, max_seq_len: int | None) -> Batch:
     """The batch as the plan trains on it (truncated to ``max_seq_len`` when set)."""
     if max_seq_len is None:
@@ -123,6 +160,34 @@ def prepare_batch(batch: Batch, max_seq_len: int | None) -> Batch:
     from .sequence import truncate
 
     return truncate(batch, max_seq_len)
+
+
+def forward_loss(
+    model: nn.Module,
+    batch: Batch,
+    *,
+    autocast: Callable[[], Any],
+    loss_fn: Callable[[Any, Batch], torch.Tensor],
+) -> torch.Tensor:
+    """The loss of one (already truncated) micro-batch: the forward and the loss under
+    ``autocast``. The model's output is dropped as soon as the loss exists."""
+    with autocast():
+        out = call_model(model, batch)
+        loss = loss_fn(out, batch)
+    del out
+    return loss
+
+
+def finish_step(stepper: Stepper, model: nn.Module, *, divide_by: float | None = None) -> None:
+    """End an optimizer step: divide the accumulated gradients by ``divide_by`` when given
+    (a user loop that weighted micro-batch losses by their token counts), then ``step`` and
+    ``zero_grad``."""
+    if divide_by is not None:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.div_(divide_by)
+    stepper.step()
+    stepper.zero_grad()
 
 
 def run_step(
@@ -136,12 +201,16 @@ def run_step(
     normalization: str,
     max_seq_len: int | None,
 ) -> torch.Tensor:
-    """One optimizer step over ``batch``: truncate, split into micro-batches, weight their
-    losses (mean or token-weighted), run each forward under ``autocast``, hand each loss to
-    ``stepper``, then step and zero the gradients. Returns the (detached) loss of the batch.
+    """One optimizer step over ``batch``: the one training loop.
 
-    This is the one training loop: :meth:`TrainingSetup.step`, ``prepare()`` and the OOM
-    fallback all run it.
+    Truncates to ``max_seq_len``, splits into micro-batches of ``micro_batch_size``, weighs
+    their losses (:func:`~memfit.strategies.accumulation.loss_weights`: ``n_i / N`` for
+    ``mean``, ``t_i / T`` label tokens for ``tokens``, so the weighted sum is the whole batch's
+    loss), runs each forward under ``autocast`` (:func:`forward_loss`), hands each weighted
+    loss to ``stepper``, then steps and zeroes the gradients (:func:`finish_step`).
+
+    Returns:
+        The (detached) loss of the whole batch.
     """
     from .accumulation import loss_weights
 
@@ -149,17 +218,17 @@ def run_step(
     size = batch_size_of(batch)
     parts: Sequence[Batch] = split_batch(batch, micro_batch_size) if micro_batch_size < size else [batch]
     weights = loss_weights(parts, normalization)
+    # A micro-batch without a loss term (every label ignored) has weight 0 and a NaN mean
+    # loss: it is skipped, and the last one that counts ends the step.
+    live = [i for i, w in enumerate(weights) if w > 0]
     total: torch.Tensor | None = None
-    for i, (part, weight) in enumerate(zip(parts, weights, strict=True)):
-        with autocast():
-            out = call_model(model, part)
-            loss = loss_fn(out, part)
-        del out
-        stepper.backward(loss * weight, last=i == len(parts) - 1)
+    for i in live:
+        part, weight = parts[i], weights[i]
+        loss = forward_loss(model, part, autocast=autocast, loss_fn=loss_fn)
+        stepper.backward(loss * weight, last=i == live[-1])
         contribution = loss.detach() * weight
         total = contribution if total is None else total + contribution
         del loss
-    stepper.step()
-    stepper.zero_grad()
+    finish_step(stepper, model)
     assert total is not None
     return total

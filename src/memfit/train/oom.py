@@ -4,7 +4,9 @@
   accumulation steps, so the effective batch and the gradient are unchanged), then turn on
   ``selective`` checkpointing, then ``full``.
 * :func:`switch_plan` moves a :class:`~memfit.strategies.compose.TrainingSetup` to another plan
-  on the same model and optimizer objects, so the optimizer state carries over.
+  on the same model: what changes is removed and applied again (every technique's ``apply``
+  returns a removable handle), and the optimizer object, with its state, carries over when
+  the change allows it.
 * :class:`OOMFallback` runs steps and, on ``torch.OutOfMemoryError`` (a real device OOM or
   memfit's virtual cap), frees what the failed attempt held, switches to the next plan and redoes
   the step from the same batch with the RNG state it started with: no sample is lost and the
@@ -35,8 +37,22 @@ __all__ = ["OOMFallback", "StepDown", "step_down", "switch_plan"]
 
 logger = logging.getLogger("memfit.train")
 
-# Plan fields that can change between two steps on the same model and optimizer objects.
-_SWAPPABLE = frozenset({"micro_batch_size", "grad_accum_steps", "checkpointing", "loss_normalization"})
+# Plan fields that can change between two steps on the same model and optimizer objects:
+# they act through the loop (micro-batching, weights, truncation, data shaping) or through a
+# handle that does not touch the parameters (checkpointing's wrappers).
+_SWAPPABLE = frozenset(
+    {
+        "micro_batch_size",
+        "grad_accum_steps",
+        "checkpointing",
+        "loss_normalization",
+        "max_seq_len",
+        "sequence",
+    }
+)
+# Precisions that keep fp32 weights: switching among them changes only the runtime (autocast,
+# loss scaling), so the optimizer and its state carry over.
+_FP32_WEIGHTS = frozenset({"fp32", "bf16-mixed", "fp16-mixed"})
 
 
 # ---------------------------------------------------------------------------------- frontier
@@ -78,46 +94,92 @@ def _changed_fields(a: Plan, b: Plan) -> set[str]:
     return {f.name for f in dataclasses.fields(Plan) if getattr(a, f.name) != getattr(b, f.name)}
 
 
-def switch_plan(setup: TrainingSetup, plan: Plan) -> tuple[TrainingSetup, bool]:
-    """Move ``setup`` to ``plan``, keeping its model and, when possible, its optimizer.
+def _keeps_optimizer(a: Plan, b: Plan) -> bool:
+    """Whether switching from ``a`` to ``b`` can keep the optimizer object and its state."""
+    changed = _changed_fields(a, b)
+    if "precision" in changed and {a.precision.mode, b.precision.mode} <= _FP32_WEIGHTS:
+        changed.discard("precision")
+    if not b.optimizer_in_backward:
+        changed -= {"max_grad_norm", "grad_clip_mode"}  # the stepper clips, not the optimizer
+    return changed <= _SWAPPABLE
 
-    Micro-batching, accumulation, loss normalisation and checkpointing change in place: the
-    same optimizer object (and its state) goes on. Any other change (optimizer, precision,
-    freezing, ...) needs a new optimizer: the plan is applied afresh to the same model and the
-    optimizer state restarts.
+
+def switch_plan(setup: TrainingSetup, plan: Plan) -> tuple[TrainingSetup, bool]:
+    """Move ``setup`` to ``plan`` on the same model: remove what changes, apply it again.
+
+    When the change leaves the parameters and the optimizer alone (micro-batching,
+    accumulation, loss normalisation, truncation, sequence shaping, checkpointing, clipping
+    with an ordinary optimizer, a precision among fp32 / bf16-mixed / fp16-mixed), only the
+    changed handles are replaced and the same optimizer object (with its state) goes on. Any
+    other change (optimizer, bf16-pure, freezing, the fused step) removes the whole plan
+    (:meth:`~memfit.strategies.compose.TrainingSetup.remove`: bf16 weights back to their dtype
+    with their trained values, freezing lifted, hooks and wrappers gone) and applies ``plan``
+    afresh: the plan's optimizer is rebuilt and its state restarts, while an optimizer the
+    caller gave is kept (unless ``plan`` fuses the step into backward).
 
     Args:
-        setup: The current setup.
+        setup: The current setup (it must not be used after the switch).
         plan: The plan to switch to.
 
     Returns:
         ``(new_setup, rebuilt)``; ``rebuilt`` tells that the optimizer is a new object (an LR
         scheduler must be re-attached to it).
     """
-    from ..strategies.checkpointing import apply_checkpointing, remove_checkpointing
-
-    changed = _changed_fields(setup.plan, plan)
     model = setup.model
-    if changed <= _SWAPPABLE:
-        info = dict(setup.info)
-        undo = list(setup.undo)
-        if "checkpointing" in changed:
-            remove_checkpointing(model)
-            info["checkpointed"] = apply_checkpointing(model, plan.checkpointing)
-            undo = [u for u in undo if u[0] != "checkpointing"]
-            if plan.checkpointing.mode != "none":
-                undo.append(("checkpointing", lambda: remove_checkpointing(model)))
-        if plan.optimizer_in_backward:
-            # The fused handle counts micro-batches itself when not told which is the last.
-            setup.optimizer.grad_accum_steps = plan.grad_accum_steps
-        return dataclasses.replace(setup, plan=plan, info=info, undo=undo), False
-    # Every technique is undone before the new plan is applied: bf16-pure's weights come back
-    # to their dtype (with the trained values) and its hooks go, freezing is lifted, the fused
-    # step's hooks and checkpointing's wrappers go.
+    if _keeps_optimizer(setup.plan, plan):
+        return _swap_in_place(setup, plan), False
+    optimizer = setup.optimizer if setup.optimizer_given and not plan.optimizer_in_backward else None
     setup.remove()
-    new = apply_plan(model, plan, loss_fn=setup.loss_fn)
+    new = apply_plan(model, plan, optimizer=optimizer, loss_fn=setup.loss_fn)
     new.steps_done = setup.steps_done
-    return new, True
+    return new, new.optimizer is not setup.optimizer
+
+
+def _swap_in_place(setup: TrainingSetup, plan: Plan) -> TrainingSetup:
+    """Replace the handles whose plan fields changed; keep the optimizer."""
+    from ..strategies.checkpointing import apply_checkpointing
+    from ..strategies.precision import apply_precision
+
+    model = setup.model
+    changed = _changed_fields(setup.plan, plan)
+    handles = list(setup.handles)
+    info = dict(setup.info)
+    precision = setup.precision
+    if "precision" in changed:
+        # fp32 weights on both sides: the runtime changes, the model does not.
+        index = _index(handles, "precision")
+        precision.remove()
+        precision = apply_precision(model, plan.precision)
+        handles[index] = ("precision", precision)
+    if "checkpointing" in changed:
+        index = _index(handles, "checkpointing")
+        if index is not None:
+            handles.pop(index)[1].remove()
+        info.pop("checkpointed", None)
+        if plan.checkpointing.mode != "none":
+            handle = apply_checkpointing(model, plan.checkpointing)
+            # Checkpointing comes after freezing and precision, before the fused step.
+            at = _index(handles, "optimizer_in_backward")
+            handles.insert(len(handles) if at is None else at, ("checkpointing", handle))
+            info["checkpointed"] = handle.names
+    if plan.optimizer_in_backward:
+        # The fused handle counts micro-batches itself when not told which is the last.
+        setup.optimizer.grad_accum_steps = plan.grad_accum_steps
+    setup.handles = []  # now owned by the new setup
+    setup.removed = True
+    return dataclasses.replace(
+        setup,
+        plan=plan,
+        precision=precision,
+        stepper=None,
+        info=info,
+        handles=handles,
+        removed=False,
+    )
+
+
+def _index(handles: list[tuple[str, Any]], name: str) -> Any:
+    return next((i for i, (n, _) in enumerate(handles) if n == name), None)
 
 
 # ---------------------------------------------------------------------------------- fallback
@@ -203,7 +265,7 @@ class OOMFallback:
         """
         base = after or self.plan
         for i, candidate in enumerate(self._pending):
-            if candidate != base and _changed_fields(self.plan, candidate) <= _SWAPPABLE:
+            if candidate != base and _keeps_optimizer(self.plan, candidate):
                 return self._pending.pop(i)
         nxt = step_down(base, batch_size)
         if nxt is not None:

@@ -1,23 +1,29 @@
 """``prepare``: a plan applied to a model for people who keep their own training loop.
 
-Two ways to use it::
+``prepare(model, plan=None, *, optimizer=None, loss_fn=None)`` takes the arguments of
+:func:`memfit.apply_plan` in the same order and wraps its
+:class:`~memfit.strategies.compose.TrainingSetup` in a :class:`Prepared`, which adds the
+micro-batch API. Two ways to use it::
 
-    prepared = memfit.train.prepare(model, plan=plan)
+    prepared = memfit.prepare(model, plan)
     for batch in loader:
         loss = prepared.step(batch)      # one optimizer step, micro-batched as the plan says
 
-or, when the loop computes its own loss::
+or, when the loop computes its own loss, one micro-batch at a time::
 
     for micro_batch in loader:
         with prepared.accumulate():
-            with prepared.autocast():
-                loss = my_loss(prepared.model(**micro_batch), micro_batch)
-            prepared.backward(loss, batch=micro_batch)   # weighted as the plan says
+            loss = prepared.loss(micro_batch)        # or your own forward, see below
+            prepared.backward(loss, batch=micro_batch)
         # the optimizer stepped (and gradients were cleared) after every
         # grad_accum_steps-th block
 
-(``prepared.loss(micro_batch)`` is the plan's own forward and loss: truncation, autocast.)
-Both ways run the plan's :class:`~memfit.strategies.stepper.Stepper`, as the trainer does.
+``prepared.loss(micro_batch)`` is the plan's own forward and loss: truncated to
+``max_seq_len``, under the plan's autocast. A loop with its own forward does the same with
+``prepared.prepare_batch(micro_batch)`` and ``with prepared.autocast():``. Both ways run the
+plan's :class:`~memfit.strategies.stepper.Stepper` and its pieces of the one loop
+(:mod:`memfit.strategies.stepper`), as the trainer does, so under one plan they train alike
+(tested against ``TrainingSetup.step`` for every plan field).
 
 Do not call ``optimizer.step()`` yourself inside ``accumulate``: the context does it at the
 right micro-batch, with the plan's clipping, loss scaling and optimizer-in-backward handling.
@@ -33,7 +39,8 @@ import torch
 from torch import nn
 
 from ..plan import Plan
-from ..strategies.compose import LossFn, TrainingSetup, apply_plan
+from ..strategies.compose import LossFn, TrainingSetup, apply_plan, check_plan_arguments
+from ..strategies.stepper import Stepper, finish_step, forward_loss, prepare_batch
 from ..workload import Batch
 
 __all__ = ["Prepared", "prepare"]
@@ -75,6 +82,12 @@ class Prepared:
         """Whether the current (or next) micro-batch ends an optimizer step."""
         return self._micro + 1 >= self.plan.grad_accum_steps
 
+    @property
+    def stepper(self) -> Stepper:
+        """The plan's :class:`~memfit.strategies.stepper.Stepper`."""
+        assert self.setup.stepper is not None
+        return self.setup.stepper
+
     def step(self, batch: Batch) -> torch.Tensor:
         """One optimizer step over ``batch`` (the effective batch), micro-batched, truncated,
         cast, clipped as the plan says. Returns the (detached) loss of the whole batch."""
@@ -83,6 +96,21 @@ class Prepared:
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The plan's autocast context (a no-op in fp32): run the forward and loss under it."""
         return self.setup.precision.autocast()
+
+    def prepare_batch(self, batch: Batch) -> Batch:
+        """``batch`` as the plan trains on it: truncated to ``max_seq_len`` (unchanged when
+        the plan has none). For loops with their own forward."""
+        return prepare_batch(batch, self.plan.max_seq_len)
+
+    def loss(self, micro_batch: Batch) -> torch.Tensor:
+        """The loss of one micro-batch as the plan computes it: truncated to ``max_seq_len``,
+        the forward and the loss under the plan's autocast."""
+        return forward_loss(
+            self.model,
+            self.prepare_batch(micro_batch),
+            autocast=self.setup.precision.autocast,
+            loss_fn=self.setup.loss_fn,
+        )
 
     @contextlib.contextmanager
     def accumulate(self) -> Iterator[Prepared]:
@@ -101,41 +129,39 @@ class Prepared:
         self._micro += 1
         if self._micro >= self.plan.grad_accum_steps:
             self._micro = 0
-            self._optimizer_step()
-
-    def loss(self, micro_batch: Batch) -> torch.Tensor:
-        """The loss of one micro-batch as the plan computes it: truncated to ``max_seq_len``,
-        the forward and the loss under the plan's autocast. For loops that do not need their
-        own forward."""
-        from ..strategies.stepper import prepare_batch
-        from ..workload import call_model
-
-        micro_batch = prepare_batch(micro_batch, self.plan.max_seq_len)
-        with self.autocast():
-            return self.setup.loss_fn(call_model(self.model, micro_batch), micro_batch)
+            tokens, self._tokens = self._tokens, 0.0
+            finish_step(self.stepper, self.model, divide_by=tokens or None)
+            self.setup.steps_done += 1
 
     def backward(
         self, loss: torch.Tensor, *, batch: Batch | None = None, weight: float | None = None
     ) -> None:
-        """Backward of one micro-batch's loss, weighted for accumulation.
+        """Backward of one micro-batch's loss, weighted as the plan's normalisation says.
+
+        * ``loss_normalization="mean"``: the weight is ``1 / grad_accum_steps`` (micro-batches
+          of equal size give the whole batch's mean, as :meth:`step` does).
+        * ``loss_normalization="tokens"``: ``batch`` is needed. The loss (a mean over the
+          micro-batch's ``t_i`` loss terms) is multiplied by ``t_i``, counted by
+          :func:`~memfit.strategies.accumulation.count_loss_terms` on the micro-batch as the
+          plan trains on it (truncated to ``max_seq_len``; label entries that are not
+          ``-100``, after the causal shift for causal-LM labels). When the step ends, the
+          accumulated gradient is divided by ``T``, the step's total: ``sum_i t_i loss_i / T``
+          is the whole batch's token mean, whatever the micro-batches' sizes, which is what
+          :meth:`step` computes with the weights ``t_i / T`` (the same up to float rounding:
+          the division happens once, on the gradient). A micro-batch with no loss term
+          (``t_i = 0``, a NaN mean) is skipped.
 
         Args:
             loss: The micro-batch's mean loss.
-            batch: The micro-batch. With ``loss_normalization="tokens"`` it is needed: the
-                loss is weighted by the micro-batch's count of loss terms (label tokens that
-                are not ignored), and the accumulated gradients are divided by the step's total
-                before the optimizer steps, which is exactly the full batch's token-mean
-                gradient, whatever the micro-batches' sizes.
-            weight: An explicit share of the step's loss instead (``mean``: default
-                ``1 / grad_accum_steps``).
+            batch: The micro-batch (as given to :meth:`loss`, before truncation).
+            weight: An explicit weight for this loss instead (no division at the step).
 
         Raises:
             ValueError: for token normalisation without ``batch``, or with the optimizer step
                 fused into backward (the step's token total is not known before its last
                 backward: use :meth:`step`, which weighs the whole batch first).
         """
-        tokens = self.plan.loss_normalization == "tokens" and weight is None
-        if tokens:
+        if self.plan.loss_normalization == "tokens" and weight is None:
             if batch is None:
                 raise ValueError(
                     "loss_normalization 'tokens' weighs each micro-batch by its label tokens: "
@@ -148,25 +174,19 @@ class Prepared:
                     "prepared.step(batch) for such plans"
                 )
             from ..strategies.accumulation import count_loss_terms
-            from ..strategies.stepper import prepare_batch
 
-            w = float(count_loss_terms(prepare_batch(batch, self.plan.max_seq_len)))
-            self._tokens += w
-        else:
-            w = weight if weight is not None else 1.0 / self.plan.grad_accum_steps
-        self.setup.stepper.backward(loss * w, last=self.sync_gradients)
+            count = count_loss_terms(self.prepare_batch(batch))
+            self._tokens += count
+            if count == 0:
+                return
+            weight = float(count)
+        elif weight is None:
+            weight = 1.0 / self.plan.grad_accum_steps
+        self.stepper.backward(loss * weight, last=self.sync_gradients)
 
-    def _optimizer_step(self) -> None:
-        if self._tokens:
-            # Micro-batch losses were weighted by their token counts: divide by the total.
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.div_(self._tokens)
-            self._tokens = 0.0
-        stepper = self.setup.stepper
-        stepper.step()
-        stepper.zero_grad()
-        self.setup.steps_done += 1
+    def remove(self) -> None:
+        """Take the plan off the model (:meth:`TrainingSetup.remove`)."""
+        self.setup.remove()
 
 
 def prepare(
@@ -175,6 +195,7 @@ def prepare(
     *,
     optimizer: Any = None,
     loss_fn: LossFn | None = None,
+    keep_original_weights: bool = False,
 ) -> Prepared:
     """Apply ``plan`` to ``model`` for a training loop you write yourself.
 
@@ -186,22 +207,26 @@ def prepare(
         plan: The plan (default: plain AdamW, fp32).
         optimizer: Your optimizer, used instead of the plan's (not with
             ``optimizer_in_backward``, which builds its own per-parameter optimizers).
-        loss_fn: ``loss_fn(output, batch)`` for :meth:`Prepared.step`; default: the output's
-            ``.loss``.
+        loss_fn: ``loss_fn(output, batch)`` for :meth:`Prepared.step` and
+            :meth:`Prepared.loss`; default: the output's ``.loss``.
+        keep_original_weights: For ``bf16-pure``: keep the original weights on the host so
+            that :meth:`Prepared.remove` gives back every weight training did not change bit
+            for bit (see :func:`~memfit.strategies.precision.apply_precision`).
 
     Returns:
         The :class:`Prepared` model, optimizer and step.
 
     Raises:
         TypeError: when ``plan`` is not a :class:`~memfit.plan.Plan` (an optimizer passed
-            where the plan goes, as the old ``prepare(model, optimizer, plan)`` order did) or
-            ``optimizer`` is a plan.
+            where the plan goes, as the old ``prepare(model, optimizer, plan)`` order did),
+            ``optimizer`` is a plan, or another argument has the wrong kind.
     """
-    if plan is not None and not isinstance(plan, Plan):
-        raise TypeError(
-            f"prepare(model, plan, *, optimizer=...) takes a memfit.Plan second, got a "
-            f"{type(plan).__name__}; pass an optimizer as optimizer=..."
-        )
-    if isinstance(optimizer, Plan):
-        raise TypeError("optimizer= got a memfit.Plan; pass the plan second: prepare(model, plan)")
-    return Prepared(apply_plan(model, plan, loss_fn=loss_fn, optimizer=optimizer))
+    check_plan_arguments("prepare", model, plan, optimizer, loss_fn)
+    setup = apply_plan(
+        model,
+        plan,
+        optimizer=optimizer,
+        loss_fn=loss_fn,
+        keep_original_weights=keep_original_weights,
+    )
+    return Prepared(setup)

@@ -1,0 +1,57 @@
+"""Prediction and confirmation: a candidate's memory on the target, and the budget check.
+
+:func:`predict` composes the candidate's peak from two shallow dry runs (cheap);
+:func:`confirm` dry-runs it at full depth (two micro-batches stand for all) before it is
+returned. Both compare with the budget through :func:`fits`, the planner's one budget check.
+"""
+
+from __future__ import annotations
+
+from ..estimate.compose import Prediction, predict_peak
+from ..targets import DeviceProfile
+from ..workload import Workload
+from .result import Candidate
+
+__all__ = ["confirm", "fits", "predict", "record"]
+
+
+def fits(prediction: Prediction, budget_bytes: int) -> bool:
+    """Whether ``prediction`` fits ``budget_bytes``: the planner's one budget check.
+
+    What must fit is what the target device holds (:attr:`Prediction.device_total_bytes`): on a
+    GPU the caching allocator's reserved peak plus the CUDA context and workspaces; on the CPU
+    the tensors' peak.
+    """
+    return prediction.device_total_bytes <= budget_bytes
+
+
+def record(candidate: Candidate, prediction: Prediction, budget_bytes: int) -> bool:
+    """Write ``prediction`` and its verdict into ``candidate``; return the verdict."""
+    candidate.peak_bytes = prediction.peak_bytes
+    candidate.by_category = dict(prediction.by_category)
+    candidate.reserved_bytes = prediction.reserved_bytes
+    candidate.device_total_bytes = prediction.device_total_bytes
+    candidate.fits = fits(prediction, budget_bytes)
+    return candidate.fits
+
+
+def predict(
+    candidate: Candidate, workload: Workload, device: DeviceProfile, budget_bytes: int
+) -> bool:
+    """Predict ``candidate``'s memory (composed from shallow dry runs where possible)."""
+    prediction = predict_peak(workload, candidate.plan, device=device)
+    candidate.note = f"{prediction.method}, peak in {prediction.peak_phase}"
+    return record(candidate, prediction, budget_bytes)
+
+
+def confirm(
+    candidate: Candidate, workload: Workload, device: DeviceProfile, budget_bytes: int
+) -> bool:
+    """Dry-run ``candidate`` at full depth; its figures become the confirmed ones."""
+    prediction = predict_peak(workload, candidate.plan, compose=False, device=device)
+    ok = record(candidate, prediction, budget_bytes)
+    candidate.note = (
+        (candidate.note + "; " if candidate.note else "")
+        + f"confirmed by a full-depth dry run: {prediction.device_total_bytes} bytes"
+    )
+    return ok

@@ -1,0 +1,124 @@
+"""What the planner hands back: the candidates it weighed and its answer.
+
+:class:`Candidate` travels through the search's stages (generation, costing, prediction,
+confirmation), each filling its fields; :class:`PlanResult` is the answer and the JSON of
+``memfit plan``; :class:`NothingFits` carries the closest plan when none fits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..plan import Plan
+
+__all__ = ["Candidate", "NothingFits", "PlanResult"]
+
+
+@dataclass
+class Candidate:
+    """One plan considered by the planner.
+
+    Attributes:
+        plan: The plan.
+        rank: Memory rank per dimension (higher uses less memory), for dominance.
+        step_time: Predicted seconds per step.
+        ratio: ``step_time`` relative to the unoptimised plan.
+        peak_bytes: Predicted peak (``None`` when never predicted).
+        by_category: Predicted bytes per category at the peak.
+        fits: Whether the prediction fits the budget (``None`` when not predicted).
+        note: How the verdict was reached.
+        cost_terms: The cost model's terms in seconds (:class:`memfit.estimate.cost.StepCost`).
+        reserved_bytes: Predicted reserved peak of the target's caching allocator.
+        device_total_bytes: Predicted device total (what is compared with the budget).
+    """
+
+    plan: Plan
+    rank: tuple[int, ...]
+    step_time: float
+    ratio: float = 1.0
+    peak_bytes: int | None = None
+    by_category: dict[str, int] | None = None
+    fits: bool | None = None
+    note: str = ""
+    cost_terms: dict[str, float] = field(default_factory=dict)
+    reserved_bytes: int | None = None
+    device_total_bytes: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready summary."""
+        return {
+            "plan": self.plan.to_dict(),
+            "summary": self.plan.summary(),
+            "predicted_step_time_ratio": self.ratio,
+            "predicted_peak_bytes": self.peak_bytes,
+            "predicted_peak_by_category": self.by_category,
+            "predicted_peak_reserved_bytes": self.reserved_bytes,
+            "predicted_device_total_bytes": self.device_total_bytes,
+            "fits": self.fits,
+            "note": self.note,
+        }
+
+
+@dataclass
+class PlanResult:
+    """The planner's answer.
+
+    Attributes:
+        fits: Whether a plan fits the budget.
+        plan: The fastest plan that fits; when nothing fits, the plan with the smallest peak.
+        budget_bytes: The budget.
+        predicted_peak_bytes: Peak of ``plan`` (confirmed by a full-depth dry run).
+        predicted_peak_by_category: Its bytes per category.
+        predicted_step_time_ratio: Its predicted step time relative to the unoptimised plan.
+        candidates: Every candidate whose memory was predicted, fastest first.
+        frontier: Fitting plans (and plans predicted to fit), fastest first: the trainer's
+            fallbacks when a step runs out of memory.
+        explanation: Why the winner won, in a sentence or two.
+        device: The device profile's name (the cost model's and the dry runs' target).
+        seconds: Time the search took.
+        predicted_peak_reserved_bytes: Reserved peak of ``plan`` on the target (allocator
+            model; the tensors' peak on the CPU).
+        predicted_device_total_bytes: Reserved plus the target's CUDA context and workspaces:
+            what was fitted into the budget.
+    """
+
+    fits: bool
+    plan: Plan
+    budget_bytes: int
+    predicted_peak_bytes: int
+    predicted_peak_by_category: dict[str, int]
+    predicted_step_time_ratio: float
+    candidates: list[Candidate]
+    frontier: list[Plan]
+    explanation: str
+    device: str
+    seconds: float = 0.0
+    predicted_peak_reserved_bytes: int = 0
+    predicted_device_total_bytes: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON of ``memfit plan``."""
+        return {
+            "fits": self.fits,
+            "plan": self.plan.to_dict(),
+            "budget_bytes": self.budget_bytes,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "predicted_peak_by_category": self.predicted_peak_by_category,
+            "predicted_peak_reserved_bytes": self.predicted_peak_reserved_bytes,
+            "predicted_device_total_bytes": self.predicted_device_total_bytes,
+            "predicted_step_time_ratio": self.predicted_step_time_ratio,
+            "candidates": [c.to_dict() for c in self.candidates],
+            "explanation": self.explanation,
+            "device": self.device,
+            "target_device": self.device,
+            "seconds": self.seconds,
+        }
+
+
+class NothingFits(Exception):
+    """No plan in the allowed space fits; carries the :class:`PlanResult` with the closest."""
+
+    def __init__(self, result: PlanResult, message: str) -> None:
+        super().__init__(message)
+        self.result = result

@@ -1,0 +1,76 @@
+"""Checkpoints of a trainer: save every N steps and after the last, load to resume.
+
+A checkpoint (:mod:`memfit.train.checkpoint`) holds the weights, the optimizer and schedule,
+the RNG, and the trainer's own state: the plan in force (a step-down is kept across a resume),
+the data position, the loss history and the loss scaler.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ...plan import Plan
+from ..checkpoint import load_checkpoint, read_state, save_checkpoint
+from .base import Callback, StepInfo, TrainerLike, due
+
+__all__ = ["CheckpointCallback", "load_trainer", "save_trainer"]
+
+
+def save_trainer(trainer: TrainerLike, folder: str | Path, *, keep: int = 3) -> Path:
+    """Write a checkpoint of ``trainer``'s state to ``folder``; keep the newest ``keep``."""
+    scaler = getattr(trainer.setup.precision, "scaler", None)
+    return save_checkpoint(
+        folder,
+        trainer.step_count,
+        trainer.model,
+        trainer.optimizer,
+        scheduler=trainer.scheduler,
+        keep=keep,
+        state={
+            "plan": trainer.plan.to_dict(),
+            "data": trainer.stream.state_dict(),
+            "losses": list(trainer.losses),
+            "eval_losses": list(trainer.eval_losses),
+            "scaler": scaler.state_dict() if scaler is not None else None,
+        },
+    )
+
+
+def load_trainer(trainer: TrainerLike, path: str | Path) -> None:
+    """Continue ``trainer`` from a checkpoint: its plan first (a run that had stepped down goes
+    on with the plan that fitted), then weights, optimizer, schedule, RNG, data position."""
+    state = read_state(path)
+    saved_plan = Plan.from_dict(state["plan"])
+    if saved_plan != trainer.plan:
+        trainer.switch_plan(saved_plan)
+    state = load_checkpoint(path, trainer.model, trainer.optimizer, scheduler=trainer.scheduler)
+    trainer.stream.load_state_dict(state.get("data") or {})
+    scaler = getattr(trainer.setup.precision, "scaler", None)
+    if scaler is not None and state.get("scaler") is not None:
+        scaler.load_state_dict(state["scaler"])
+    trainer.step_count = int(state["step"])
+    trainer.losses = list(state.get("losses", []))
+    trainer.eval_losses = [tuple(e) for e in state.get("eval_losses", [])]
+
+
+class CheckpointCallback(Callback):
+    """Saves a checkpoint every ``every`` steps and after the last one.
+
+    Args:
+        folder: Where checkpoints go (``None``: this callback does nothing).
+        every: Steps between checkpoints; ``None``: only after the last step.
+        keep: Checkpoints kept; older ones are deleted.
+
+    Attributes:
+        last: The path of the last checkpoint written, if any.
+    """
+
+    def __init__(self, folder: str | Path | None, *, every: int | None, keep: int = 3) -> None:
+        self.folder = Path(folder) if folder is not None else None
+        self.every, self.keep = every, keep
+        self.last: str | None = None
+
+    def on_step_end(self, trainer: TrainerLike, info: StepInfo) -> None:
+        if self.folder is None or not due(info.step, trainer.max_steps, self.every):
+            return
+        self.last = str(save_trainer(trainer, self.folder, keep=self.keep))

@@ -1,0 +1,109 @@
+"""Evaluation: the mean held-out loss without gradients, every N steps and after the last."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...workload import Batch, split_batch
+from ..streams import is_map_style, map_style_batches, to_device
+from .base import Callback, StepInfo, TrainerLike, due
+
+__all__ = ["EvaluationCallback", "evaluate"]
+
+
+def evaluate(
+    model: nn.Module,
+    batches: Iterable[Batch],
+    *,
+    loss_fn: Callable[[Any, Batch], torch.Tensor] | None = None,
+    autocast: Callable[[], Any] | None = None,
+    micro_batch_size: int | None = None,
+) -> float:
+    """Mean loss of ``model`` over ``batches`` without gradients, weighted like the training
+    loss (by label tokens for token labels, else by samples).
+
+    Args:
+        model: The model; put in eval mode for the pass and back in its former mode after.
+        batches: The evaluation batches.
+        loss_fn: ``loss_fn(output, batch)``; default: the output's ``.loss``.
+        autocast: A factory of the precision's autocast context (``None``: fp32).
+        micro_batch_size: Split batches into pieces of this size (keeps evaluation within the
+            training plan's activation memory).
+
+    Returns:
+        The mean loss (NaN when there was no batch).
+    """
+    from ...strategies.accumulation import count_loss_terms
+    from ...workload import batch_size_of, call_model, loss_from_output
+
+    loss_fn = loss_fn or (lambda out, batch: loss_from_output(out))
+    was_training = model.training
+    model.eval()
+    total, weight = 0.0, 0
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                parts = split_batch(batch, micro_batch_size) if micro_batch_size else [batch]
+                for part in parts:
+                    try:
+                        n = count_loss_terms(part)
+                    except ValueError:
+                        n = batch_size_of(part)
+                    if n == 0:
+                        continue
+                    with autocast() if autocast is not None else contextlib.nullcontext():
+                        loss = loss_fn(call_model(model, part), part)
+                    total += float(loss) * n
+                    weight += n
+    finally:
+        model.train(was_training)
+    return total / weight if weight else float("nan")
+
+
+class EvaluationCallback(Callback):
+    """Evaluates the trainer's model on ``data`` every ``every`` steps and after the last one,
+    appending ``(step, loss)`` to ``trainer.eval_losses``.
+
+    Args:
+        data: A map-style dataset of samples (batched ``trainer.batch_size`` at a time with
+            ``collate_fn``) or an iterable of batches; ``None``: no evaluation.
+        every: Steps between evaluations; ``None``: only after the last step.
+        collate_fn: Turns a list of samples into a batch.
+    """
+
+    def __init__(
+        self, data: Any, *, every: int | None, collate_fn: Callable[[list[Any]], Batch]
+    ) -> None:
+        self.data, self.every, self.collate_fn = data, every, collate_fn
+
+    def evaluate(self, trainer: TrainerLike) -> float:
+        """Mean loss on the evaluation data under the trainer's plan (NaN without data): its
+        precision's autocast and its micro-batches, so evaluation fits wherever a step does."""
+        if self.data is None:
+            return float("nan")
+        batches = (
+            map_style_batches(self.data, trainer.batch_size, self.collate_fn)
+            if is_map_style(self.data)
+            else iter(self.data)
+        )
+        device = trainer.device
+        setup = trainer.setup
+        return evaluate(
+            trainer.model,
+            (to_device(b, device) for b in batches),
+            loss_fn=setup.loss_fn,
+            autocast=setup.precision.autocast,
+            micro_batch_size=setup.plan.micro_batch_for(trainer.batch_size),
+        )
+
+    def on_step_end(self, trainer: TrainerLike, info: StepInfo) -> None:
+        if self.data is None or not due(info.step, trainer.max_steps, self.every):
+            return
+        value = self.evaluate(trainer)
+        trainer.eval_losses.append((info.step, value))
+        trainer.say(f"step {info.step}: eval loss {value:.4f}")

@@ -1,0 +1,326 @@
+"""What ``memfit train`` trains, from a :class:`~memfit.train.config.TrainConfig`: the model,
+the text, the plan; then the :class:`~memfit.train.Trainer` that runs it.
+
+The same from Python as from the command line::
+
+    from memfit.train import TrainConfig
+    from memfit.train.run import prepare_run
+
+    run = prepare_run(TrainConfig(data=("notes.txt",), max_steps=100, budget="2GiB"))
+    result = run.trainer().fit()
+
+With no data it trains memfit's built-in ``byte-gpt`` (a 4-layer GPT-2-style model over bytes)
+on the Python standard library's own sources, under a budget well below what the plain plan
+needs, so the planner has to turn techniques on.
+
+Vocabulary: the model is built with random weights, so its ``vocab_size`` is simply set to the
+tokenizer's (259 for the byte tokenizer, the file's size for a ``tokenizer.json``); a preset's
+own vocabulary size is replaced, nothing is lost.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..plan import Plan
+from ..workload import PRESETS, Workload, WorkloadError
+from .config import DEFAULT_BATCH_SIZE, TrainConfig
+from .tokenizer import Tokenizer
+
+__all__ = [
+    "MODEL_DEFAULT",
+    "PlanChoice",
+    "TrainRun",
+    "choose_plan",
+    "prepare_run",
+    "text_workload",
+]
+
+#: memfit train's own model: GPT-2 blocks over the byte vocabulary, small enough for a CPU.
+MODEL_DEFAULT = "byte-gpt"
+_BYTE_GPT = dict(n_embd=128, n_layer=4, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+# ---------------------------------------------------------------------------------- model
+def text_workload(spec: str, tokenizer: Tokenizer, batch_size: int, seq_len: int) -> Workload:
+    """A causal-LM workload whose vocabulary is the tokenizer's.
+
+    Args:
+        spec: ``byte-gpt`` (memfit train's default), a causal-LM preset (``gpt2``,
+            ``gpt2-tiny``, ``llama-1b``, ...) or a path to a Hugging Face ``config.json`` of a
+            causal LM.
+        tokenizer: Its ``vocab_size`` (and end-of-text id) go into the model's config.
+        batch_size: Samples per optimizer step.
+        seq_len: Tokens per sample (at most the model's positions).
+
+    Raises:
+        WorkloadError: for an unknown spec, a model that is not a causal LM, or a sequence
+            longer than the model's positions.
+    """
+    import transformers
+
+    vocab = int(tokenizer.vocab_size)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    # use_cache keeps transformers' default, as memfit's workloads do: without a cache Llama
+    # inspects position ids, which the planner's fake tensors cannot show.
+    special = {"bos_token_id": eos, "eos_token_id": eos, "pad_token_id": None}
+    causal = [n for n, p in PRESETS.items() if p.family in ("gpt2", "llama")]
+    if spec == MODEL_DEFAULT:
+        config: Any = transformers.GPT2Config(
+            vocab_size=vocab, n_positions=max(seq_len, 128), **_BYTE_GPT, **special
+        )
+        about = "memfit's byte-level GPT-2 (4 layers, 128 wide)"
+    elif spec in PRESETS:
+        preset = PRESETS[spec]
+        if preset.family not in ("gpt2", "llama"):
+            raise WorkloadError(
+                f"model {spec!r} is a sequence classifier; training on text needs a causal LM: "
+                f"{MODEL_DEFAULT}, {', '.join(causal)} or a causal LM's config.json"
+            )
+        cls = transformers.GPT2Config if preset.family == "gpt2" else transformers.LlamaConfig
+        config = cls(**{**preset.config, "vocab_size": vocab, **special})
+        about = preset.about
+    elif spec.endswith(".json") or Path(spec).exists():
+        config = _config_from_file(Path(spec), vocab, special)
+        about = f"{config.model_type} from {spec}"
+    else:
+        raise WorkloadError(
+            f"model {spec!r} names nothing memfit can train on text; use {MODEL_DEFAULT}, a "
+            f"causal-LM preset ({', '.join(causal)}) or a path to a causal LM's config.json"
+        )
+    limit = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    if limit is not None and seq_len > int(limit):
+        raise WorkloadError(
+            f"seq_len {seq_len} is longer than model {spec!r}'s {limit} positions; use seq_len "
+            f"{limit} or less"
+        )
+
+    def build() -> nn.Module:
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+    def make_batch(model: nn.Module, bs: int, sl: int) -> dict[str, torch.Tensor]:
+        # Random tokens of the real batches' shape: what the planner's dry runs measure.
+        ids = torch.randint(0, vocab, (bs, sl))
+        return {"input_ids": ids, "labels": ids.clone()}
+
+    return Workload(spec, batch_size, seq_len, build, make_batch, description=about)
+
+
+def _config_from_file(path: Path, vocab: int, special: Mapping[str, Any]) -> Any:
+    import transformers
+
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise WorkloadError(f"model config {str(path)!r} does not exist; give a path to a config.json")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise WorkloadError(f"model config {str(path)!r} is not valid JSON ({e})") from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise WorkloadError(f"model config {str(path)!r} has no 'model_type'; give a Hugging Face config.json")
+    data = {**data, "vocab_size": vocab, **special}
+    try:
+        config = transformers.AutoConfig.for_model(**data)
+    except (ValueError, KeyError) as e:
+        raise WorkloadError(f"model config {str(path)!r} cannot be built ({e})") from None
+    if type(config) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise WorkloadError(
+            f"model config {str(path)!r} is a {data['model_type']!r} model, which has no causal-LM "
+            "head in transformers; give the config of a causal LM (gpt2, llama, ...)"
+        )
+    return config
+
+
+# ---------------------------------------------------------------------------------- plan
+@dataclass
+class PlanChoice:
+    """The plan picked for a budget, and how.
+
+    Attributes:
+        plan: The plan to train with.
+        fits: Whether its predicted peak fits the budget.
+        predicted_peak_bytes: Its predicted (dry-run) peak.
+        fallback_plans: Plans to step down to if a step still runs out of memory.
+        method: ``planner`` (``memfit.planner``), ``dry-run step-down`` (planning
+            unavailable) or ``given``.
+        explanation: One or two sentences on the choice.
+    """
+
+    plan: Plan
+    fits: bool
+    predicted_peak_bytes: int | None
+    fallback_plans: list[Plan] = field(default_factory=list)
+    method: str = "planner"
+    explanation: str = ""
+
+
+def choose_plan(
+    workload: Workload,
+    budget_bytes: int,
+    *,
+    allow: Iterable[str] = (),
+    forbid: Iterable[str] = (),
+    base: Plan | None = None,
+    progress: Any = None,
+) -> PlanChoice:
+    """The fastest plan whose peak fits ``budget_bytes``.
+
+    Uses :func:`memfit.planner.plan` when the planner is available; otherwise steps ``base``
+    down (:func:`memfit.train.oom.step_down`) until a dry run of the workload fits.
+
+    Raises:
+        ValueError: for unknown ``allow`` / ``forbid`` names (from the planner).
+    """
+    try:
+        from ..planner import NothingFits
+        from ..planner import plan as run_planner
+    except ImportError:
+        return _dry_run_step_down(workload, budget_bytes, base or Plan())
+    try:
+        result = run_planner(workload, budget_bytes, allow=allow, forbid=forbid, base=base, progress=progress)
+    except NothingFits as e:
+        result = e.result
+    frontier = list(result.frontier)
+    later = frontier[frontier.index(result.plan) + 1 :] if result.plan in frontier else frontier
+    return PlanChoice(
+        plan=result.plan,
+        fits=bool(result.fits),
+        predicted_peak_bytes=int(result.predicted_peak_bytes),
+        fallback_plans=[p for p in later if p != result.plan],
+        method="planner",
+        explanation=result.explanation,
+    )
+
+
+def _dry_run_step_down(workload: Workload, budget_bytes: int, plan: Plan) -> PlanChoice:
+    from ..estimate import dry_run
+    from .oom import step_down
+
+    best: tuple[int, Plan] | None = None
+    current: Plan | None = plan
+    while current is not None:
+        peak = int(dry_run(workload, current, steps=2).peak_bytes)
+        if best is None or peak < best[0]:
+            best = (peak, current)
+        if peak <= budget_bytes:
+            return PlanChoice(current, True, peak, method="dry-run step-down")
+        current = step_down(current, workload.batch_size)
+    assert best is not None
+    return PlanChoice(best[1], False, best[0], method="dry-run step-down")
+
+
+
+# ---------------------------------------------------------------------------------- the run
+@dataclass
+class TrainRun:
+    """Everything a training run needs, built from a :class:`TrainConfig` by :func:`prepare_run`.
+
+    Attributes:
+        config: The settings it was built from.
+        workload: The model (built by the trainer from it, with the config's seed), its
+            batch and sequence sizes.
+        tokenizer: The tokenizer of the text.
+        dataset: All samples; ``train`` and ``eval`` are its two parts.
+        train: The training samples.
+        eval: The held-out samples (``None`` when ``eval_fraction`` is 0).
+        choice: The plan, how it was chosen and the plans to fall back to.
+        collate: Turns samples into a batch (pad id, the plan's pad multiple).
+        data_name: The text's source, in words.
+    """
+
+    config: TrainConfig
+    workload: Workload
+    tokenizer: Tokenizer
+    dataset: Any
+    train: Any
+    eval: Any
+    choice: PlanChoice
+    collate: Callable[[list[Any]], Any]
+    data_name: str
+
+    @property
+    def budget_bytes(self) -> int:
+        """The budget planned for, in bytes."""
+        return self.config.budget_bytes
+
+    def trainer(self, **kwargs: Any) -> Any:
+        """The :class:`~memfit.train.Trainer` of this run; ``kwargs`` go to it (``progress``,
+        ``console``, ``report_png``, ``callbacks``, ...)."""
+        from .trainer import Trainer
+
+        return Trainer(
+            self.workload,
+            self.choice.plan,
+            self.train,
+            eval_data=self.eval,
+            config=self.config,
+            batch_size=self.workload.batch_size,
+            fallback_plans=self.choice.fallback_plans,
+            collate_fn=self.collate,
+            **kwargs,
+        )
+
+
+def prepare_run(config: TrainConfig, *, say: Callable[[str], Any] | None = None) -> TrainRun:
+    """Build the run ``config`` describes: tokenizer, text, model, split, and the plan (the
+    config's, else the planner's for its budget).
+
+    Args:
+        config: The settings.
+        say: Called with a line on what is being done (planning takes seconds).
+
+    Raises:
+        WorkloadError: for text, a tokenizer or a model that cannot be used.
+        ConfigError: for a plan file that is missing or not a plan.
+        ValueError: for unknown ``allow`` / ``forbid`` names (from the planner).
+    """
+    from .data import TextDataset, collate, load_text_files, stdlib_corpus, train_eval_split
+    from .tokenizer import load_tokenizer
+
+    say = say or (lambda message: None)
+    tokenizer = load_tokenizer(config.tokenizer)
+    if config.data is None:
+        texts: Sequence[str] = [stdlib_corpus(config.corpus_bytes)]
+        data_name = "the Python standard library's sources"
+    else:
+        texts = load_text_files(list(config.data))
+        data_name = ", ".join(config.data)
+    batch_size = config.batch_size or DEFAULT_BATCH_SIZE
+    workload = text_workload(config.model, tokenizer, batch_size, config.seq_len)
+    dataset = TextDataset(texts, tokenizer, config.seq_len, pack=config.pack)
+    train_set, eval_set = train_eval_split(dataset, config.eval_fraction)
+    given = config.load_plan()
+    if given is not None:
+        choice = PlanChoice(given, True, None, method="given", explanation="the plan given")
+    else:
+        from ..units import format_bytes
+
+        say(f"planning for a budget of {format_bytes(config.budget_bytes)}")
+        choice = choose_plan(
+            workload, config.budget_bytes, allow=config.allow, forbid=config.forbid, progress=say
+        )
+    pad = tokenizer.pad_token_id
+    pad_multiple = choice.plan.sequence.pad_to_multiple_of
+
+    def collate_fn(samples: list[Any]) -> Any:
+        return collate(samples, pad_token_id=pad, pad_to_multiple_of=pad_multiple)
+
+    return TrainRun(
+        config=config,
+        workload=workload,
+        tokenizer=tokenizer,
+        dataset=dataset,
+        train=train_set,
+        eval=eval_set,
+        choice=choice,
+        collate=collate_fn,
+        data_name=data_name,
+    )

@@ -1,0 +1,65 @@
+"""Learning-rate schedules: linear warm-up, then cosine or linear decay to 0, or flat.
+
+They are torch schedulers on the optimizer. With ``optimizer_in_backward`` the optimizer is
+memfit's handle, whose ``param_groups`` are the per-parameter optimizers' own group dicts, so the
+same scheduler drives every per-parameter optimizer.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .config import SCHEDULES
+
+__all__ = ["SCHEDULES", "build_scheduler", "lr_factor"]
+
+
+def lr_factor(step: int, *, schedule: str, warmup_steps: int, max_steps: int) -> float:
+    """The LR multiplier at ``step`` (0-based): linear warm-up, then the schedule's decay."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    if schedule == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(
+    optimizer: Any,
+    schedule: str = "cosine",
+    *,
+    warmup_steps: int = 0,
+    max_steps: int = 100,
+    start_step: int = 0,
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """A torch ``LambdaLR`` on ``optimizer``: warm-up, then cosine / linear decay to 0, or flat.
+
+    Args:
+        optimizer: A torch optimizer or an optimizer-in-backward handle.
+        schedule: ``cosine``, ``linear`` or ``constant``.
+        warmup_steps: Steps of linear warm-up from ``lr / warmup_steps``.
+        max_steps: Steps of the whole run (the decay ends there).
+        start_step: Steps already done (to attach a schedule mid-run, e.g. to a rebuilt
+            optimizer); the optimizer's current ``lr`` is taken as the base.
+
+    Raises:
+        ValueError: for an unknown schedule or negative warm-up.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule {schedule!r} is not known; use one of {', '.join(SCHEDULES)}")
+    if warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps!r}")
+
+    def factor(step: int) -> float:
+        return lr_factor(step, schedule=schedule, warmup_steps=warmup_steps, max_steps=max_steps)
+
+    if start_step > 0:
+        # LambdaLR resumes from last_epoch only when each group records its base LR.
+        for group in optimizer.param_groups:
+            group.setdefault("initial_lr", group["lr"])
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor, last_epoch=start_step - 1)

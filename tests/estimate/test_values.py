@@ -1,0 +1,107 @@
+"""Values in a dry run: constants computed for real, the routing policy, the upper bound."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+from memfit.estimate.fake_kernels import real_kernel_rules
+from memfit.estimate.values import DryRunValues
+
+
+def _dry(**kwargs):
+    class Ctx:
+        def __enter__(self):
+            self.stack = [real_kernel_rules(), FakeTensorMode(allow_non_fake_inputs=True),
+                          DryRunValues(**kwargs)]  # fmt: skip
+            return [c.__enter__() for c in self.stack][-1]
+
+        def __exit__(self, *exc):
+            for c in reversed(self.stack):
+                c.__exit__(*exc)
+
+    return Ctx()
+
+
+def test_constants_have_real_values_and_fake_tensors():
+    with _dry() as values:
+        rates = torch.linspace(0, 0.3, 4)
+        assert isinstance(rates, FakeTensor)
+        assert rates.tolist() == pytest.approx([0.0, 0.1, 0.2, 0.3])
+        assert [r.item() for r in rates.split(1)] == pytest.approx([0.0, 0.1, 0.2, 0.3])
+        odd = torch.arange(10)[torch.arange(10) % 2 == 1]
+        assert isinstance(odd, FakeTensor) and odd.shape == (5,) and odd.tolist() == [1, 3, 5, 7, 9]
+        assert f"{torch.tensor(3)}" == "3"
+        assert values.summary() == []
+
+
+def test_a_value_of_activations_is_not_invented():
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    with _dry():
+        x = torch.randn(4)  # random: no value
+        with pytest.raises(DataDependentOutputException):
+            x.sum().item()
+        c = torch.ones(4)
+        c.add_(x)  # a constant written from a value without one loses its value
+        with pytest.raises(DataDependentOutputException):
+            c.sum().item()
+
+
+@pytest.mark.parametrize("experts, k, tokens", [(4, 2, 32), (8, 2, 30), (4, 1, 16)])
+def test_balanced_routing_gives_every_expert_its_share(experts, k, tokens):
+    with _dry() as values:
+        scores = torch.randn(tokens, experts)
+        _, chosen = torch.topk(scores, k, dim=-1)
+        counts = torch.bincount(chosen.flatten(), minlength=experts).tolist()
+        rows = [set(r) for r in chosen.tolist()]
+    assert sum(counts) == tokens * k and max(counts) - min(counts) <= 1
+    assert all(len(r) == k for r in rows)  # no expert twice for one token
+    (use,) = values.summary()
+    assert use["op"] == "routing" and use["policy"].startswith("balanced")
+
+
+def test_expert_load_overloads_expert_zero():
+    tokens, experts, k = 64, 8, 2
+    with _dry(expert_load=3):
+        _, chosen = torch.randn(tokens, experts).topk(k)
+        counts = torch.bincount(chosen.flatten(), minlength=experts).tolist()
+        where = [torch.where(chosen == e)[0].shape[0] for e in range(experts)]
+        rows = [set(r) for r in chosen.tolist()]
+    assert all(len(r) == k for r in rows)
+    share = tokens * k / experts
+    assert counts[0] >= 3 * share and counts == where
+
+
+def test_argmax_router_and_top1():
+    with _dry():
+        index = torch.argmax(torch.randn(2, 8, 4).softmax(-1), dim=-1)
+        mask = torch.nn.functional.one_hot(index, num_classes=4)
+        hit = torch.greater(mask.sum(dim=(0, 1)), 0).nonzero()
+        assert hit.shape == (4, 1)
+
+
+def test_upper_bound_for_data_dependent_shapes_of_activations():
+    with _dry() as values:
+        h = torch.randn(3, 5)
+        assert torch.nonzero(h > 0).shape == (15, 2)
+        assert torch.masked_select(h, h > 0).shape == (15,)
+    assert {u["op"] for u in values.summary()} == {"aten.nonzero", "aten.masked_select"}
+
+
+def test_bad_expert_load_is_one_sentence():
+    for bad in (0.5, float("nan"), "2"):
+        with pytest.raises(ValueError, match="expert_load must be a number >= 1"):
+            DryRunValues(expert_load=bad)
+
+
+def test_transformers_sees_fake_tensors_again_afterwards():
+    from transformers.utils import import_utils
+
+    original = import_utils.is_fake_tensor
+    with _dry():
+        assert import_utils.is_fake_tensor is not original
+        assert not import_utils.is_fake_tensor(torch.ones(2))  # a constant: values known
+        assert import_utils.is_fake_tensor(torch.randn(2))
+    assert import_utils.is_fake_tensor is original
