@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .strategies.checkpointing import CheckpointConfig
+from .strategies.fused_loss import FusedLossConfig
 from .strategies.offload import OffloadConfig
 from .strategies.optimizer import OptimizerConfig
 from .strategies.precision import PrecisionConfig
@@ -68,6 +69,15 @@ class Plan:
             backward: per layer, about one activation of the hidden width per norm and one of
             the MLP width less (more in bf16), for a few elementwise passes recomputed in
             backward. Same arithmetic: gradients equal to rounding.
+        fused_loss: Compute a Hugging Face causal LM's loss from the last hidden states with
+            :func:`memfit.ops.chunked_cross_entropy` (see
+            :func:`~memfit.strategies.fused_loss.apply_fused_loss`): the fp32 logits and their
+            gradient (tokens x vocabulary x 4 bytes each) never exist, one chunk of them does.
+            Costs one more matmul pass of the output head in backward (each chunk's logits are
+            recomputed). ``None`` (or ``false``) is off; ``true`` is
+            :class:`~memfit.strategies.fused_loss.FusedLossConfig` with an automatic chunk
+            size; a mapping sets ``chunk_size`` and ``training_only``. Gradients equal the plain
+            loss's to rounding. Custom models: :func:`memfit.ops.fused_linear_loss`.
     """
 
     micro_batch_size: int | None = None
@@ -84,6 +94,7 @@ class Plan:
     sequence: SequenceConfig = field(default_factory=SequenceConfig)
     offload: OffloadConfig | None = None
     fused_pointwise: bool = False
+    fused_loss: FusedLossConfig | None = None
 
     def __post_init__(self) -> None:
         # Accept short forms (strings, dicts, lists) and store the canonical configs.
@@ -99,6 +110,7 @@ class Plan:
                 "offload is not available yet: this plan asks for it, but memfit cannot move "
                 "memory to the host or disk; remove 'offload' (or set it to null)"
             )
+        coerce(self, "fused_loss", _fused_loss(self.fused_loss))
         if isinstance(self.freeze, str):
             coerce(self, "freeze", (self.freeze,) if self.freeze else ())
         coerce(self, "freeze", tuple(self.freeze))
@@ -275,6 +287,9 @@ class Plan:
             parts.append(f"offload to {self.offload.tier}")
         if self.fused_pointwise:
             parts.append("fused pointwise")
+        if self.fused_loss is not None:
+            chunk = self.fused_loss.chunk_size
+            parts.append("fused loss" + (f" (chunks of {chunk} tokens)" if chunk else ""))
         return ", ".join(parts)
 
 
@@ -302,6 +317,28 @@ def _coerce(cls: type, value: Any, short_field: str | None) -> Any:
         except ValueError as e:
             raise PlanError(str(e)) from None
     raise PlanError(f"{cls.__name__} cannot be made from {value!r}")
+
+
+def _fused_loss(value: Any) -> FusedLossConfig | None:
+    """The canonical ``fused_loss``: ``None`` when off, else a :class:`FusedLossConfig`."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return FusedLossConfig()
+    if isinstance(value, FusedLossConfig):
+        return value
+    if isinstance(value, Mapping):
+        names = {f.name for f in dataclasses.fields(FusedLossConfig)}
+        unknown = [k for k in value if k not in names]
+        if not unknown:
+            try:
+                return FusedLossConfig(**dict(value))
+            except ValueError as e:
+                raise PlanError(f"fused_loss {e}".rstrip(".")) from None
+    raise PlanError(
+        f"fused_loss must be true, false, null or a mapping with chunk_size (a positive "
+        f"integer or null) and training_only (true or false), got {value!r}"
+    )
 
 
 def _plain(obj: Any) -> Any:

@@ -81,6 +81,8 @@ class FusedLossConfig:
             raise ValueError(
                 f"chunk_size must be a positive integer or None, got {self.chunk_size!r}."
             )
+        if not isinstance(self.training_only, bool):
+            raise ValueError(f"training_only must be true or false, got {self.training_only!r}.")
 
 
 class _State:
@@ -256,8 +258,10 @@ def apply_fused_loss(model: nn.Module, config: FusedLossConfig | None = None) ->
     head = get_head() if callable(get_head) else None
     if not isinstance(head, nn.Linear) or "loss_function" not in dir(type(model)):
         raise ValueError(
-            f"apply_fused_loss patches Hugging Face causal LMs with a linear output head; for "
-            f"{kind}, compute the loss with memfit.ops.fused_linear_loss(hidden, head, labels)."
+            f"the fused loss applies to Hugging Face causal LMs whose output head is an "
+            f"nn.Linear (GPT-2, Llama, Mistral, Qwen, Gemma, ...) and {kind} is not one; turn "
+            "fused_loss off and compute the loss with "
+            "memfit.ops.fused_linear_loss(hidden, head, labels)."
         )
     existing = model.__dict__.get("_loss_function")
     if isinstance(existing, _FusedLoss):
