@@ -192,7 +192,7 @@ def plan_command(
         str,
         typer.Option(
             "--forbid",
-            help="Comma-separated default techniques to rule out: accumulation, checkpointing, full-checkpointing, mixed-precision, fused-step, foreach-off.",
+            help="Comma-separated default techniques to rule out: accumulation, checkpointing, full-checkpointing, mixed-precision, fused-step, foreach-off, fused-loss.",
         ),
     ] = "",
     device: Annotated[
