@@ -192,7 +192,7 @@ def plan_command(
         str,
         typer.Option(
             "--forbid",
-            help="Comma-separated default techniques to rule out: accumulation, checkpointing, full-checkpointing, mixed-precision, fused-step, foreach-off.",
+            help="Comma-separated default techniques to rule out: accumulation, checkpointing, full-checkpointing, mixed-precision, fused-step, foreach-off, fused-loss.",
         ),
     ] = "",
     device: Annotated[
@@ -307,6 +307,14 @@ def bench_ladder(
             "cost model's compute ratio.",
         ),
     ] = "cpu",
+    only: Annotated[
+        str,
+        typer.Option(
+            "--only",
+            help="Comma-separated rung names to run (the baseline always runs), e.g. "
+            "'baseline + fused loss'.",
+        ),
+    ] = "",
 ) -> None:
     """Reproduce and extend the published BERT-large strategy ladder."""
     _quiet_libraries()
@@ -331,6 +339,7 @@ def bench_ladder(
             compute_seq=compute_seq,
             device=target,
             progress=lambda msg: status.update(msg),
+            only=[n.strip() for n in only.split(",") if n.strip()] or None,
         )
     out.print(ladder_table(rows))
     if json_path is not None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .strategies.checkpointing import CheckpointConfig
+from .strategies.fused_loss import FusedLossConfig
 from .strategies.offload import OffloadConfig
 from .strategies.optimizer import OptimizerConfig
 from .strategies.precision import PrecisionConfig
@@ -80,6 +81,15 @@ class Plan:
             backward (recomputing pointwise results) and fused kernels drop temporaries; a dry
             run cannot see either, so the saving is measured once for real at a small size
             (:mod:`memfit.strategies.compiling`). Costs compile time at the first steps.
+        fused_loss: Compute a Hugging Face causal LM's loss from the last hidden states with
+            :func:`memfit.ops.chunked_cross_entropy` (see
+            :func:`~memfit.strategies.fused_loss.apply_fused_loss`): the fp32 logits and their
+            gradient (tokens x vocabulary x 4 bytes each) never exist, one chunk of them does.
+            Costs one more matmul pass of the output head in backward (each chunk's logits are
+            recomputed). ``None`` (or ``false``) is off; ``true`` is
+            :class:`~memfit.strategies.fused_loss.FusedLossConfig` with an automatic chunk
+            size; a mapping sets ``chunk_size`` and ``training_only``. Gradients equal the plain
+            loss's to rounding. Custom models: :func:`memfit.ops.fused_linear_loss`.
     """
 
     micro_batch_size: int | None = None
@@ -96,6 +106,7 @@ class Plan:
     sequence: SequenceConfig = field(default_factory=SequenceConfig)
     offload: OffloadConfig | None = None
     fused_pointwise: bool = False
+    fused_loss: FusedLossConfig | None = None
     compile: bool | str = False
 
     def __post_init__(self) -> None:
@@ -109,6 +120,7 @@ class Plan:
             # "host" is short for the optimizer on the host (ZeRO-Offload).
             offload = {"optimizer": self.offload} if isinstance(self.offload, str) else self.offload
             coerce(self, "offload", _coerce(OffloadConfig, offload, None))
+        coerce(self, "fused_loss", _fused_loss(self.fused_loss))
         if isinstance(self.freeze, str):
             coerce(self, "freeze", (self.freeze,) if self.freeze else ())
         coerce(self, "freeze", tuple(self.freeze))
@@ -312,6 +324,9 @@ class Plan:
             parts.append(self.offload.summary())
         if self.fused_pointwise:
             parts.append("fused pointwise")
+        if self.fused_loss is not None:
+            chunk = self.fused_loss.chunk_size
+            parts.append("fused loss" + (f" (chunks of {chunk} tokens)" if chunk else ""))
         if self.compile_backend is not None:
             parts.append(
                 "compiled" if self.compile_backend == "inductor" else f"compiled ({self.compile_backend})"
@@ -343,6 +358,28 @@ def _coerce(cls: type, value: Any, short_field: str | None) -> Any:
         except ValueError as e:
             raise PlanError(str(e)) from None
     raise PlanError(f"{cls.__name__} cannot be made from {value!r}")
+
+
+def _fused_loss(value: Any) -> FusedLossConfig | None:
+    """The canonical ``fused_loss``: ``None`` when off, else a :class:`FusedLossConfig`."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return FusedLossConfig()
+    if isinstance(value, FusedLossConfig):
+        return value
+    if isinstance(value, Mapping):
+        names = {f.name for f in dataclasses.fields(FusedLossConfig)}
+        unknown = [k for k in value if k not in names]
+        if not unknown:
+            try:
+                return FusedLossConfig(**dict(value))
+            except ValueError as e:
+                raise PlanError(f"fused_loss {e}".rstrip(".")) from None
+    raise PlanError(
+        f"fused_loss must be true, false, null or a mapping with chunk_size (a positive "
+        f"integer or null) and training_only (true or false), got {value!r}"
+    )
 
 
 def _plain(obj: Any) -> Any:

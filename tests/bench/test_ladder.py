@@ -77,3 +77,39 @@ def test_ladder_command_refuses_an_unknown_device():
     result = CliRunner().invoke(app, ["bench", "ladder", "--device", "v100"])
     assert result.exit_code == 2
     assert "not known" in result.output
+
+
+# ---------------------------------------------------------------------------------- fused loss
+LOGITS_HEAVY = {
+    "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": 32768,
+    "n_positions": 128, "n_embd": 32, "n_layer": 2, "n_head": 2, "use_cache": False,
+    "bos_token_id": 0, "eos_token_id": 0,
+}  # fmt: skip
+
+
+def test_fused_loss_rungs_of_a_causal_lm(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LOGITS_HEAVY))
+    fused = ["baseline + fused loss", "best full fine-tune + fused loss"]
+    result = run_ladder(str(path), batch_size=4, seq_len=128, compute_seq=8,
+                        compute_steps=1, device="cpu", only=fused)  # fmt: skip
+    rows = {row.name: row for row in result}
+    assert list(rows) == ["baseline", *fused]
+    logits32 = 4 * 128 * 32768 * 4  # 64 MiB; their gradient as much
+    chunk32 = 128 * 32768 * 4  # the automatic chunk: 128 tokens (16 MiB of fp32 logits)
+    assert rows["baseline"].logits_bytes == 2 * logits32
+    assert rows["baseline + fused loss"].logits_bytes == 2 * chunk32
+    saved = rows["baseline"].peak_bytes - rows["baseline + fused loss"].peak_bytes
+    assert saved >= 2 * logits32 - chunk32
+    table = ladder_markdown(result)
+    assert "fp32 logits + grad (share)" in table and "| 128.00 MiB (" in table
+    with pytest.raises(ValueError, match="no rung 'baseline \\+ compile'"):
+        run_ladder(str(path), batch_size=4, seq_len=128, only=["baseline + compile"])
+
+
+def test_no_fused_loss_rungs_for_a_classifier():
+    from memfit.bench.ladder import ladder_plans
+
+    assert not any("fused loss" in name for name, _ in ladder_plans())
+    names = [name for name, _ in ladder_plans(causal_lm=True)]
+    assert names[-2:] == ["baseline + fused loss", "best full fine-tune + fused loss"]

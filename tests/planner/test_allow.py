@@ -10,7 +10,8 @@ from memfit.planner import plan
 from memfit.workload import load_workload
 
 WORKLOAD = load_workload("gpt2-tiny", 4, 32)
-FORBID = ("accumulation", "checkpointing", "mixed-precision", "fused-step", "foreach-off")
+FORBID = ("accumulation", "checkpointing", "mixed-precision", "fused-step", "foreach-off",
+          "fused-loss")
 
 USES = {
     "freeze": lambda p: bool(p.freeze),

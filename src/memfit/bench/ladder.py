@@ -6,13 +6,17 @@ on this CPU at a reduced scale (fewer layers, shorter sequences) in the same run
 the baseline's step time, so recomputation and micro-batching both show. For a GPU target the
 rows add what that GPU would hold (the caching allocator's reserved peak and the device total
 with the CUDA context) and the cost model's compute ratio on that GPU.
+
+For a causal LM (a model the fused loss applies to), the ladder adds the fused-loss rungs and
+a column with the bytes of the fp32 logits and their gradient for one micro-batch (one chunk
+of them under the fused loss) and their share of the row's peak.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,12 +54,15 @@ class LadderRow:
     peak_reserved_bytes: int = 0
     device_total_bytes: int = 0
     predicted_compute_ratio: float | None = None
+    logits_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON row: ``name``, ``plan``, ``peak_bytes``, ``peak_by_category``,
         ``compute_ratio`` (CPU-measured), ``target_device``, ``peak_reserved_bytes``,
         ``device_total_bytes``, ``predicted_compute_ratio`` (cost model on the target; ``None``
-        for the CPU) and the published figures where there are any."""
+        for the CPU), ``logits_bytes`` (fp32 logits and their gradient of one micro-batch, one
+        chunk of them under the fused loss; 0 for models without a language-model head) and the
+        published figures where there are any."""
         out: dict[str, Any] = {
             "name": self.name,
             "plan": self.plan.to_dict(),
@@ -67,15 +74,19 @@ class LadderRow:
             "compute_ratio": self.compute_ratio,
             "predicted_compute_ratio": self.predicted_compute_ratio,
             "step_seconds_reduced_scale": self.step_seconds,
+            "logits_bytes": self.logits_bytes,
         }
         if self.published:
             out["published_gpu_gb"], out["published_seconds"] = self.published
         return out
 
 
-def ladder_plans(batch_size: int = 32, short_seq: int = 64) -> list[tuple[str, Plan]]:
+def ladder_plans(
+    batch_size: int = 32, short_seq: int = 64, *, causal_lm: bool = False
+) -> list[tuple[str, Plan]]:
     """The rungs: the published ladder, then each technique it lacks on the baseline, then
-    the best full fine-tune (no freezing, full length, the same effective batch)."""
+    the best full fine-tune (no freezing, full length, the same effective batch); for a
+    ``causal_lm``, the fused loss on the baseline and on the best full fine-tune."""
     # torch's AdamW runs multi-tensor (foreach) by default on a GPU, as in the published runs;
     # on a CPU its default is the per-tensor loop, so the ladder names it explicitly.
     adamw = {"name": "adamw", "foreach": True}
@@ -95,6 +106,12 @@ def ladder_plans(batch_size: int = 32, short_seq: int = 64) -> list[tuple[str, P
             Plan(**accum_af, checkpointing="full", freeze=("body",), max_seq_len=short_seq),
         ),
     ]
+    best = Plan(
+        precision="bf16-pure",
+        optimizer="adafactor",
+        optimizer_in_backward=True,
+        checkpointing="full",
+    )
     extra = [
         # The state and the step's temporaries only matter where the peak is at the step:
         # after accumulation has removed the activations.
@@ -107,16 +124,13 @@ def ladder_plans(batch_size: int = 32, short_seq: int = 64) -> list[tuple[str, P
         ("baseline + bf16-mixed", Plan(optimizer=adamw, precision="bf16-mixed")),
         ("baseline + bf16-pure", Plan(optimizer=adamw, precision="bf16-pure")),
         ("baseline + selective checkpointing", Plan(optimizer=adamw, checkpointing="selective")),
-        (
-            "best full fine-tune",
-            Plan(
-                precision="bf16-pure",
-                optimizer="adafactor",
-                optimizer_in_backward=True,
-                checkpointing="full",
-            ),
-        ),
+        ("best full fine-tune", best),
     ]
+    if causal_lm:
+        extra += [
+            ("baseline + fused loss", Plan(optimizer=adamw, fused_loss=True)),
+            ("best full fine-tune + fused loss", best.replace(fused_loss=True)),
+        ]
     return published + extra + fusion_plans()
 
 
@@ -235,6 +249,7 @@ def run_ladder(
     compute_steps: int = 2,
     device: str | DeviceProfile | None = "cpu",
     progress: Callable[[str], None] | None = None,
+    only: Sequence[str] | None = None,
 ) -> list[LadderRow]:
     """Measure every rung.
 
@@ -251,6 +266,11 @@ def run_ladder(
             description or a profile; ``None`` is this machine). For a GPU target each row
             also gets the cost model's compute ratio on it.
         progress: Called with the rung's name as it starts.
+        only: Run only the rungs with these names (the baseline, the first rung, always runs:
+            the compute ratios are relative to it).
+
+    Raises:
+        ValueError: when ``only`` names a rung that does not exist for this model.
     """
     from ..estimate.cost import profile_workload, step_cost
     from ..estimate.dryrun import plan_for_target
@@ -261,12 +281,27 @@ def run_ladder(
     full = load_workload(model, batch_size, seq_len)
     small = full.with_depth(compute_depth) if full.scalable and full.with_depth else full
     small = small.replace(seq_len=min(compute_seq, seq_len))
+    head = _lm_head(full)
+    rungs = _for_target(ladder_plans(batch_size, short_seq, causal_lm=head is not None), target)
+    if only is not None:
+        names = [name for name, _ in rungs]
+        for name in only:
+            if name not in names:
+                raise ValueError(
+                    f"the ladder has no rung {name!r} for {model}; its rungs are "
+                    f"{', '.join(names)}"
+                )
+        rungs = [r for i, r in enumerate(rungs) if i == 0 or r[0] in only]
     rows = []
-    for name, plan in _for_target(ladder_plans(batch_size, short_seq), target):
+    for name, plan in rungs:
         if (plan.fused_pointwise or plan.compile) and not _applies(small, plan):
             say(f"{name}: left out ({full.name} has nothing it fuses)")
             continue
-        row = LadderRow(name, plan, published=PUBLISHED.get(name), target_device=target.name)
+        # The published figures are bert-large's (chinese-macbert-large): other models get none.
+        published = PUBLISHED.get(name) if model == "bert-large" else None
+        row = LadderRow(name, plan, published=published, target_device=target.name)
+        if head is not None:
+            row.logits_bytes = _logits_bytes(plan, batch_size, seq_len, *head)
         say(f"{name}: dry run at full scale for {target.name}")
         for key, value in _peak(full, plan, target).items():
             setattr(row, key, value)
@@ -316,6 +351,28 @@ def _for_target(rungs: list[tuple[str, Plan]], target: DeviceProfile) -> list[tu
     return out
 
 
+def _lm_head(workload: Workload) -> tuple[int, int] | None:
+    """(hidden, vocabulary) of the output head when the fused loss applies to the model."""
+    from ..estimate.fake_kernels import dry_tensors
+    from ..planner.candidates import fused_loss_applies
+
+    if not fused_loss_applies(workload):
+        return None
+    with dry_tensors():
+        head = workload.build_model().get_output_embeddings()
+        return head.in_features, head.out_features
+
+
+def _logits_bytes(plan: Plan, batch_size: int, seq_len: int, hidden: int, vocab: int) -> int:
+    """fp32 logits and their gradient of one micro-batch (one chunk of them when fused)."""
+    from ..ops import auto_chunk_size
+
+    tokens = plan.micro_batch_for(batch_size) * min(plan.max_seq_len or seq_len, seq_len)
+    if plan.fused_loss is not None:
+        tokens = plan.fused_loss.chunk_size or auto_chunk_size(tokens, hidden, vocab)
+    return 2 * tokens * vocab * 4
+
+
 def _trainable_fraction(workload: Workload, plan: Plan) -> float:
     from ..estimate.fake_kernels import dry_tensors
     from ..strategies.freezing import apply_freezing
@@ -327,7 +384,7 @@ def _trainable_fraction(workload: Workload, plan: Plan) -> float:
         return sum(p.numel() for p in model.parameters() if p.requires_grad) / total
 
 
-def _cells(row: LadderRow, gpu: bool) -> list[str]:
+def _cells(row: LadderRow, gpu: bool, logits: bool = False) -> list[str]:
     from ..units import format_bytes
 
     cats = row.peak_by_category or {}
@@ -337,6 +394,9 @@ def _cells(row: LadderRow, gpu: bool) -> list[str]:
     if gpu:
         cells += [format_bytes(row.peak_reserved_bytes), format_bytes(row.device_total_bytes)]
     cells += [format_bytes(cats.get(k, 0)) for k in main] + [format_bytes(other)]
+    if logits:
+        share = row.logits_bytes / row.peak_bytes if row.peak_bytes else 0.0
+        cells.append(f"{format_bytes(row.logits_bytes)} ({share:.0%})")
     cells.append(f"{row.compute_ratio:.2f}x")
     if gpu:
         cells.append(f"{row.predicted_compute_ratio or 0.0:.2f}x")
@@ -344,24 +404,28 @@ def _cells(row: LadderRow, gpu: bool) -> list[str]:
     return cells
 
 
-def _headers(rows: list[LadderRow]) -> tuple[list[str], bool]:
+def _headers(rows: list[LadderRow]) -> tuple[list[str], bool, bool]:
     gpu = any(row.predicted_compute_ratio is not None for row in rows)
+    logits = any(row.logits_bytes for row in rows)
     device = rows[0].target_device if rows else "cpu"
     headers = ["strategy", "peak" if not gpu else "allocated"]
     if gpu:
         headers += ["reserved", "device total"]
-    headers += ["params", "grads", "state", "activations", "other", "compute (CPU)"]
+    headers += ["params", "grads", "state", "activations", "other"]
+    if logits:
+        headers.append("fp32 logits + grad (share)")
+    headers.append("compute (CPU)")
     if gpu:
         headers.append(f"compute ({device}, model)")
     headers.append("published GPU")
-    return headers, gpu
+    return headers, gpu, logits
 
 
 def ladder_table(rows: list[LadderRow]) -> Any:
     """A rich table of the rungs."""
     from rich.table import Table
 
-    headers, gpu = _headers(rows)
+    headers, gpu, logits = _headers(rows)
     device = rows[0].target_device if rows else "cpu"
     table = Table(
         title=f"Strategy ladder for {device} (dry run at full scale; compute measured on CPU)"
@@ -369,13 +433,13 @@ def ladder_table(rows: list[LadderRow]) -> Any:
     for i, name in enumerate(headers):
         table.add_column(name, justify="left" if i == 0 else "right")
     for row in rows:
-        table.add_row(*_cells(row, gpu))
+        table.add_row(*_cells(row, gpu, logits))
     return table
 
 
 def ladder_markdown(rows: list[LadderRow]) -> str:
     """The same table as Markdown, for the README."""
-    headers, gpu = _headers(rows)
+    headers, gpu, logits = _headers(rows)
     lines = ["| " + " | ".join(headers) + " |", "|---|" + "---:|" * (len(headers) - 1)]
-    lines += ["| " + " | ".join(_cells(row, gpu)) + " |" for row in rows]
+    lines += ["| " + " | ".join(_cells(row, gpu, logits)) + " |" for row in rows]
     return "\n".join(lines)

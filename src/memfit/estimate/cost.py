@@ -6,6 +6,8 @@ planner can say why one plan is slower than another:
 * ``matmul``: forward + backward (+ recomputed forward) FLOPs, counted by PyTorch's
   :class:`~torch.utils.flop_counter.FlopCounterMode`, at the plan's compute dtype's rate,
   derated for small micro-batches (efficiency ``t / (t + half_tokens)`` for ``t`` tokens);
+  with the fused loss, one more forward of the output head (its chunk logits are recomputed
+  in backward);
 * ``pointwise``: activation bytes written in forward and read in backward (and written again
   when recomputed), at memory bandwidth;
 * ``launch``: per-op overhead times the ops of every micro-batch (and of recomputation);
@@ -70,6 +72,9 @@ class WorkloadProfile:
         num_parameters: Parameters of the model.
         num_tensors: Parameter tensors of the model.
         seq_len: Sequence length the profile was measured at.
+        head_fwd_flops_per_sample: Forward FLOPs of the output head (the model's
+            ``get_output_embeddings()`` linear layer), what the fused loss computes again in
+            backward; 0 for a model without one.
     """
 
     fwd_flops_per_sample: float
@@ -81,6 +86,7 @@ class WorkloadProfile:
     num_parameters: int
     num_tensors: int
     seq_len: int
+    head_fwd_flops_per_sample: float = 0.0
 
 
 def _measure(workload: Workload) -> dict[str, float]:
@@ -92,6 +98,8 @@ def _measure(workload: Workload) -> dict[str, float]:
 
     with dry_tensors():
         model, batch = workload.replace(batch_size=1).build()
+        head_flops = [0.0]
+        hook = _head_flops_hook(model, head_flops)
         with track(model) as tracker:
             tracker.add_inputs(batch)
             with FlopCounterMode(display=False) as fwd_counter:
@@ -101,6 +109,8 @@ def _measure(workload: Workload) -> dict[str, float]:
             with FlopCounterMode(display=False) as bwd_counter:
                 loss.backward()
             ops = tracker.num_ops
+        if hook is not None:
+            hook.remove()
         n_params = sum(p.numel() for p in model.parameters())
         n_tensors = len(list(model.parameters()))
     return {
@@ -111,7 +121,24 @@ def _measure(workload: Workload) -> dict[str, float]:
         "fwd_ops": float(fwd_ops),
         "params": float(n_params),
         "tensors": float(n_tensors),
+        "head": head_flops[0],
     }
+
+
+def _head_flops_hook(model: Any, out: list[float]) -> Any:
+    """Count the output head's forward FLOPs into ``out[0]`` (2 per multiply-add)."""
+    import torch
+
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if not isinstance(head, torch.nn.Linear):
+        return None
+
+    def count(module: Any, args: tuple, output: Any) -> None:
+        tokens = args[0].numel() // module.in_features
+        out[0] += 2.0 * tokens * module.in_features * module.out_features
+
+    return head.register_forward_hook(count)
 
 
 _PROFILES: dict[tuple[str, int, int], WorkloadProfile] = {}
@@ -143,6 +170,7 @@ def _profile(workload: Workload) -> WorkloadProfile:
         num_parameters=int(full["params"]),
         num_tensors=int(full["tensors"]),
         seq_len=workload.seq_len,
+        head_fwd_flops_per_sample=full["head"],
     )
 
 
@@ -220,6 +248,12 @@ def step_cost(
     recompute = 0.0
     if mode in ("full", "sqrt", "budget"):
         recompute = profile.block_fwd_flops_per_sample * batch_size * seq_scale
+    if plan.fused_loss is not None:
+        # memfit.ops.chunked_cross_entropy keeps no logits for backward and recomputes them
+        # there, one vocabulary block at a time: one more forward matmul of the head, 4 passes
+        # of tokens x hidden x vocabulary instead of 3 (see the trade-off in
+        # memfit/ops/cross_entropy.py's docstring; issue 12 states the same cost).
+        recompute += profile.head_fwd_flops_per_sample * batch_size * seq_scale
     matmul = (fwd + bwd + recompute) / rate
 
     act_bytes = profile.act_bytes_per_sample * batch_size * seq_scale

@@ -1,7 +1,8 @@
 """Candidate generation: every plan the search may consider, with its memory rank.
 
 The space is the product of the techniques' options (micro-batch sizes, checkpointing modes,
-precisions, optimizers, the fused step, ``foreach``, freezing, shorter sequences), starting
+precisions, optimizers, the fused step, ``foreach``, freezing, shorter sequences, the fused
+loss), starting
 from the user's plan and limited by ``--allow`` and ``--forbid``.
 
 Each candidate carries a rank vector, one entry per dimension, for dominance pruning: a
@@ -18,7 +19,11 @@ the user's plan, whatever it is); it is computed from what the option keeps:
 * optimizer: the state bytes per parameter, measured by building the optimizer on a probe
   (:func:`state_bytes_per_parameter`);
 * the fused step (only without accumulation, where it frees the gradients), ``foreach`` off;
-* freezing: the share of parameters that still train, measured on fake tensors.
+* freezing: the share of parameters that still train, measured on fake tensors;
+* the fused loss: on keeps no logits (one chunk of them), off keeps them all. It is on by
+  default in the search (it changes no numerics beyond rounding) for a model it applies to
+  (:func:`fused_loss_applies`), and costs one more head matmul in backward, so the search
+  takes it when the plain loss does not fit or is tied in the cost model.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..plan import Plan
+from ..strategies.fused_loss import FusedLossConfig
 from ..strategies.optimizer import OptimizerConfig
 from ..workload import Workload
 
@@ -40,6 +46,7 @@ __all__ = [
     "Space",
     "check_names",
     "dominated",
+    "fused_loss_applies",
     "generate",
     "maximal",
     "micro_batches",
@@ -67,6 +74,7 @@ FORBID: dict[str, str] = {
     "mixed-precision": "bf16/fp16 autocast",
     "fused-step": "the optimizer step fused into backward",
     "foreach-off": "turning the multi-tensor optimizer off",
+    "fused-loss": "the output head's loss computed in chunks (no full logits)",
 }
 
 #: The dimensions of a rank vector, in order.
@@ -80,6 +88,7 @@ RANK_DIMENSIONS: tuple[str, ...] = (
     "per_tensor_step",
     "freezing",
     "sequence",
+    "fused_loss",
 )
 
 #: Bytes a precision mode keeps (per parameter: weights, gradients and, under autocast, the
@@ -181,6 +190,7 @@ class Space:
     foreach: tuple[bool | None, ...]
     freezes: tuple[tuple[str, ...], ...]
     seq_lens: tuple[int | None, ...]
+    fused_losses: tuple[FusedLossConfig | None, ...] = (None,)
 
 
 def options(
@@ -194,7 +204,9 @@ def options(
     """The options of every dimension, from ``base`` and the allowed and forbidden names.
 
     ``freezes`` are the freezing choices that apply to the model (default: the base plan's,
-    plus the embeddings and the body when ``freeze`` is allowed).
+    plus the embeddings and the body when ``freeze`` is allowed). The fused loss is added to
+    the base's choice unless ``fused-loss`` is forbidden or the model cannot take it
+    (:func:`fused_loss_applies`, a build on fake tensors).
     """
     batch = workload.batch_size
     micros = micro_batches(batch) if "accumulation" not in forbid else [base.micro_batch_for(batch)]
@@ -220,6 +232,11 @@ def options(
     if "shorter-seq" in allow:
         length = base.max_seq_len or workload.seq_len
         seqs += [max(1, length // 2), max(1, length // 4)]
+    fused_losses: list[FusedLossConfig | None] = [base.fused_loss]
+    if "fused-loss" in forbid:
+        fused_losses = [None]
+    elif base.fused_loss is None and fused_loss_applies(workload):
+        fused_losses.append(FusedLossConfig())
     return Space(
         micros=tuple(micros),
         checkpointing=_unique(ckpts),
@@ -229,7 +246,30 @@ def options(
         foreach=_unique([base.optimizer.foreach] + ([False] if "foreach-off" not in forbid else [])),
         freezes=_unique(tuple(f) for f in freezes),
         seq_lens=_unique(seqs, key=lambda s: s or workload.seq_len),
+        fused_losses=tuple(fused_losses),
     )
+
+
+_APPLIES: dict[tuple[str, int, int], bool] = {}
+
+
+def fused_loss_applies(workload: Workload) -> bool:
+    """Whether the fused loss applies to ``workload``'s model (a Hugging Face causal LM with
+    a linear head, see :func:`~memfit.strategies.fused_loss.apply_fused_loss`); built on fake
+    tensors once per workload name, depth and sequence length."""
+    key = (workload.name, workload.depth or 0, workload.seq_len)
+    if key not in _APPLIES:
+        from ..estimate.fake_kernels import dry_tensors
+        from ..strategies.fused_loss import apply_fused_loss
+
+        try:
+            with dry_tensors():
+                model = workload.build_model()
+                apply_fused_loss(model).remove()
+            _APPLIES[key] = True
+        except ValueError:
+            _APPLIES[key] = False
+    return _APPLIES[key]
 
 
 def _unique(items: Iterable[Any], key: Any = None) -> tuple[Any, ...]:
@@ -273,11 +313,13 @@ def generate(
     state_rank = ordinal({o.name: state_bytes_per_parameter(o) for o in space.optimizers})
     freeze_rank = ordinal({f: trainable.get(f, 1.0) for f in space.freezes})
     seq_rank = ordinal({s: s or workload.seq_len for s in space.seq_lens})
+    # The fused loss keeps one chunk of logits, the plain loss all of them.
+    fused_loss_rank = ordinal({f: 0 if f is None else -1 for f in space.fused_losses})
     base_foreach = base.optimizer.foreach
     cuda = bool(getattr(device, "is_cuda", False))
 
     out = []
-    for m, ck, pr, opt, fu, fe, fz, sq in itertools.product(
+    for m, ck, pr, opt, fu, fe, fz, sq, fl in itertools.product(
         space.micros,
         space.checkpointing,
         space.precisions,
@@ -286,6 +328,7 @@ def generate(
         space.foreach,
         space.freezes,
         space.seq_lens,
+        space.fused_losses,
     ):
         accum = -(-batch // m)
         foreach_off = fe is False and base_foreach is not False
@@ -313,6 +356,7 @@ def generate(
                 grad_clip_mode=("approx" if fu and accum > 1 else base.grad_clip_mode),
                 freeze=fz,
                 max_seq_len=sq,
+                fused_loss=fl,
             )
         except ValueError:
             continue  # an impossible combination: the Plan says so
@@ -326,6 +370,7 @@ def generate(
             int(loops),
             freeze_rank[fz],
             seq_rank[sq],
+            fused_loss_rank[fl],
         )
         out.append((plan, rank))
     return out

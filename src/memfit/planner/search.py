@@ -69,7 +69,8 @@ def plan(
         allow: Techniques that change training and need consent: ``freeze``,
             ``shorter-seq``, ``8bit``, ``factored``, ``bf16-pure``.
         forbid: Default techniques to rule out: ``accumulation``, ``checkpointing``,
-            ``full-checkpointing``, ``mixed-precision``, ``fused-step``, ``foreach-off``.
+            ``full-checkpointing``, ``mixed-precision``, ``fused-step``, ``foreach-off``,
+            ``fused-loss``.
         base: The user's plan to start from (its optimizer family and settings are kept).
         device: Device profile for the cost model (default: the budget's device if it names
             one, else the current device; ``cpu`` is measured here).

@@ -4,11 +4,13 @@ Each technique lives in its own module and knows nothing of the others; this is 
 where they meet, in a fixed order:
 
 1. freezing (decides which parameters train),
-2. precision (may cast the model to bf16),
-3. checkpointing (wraps blocks; sees the final dtypes and the frozen set),
-4. ``torch.compile`` (last, so dynamo traces the other techniques' wrappers),
-5. the optimizer, fused into backward or not,
-6. per step (:func:`~memfit.strategies.stepper.run_step`): sequence truncation, micro-batches
+2. fused forwards: fused pointwise chains, then the fused loss (instance ``forward`` and
+   ``loss_function`` attributes only),
+3. precision (may cast the model to bf16),
+4. checkpointing (wraps blocks; sees the final dtypes and the frozen set),
+5. ``torch.compile`` (last, so dynamo traces the other techniques' wrappers),
+6. the optimizer, fused into backward or not (or on the host, with optimizer offload),
+7. per step (:func:`~memfit.strategies.stepper.run_step`): sequence truncation, micro-batches
    with weighted losses, autocast and loss scaling, clipping, the optimizer step and
    ``zero_grad(set_to_none=True)``, through the plan's
    :class:`~memfit.strategies.stepper.Stepper`.
@@ -80,8 +82,9 @@ class TrainingSetup:
 
     def remove(self) -> None:
         """Take the plan off the model, last technique first: the fused step's hooks,
-        checkpointing's wrappers, precision (dtypes, input hook, optimizer wrappers),
-        freezing's ``requires_grad``.
+        checkpointing's wrappers, precision (dtypes, input hook, optimizer wrappers), the
+        fused loss (the head's forward and the model's ``loss_function``), fused pointwise
+        forwards, freezing's ``requires_grad``.
 
         The model then has the structure, hooks, dtypes and ``requires_grad`` it had before
         :func:`apply_plan`, with its current (trained) values; see
@@ -154,7 +157,8 @@ def apply_plan(
         TypeError: when an argument has the wrong kind (a plan where the optimizer goes, or
             the reverse), see :func:`check_plan_arguments`.
         ValueError: when the plan cannot apply to this model (a freeze pattern that matches
-            nothing, no blocks to checkpoint) or an optimizer is given with
+            nothing, no blocks to checkpoint, ``fused_loss`` on a model that is not a Hugging
+            Face causal LM with a linear head) or an optimizer is given with
             ``optimizer_in_backward``.
     """
     check_plan_arguments("apply_plan", model, plan, optimizer, loss_fn)
@@ -180,6 +184,15 @@ def apply_plan(
             fused = apply_fused_pointwise(model)
             handles.append(("fused_pointwise", fused))
             info["fused_pointwise"] = fused.norms + fused.mlps + fused.activations
+        if plan.fused_loss is not None:
+            from .fused_loss import apply_fused_loss
+
+            # Before precision and checkpointing: it patches only the head's and the model's
+            # instance attributes, which neither touches, and a model it cannot take is
+            # refused before anything else changed.
+            fused_loss = apply_fused_loss(model, plan.fused_loss)
+            handles.append(("fused_loss", fused_loss))
+            info["fused_loss"] = fused_loss.head_name
         from .precision import apply_precision
 
         precision = apply_precision(

@@ -39,12 +39,14 @@ logger = logging.getLogger("memfit.train")
 
 # Plan fields that can change between two steps on the same model and optimizer objects:
 # they act through the loop (micro-batching, weights, truncation, data shaping) or through a
-# handle that does not touch the parameters (checkpointing's wrappers).
+# handle that does not touch the parameters (checkpointing's wrappers, the fused loss's head
+# forward and loss function).
 _SWAPPABLE = frozenset(
     {
         "micro_batch_size",
         "grad_accum_steps",
         "checkpointing",
+        "fused_loss",
         "loss_normalization",
         "max_seq_len",
         "sequence",
@@ -108,7 +110,8 @@ def switch_plan(setup: TrainingSetup, plan: Plan) -> tuple[TrainingSetup, bool]:
     """Move ``setup`` to ``plan`` on the same model: remove what changes, apply it again.
 
     When the change leaves the parameters and the optimizer alone (micro-batching,
-    accumulation, loss normalisation, truncation, sequence shaping, checkpointing, clipping
+    accumulation, loss normalisation, truncation, sequence shaping, checkpointing, the fused
+    loss, clipping
     with an ordinary optimizer, a precision among fp32 / bf16-mixed / fp16-mixed), only the
     changed handles are replaced and the same optimizer object (with its state) goes on. Any
     other change (optimizer, bf16-pure, freezing, the fused step) removes the whole plan
@@ -162,6 +165,18 @@ def _swap_in_place(setup: TrainingSetup, plan: Plan) -> TrainingSetup:
             at = _index(handles, "optimizer_in_backward")
             handles.insert(len(handles) if at is None else at, ("checkpointing", handle))
             info["checkpointed"] = handle.names
+    if "fused_loss" in changed:
+        index = _index(handles, "fused_loss")
+        if index is not None:
+            handles.pop(index)[1].remove()
+        info.pop("fused_loss", None)
+        if plan.fused_loss is not None:
+            from ..strategies.fused_loss import apply_fused_loss
+
+            handle = apply_fused_loss(model, plan.fused_loss)
+            # The fused loss comes after freezing and fused pointwise, before precision.
+            handles.insert(_index(handles, "precision"), ("fused_loss", handle))
+            info["fused_loss"] = handle.head_name
     if plan.optimizer_in_backward:
         # The fused handle counts micro-batches itself when not told which is the last.
         setup.optimizer.grad_accum_steps = plan.grad_accum_steps
