@@ -13,7 +13,11 @@ planner can say why one plan is slower than another:
 * ``launch``: per-op overhead times the ops of every micro-batch (and of recomputation);
 * ``optimizer``: bytes the optimizer reads and writes per trainable parameter at memory
   bandwidth, plus per-tensor op overhead when it loops over tensors;
-* ``extra_backward``: the norm-only backward of exact clipping with the step in backward.
+* ``extra_backward``: the norm-only backward of exact clipping with the step in backward;
+* ``offload``: with the optimizer on the host (ZeRO-Offload), the gradients' trip down and the
+  weights' trip up over the host link (``host_bandwidth``; the trip down overlaps backward's
+  compute, so only what exceeds it shows, as in ZeRO-Offload's overlapped transfers), plus the
+  host step at host memory bandwidth (``host_mem_bandwidth``), in place of the device step.
 """
 
 from __future__ import annotations
@@ -191,11 +195,15 @@ class StepCost:
     launch: float
     optimizer: float
     extra_backward: float
+    offload: float = 0.0
 
     @property
     def total(self) -> float:
         """Seconds per step."""
-        return self.matmul + self.pointwise + self.launch + self.optimizer + self.extra_backward
+        return (
+            self.matmul + self.pointwise + self.launch + self.optimizer + self.extra_backward
+            + self.offload
+        )
 
     def to_dict(self) -> dict[str, float]:
         """Terms and total, in seconds."""
@@ -205,6 +213,7 @@ class StepCost:
             "launch": self.launch,
             "optimizer": self.optimizer,
             "extra_backward": self.extra_backward,
+            "offload": self.offload,
             "total": self.total,
         }
 
@@ -296,7 +305,19 @@ def step_cost(
         and plan.grad_clip_mode == "exact"
     ):
         extra = bwd / rate + act_bytes / device.mem_bandwidth
-    return StepCost(matmul, pointwise, launch, optimizer, extra)
+    offload = 0.0
+    off = plan.offload
+    if off is not None and off.optimizer is not None:
+        weight_bytes = 2.0 if plan.precision.mode == "bf16-pure" else 4.0
+        moves = n_micro if off.gradients_on_host else 1
+        down = params * weight_bytes * moves / device.host_bandwidth
+        up = params * weight_bytes / device.host_bandwidth
+        # The host step streams the fp32 masters and state (the same bytes as on the device
+        # in fp32) plus the gradients' fp32 copy, at host memory bandwidth.
+        host_step = params * (_OPT_BYTES.get(name, 28.0) + 4) / device.host_mem_bandwidth
+        offload = max(0.0, down - bwd / rate) + up + host_step
+        optimizer = 0.0  # no step on the device
+    return StepCost(matmul, pointwise, launch, optimizer, extra, offload)
 
 
 def describe(cost: StepCost) -> dict[str, Any]:

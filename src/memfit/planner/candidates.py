@@ -35,6 +35,7 @@ from typing import Any
 
 from ..plan import Plan
 from ..strategies.fused_loss import FusedLossConfig
+from ..strategies.offload import OffloadConfig
 from ..strategies.optimizer import OptimizerConfig
 from ..workload import Workload
 
@@ -63,6 +64,7 @@ ALLOW: dict[str, str] = {
     "freeze": "freeze the embeddings or the model body",
     "shorter-seq": "truncate sequences to 1/2 or 1/4 of their length",
     "8bit": "8-bit AdamW state",
+    "offload": "the optimizer (fp32 master weights and state) on the host, stepping there",
     "factored": "Adafactor's factored state",
     "bf16-pure": "bf16 weights and optimizer math with stochastic rounding",
 }
@@ -191,6 +193,8 @@ class Space:
     freezes: tuple[tuple[str, ...], ...]
     seq_lens: tuple[int | None, ...]
     fused_losses: tuple[FusedLossConfig | None, ...] = (None,)
+    offloads: tuple[OffloadConfig | None, ...] = (None,)
+    pure_allowed: bool = False  # bf16-pure on its own (not only beside host masters)
 
 
 def options(
@@ -232,6 +236,15 @@ def options(
     if "shorter-seq" in allow:
         length = base.max_seq_len or workload.seq_len
         seqs += [max(1, length // 2), max(1, length // 4)]
+    offloads: list[OffloadConfig | None] = [base.offload]
+    if "offload" in allow and (base.offload is None or base.offload.optimizer is None):
+        # Gradients leave the device every micro-batch: under accumulation the device then
+        # never holds a whole gradient (with one micro-batch it is the same plan).
+        offloads.append(OffloadConfig(optimizer="host", gradients_on_host=True))
+        # With the fp32 masters on the host the device may keep bf16 weights: ZeRO-Offload's
+        # mixed precision (exact fp32 updates), not bf16-pure's rounding, so no consent needed.
+        if device.supports_bf16:
+            precisions.append("bf16-pure")
     fused_losses: list[FusedLossConfig | None] = [base.fused_loss]
     if "fused-loss" in forbid:
         fused_losses = [None]
@@ -247,6 +260,8 @@ def options(
         freezes=_unique(tuple(f) for f in freezes),
         seq_lens=_unique(seqs, key=lambda s: s or workload.seq_len),
         fused_losses=tuple(fused_losses),
+        offloads=_unique(offloads, key=lambda o: None if o is None else o.optimizer),
+        pure_allowed="bf16-pure" in allow,
     )
 
 
@@ -315,11 +330,14 @@ def generate(
     seq_rank = ordinal({s: s or workload.seq_len for s in space.seq_lens})
     # The fused loss keeps one chunk of logits, the plain loss all of them.
     fused_loss_rank = ordinal({f: 0 if f is None else -1 for f in space.fused_losses})
+    # Optimizer offload keeps no state and at most a bucket of gradients on the device.
+    offload_rank = ordinal({_offload_key(o): 0 if _offload_key(o) is None else -1 for o in space.offloads})
+    consented_pure = base.precision.mode == "bf16-pure" or space.pure_allowed
     base_foreach = base.optimizer.foreach
     cuda = bool(getattr(device, "is_cuda", False))
 
     out = []
-    for m, ck, pr, opt, fu, fe, fz, sq, fl in itertools.product(
+    for m, ck, pr, opt, fu, fe, fz, sq, fl, of in itertools.product(
         space.micros,
         space.checkpointing,
         space.precisions,
@@ -329,7 +347,10 @@ def generate(
         space.freezes,
         space.seq_lens,
         space.fused_losses,
+        space.offloads,
     ):
+        if pr == "bf16-pure" and not consented_pure and _offload_key(of) is None:
+            continue  # bf16 weights without consent only with their fp32 masters on the host
         accum = -(-batch // m)
         foreach_off = fe is False and base_foreach is not False
         # A step that loops per tensor has no parameter-sized multi-tensor temporaries: the
@@ -357,6 +378,7 @@ def generate(
                 freeze=fz,
                 max_seq_len=sq,
                 fused_loss=fl,
+                offload=of,
             )
         except ValueError:
             continue  # an impossible combination: the Plan says so
@@ -371,9 +393,14 @@ def generate(
             freeze_rank[fz],
             seq_rank[sq],
             fused_loss_rank[fl],
+            offload_rank[_offload_key(of)],
         )
         out.append((plan, rank))
     return out
+
+
+def _offload_key(offload: OffloadConfig | None) -> str | None:
+    return None if offload is None else offload.optimizer
 
 
 def dominated(rank: Sequence[int], misfits: Iterable[Sequence[int]]) -> bool:

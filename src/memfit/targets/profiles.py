@@ -63,6 +63,10 @@ class DeviceProfile:
         workspace_bytes: cuBLAS/cuDNN workspaces. PyTorch allocates the cuBLAS workspace
             through its caching allocator once per handle and stream; memfit counts it here,
             beside the context, as fixed device overhead.
+        host_mem_bandwidth: Bytes/s a host-side optimizer step streams through host memory
+            (optimizer offload's step is bound by it). Default 100 GB/s: a server socket's
+            DDR5 channels give about 300 GB/s in theory; one optimizer process, like
+            ZeRO-Offload's CPU Adam, reaches about a third of that.
     """
 
     name: str
@@ -78,6 +82,7 @@ class DeviceProfile:
     context_bytes: int = 0
     workspace_bytes: int = 0
     extra: Mapping[str, Any] = field(default_factory=dict)
+    host_mem_bandwidth: float = 100e9
 
     @property
     def is_cuda(self) -> bool:
@@ -220,6 +225,7 @@ def cpu_profile() -> DeviceProfile:
         launch_overhead=overhead,
         half_tokens=64.0,
         kind="cpu",
+        host_mem_bandwidth=bandwidth,
         # The host keeps a quarter for the operating system and everything else running.
         context_bytes=int(0.25 * memory),
     )
