@@ -204,6 +204,12 @@ class Plan:
                     "optimizer offload with optimizer_in_backward is not available yet: the host "
                     "steps after backward; set optimizer_in_backward false"
                 )
+        if off is not None and off.activations and self.compile_backend is not None:
+            raise PlanError(
+                "activation offload cannot be combined with compile: the saved-tensor hooks "
+                "that move activations to the host are not traced by torch.compile; set "
+                "compile false or offload activations false"
+            )
         if not isinstance(self.fused_pointwise, bool):
             raise PlanError(f"fused_pointwise must be true or false, got {self.fused_pointwise!r}")
         if self.max_seq_len is not None and (

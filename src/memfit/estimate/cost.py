@@ -17,7 +17,9 @@ planner can say why one plan is slower than another:
 * ``offload``: with the optimizer on the host (ZeRO-Offload), the gradients' trip down and the
   weights' trip up over the host link (``host_bandwidth``; the trip down overlaps backward's
   compute, so only what exceeds it shows, as in ZeRO-Offload's overlapped transfers), plus the
-  host step at host memory bandwidth (``host_mem_bandwidth``), in place of the device step.
+  host step at host memory bandwidth (``host_mem_bandwidth``), in place of the device step;
+  with activation offload, the saved tensors' trips down (during forward) and back (during
+  backward), each showing only where it exceeds the compute it overlaps.
 """
 
 from __future__ import annotations
@@ -317,6 +319,12 @@ def step_cost(
         host_step = params * (_OPT_BYTES.get(name, 28.0) + 4) / device.host_mem_bandwidth
         offload = max(0.0, down - bwd / rate) + up + host_step
         optimizer = 0.0  # no step on the device
+    if off is not None and off.activations:
+        # Saved tensors go down during forward and come back during backward, each trip
+        # overlapped with that pass's compute (a side stream on CUDA). Counted as every kept
+        # activation byte: with checkpointing only the block inputs move, so this errs slow.
+        trip = act_bytes / device.host_bandwidth
+        offload += max(0.0, trip - fwd / rate) + max(0.0, trip - bwd / rate)
     return StepCost(matmul, pointwise, launch, optimizer, extra, offload)
 
 

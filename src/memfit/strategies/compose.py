@@ -8,6 +8,8 @@ where they meet, in a fixed order:
    ``loss_function`` attributes only),
 3. precision (may cast the model to bf16),
 4. checkpointing (wraps blocks; sees the final dtypes and the frozen set),
+4b. activation offload (after checkpointing, so that only what the checkpointed blocks keep,
+   their boundaries, moves to the host),
 5. ``torch.compile`` (last, so dynamo traces the other techniques' wrappers),
 6. the optimizer, fused into backward or not (or on the host, with optimizer offload),
 7. per step (:func:`~memfit.strategies.stepper.run_step`): sequence truncation, micro-batches
@@ -205,6 +207,12 @@ def apply_plan(
             checkpointed = apply_checkpointing(model, plan.checkpointing)
             handles.append(("checkpointing", checkpointed))
             info["checkpointed"] = checkpointed.names
+        if plan.offload is not None and plan.offload.activations:
+            from .activation_offload import apply_activation_offload
+
+            act = apply_activation_offload(model, plan.offload)
+            handles.append(("activation_offload", act))
+            info["activation_offload"] = act
         if plan.compile_backend is not None:
             from torch._guards import active_fake_mode
 
@@ -248,10 +256,6 @@ def _check_offload(plan: Plan, optimizer: Any) -> None:
     if off.optimizer == "disk":
         raise ValueError(
             "optimizer offload to 'disk' is not available yet; use optimizer 'host' (or null)"
-        )
-    if off.activations:
-        raise ValueError(
-            "activation offload is not available yet; set offload activations to false"
         )
     if off.optimizer is not None and optimizer is not None:
         raise ValueError(
