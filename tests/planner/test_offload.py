@@ -1,0 +1,61 @@
+"""The planner's offload dimension: what ``--allow offload`` opens, how it ranks and costs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import memfit
+from memfit.estimate.cost import profile_workload, step_cost
+from memfit.planner.candidates import RANK_DIMENSIONS, generate, offload_options, options
+from memfit.strategies.offload import OffloadConfig
+from memfit.targets.profiles import get_device
+from memfit.workload import load_workload
+
+WORKLOAD = load_workload("gpt2-tiny", 4, 32)
+
+
+def _keys(offloads):
+    return {None if o is None else (o.optimizer, o.activations) for o in offloads}
+
+
+def test_allow_offload_opens_optimizer_and_activations_alone_and_together():
+    assert _keys(offload_options(None)) == {
+        None, ("host", False), (None, True), ("host", True),
+    }  # fmt: skip
+    # A base offload keeps its own settings in every variant.
+    base = OffloadConfig(activations=True, bucket_bytes=1 << 20, activation_min_bytes=4096)
+    variants = [o for o in offload_options(base) if o is not None]
+    assert {o.bucket_bytes for o in variants} == {1 << 20}
+    assert {o.activation_min_bytes for o in variants} == {4096}
+    # The optimizer on the host keeps gradients there across micro-batches.
+    assert all(o.gradients_on_host for o in variants if o.optimizer)
+
+
+def test_offload_ranks_one_dimension_each():
+    device = get_device("cpu")
+    space = options(WORKLOAD, memfit.Plan(), ["offload"], [], device)
+    assert len(space.offloads) == 4
+    pairs = generate(WORKLOAD, memfit.Plan(), space, device=device)
+    opt, act = RANK_DIMENSIONS.index("offload_optimizer"), RANK_DIMENSIONS.index("offload_activations")
+    for plan, rank in pairs:
+        assert len(rank) == len(RANK_DIMENSIONS)
+        off = plan.offload
+        assert rank[opt] == int(off is not None and off.optimizer is not None)
+        assert rank[act] == int(off is not None and off.activations)
+
+
+def test_activation_offload_costs_the_trips_beyond_the_compute_they_overlap():
+    profile = profile_workload(WORKLOAD)
+    fast = get_device("h100")
+    plan = memfit.Plan(offload={"activations": True})
+    plain = step_cost(profile, memfit.Plan(), fast, batch_size=4)
+    # An infinitely fast link hides the trips under forward's and backward's compute.
+    hidden = dataclasses.replace(fast, host_bandwidth=float("inf"))
+    assert step_cost(profile, plan, hidden, batch_size=4).offload == 0.0
+    # A slow link shows them: each trip (every kept fp32 activation byte) less the compute
+    # of the pass it overlaps, forward plus backward being all the matmul time here.
+    slow = dataclasses.replace(fast, host_bandwidth=1e3)
+    trip = profile.act_bytes_per_sample * 4 / slow.host_bandwidth
+    got = step_cost(profile, plan, slow, batch_size=4)
+    assert abs(got.offload - (2 * trip - plain.matmul)) <= 1e-9 * got.offload
+    assert got.total > plain.total
