@@ -199,10 +199,15 @@ class Plan:
                     "optimizer offload cannot be combined with fp16-mixed: the loss scaler "
                     "checks device gradients that offload has moved; use bf16-mixed or bf16-pure"
                 )
-            if self.optimizer_in_backward:
+            if (
+                self.optimizer_in_backward
+                and self.max_grad_norm is not None
+                and self.grad_clip_mode == "exact"
+            ):
                 raise PlanError(
-                    "optimizer offload with optimizer_in_backward is not available yet: the host "
-                    "steps after backward; set optimizer_in_backward false"
+                    "optimizer offload with optimizer_in_backward steps each bucket on the host "
+                    "as its gradients land, before the global norm is known; use "
+                    "grad_clip_mode 'approx' (the previous step's norm) or set max_grad_norm null"
                 )
         if off is not None and off.activations and self.compile_backend is not None:
             raise PlanError(

@@ -360,9 +360,10 @@ def generate(
         # A step that loops per tensor has no parameter-sized multi-tensor temporaries: the
         # foreach switch turned off, memfit's optimizers, and torch's default off CUDA.
         loops = fe is False or opt.name not in _TORCH_FOREACH or (fe is None and not cuda)
-        if fu and (foreach_off or accum > 1):
+        if fu and (foreach_off or (accum > 1 and not _moves_optimizer(of))):
             # In backward the step runs per tensor anyway (foreach is moot), and accumulated
-            # gradients must persist across micro-batches, so fusing saves nothing then.
+            # gradients must persist across micro-batches, so fusing saves nothing then (with
+            # the optimizer on the host it still overlaps the host step with backward).
             continue
         if foreach_off and opt.name not in _TORCH_FOREACH:
             continue  # memfit's optimizers loop per tensor: foreach off is the same plan
@@ -378,7 +379,11 @@ def generate(
                     name=opt.name, lr=opt.lr, foreach=fe, kwargs=dict(opt.kwargs)
                 ),
                 optimizer_in_backward=fu,
-                grad_clip_mode=("approx" if fu and accum > 1 else base.grad_clip_mode),
+                grad_clip_mode=(
+                    "approx"
+                    if fu and (accum > 1 or _moves_optimizer(of))
+                    else base.grad_clip_mode
+                ),
                 freeze=fz,
                 max_seq_len=sq,
                 fused_loss=fl,

@@ -227,10 +227,10 @@ def apply_plan(
                 info["compiled"] = "eager in the dry run (saving measured for real)"
         given = optimizer is not None
         optimizer = _build_optimizer(model, plan, precision, optimizer)
-        if plan.optimizer_in_backward:
-            handles.append(("optimizer_in_backward", optimizer))
         if plan.offload is not None and plan.offload.optimizer is not None:
             handles.append(("optimizer_offload", optimizer))
+        elif plan.optimizer_in_backward:
+            handles.append(("optimizer_in_backward", optimizer))
     except Exception:
         # A technique that cannot apply leaves the model as it was, not half-changed.
         for _, handle in reversed(handles):
@@ -271,7 +271,13 @@ def _build_optimizer(model: nn.Module, plan: Plan, precision: Any, optimizer: An
         # fp32 masters on the host: the plan's optimizer as configured (no bf16 wrapper: the
         # host copy is the high-precision weight that bf16-pure's rounding stands in for).
         params = [p for p in model.parameters() if p.requires_grad]
-        return HostOffloadOptimizer(params, plan.optimizer.build, plan.offload)
+        return HostOffloadOptimizer(
+            params,
+            plan.optimizer.build,
+            plan.offload,
+            step_in_backward=plan.optimizer_in_backward,
+            max_grad_norm=plan.max_grad_norm,
+        )
     if plan.optimizer_in_backward:
         from .fused_step import optimizer_in_backward
 
