@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 import memfit
 from memfit.estimate.cost import profile_workload, step_cost
 from memfit.planner.candidates import RANK_DIMENSIONS, generate, offload_options, options
@@ -59,3 +61,29 @@ def test_activation_offload_costs_the_trips_beyond_the_compute_they_overlap():
     got = step_cost(profile, plan, slow, batch_size=4)
     assert abs(got.offload - (2 * trip - plain.matmul)) <= 1e-9 * got.offload
     assert got.total > plain.total
+
+
+def test_the_step_in_backward_overlaps_the_host_step_with_backward():
+    profile = profile_workload(WORKLOAD)
+    device = get_device("h100")
+    off = {"optimizer": "host"}
+    after = step_cost(profile, memfit.Plan(offload=off), device, batch_size=4)
+    during = step_cost(
+        profile, memfit.Plan(offload=off, optimizer_in_backward=True), device, batch_size=4
+    )
+    # After backward: the trip down beyond backward, the host step and the trip up in a row.
+    # During: the slowest of the three beside backward.
+    params = profile.num_parameters
+    down = up = params * 4 / device.host_bandwidth
+    host = params * (28 + 4) / device.host_mem_bandwidth
+    assert during.matmul == after.matmul
+    assert after.offload == pytest.approx(max(0.0, down - _bwd(profile, device)) + up + host)
+    assert during.offload == pytest.approx(max(0.0, max(down, host, up) - _bwd(profile, device)))
+    assert during.total < after.total
+
+
+def _bwd(profile, device) -> float:
+    """Backward's matmul seconds of the 4-sample fp32 step (as the cost model rates them)."""
+    tokens = 4 * profile.seq_len
+    rate = device.flops["fp32"] * tokens / (tokens + device.half_tokens)
+    return profile.bwd_flops_per_sample * 4 / rate
