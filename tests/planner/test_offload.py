@@ -87,3 +87,19 @@ def _bwd(profile, device) -> float:
     tokens = 4 * profile.seq_len
     rate = device.flops["fp32"] * tokens / (tokens + device.half_tokens)
     return profile.bwd_flops_per_sample * 4 / rate
+
+
+def test_the_explanation_says_what_moved_where_and_what_it_costs():
+    from memfit.planner.explain import why_it_won
+    from memfit.planner.result import Candidate
+
+    plan = memfit.Plan(offload={"optimizer": "host", "activations": True, "gradients_on_host": True})
+    winner = Candidate(plan=plan, rank=(), step_time=0.2, fits=True, device_total_bytes=1 << 30,
+                       cost_terms={"offload": 0.05})  # fmt: skip
+    text = why_it_won(winner, [winner], 2 << 30, get_device("h100"))
+    assert "Moved off the device" in text
+    assert "optimizer state live on the host" in text and "every micro-batch's" in text
+    assert "tensors saved for backward wait in host memory" in text
+    assert "50.0 ms per step" in text and "25% of the step" in text
+    plain = Candidate(plan=memfit.Plan(), rank=(), step_time=0.1, fits=True, device_total_bytes=1)
+    assert "Moved off" not in why_it_won(plain, [plain], 2, get_device("h100"))
