@@ -217,6 +217,20 @@ def plan_command(
             "--save", help="Write the chosen plan here (JSON or YAML), for --plan elsewhere."
         ),
     ] = None,
+    host_budget: Annotated[
+        str | None,
+        typer.Option(
+            "--host-budget",
+            help="Host memory the offload tiers may use (4GiB, ...): plans over it do not fit.",
+        ),
+    ] = None,
+    disk_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--disk-dir",
+            help="With --allow offload: a directory for optimizer state on disk, searched too.",
+        ),
+    ] = None,
 ) -> None:
     """Find the fastest plan whose peak memory fits a budget."""
     _quiet_libraries()
@@ -243,6 +257,8 @@ def plan_command(
                 base=base_plan,
                 device=device,
                 progress=lambda msg: status.update(msg),
+                host_budget=host_budget,
+                disk_dir=None if disk_dir is None else str(disk_dir),
             )
         except NothingFits as e:
             status.stop()
@@ -261,6 +277,8 @@ def plan_command(
             f"{format_bytes(result.predicted_device_total_bytes)} device total with the CUDA "
             f"context (fitted into {format_bytes(result.budget_bytes)})\n"
         )
+    if result.predicted_host_bytes:
+        total += f"[bold]on the host:[/] {format_bytes(result.predicted_host_bytes)} at its peak\n"
     out.print(
         f"[bold]plan:[/] {result.plan.summary()}\n"
         f"[bold]predicted peak:[/] {format_bytes(result.predicted_peak_bytes)} of tensors "

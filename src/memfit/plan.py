@@ -199,6 +199,11 @@ class Plan:
                     "optimizer offload cannot be combined with fp16-mixed: the loss scaler "
                     "checks device gradients that offload has moved; use bf16-mixed or bf16-pure"
                 )
+            if off.optimizer == "disk" and self.optimizer_in_backward:
+                raise PlanError(
+                    "optimizer offload to 'disk' steps after backward, group by group; set "
+                    "optimizer_in_backward false (or use optimizer 'host', which steps in backward)"
+                )
             if (
                 self.optimizer_in_backward
                 and self.max_grad_norm is not None

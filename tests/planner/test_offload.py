@@ -103,3 +103,24 @@ def test_the_explanation_says_what_moved_where_and_what_it_costs():
     assert "50.0 ms per step" in text and "25% of the step" in text
     plain = Candidate(plan=memfit.Plan(), rank=(), step_time=0.1, fits=True, device_total_bytes=1)
     assert "Moved off" not in why_it_won(plain, [plain], 2, get_device("h100"))
+
+
+@pytest.mark.slow
+def test_a_host_budget_rules_out_the_offload_it_cannot_hold(tmp_path):
+    from memfit.planner import NothingFits, plan
+
+    forbid = ("accumulation", "checkpointing", "mixed-precision", "fused-step", "foreach-off",
+              "fused-loss")  # fmt: skip
+    budget = int(memfit.dry_run(WORKLOAD, memfit.Plan()).peak_bytes * 0.95)
+    roomy = plan(WORKLOAD, budget, allow=["offload"], forbid=forbid, device="cpu",
+                 host_budget="1GiB")  # fmt: skip
+    assert roomy.fits and roomy.plan.offload is not None
+    assert 0 < roomy.predicted_host_bytes <= 1 << 30
+    assert roomy.to_dict()["predicted_host_bytes"] == roomy.predicted_host_bytes
+    # Only offload fits the device, and no offload fits 1 KiB of host memory.
+    with pytest.raises(NothingFits):
+        plan(WORKLOAD, budget, allow=["offload"], forbid=forbid, device="cpu", host_budget="1KiB")
+    with pytest.raises(ValueError, match="add --allow offload"):
+        plan(WORKLOAD, budget, forbid=forbid, device="cpu", disk_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="not an existing directory"):
+        plan(WORKLOAD, budget, allow=["offload"], device="cpu", disk_dir=str(tmp_path / "x"))

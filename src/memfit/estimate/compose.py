@@ -52,6 +52,8 @@ class Prediction:
         phase_peaks: Predicted peak of each phase.
         peak_phase: The phase holding the peak.
         method: ``composed`` (depth 2 and 3 extrapolated) or ``dry-run`` (full size).
+        host_bytes: Predicted peak of the host tier (offload's masters, state, gradients and
+            activations), composed over depth like the device categories.
         reserved_bytes: Predicted peak the target's caching allocator reserves (``peak_bytes``
             on the CPU).
         overhead_bytes: The target's memory outside the allocator (CUDA context, workspaces).
@@ -67,6 +69,7 @@ class Prediction:
     reserved_bytes: int = 0
     overhead_bytes: int = 0
     target_device: str = "cpu"
+    host_bytes: int = 0
 
     @property
     def device_total_bytes(self) -> int:
@@ -174,14 +177,15 @@ def predict_peak(
     linear = plan.checkpointing.mode not in ("sqrt", "budget")
     phases: dict[str, dict[str, int]] = {}
     method = "dry-run"
+    host = 0
     if compose and workload.scalable and linear and (workload.depth or 0) > 3:
         assert workload.with_depth is not None and workload.depth is not None
         n = workload.depth
         pattern = block_pattern(workload) or [0] * n
         depths = profile_depths(pattern)
-        runs: dict[int, tuple[dict[str, dict[str, float]], int, int]] = {}
+        runs: dict[int, tuple[dict[str, dict[str, float]], int, int, int]] = {}
 
-        def shallow_run(d: int) -> tuple[dict[str, dict[str, float]], int, int]:
+        def shallow_run(d: int) -> tuple[dict[str, dict[str, float]], int, int, int]:
             if d not in runs:
                 report = dry_run(
                     workload.with_depth(d).replace(batch_size=small_wl.batch_size),
@@ -193,6 +197,7 @@ def predict_peak(
                     _by_phase(report, scale),
                     report.peak_reserved_bytes or report.peak_bytes,
                     report.peak_bytes,
+                    report.peak_by_tier.get("host", 0),
                 )
             return runs[d]
 
@@ -206,6 +211,8 @@ def predict_peak(
             if phases:
                 reserved = [s[1] for s in shallow]
                 shallow_peaks = [s[2] for s in shallow]
+                at_host = {d: r[3] for d, r in zip(tried, shallow, strict=True)}
+                host = round(compose_pattern(at_host, pattern))
                 method = "composed"
                 break
     if phases:
@@ -221,6 +228,7 @@ def predict_peak(
         }
         # The slack of the reduced run, on top of the peak with the full batch's inputs.
         slack = (report.peak_reserved_bytes or report.peak_bytes) - report.peak_bytes
+        host = report.peak_by_tier.get("host", 0)
         method = "dry-run"
     phase_peaks = {k: sum(v.values()) for k, v in phases.items()}
     peak_phase = max(phase_peaks, key=lambda k: phase_peaks[k])
@@ -233,4 +241,5 @@ def predict_peak(
         reserved_bytes=phase_peaks[peak_phase] + max(slack, 0),
         overhead_bytes=target.overhead_bytes if target.is_cuda else 0,
         target_device=target.name,
+        host_bytes=host,
     )

@@ -48,6 +48,11 @@ _OPT_BYTES = {
     "adamw8bit": 18.0,  # 1-byte moments read and written, fp32 weights and gradient
     "adafactor": 20.0,  # update temporaries, row/column statistics are negligible
 }
+# Bytes of optimizer state kept per parameter (what the disk tier stores besides the fp32
+# master): AdamW's two fp32 moments, 8-bit AdamW's two 1-byte codes (block scales are
+# negligible), SGD's momentum, Adafactor's factored statistics (about nothing per parameter).
+_STATE_BYTES = {"adamw": 8.0, "adam": 8.0, "sgd": 4.0, "lamb": 8.0, "lars": 4.0,
+                "adamw8bit": 2.0, "adafactor": 0.0}  # fmt: skip
 # Ops per parameter tensor when an optimizer loops over tensors one by one: counted from the
 # kernels of torch's single-tensor implementations (torch/optim/adamw.py _single_tensor_adamw:
 # weight decay mul_, lerp_, mul_, addcmul_, step counter, bias corrections, sqrt, div_, add_,
@@ -319,6 +324,11 @@ def step_cost(
         # The host step streams the fp32 masters and state (the same bytes as on the device
         # in fp32) plus the gradients' fp32 copy, at host memory bandwidth.
         host_step = params * (_OPT_BYTES.get(name, 28.0) + 4) / device.host_mem_bandwidth
+        if off.optimizer == "disk":
+            # Masters and state are read and written back every step; the next group's read
+            # overlaps the current group's step, so the slower of the two sets the pace.
+            state = _STATE_BYTES.get(name, 8.0) + 4.0
+            host_step = max(host_step, 2 * params * state / device.disk_bandwidth)
         # Each move overlaps its micro-batch's backward; only the excess shows.
         offload = (moves - 1) * max(0.0, down - bwd_micro)
         if plan.optimizer_in_backward:

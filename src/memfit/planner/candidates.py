@@ -208,6 +208,8 @@ def options(
     forbid: Sequence[str],
     device: Any,
     freezes: Sequence[tuple[str, ...]] | None = None,
+    *,
+    disk_dir: str | None = None,
 ) -> Space:
     """The options of every dimension, from ``base`` and the allowed and forbidden names.
 
@@ -242,7 +244,7 @@ def options(
         seqs += [max(1, length // 2), max(1, length // 4)]
     offloads: list[OffloadConfig | None] = [base.offload]
     if "offload" in allow:
-        offloads = offload_options(base.offload)
+        offloads = offload_options(base.offload, disk_dir)
         # With the fp32 masters on the host the device may keep bf16 weights: ZeRO-Offload's
         # mixed precision (exact fp32 updates), not bf16-pure's rounding, so no consent needed.
         if device.supports_bf16 and any(o is not None and o.optimizer for o in offloads):
@@ -409,13 +411,20 @@ def generate(
     return out
 
 
-def offload_options(base: OffloadConfig | None) -> list[OffloadConfig | None]:
+def offload_options(
+    base: OffloadConfig | None, disk_dir: str | None = None
+) -> list[OffloadConfig | None]:
     """The offload choices ``--allow offload`` opens: the base's, plus the optimizer on the host
     (gradients leaving the device every micro-batch: under accumulation the device then never
-    holds a whole gradient) and activations on the host, alone and together. The base's other
-    settings (bucket size, thresholds, host bound) are kept."""
+    holds a whole gradient), or on disk in ``disk_dir`` when one is given, and activations on
+    the host, alone and together. The base's other settings (bucket size, thresholds, host
+    bound) are kept."""
     template = base or OffloadConfig(optimizer="host")
+    if disk_dir is not None:
+        template = dataclasses.replace(template, disk_dir=disk_dir)
     optimizers = [None if base is None else base.optimizer, "host"]
+    if template.disk_dir:
+        optimizers.append("disk")
     activations = [False if base is None else base.activations, True]
     out: list[OffloadConfig | None] = [base]
     for opt in optimizers:

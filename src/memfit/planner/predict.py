@@ -15,41 +15,55 @@ from .result import Candidate
 __all__ = ["confirm", "fits", "predict", "record"]
 
 
-def fits(prediction: Prediction, budget_bytes: int) -> bool:
+def fits(prediction: Prediction, budget_bytes: int, host_budget: int | None = None) -> bool:
     """Whether ``prediction`` fits ``budget_bytes``: the planner's one budget check.
 
     What must fit is what the target device holds (:attr:`Prediction.device_total_bytes`): on a
     GPU the caching allocator's reserved peak plus the CUDA context and workspaces; on the CPU
-    the tensors' peak.
+    the tensors' peak. With a ``host_budget``, the host tier's peak (offload) must fit it too.
     """
-    return prediction.device_total_bytes <= budget_bytes
+    if prediction.device_total_bytes > budget_bytes:
+        return False
+    return host_budget is None or prediction.host_bytes <= host_budget
 
 
-def record(candidate: Candidate, prediction: Prediction, budget_bytes: int) -> bool:
+def record(
+    candidate: Candidate, prediction: Prediction, budget_bytes: int, host_budget: int | None = None
+) -> bool:
     """Write ``prediction`` and its verdict into ``candidate``; return the verdict."""
     candidate.peak_bytes = prediction.peak_bytes
     candidate.by_category = dict(prediction.by_category)
     candidate.reserved_bytes = prediction.reserved_bytes
     candidate.device_total_bytes = prediction.device_total_bytes
-    candidate.fits = fits(prediction, budget_bytes)
+    candidate.host_bytes = prediction.host_bytes
+    candidate.fits = fits(prediction, budget_bytes, host_budget)
+    candidate.host_misfit = not candidate.fits and fits(prediction, budget_bytes)
     return candidate.fits
 
 
 def predict(
-    candidate: Candidate, workload: Workload, device: DeviceProfile, budget_bytes: int
+    candidate: Candidate,
+    workload: Workload,
+    device: DeviceProfile,
+    budget_bytes: int,
+    host_budget: int | None = None,
 ) -> bool:
     """Predict ``candidate``'s memory (composed from shallow dry runs where possible)."""
     prediction = predict_peak(workload, candidate.plan, device=device)
     candidate.note = f"{prediction.method}, peak in {prediction.peak_phase}"
-    return record(candidate, prediction, budget_bytes)
+    return record(candidate, prediction, budget_bytes, host_budget)
 
 
 def confirm(
-    candidate: Candidate, workload: Workload, device: DeviceProfile, budget_bytes: int
+    candidate: Candidate,
+    workload: Workload,
+    device: DeviceProfile,
+    budget_bytes: int,
+    host_budget: int | None = None,
 ) -> bool:
     """Dry-run ``candidate`` at full depth; its figures become the confirmed ones."""
     prediction = predict_peak(workload, candidate.plan, compose=False, device=device)
-    ok = record(candidate, prediction, budget_bytes)
+    ok = record(candidate, prediction, budget_bytes, host_budget)
     candidate.note = (
         (candidate.note + "; " if candidate.note else "")
         + f"confirmed by a full-depth dry run: {prediction.device_total_bytes} bytes"

@@ -31,6 +31,9 @@ class Candidate:
         cost_terms: The cost model's terms in seconds (:class:`memfit.estimate.cost.StepCost`).
         reserved_bytes: Predicted reserved peak of the target's caching allocator.
         device_total_bytes: Predicted device total (what is compared with the budget).
+        host_bytes: Predicted host-tier peak (offload), compared with a host budget if given.
+        host_misfit: Whether it fits the device but not the host budget (such a misfit rules
+            out no other candidate: offloading less would use less host memory).
     """
 
     plan: Plan
@@ -44,6 +47,8 @@ class Candidate:
     cost_terms: dict[str, float] = field(default_factory=dict)
     reserved_bytes: int | None = None
     device_total_bytes: int | None = None
+    host_bytes: int | None = None
+    host_misfit: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready summary."""
@@ -55,6 +60,7 @@ class Candidate:
             "predicted_peak_by_category": self.by_category,
             "predicted_peak_reserved_bytes": self.reserved_bytes,
             "predicted_device_total_bytes": self.device_total_bytes,
+            "predicted_host_bytes": self.host_bytes,
             "fits": self.fits,
             "note": self.note,
         }
@@ -81,6 +87,8 @@ class PlanResult:
             model; the tensors' peak on the CPU).
         predicted_device_total_bytes: Reserved plus the target's CUDA context and workspaces:
             what was fitted into the budget.
+        predicted_host_bytes: Predicted host-tier peak (offload's masters, state, gradients,
+            activations).
     """
 
     fits: bool
@@ -96,6 +104,7 @@ class PlanResult:
     seconds: float = 0.0
     predicted_peak_reserved_bytes: int = 0
     predicted_device_total_bytes: int = 0
+    predicted_host_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON of ``memfit plan``."""
@@ -107,6 +116,7 @@ class PlanResult:
             "predicted_peak_by_category": self.predicted_peak_by_category,
             "predicted_peak_reserved_bytes": self.predicted_peak_reserved_bytes,
             "predicted_device_total_bytes": self.predicted_device_total_bytes,
+            "predicted_host_bytes": self.predicted_host_bytes,
             "predicted_step_time_ratio": self.predicted_step_time_ratio,
             "candidates": [c.to_dict() for c in self.candidates],
             "explanation": self.explanation,

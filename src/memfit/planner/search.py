@@ -60,6 +60,8 @@ def plan(
     device: str | DeviceProfile | None = None,
     max_predictions: int = 60,
     progress: Callable[[str], None] | None = None,
+    host_budget: int | str | None = None,
+    disk_dir: str | None = None,
 ) -> PlanResult:
     """Find the fastest plan whose peak fits ``budget``.
 
@@ -78,6 +80,10 @@ def plan(
         progress: Called with a short message as the search advances.
         batch_size: With a SPEC: samples per optimizer step (default 8).
         seq_len: With a SPEC: tokens per sample (default 128).
+        host_budget: Host memory the offload tiers may use (bytes or a size string; ``None``:
+            not checked): a plan whose predicted host-tier peak exceeds it does not fit.
+        disk_dir: With ``offload`` allowed, a directory for the ``disk`` tier: the search then
+            includes the optimizer state on disk (which needs little host memory).
 
     Returns:
         The :class:`PlanResult`.
@@ -98,11 +104,19 @@ def plan(
     allow = check_names(allow, ALLOW, "--allow")
     forbid = check_names(forbid, FORBID, "--forbid")
     budget_bytes, budget_device = parse_budget(budget)
+    host_bytes = None if host_budget is None else parse_budget(host_budget)[0]
+    if disk_dir is not None:
+        import os
+
+        if "offload" not in allow:
+            raise ValueError("--disk-dir is where offload puts state on disk: add --allow offload")
+        if not os.path.isdir(disk_dir):
+            raise ValueError(f"--disk-dir {disk_dir!r} is not an existing directory; create it first")
     target = get_device(device) if device else (budget_device or get_device(None))
     base = _base_for(base or Plan(), target)
 
     # 1. Candidates.
-    space = options(workload, base, allow, forbid, target)
+    space = options(workload, base, allow, forbid, target, disk_dir=disk_dir)
     trainable = None
     if len(space.freezes) > 1 or base.freeze:
         trainable = trainable_fractions(workload, space.freezes)
@@ -123,11 +137,11 @@ def plan(
     # 3. and 4. Prediction and confirmation, in search order.
     def predict_one(c: Candidate) -> bool:
         say(f"predicting memory: {c.plan.summary()}")
-        return predict(c, workload, target, budget_bytes)
+        return predict(c, workload, target, budget_bytes, host_bytes)
 
     def confirm_one(c: Candidate) -> bool:
         say(f"confirming at full size: {c.plan.summary()}")
-        return confirm(c, workload, target, budget_bytes)
+        return confirm(c, workload, target, budget_bytes, host_bytes)
 
     winner, predicted = search(candidates, predict_one, confirm_one, max_predictions=max_predictions)
     predicted.sort(key=lambda c: c.step_time)
@@ -173,20 +187,25 @@ def search(
     def predict_and_note(c: Candidate) -> bool:
         ok = predict(c)
         predicted.append(c)
-        if not ok:
+        if not ok and not c.host_misfit:
             misfits.append(c.rank)
         return ok
 
     def confirm_and_note(c: Candidate) -> bool:
         if confirm(c):
             return True
-        misfits.append(c.rank)
+        if not c.host_misfit:
+            misfits.append(c.rank)
         return False
 
     # Every candidate is dominated by a most frugal one: if none of those fits, none fits.
     # They are tried until one fits (one usually does: the others are then left to the search).
     seeds = [candidates[i] for i in maximal([c.rank for c in candidates])]
-    if not any(predict_and_note(s) for s in seeds if not dominated(s.rank, misfits)):
+    if not any(predict_and_note(s) for s in seeds if not dominated(s.rank, misfits)) and not any(
+        s.host_misfit for s in seeds
+    ):
+        # (A seed that only misses the host budget proves nothing: a plan that offloads less
+        # uses less host memory, so the search goes on.)
         return None, predicted
     for c in candidates:
         if c.fits is None:
@@ -241,6 +260,7 @@ def _result(
         seconds=seconds,
         predicted_peak_reserved_bytes=int(chosen.reserved_bytes or 0),
         predicted_device_total_bytes=int(chosen.device_total_bytes or 0),
+        predicted_host_bytes=int(chosen.host_bytes or 0),
     )
 
 

@@ -67,6 +67,8 @@ class DeviceProfile:
             (optimizer offload's step is bound by it). Default 100 GB/s: a server socket's
             DDR5 channels give about 300 GB/s in theory; one optimizer process, like
             ZeRO-Offload's CPU Adam, reaches about a third of that.
+        disk_bandwidth: Bytes/s the disk tier reads and writes optimizer state at. Default
+            2 GB/s: a PCIe 4 NVMe drive's sustained writes (reads are faster).
     """
 
     name: str
@@ -83,6 +85,7 @@ class DeviceProfile:
     workspace_bytes: int = 0
     extra: Mapping[str, Any] = field(default_factory=dict)
     host_mem_bandwidth: float = 100e9
+    disk_bandwidth: float = 2e9
 
     @property
     def is_cuda(self) -> bool:
