@@ -82,8 +82,8 @@ class TrainingSetup:
             )
 
     def remove(self) -> None:
-        """Take the plan off the model, last technique first: the fused step's hooks,
-        checkpointing's wrappers, precision (dtypes, input hook, optimizer wrappers), the
+        """Take the plan off the model, last technique first: the fused step's hooks, the
+        gradient buffer (plain gradients again), checkpointing's wrappers, precision (dtypes, input hook, optimizer wrappers), the
         fused loss (the head's forward and the model's ``loss_function``), fused pointwise
         forwards, freezing's ``requires_grad``.
 
