@@ -317,3 +317,16 @@ def test_offload_bucket_size_is_the_plan_setting():
             nbytes = sum(params[i].numel() * params[i].element_size() for i in bucket)
             assert nbytes <= 4096 or len(bucket) == 1
         setup.remove()
+
+
+def test_a_handle_nobody_removed_is_collected():
+    import gc
+    import weakref
+
+    model = Net()
+    ref = weakref.ref(apply_grad_buffer(model))
+    del model
+    gc.collect()
+    assert ref() is None  # the global optimizer hook does not keep it (and its model) alive
+    opt = torch.optim.SGD(Net().parameters())
+    opt.step()  # its dead hook does nothing

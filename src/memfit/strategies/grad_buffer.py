@@ -40,6 +40,7 @@ device would undo its saving).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -124,7 +125,9 @@ class GradBufferHandle:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._reached(i)))
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-        self._hooks.append(register_optimizer_step_pre_hook(self._before_step))
+        # A global hook: held weakly, so that a handle (and its model) nobody removed can
+        # still be collected; it then does nothing.
+        self._hooks.append(register_optimizer_step_pre_hook(_weak_step_hook(self)))
         self.removed = False
 
     # ------------------------------------------------------------------ public
@@ -184,8 +187,12 @@ class GradBufferHandle:
             self.attach()
 
     def _reached(self, i: int) -> Any:
+        # The hook holds the flags, not the handle: autograd keeps tensor hooks from C++,
+        # where the garbage collector cannot see a cycle back to the model.
+        touched = self._touched
+
         def hook(p: torch.Tensor) -> None:
-            self._touched[i] = True
+            touched[i] = True
 
         return hook
 
@@ -198,6 +205,17 @@ class GradBufferHandle:
                 i = index.get(id(p))
                 if i is not None and not self._touched[i] and p.grad is self.views[i]:
                     p.grad = None
+
+
+def _weak_step_hook(handle: GradBufferHandle) -> Any:
+    ref = weakref.ref(handle)
+
+    def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+        live = ref()
+        if live is not None:
+            live._before_step(optimizer, args, kwargs)
+
+    return hook
 
 
 def apply_grad_buffer(model: nn.Module, config: Any = True) -> GradBufferHandle:
