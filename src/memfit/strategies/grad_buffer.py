@@ -93,12 +93,8 @@ class GradBufferHandle:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self.params: list[nn.Parameter] = []
-        seen: set[int] = set()
-        for p in model.parameters():
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                self.params.append(p)
+        # model.parameters() yields a tied parameter once: it gets one view.
+        self.params: list[nn.Parameter] = [p for p in model.parameters() if p.requires_grad]
         sizes: dict[tuple[torch.dtype, torch.device], int] = {}
         offsets: list[int] = []
         for p in self.params:
@@ -114,11 +110,11 @@ class GradBufferHandle:
         ]
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._touched = [False] * len(self.params)
-        # Gradients the parameters had before (kept, added into the buffer below).
-        for p, v in zip(self.params, self.views, strict=True):
+        # Gradients the parameters already had are kept: copied into their views.
+        for i, (p, v) in enumerate(zip(self.params, self.views, strict=True)):
             if p.grad is not None:
                 v.copy_(p.grad)
-                self._touched[self._index[id(p)]] = True
+                self._touched[i] = True
             p.grad = v
         self._hooks: list[Any] = [model.register_forward_pre_hook(self._before_forward)]
         for i, p in enumerate(self.params):
