@@ -330,3 +330,13 @@ def test_a_handle_nobody_removed_is_collected():
     assert ref() is None  # the global optimizer hook does not keep it (and its model) alive
     opt = torch.optim.SGD(Net().parameters())
     opt.step()  # its dead hook does nothing
+
+
+def test_existing_and_tied_gradients():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 4, bias=False))
+    model[1].weight = model[0].weight  # tied: one parameter, one view
+    model(torch.randn(2, 4)).sum().backward()
+    before = model[0].weight.grad.clone()
+    handle = apply_grad_buffer(model)
+    assert len(handle.views) == 1 and handle.nbytes == 16 * F32
+    assert model[0].weight.grad is handle.views[0] and torch.equal(handle.views[0], before)
