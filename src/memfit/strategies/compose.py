@@ -11,8 +11,9 @@ where they meet, in a fixed order:
 4b. activation offload (after checkpointing, so that only what the checkpointed blocks keep,
    their boundaries, moves to the host),
 5. ``torch.compile`` (last, so dynamo traces the other techniques' wrappers),
-6. the optimizer, fused into backward or not (or on the host, with optimizer offload),
-7. per step (:func:`~memfit.strategies.stepper.run_step`): sequence truncation, micro-batches
+6. the contiguous gradient buffer (sees the final dtypes and the trainable set),
+7. the optimizer, fused into backward or not (or on the host, with optimizer offload),
+8. per step (:func:`~memfit.strategies.stepper.run_step`): sequence truncation, micro-batches
    with weighted losses, autocast and loss scaling, clipping, the optimizer step and
    ``zero_grad(set_to_none=True)``, through the plan's
    :class:`~memfit.strategies.stepper.Stepper`.
@@ -83,8 +84,8 @@ class TrainingSetup:
             )
 
     def remove(self) -> None:
-        """Take the plan off the model, last technique first: the fused step's hooks,
-        checkpointing's wrappers, precision (dtypes, input hook, optimizer wrappers), the
+        """Take the plan off the model, last technique first: the fused step's hooks, the
+        gradient buffer (plain gradients again), checkpointing's wrappers, precision (dtypes, input hook, optimizer wrappers), the
         fused loss (the head's forward and the model's ``loss_function``), fused pointwise
         forwards, freezing's ``requires_grad``.
 
@@ -225,6 +226,12 @@ def apply_plan(
                 # Dynamo cannot trace a model of fake tensors: a dry run runs it eagerly and
                 # applies the compiled step's measured saving (memfit.estimate.dryrun).
                 info["compiled"] = "eager in the dry run (saving measured for real)"
+        if plan.grad_buffer:
+            from .grad_buffer import apply_grad_buffer
+
+            grad_buffer = apply_grad_buffer(model, plan.grad_buffer)
+            handles.append(("grad_buffer", grad_buffer))
+            info["grad_buffer_bytes"] = grad_buffer.nbytes
         given = optimizer is not None
         optimizer = _build_optimizer(model, plan, precision, optimizer)
         if plan.offload is not None and plan.offload.optimizer is not None:

@@ -9,7 +9,9 @@ The handles are:
 * :class:`~memfit.strategies.checkpointing.CheckpointHandle` (``apply_checkpointing``): the
   blocks' forward wrappers;
 * :class:`~memfit.strategies.fused_step.OptimizerInBackward` (``optimizer_in_backward``): the
-  post-accumulate-grad hooks.
+  post-accumulate-grad hooks;
+* :class:`~memfit.strategies.grad_buffer.GradBufferHandle` (``apply_grad_buffer``): the
+  gradient buffers, their re-attach and step hooks (gradients become plain tensors again).
 
 :meth:`memfit.strategies.compose.TrainingSetup.remove` removes a whole plan, last technique
 first. After removal the model has the module types, hooks, instance attributes, dtypes and
