@@ -147,8 +147,10 @@ class DiskOffloadOptimizer(HostOffloadOptimizer):
         # gradients attached before any data is loaded; ``.data`` is swapped per group.
         self.masters = [_placeholder(p.shape) for p in self.params]
         self.optimizer = build(self.masters)
-        order = [id(m) for g in self.optimizer.param_groups for m in g["params"]]
-        self._position = {i: order.index(id(m)) for i, m in enumerate(self.masters)}
+        listed = [m for g in self.optimizer.param_groups for m in g["params"]]
+        order = {id(m): k for k, m in enumerate(listed)}
+        # Index of each master in the optimizer's state_dict (its order over param groups).
+        self._position = {i: order[id(m)] for i, m in enumerate(self.masters)}
         footprints = self._probe_footprints(build)
         need = sum(footprints) + max(footprints, default=0)  # every file, and one being swapped
         check_disk_dir(config.disk_dir, need)
@@ -165,11 +167,12 @@ class DiskOffloadOptimizer(HostOffloadOptimizer):
                 f"least {minimum}"
             )
         self.window_bytes = window
-        self.directory = tempfile.mkdtemp(prefix="memfit-optimizer-", dir=config.disk_dir)
+        try:
+            self.directory = tempfile.mkdtemp(prefix="memfit-optimizer-", dir=config.disk_dir)
+        except OSError as e:
+            raise ValueError(f"offload disk_dir {config.disk_dir!r} is not writable: {e}") from None
         self._cleanup = weakref.finalize(self, shutil.rmtree, self.directory, True)
-        self._layout: list[list[_Entry] | None] = [None] * len(self.params)  # None: master only
         self._region = [0] * len(self.params)  # data bytes of each file
-        self._scalars: list[dict[str, Any]] = [{} for _ in self.params]  # non-tensor state
         self._version = [0] * len(self.params)
         self._stepped = [False] * len(self.params)  # state made (its layout is known)
         self._footprint = footprints
@@ -179,7 +182,7 @@ class DiskOffloadOptimizer(HostOffloadOptimizer):
         try:
             with torch.no_grad():
                 for i, p in enumerate(self.params):
-                    self._write(i, {_MASTER: p.detach().to("cpu", torch.float32)}, [])
+                    self._write(i, p.detach().to("cpu", torch.float32), {})
         except OSError as e:
             self._cleanup()
             raise ValueError(
@@ -193,7 +196,7 @@ class DiskOffloadOptimizer(HostOffloadOptimizer):
         self._offloading = True
         self._hooks = [p.register_post_accumulate_grad_hook(self._ready) for p in self.params]
         self.transfers = 0
-        self._loaded: dict[int, dict[str, torch.Tensor]] = {}
+        self._loaded: dict[int, tuple[torch.Tensor, dict[str, Any]]] = {}
 
     # ------------------------------------------------------------------ sizes
     def _probe_footprints(self, build: Callable[[list[torch.Tensor]], Any]) -> list[int]:
@@ -214,15 +217,16 @@ class DiskOffloadOptimizer(HostOffloadOptimizer):
                     tensors = [v for v in probe.state.get(f, {}).values() if torch.is_tensor(v)]
                     out.append(_align(f.numel() * 4) + sum(_align(_nbytes(t)) for t in tensors))
                 return out
-        except Exception:  # noqa: BLE001 - any failure of the probe falls back to an estimate
+        except Exception:  # any failure of the probe falls back to an estimate
             return [_align(p.numel() * 4) + 2 * _align(p.numel() * 4) for p in self.params]
 
     def disk_bytes(self) -> int:
         """Bytes of this optimizer's files now (data regions and headers)."""
         return sum(r + _HEADER for r in self._region)
 
-    def _account(self) -> None:
-        """Report the disk bytes to every tracker active now (the change since each saw)."""
+    def _account(self, grads: list[torch.Tensor] | None = None) -> None:
+        """Report the disk bytes to every tracker active now (the change since each saw), and
+        label the host gradients as gradients (they are copies, made outside autograd)."""
         from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
         from ..accounting.tracker import MemoryTracker
@@ -234,26 +238,35 @@ class DiskOffloadOptimizer(HostOffloadOptimizer):
                 if total != seen:
                     mode.account_disk(total - seen, "optimizer_state")
                     self._reported[mode] = total
+                if grads:
+                    mode.label(grads, "gradients")
 
     # ------------------------------------------------------------------ files
     def _path(self, i: int) -> str:
         return os.path.join(self.directory, f"param-{i:06d}.bin")
 
-    def _write(self, i: int, tensors: Mapping[str, torch.Tensor], order: list[str]) -> None:
-        """Write parameter ``i``'s master and state tensors (``_MASTER`` first, then ``order``)
-        to a temporary file and swap it in; the layout and write counter change only once the
-        new file is in place."""
+    def _write(self, i: int, master: torch.Tensor, state: Mapping[str, Any]) -> None:
+        """Write parameter ``i``'s master and optimizer state (tensors in the data region, plain
+        numbers in the header) to a temporary file and swap it in; the layout and write counter
+        change only once the new file is in place."""
+        tensors = {_MASTER: master, **{k: v for k, v in state.items() if torch.is_tensor(v)}}
+        scalars = {k: v for k, v in state.items() if not torch.is_tensor(v)}
         entries: list[_Entry] = []
         offset = 0
-        for key in [_MASTER, *order]:
-            t = tensors[key]
+        for key, t in tensors.items():
             n = _nbytes(t)
             entries.append((key, str(t.dtype), tuple(t.shape), offset, n))
             offset += _align(n)
         version = self._version[i] + 1
-        header = json.dumps(
-            {"index": i, "version": version, "region": offset, "entries": entries}
-        ).encode()
+        meta = {"index": i, "version": version, "region": offset, "entries": entries}
+        try:
+            header = json.dumps({**meta, "scalars": scalars}).encode()
+        except TypeError:
+            kinds = {k: type(v).__name__ for k, v in scalars.items()}
+            raise ValueError(
+                f"the disk tier keeps tensors and plain numbers of optimizer state; parameter "
+                f"{i}'s state holds {kinds}"
+            ) from None
         if len(header) + len(_MAGIC) > _HEADER:
             raise ValueError(f"optimizer state of parameter {i} has too many entries for a file")
         path = self._path(i)
@@ -265,7 +278,7 @@ class DiskOffloadOptimizer(HostOffloadOptimizer):
                 if contiguous is not None:
                     _write_all(f, contiguous)
                 else:
-                    for key, _, _, off, n in entries:
+                    for key, _, _, off, _ in entries:
                         f.seek(_HEADER + off)
                         _write_all(f, _raw(tensors[key]))
                     f.truncate(_HEADER + offset)
@@ -275,18 +288,17 @@ class DiskOffloadOptimizer(HostOffloadOptimizer):
             if os.path.exists(tmp):
                 os.remove(tmp)
             raise
-        self._layout[i] = entries
         self._region[i] = offset
         self._version[i] = version
 
-    def _read(self, i: int, into: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        """Parameter ``i``'s tensors, read into ``into`` (a window view of ``_region[i]`` bytes)
-        or into new host memory; the header is checked against what this optimizer wrote."""
+    def _read(self, i: int, into: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Parameter ``i``'s master and optimizer state, the tensors read into ``into`` (a
+        window view of ``_region[i]`` bytes) or new host memory; the header is checked against
+        what this optimizer last wrote."""
         path = self._path(i)
         size = self._region[i]
         with open(path, "rb", buffering=0) as f:
-            head = f.read(_HEADER)
-            meta = _parse_header(head)
+            meta = _parse_header(f.read(_HEADER))
             actual = os.fstat(f.fileno()).st_size
             if (
                 meta is None
@@ -295,20 +307,20 @@ class DiskOffloadOptimizer(HostOffloadOptimizer):
                 or meta.get("region") != size
                 or actual != _HEADER + size
             ):
+                found = "no header" if meta is None else f"write {meta.get('version')}"
                 raise RuntimeError(
-                    f"optimizer state file {path!r} is damaged or stale (header {meta!r}, "
-                    f"{actual} bytes; expected write {self._version[i]} of {_HEADER + size} "
-                    "bytes); the disk tier cannot go on: restore the run from a checkpoint"
+                    f"optimizer state file {path!r} is damaged or stale ({found}, {actual} "
+                    f"bytes; expected write {self._version[i]}, {_HEADER + size} bytes); the "
+                    "disk tier cannot go on: restore the run from a checkpoint"
                 )
             if into is None:
                 with host_tier():
                     into = torch.empty(size, dtype=torch.uint8)
             _read_all(f, memoryview(into.numpy()))
-        out = {}
+        state: dict[str, Any] = dict(meta.get("scalars", {}))
         for key, dtype, shape, off, n in meta["entries"]:
-            dt = _dtype(dtype)
-            out[key] = into[off : off + n].view(dt).view(shape)
-        return out
+            state[key] = into[off : off + n].view(_dtype(dtype)).view(shape)
+        return state.pop(_MASTER), state
 
     # ------------------------------------------------------------------ optimizer face
     @property
@@ -318,8 +330,8 @@ class DiskOffloadOptimizer(HostOffloadOptimizer):
         out: dict[Any, Any] = {}
         if self._halves:
             out[self] = {f"window_{k}": h for k, h in enumerate(self._halves)}
-        for i, tensors in self._loaded.items():
-            out[self.masters[i]] = dict(tensors)
+        for i, (master, state) in self._loaded.items():
+            out[self.masters[i]] = {_MASTER: master, **state}
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -328,10 +340,10 @@ class DiskOffloadOptimizer(HostOffloadOptimizer):
         sd = self.optimizer.state_dict()
         masters = []
         for i in range(len(self.params)):
-            tensors = self._read(i, None)
-            masters.append(tensors.pop(_MASTER))
-            if self._layout[i] is not None and len(self._layout[i]) > 1:
-                sd["state"][self._position[i]] = {**self._scalars[i], **tensors}
+            master, state = self._read(i, None)
+            masters.append(master)
+            if state:
+                sd["state"][self._position[i]] = state
         return {"optimizer": sd, "masters": masters}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -342,15 +354,15 @@ class DiskOffloadOptimizer(HostOffloadOptimizer):
         saved = opt["state"]
         with torch.no_grad():
             for i, master in enumerate(state["masters"]):
-                entry = dict(saved.get(self._position[i], {}))
-                tensors = {k: v.detach().cpu() for k, v in entry.items() if torch.is_tensor(v)}
-                self._scalars[i] = {k: v for k, v in entry.items() if not torch.is_tensor(v)}
-                order = list(tensors)
-                tensors[_MASTER] = master.detach().to("cpu", torch.float32)
-                self._write(i, tensors, order)
+                entry = {
+                    k: v.detach().cpu() if torch.is_tensor(v) else v
+                    for k, v in saved.get(self._position[i], {}).items()
+                }
+                master = master.detach().to("cpu", torch.float32)
+                self._write(i, master, entry)
                 self._stepped[i] = bool(entry)
                 p = self.params[i]
-                p.copy_(tensors[_MASTER].to(p.device, p.dtype))
+                p.copy_(master.to(p.device, p.dtype))
         self._regroup()
 
     # ------------------------------------------------------------------ the step
@@ -361,9 +373,9 @@ class DiskOffloadOptimizer(HostOffloadOptimizer):
 
         if self.params:
             synchronize(self.params[0].device)
-        self._account()
-        with _outer_step_hooks(self), host_tier():
-            grads = [m.grad for m in self.masters]
+        grads = [m.grad for m in self.masters]
+        self._account([g for g in grads if g is not None])
+        with _OuterStepHooks(self), host_tier():
             if max_grad_norm is not None and any(g is not None for g in grads):
                 torch.nn.utils.clip_grad_norm_(
                     [m for m in self.masters if m.grad is not None], max_grad_norm
@@ -387,7 +399,7 @@ class DiskOffloadOptimizer(HostOffloadOptimizer):
 
         halves = self._window_halves(work)
         writes: list[Future[None]] = []
-        reads: list[Future[dict[int, dict[str, torch.Tensor]]] | None] = []
+        reads: list[Future[dict[int, tuple[torch.Tensor, dict[str, Any]]]] | None] = []
         if work:
             reads.append(self._io.submit(self._load_group, work[0], halves, 0))
         for k, members in enumerate(work):
@@ -396,18 +408,15 @@ class DiskOffloadOptimizer(HostOffloadOptimizer):
                 reads.append(self._io.submit(self._load_group, work[k + 1], halves, (k + 1) % 2))
             future = reads[k]
             assert future is not None
-            loaded = future.result()
+            self._loaded = future.result()
             reads[k] = future = None  # the future lets go of the group
-            self._loaded = loaded
             with torch.no_grad():
                 for i in members:
                     m = self.masters[i]
-                    tensors = loaded[i]
-                    m.data = tensors[_MASTER]
+                    m.data, state = self._loaded[i]
                     m.grad = grads[i]
-                    state = {k2: v for k2, v in tensors.items() if k2 != _MASTER}
-                    if state or self._scalars[i]:
-                        self.optimizer.state[m] = {**self._scalars[i], **state}
+                    if state:
+                        self.optimizer.state[m] = state
                 self.optimizer.step()
                 for i in members:
                     p, m = self.params[i], self.masters[i]
@@ -416,17 +425,12 @@ class DiskOffloadOptimizer(HostOffloadOptimizer):
                 saved = {}
                 for i in members:
                     m = self.masters[i]
-                    st = self.optimizer.state.pop(m, {})
-                    tensors = {k2: v for k2, v in st.items() if torch.is_tensor(v)}
-                    self._scalars[i] = {k2: v for k2, v in st.items() if not torch.is_tensor(v)}
-                    order = list(tensors)
-                    tensors[_MASTER] = m.data
                     m.grad = None
-                    saved[i] = (tensors, order)
+                    saved[i] = (m.data, self.optimizer.state.pop(m, {}))
                     self._stepped[i] = True
             writes.append(self._io.submit(self._save_group, saved))
             # Only the I/O thread holds the group now: it goes once written.
-            del saved, loaded, tensors, state
+            del saved, state
             self._loaded = {}
         for w in writes:
             w.result()  # a failed write-back raises here, its previous file whole
@@ -442,7 +446,7 @@ class DiskOffloadOptimizer(HostOffloadOptimizer):
 
             self._halves = []  # the old halves go before the new ones come
             with host_tier():
-                size = max(need, max((sum(self._footprint[i] for i in g) for g in self.groups)))
+                size = max(need, max(sum(self._footprint[i] for i in g) for g in self.groups))
                 self._halves = [
                     host_buffer(size, torch.uint8, pin=self.config.pin_memory) for _ in range(2)
                 ]
@@ -451,7 +455,7 @@ class DiskOffloadOptimizer(HostOffloadOptimizer):
 
     def _load_group(
         self, members: list[int], halves: list[torch.Tensor | None], half: int
-    ) -> dict[int, dict[str, torch.Tensor]]:
+    ) -> dict[int, tuple[torch.Tensor, dict[str, Any]]]:
         buf = halves[half]
         out = {}
         offset = 0
@@ -462,9 +466,9 @@ class DiskOffloadOptimizer(HostOffloadOptimizer):
             offset += _align(size)
         return out
 
-    def _save_group(self, saved: dict[int, tuple[dict[str, torch.Tensor], list[str]]]) -> None:
-        for i, (tensors, order) in saved.items():
-            self._write(i, tensors, order)
+    def _save_group(self, saved: dict[int, tuple[torch.Tensor, dict[str, Any]]]) -> None:
+        for i, (master, state) in saved.items():
+            self._write(i, master, state)
 
     def _regroup(self) -> None:
         """Group again by the files' real sizes (once the optimizer made its state)."""
@@ -520,7 +524,7 @@ def _window_run(tensors: Mapping[str, torch.Tensor], entries: list[_Entry]) -> m
         return None
     start = base.data_ptr()
     storage = base.untyped_storage()
-    for key, _, _, off, n in entries:
+    for key, _, _, off, _ in entries:
         t = tensors[key]
         if (
             t.untyped_storage().data_ptr() != storage.data_ptr()
@@ -563,7 +567,7 @@ def _parse_header(head: bytes) -> dict[str, Any] | None:
     return meta if isinstance(meta, dict) else None
 
 
-class _outer_step_hooks:  # noqa: N801 - a context manager used like a function
+class _OuterStepHooks:
     """Fire torch's global optimizer step hooks once around the whole disk step, so that a
     tracker sees one optimizer step (the inner per-group steps nest inside it)."""
 
