@@ -106,7 +106,8 @@ class OffloadConfig:
             not isinstance(self.host_window_bytes, int) or self.host_window_bytes < 1
         ):
             raise ValueError(
-                f"offload host_window_bytes must be a whole number >= 1, got {self.host_window_bytes!r}"
+                "offload host_window_bytes must be a whole number >= 1, got "
+                f"{self.host_window_bytes!r}"
             )
         if self.gradients_on_host and self.optimizer is None:
             raise ValueError("offload gradients_on_host needs optimizer offload ('host' or 'disk')")
