@@ -126,18 +126,22 @@ def test_host_memory_stays_within_the_window_and_disk_holds_the_state(tmp_path):
     # Consecutive parameters, each group within half the window.
     assert [i for g in opt.groups for i in g] == list(range(len(params)))
     assert all(sum(footprints[i] for i in g) <= window // 2 for g in opt.groups)
-    setup.step(_batch(0))  # the first step makes the state, and the files take their size
+    setup.step(_batch(0))  # the first step makes the state
+    setup.step(_batch(1))  # and the second writes it into each parameter's other file
     headers = 4096 * len(params)
-    assert opt.disk_bytes() == sum(footprints) + headers
-    assert sorted(os.listdir(opt.directory)) == [f"param-{i:06d}.bin" for i in range(len(params))]
+    # Two files per parameter: the current one and the one the next write goes to.
+    assert opt.disk_bytes() == 2 * (sum(footprints) + headers)
+    assert sorted(os.listdir(opt.directory)) == sorted(
+        f"param-{i:06d}.{k}.bin" for i in range(len(params)) for k in (0, 1)
+    )
     with memfit.track(model, opt) as tracker:
-        for step in range(1, 3):
+        for step in range(2, 4):
             setup.step(_batch(step))
     report = tracker.report()
     host = report.peak_by_tier_category["host"]
     # The two window halves, each as large as the largest group (a (64, 64) weight alone).
     assert host["optimizer_state"] == 2 * max(footprints) == window
-    assert report.peak_by_tier["disk"] == sum(footprints) + headers
+    assert report.peak_by_tier["disk"] == 2 * (sum(footprints) + headers)
     # Gradients: fp32 on the host, as with the host tier; nothing of the state on the device.
     assert host["gradients"] == sum(4 * p.numel() for p in params)
     assert report.peak_by_category["optimizer_state"] == 0
@@ -161,8 +165,8 @@ def test_bad_directories_and_windows_are_refused_before_training(tmp_path, monke
     with pytest.raises(ValueError, match=f"minimum of {minimum} bytes"):
         apply_plan(Net(), plan(host_window_bytes=minimum - 1))
     apply_plan(Net(), plan(host_window_bytes=minimum)).remove()
-    # Free space: masters and state of every parameter, plus one file being swapped.
-    need = sum(_adamw_footprint(p) for p in Net().parameters()) + minimum // 2
+    # Free space: masters and state of every parameter, twice (the file being written).
+    need = 2 * sum(_adamw_footprint(p) + 4096 for p in Net().parameters())
 
     class Usage:
         free = need - 1
@@ -182,16 +186,21 @@ def test_bad_directories_and_windows_are_refused_before_training(tmp_path, monke
     assert os.listdir(tmp_path) == ["file"]  # no file was left by any refused plan
 
 
+def _current_files(opt: DiskOffloadOptimizer) -> list[str]:
+    return [opt._path(i, opt._version[i]) for i in range(len(opt.params))]
+
+
 def test_a_crash_mid_write_back_leaves_the_previous_file(tmp_path, monkeypatch):
     torch.manual_seed(0)
     model = Net()
     reference = copy.deepcopy(model)
     setup = apply_plan(model, memfit.Plan(offload=_disk(tmp_path)))
     ref_setup = apply_plan(reference, memfit.Plan(offload=_disk(tmp_path)))
-    setup.step(_batch(0))
-    ref_setup.step(_batch(0))
+    for step in range(2):  # both files of every parameter hold state
+        setup.step(_batch(step))
+        ref_setup.step(_batch(step))
     opt = setup.optimizer
-    paths = [os.path.join(opt.directory, f) for f in sorted(os.listdir(opt.directory))]
+    paths = _current_files(opt)
     before = [Path(p).read_bytes() for p in paths]
     real = disk_offload._write_all
 
@@ -202,33 +211,34 @@ def test_a_crash_mid_write_back_leaves_the_previous_file(tmp_path, monkeypatch):
 
     monkeypatch.setattr(disk_offload, "_write_all", crash)
     with pytest.raises(OSError, match="simulated crash"):
-        setup.step(_batch(1))
+        setup.step(_batch(2))
     monkeypatch.setattr(disk_offload, "_write_all", real)
-    # Every file is the previous step's, whole; no half-written file is left.
-    assert sorted(os.listdir(opt.directory)) == [os.path.basename(p) for p in paths]
+    # Every current file is the previous step's, whole; the half-written ones are not current.
+    assert _current_files(opt) == paths
     assert [Path(p).read_bytes() for p in paths] == before
-    # The state read back is the previous step's: the masters equal the reference's after 1.
+    # The state read back is the previous step's: the masters equal the reference's after 2.
     saved = opt.state_dict()
     for m, r in zip(saved["masters"], ref_setup.optimizer.state_dict()["masters"], strict=True):
         assert torch.equal(m, r)
-    assert all(int(s["step"]) == 1 for s in saved["optimizer"]["state"].values())
+    assert all(int(s["step"]) == 2 for s in saved["optimizer"]["state"].values())
 
 
 def test_a_damaged_or_stale_file_is_noticed_on_load(tmp_path):
     torch.manual_seed(0)
     setup = apply_plan(Net(), memfit.Plan(offload=_disk(tmp_path)))
-    setup.step(_batch(0))
     opt = setup.optimizer
-    path = os.path.join(opt.directory, "param-000002.bin")
-    old = Path(path).read_bytes()
-    setup.step(_batch(1))
-    with open(path, "r+b") as f:  # cut short, as a writer without swap could leave it
-        f.truncate(len(old) - 100)
-    with pytest.raises(RuntimeError, match="damaged or stale"):
-        setup.step(_batch(2))
-    Path(path).write_bytes(old)  # whole, but the step before's
+    for step in range(3):
+        setup.step(_batch(step))
+    path = _current_files(opt)[2]
+    good = Path(path).read_bytes()
+    Path(path).write_bytes(good[:-100])  # cut short, as a crashed plain overwrite leaves it
     with pytest.raises(RuntimeError, match="damaged or stale"):
         setup.step(_batch(3))
+    Path(path).write_bytes(good)
+    other = opt._path(2, opt._version[2] + 1)
+    Path(path).write_bytes(Path(other).read_bytes())  # whole, but two steps old
+    with pytest.raises(RuntimeError, match="damaged or stale"):
+        setup.step(_batch(4))
 
 
 def test_state_dict_moves_between_host_and_disk_tiers_and_remove_cleans_up(tmp_path):

@@ -20,11 +20,16 @@ optimizer state of every parameter kept in one file each, in a directory the use
 File I/O rather than memory maps: a mapped file's touched pages count in the process's resident
 memory until unmapped and are faulted in one page at a time, while positioned reads into two
 fixed window halves keep the resident bytes at the window exactly, stream at memcpy speed, and
-release the GIL (the read-ahead overlaps the step). Writing is *write and swap*: each file is
-written to a temporary name and renamed over the old one (``os.replace``, atomic on POSIX), so a
-crash mid write-back leaves the previous file whole; each file's header carries its parameter
-index, a write counter and its size, checked on every load, so a stale or cut file is noticed
-(``RuntimeError``) instead of read. Renames are not fsynced: a process crash is covered, a power
+release the GIL (the read-ahead overlaps the step).
+
+Crash safety is *write and swap* with two files per parameter: a write goes to the file that is
+not current, data first and its header (parameter index, write counter, layout, plain-number
+state) last, so the header commits it; the current file is untouched until the next write. A
+crash mid write-back leaves the previous file whole, and every load checks the header's index,
+counter and the file's size against what this optimizer last committed, so a stale or cut file
+is noticed (``RuntimeError``) instead of read. (Overwriting the other file in place streams
+about five times faster than writing a new file and renaming it, as no blocks are allocated;
+the cost is twice the state on disk.) Nothing is fsynced: a process crash is covered, a power
 loss may lose the last step's files.
 
 Gradients stay in host memory (fp32, as with the host tier): the window bounds the masters and
@@ -152,7 +157,8 @@ class DiskOffloadOptimizer(HostOffloadOptimizer):
         # Index of each master in the optimizer's state_dict (its order over param groups).
         self._position = {i: order[id(m)] for i, m in enumerate(self.masters)}
         footprints = self._probe_footprints(build)
-        need = sum(footprints) + max(footprints, default=0)  # every file, and one being swapped
+        # Two files per parameter (the current one and the one being written).
+        need = 2 * (sum(footprints) + _HEADER * len(footprints))
         check_disk_dir(config.disk_dir, need)
         minimum = 2 * max(footprints, default=0)
         window = config.host_window_bytes
@@ -172,7 +178,8 @@ class DiskOffloadOptimizer(HostOffloadOptimizer):
         except OSError as e:
             raise ValueError(f"offload disk_dir {config.disk_dir!r} is not writable: {e}") from None
         self._cleanup = weakref.finalize(self, shutil.rmtree, self.directory, True)
-        self._region = [0] * len(self.params)  # data bytes of each file
+        self._region = [0] * len(self.params)  # data bytes of each parameter's current file
+        self._file_bytes = [[0, 0] for _ in self.params]  # size of each parameter's two files
         self._version = [0] * len(self.params)
         self._stepped = [False] * len(self.params)  # state made (its layout is known)
         self._footprint = footprints
@@ -221,8 +228,8 @@ class DiskOffloadOptimizer(HostOffloadOptimizer):
             return [_align(p.numel() * 4) + 2 * _align(p.numel() * 4) for p in self.params]
 
     def disk_bytes(self) -> int:
-        """Bytes of this optimizer's files now (data regions and headers)."""
-        return sum(r + _HEADER for r in self._region)
+        """Bytes of this optimizer's files now (both files of each parameter, headers too)."""
+        return sum(sum(sizes) for sizes in self._file_bytes)
 
     def _account(self, grads: list[torch.Tensor] | None = None) -> None:
         """Report the disk bytes to every tracker active now (the change since each saw), and
@@ -242,13 +249,17 @@ class DiskOffloadOptimizer(HostOffloadOptimizer):
                     mode.label(grads, "gradients")
 
     # ------------------------------------------------------------------ files
-    def _path(self, i: int) -> str:
-        return os.path.join(self.directory, f"param-{i:06d}.bin")
+    def _path(self, i: int, version: int) -> str:
+        """Write ``version`` of parameter ``i`` goes to file ``version % 2``: the current file
+        is never the one being written."""
+        return os.path.join(self.directory, f"param-{i:06d}.{version % 2}.bin")
 
     def _write(self, i: int, master: torch.Tensor, state: Mapping[str, Any]) -> None:
         """Write parameter ``i``'s master and optimizer state (tensors in the data region, plain
-        numbers in the header) to a temporary file and swap it in; the layout and write counter
-        change only once the new file is in place."""
+        numbers in the header) into its other file, data first and the header last: the header
+        commits the write, so until it lands the file still names an older write and the current
+        file stays current. Overwriting a file in place streams several times faster than a
+        new file each step (no block allocation)."""
         tensors = {_MASTER: master, **{k: v for k, v in state.items() if torch.is_tensor(v)}}
         scalars = {k: v for k, v in state.items() if not torch.is_tensor(v)}
         entries: list[_Entry] = []
@@ -260,34 +271,32 @@ class DiskOffloadOptimizer(HostOffloadOptimizer):
         version = self._version[i] + 1
         meta = {"index": i, "version": version, "region": offset, "entries": entries}
         try:
-            header = json.dumps({**meta, "scalars": scalars}).encode()
+            header = _MAGIC + json.dumps({**meta, "scalars": scalars}).encode()
         except TypeError:
             kinds = {k: type(v).__name__ for k, v in scalars.items()}
             raise ValueError(
                 f"the disk tier keeps tensors and plain numbers of optimizer state; parameter "
                 f"{i}'s state holds {kinds}"
             ) from None
-        if len(header) + len(_MAGIC) > _HEADER:
+        if len(header) > _HEADER:
             raise ValueError(f"optimizer state of parameter {i} has too many entries for a file")
-        path = self._path(i)
-        tmp = path + ".tmp"
-        try:
-            with open(tmp, "wb", buffering=0) as f:
-                f.write(_MAGIC + header + bytes(_HEADER - len(_MAGIC) - len(header)))
-                contiguous = _window_run(tensors, entries)
-                if contiguous is not None:
-                    _write_all(f, contiguous)
-                else:
-                    for key, _, _, off, _ in entries:
-                        f.seek(_HEADER + off)
-                        _write_all(f, _raw(tensors[key]))
-                    f.truncate(_HEADER + offset)
-            os.replace(tmp, path)
-        except BaseException:
-            # The previous file is whole; the half-written one goes.
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
+        path = self._path(i, version)
+        with open(path, "r+b" if os.path.exists(path) else "w+b", buffering=0) as f:
+            if os.fstat(f.fileno()).st_size >= _HEADER:
+                f.write(bytes(_HEADER))  # no longer any write's file until the header lands
+            f.seek(_HEADER)
+            contiguous = _window_run(tensors, entries)
+            if contiguous is not None:
+                _write_all(f, contiguous)
+            else:
+                for key, _, _, off, _ in entries:
+                    f.seek(_HEADER + off)
+                    _write_all(f, _raw(tensors[key]))
+            if os.fstat(f.fileno()).st_size != _HEADER + offset:
+                f.truncate(_HEADER + offset)
+            f.seek(0)
+            f.write(header + bytes(_HEADER - len(header)))  # the commit
+        self._file_bytes[i][version % 2] = _HEADER + offset
         self._region[i] = offset
         self._version[i] = version
 
@@ -295,7 +304,7 @@ class DiskOffloadOptimizer(HostOffloadOptimizer):
         """Parameter ``i``'s master and optimizer state, the tensors read into ``into`` (a
         window view of ``_region[i]`` bytes) or new host memory; the header is checked against
         what this optimizer last wrote."""
-        path = self._path(i)
+        path = self._path(i, self._version[i])
         size = self._region[i]
         with open(path, "rb", buffering=0) as f:
             meta = _parse_header(f.read(_HEADER))
