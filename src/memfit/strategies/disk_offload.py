@@ -434,8 +434,11 @@ class DiskOffloadOptimizer(HostOffloadOptimizer):
                 saved = {}
                 for i in members:
                     m = self.masters[i]
-                    m.grad = None
                     saved[i] = (m.data, self.optimizer.state.pop(m, {}))
+                    # Let go of the group here: before the first step's layouts are known its
+                    # tensors are new memory, freed once written.
+                    m.data = _placeholder(m.shape)
+                    m.grad = grads[i] = None
                     self._stepped[i] = True
             writes.append(self._io.submit(self._save_group, saved))
             # Only the I/O thread holds the group now: it goes once written.
