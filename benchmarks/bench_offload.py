@@ -202,7 +202,8 @@ def markdown(rss: list[dict[str, Any]], steps: list[dict[str, Any]], meta: str) 
         "|---|---:|---:|",
     ]
     for r in steps:
-        lines.append(f"| {r['name']} | {r['step_s'] * 1e3:.1f} | {r['step_s'] / base['step_s']:.2f}x |")
+        ratio = r["step_s"] / base["step_s"]
+        lines.append(f"| {r['name']} | {r['step_s'] * 1e3:.1f} | {ratio:.2f}x |")
     return "\n".join(lines)
 
 

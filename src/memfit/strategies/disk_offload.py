@@ -444,8 +444,13 @@ class DiskOffloadOptimizer(HostOffloadOptimizer):
             # Only the I/O thread holds the group now: it goes once written.
             del saved, state
             self._loaded = {}
-        for w in writes:
-            w.result()  # a failed write-back raises here, its previous file whole
+        try:
+            for w in writes:
+                w.result()  # a failed write-back raises here, its previous file whole
+        finally:
+            # The I/O thread keeps its last job's arguments (the last group) alive until its
+            # next job: give it an empty one, so that the group goes now.
+            self._io.submit(int).result()
 
     def _window_halves(self, work: list[list[int]]) -> list[torch.Tensor | None]:
         """The two window halves, allocated once the layouts are known (after the first step;
