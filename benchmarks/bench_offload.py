@@ -14,9 +14,9 @@ tier's, from the same run.
 Part 2 (``host step``): ``optimizer.step()`` on ``--step-params`` fp32 parameters (2048 x 2048
 matrices, fixed random gradients, as ``bench_optimizers.py``) for torch's fused and foreach
 AdamW, memfit's AdamW8bit and Adafactor, and the optimizer memfit's offload builds for the plan
-``adamw`` (:func:`memfit.strategies.optimizer_offload.host_optimizer_builder`); the median of
-``--step-repeats`` steps after two, the best of two rounds over all; times over torch's fused
-AdamW's, in one process.
+``adamw`` (:func:`memfit.strategies.optimizer_offload.host_optimizer_builder`): the median of
+``--step-repeats`` steps after two, the optimizers stepping in turn (one step each per round);
+times over torch's fused AdamW's, in one process.
 
 Usage::
 
@@ -152,25 +152,31 @@ def host_step_part(args: argparse.Namespace) -> list[dict[str, Any]]:
         "memfit AdamW8bit": lambda ps: make_optimizer("memfit AdamW8bit", ps),
         "memfit Adafactor": lambda ps: make_optimizer("memfit Adafactor", ps),
     }
-    best: dict[str, dict[str, Any]] = {}
-    for _ in range(2):  # rounds over all, so a busy phase of a shared machine hits each alike
-        for name, build in builders.items():
-            print(f"host step: {name}", file=sys.stderr, flush=True)
-            params = make_params(args.step_params)
-            opt = build(params)
-            for _ in range(2):
-                opt.step()
-            times = []
-            for _ in range(args.step_repeats):
-                start = time.perf_counter()
-                opt.step()
-                times.append(time.perf_counter() - start)
-            row = {"name": name, "step_s": statistics.median(times), "type": type(opt).__name__,
-                   "fused": bool(opt.defaults.get("fused"))}  # fmt: skip
-            if name not in best or row["step_s"] < best[name]["step_s"]:
-                best[name] = row
-            del opt, params
-    return list(best.values())
+    # Every optimizer over its own copy of the same parameters, stepped in turn: one step of
+    # each per round, so that a busy phase of a shared machine hits each alike.
+    opts = {}
+    for name, build in builders.items():
+        print(f"host step: {name}", file=sys.stderr, flush=True)
+        opt = build(make_params(args.step_params))
+        for _ in range(2):
+            opt.step()
+        opts[name] = opt
+    times: dict[str, list[float]] = {name: [] for name in opts}
+    for _ in range(args.step_repeats):
+        for name, opt in opts.items():
+            start = time.perf_counter()
+            opt.step()
+            times[name].append(time.perf_counter() - start)
+    return [
+        {
+            "name": name,
+            "step_s": statistics.median(times[name]),
+            "step_times_s": times[name],
+            "type": type(opt).__name__,
+            "fused": bool(opt.defaults.get("fused")),
+        }
+        for name, opt in opts.items()
+    ]
 
 
 def markdown(rss: list[dict[str, Any]], steps: list[dict[str, Any]], meta: str) -> str:
@@ -216,7 +222,7 @@ def main() -> None:
     parser.add_argument("--window", type=float, default=1.0, help="disk tier window, GiB")
     parser.add_argument("--disk-dir", help="where the disk tier's files go (default: tmp)")
     parser.add_argument("--step-params", type=int, default=50_000_000)
-    parser.add_argument("--step-repeats", type=int, default=5)
+    parser.add_argument("--step-repeats", type=int, default=9)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--markdown", type=Path)
     parser.add_argument("--worker", help=argparse.SUPPRESS)

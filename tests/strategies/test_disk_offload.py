@@ -264,3 +264,16 @@ def test_state_dict_moves_between_host_and_disk_tiers_and_remove_cleans_up(tmp_p
     setup.remove()
     assert not os.path.exists(directory)
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+
+
+def test_the_host_step_uses_torch_fused_adamw_unless_the_plan_names_an_implementation(tmp_path):
+    for offload in ("host", _disk(tmp_path)):
+        setup = apply_plan(Net(), memfit.Plan(offload=offload))
+        assert setup.optimizer.optimizer.defaults["fused"] is True
+        setup.remove()
+    for plan in (
+        memfit.Plan(offload="host", optimizer={"name": "adamw", "foreach": False}),
+        memfit.Plan(offload="host", optimizer={"name": "adamw", "kwargs": {"fused": False}}),
+    ):
+        setup = apply_plan(Net(), plan)
+        assert not setup.optimizer.optimizer.defaults.get("fused")
