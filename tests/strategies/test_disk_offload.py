@@ -277,3 +277,35 @@ def test_the_host_step_uses_torch_fused_adamw_unless_the_plan_names_an_implement
     ):
         setup = apply_plan(Net(), plan)
         assert not setup.optimizer.optimizer.defaults.get("fused")
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.9),
+        lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True),
+    ],
+    ids=["rmsprop", "sgd-nesterov"],
+)
+def test_any_torch_optimizer_steps_from_disk(tmp_path, build):
+    from memfit.strategies.offload import OffloadConfig
+
+    torch.manual_seed(0)
+    plain_model = Net()
+    disk_model = copy.deepcopy(plain_model)
+    plain = build(list(plain_model.parameters()))
+    config = OffloadConfig(optimizer="disk", disk_dir=str(tmp_path), host_window_bytes=100_000)
+    disk = DiskOffloadOptimizer(list(disk_model.parameters()), build, config)
+    assert len(disk.groups) >= 2
+    for step in range(3):
+        plain_model(*_batch(step)).backward()
+        plain.step()
+        plain.zero_grad()
+        disk.begin_backward(True)
+        disk_model(*_batch(step)).backward()
+        disk.end_backward()
+        disk.step()
+        disk.zero_grad()
+    for p, q in zip(plain_model.parameters(), disk_model.parameters(), strict=True):
+        torch.testing.assert_close(q, p, rtol=0, atol=1e-6)
+    disk.remove()
