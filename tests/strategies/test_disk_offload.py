@@ -280,21 +280,21 @@ def test_the_host_step_uses_torch_fused_adamw_unless_the_plan_names_an_implement
 
 
 @pytest.mark.parametrize(
-    "build",
+    ("build", "window"),
     [
-        lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.9),
-        lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True),
+        (lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.9), 100_000),
+        (lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True), 70_000),
     ],
     ids=["rmsprop", "sgd-nesterov"],
 )
-def test_any_torch_optimizer_steps_from_disk(tmp_path, build):
+def test_any_torch_optimizer_steps_from_disk(tmp_path, build, window):
     from memfit.strategies.offload import OffloadConfig
 
     torch.manual_seed(0)
     plain_model = Net()
     disk_model = copy.deepcopy(plain_model)
     plain = build(list(plain_model.parameters()))
-    config = OffloadConfig(optimizer="disk", disk_dir=str(tmp_path), host_window_bytes=100_000)
+    config = OffloadConfig(optimizer="disk", disk_dir=str(tmp_path), host_window_bytes=window)
     disk = DiskOffloadOptimizer(list(disk_model.parameters()), build, config)
     assert len(disk.groups) >= 2
     for step in range(3):
