@@ -2,7 +2,7 @@
 
 :class:`DiskOffloadOptimizer` is :class:`~memfit.strategies.optimizer_offload.HostOffloadOptimizer`
 (the same gradient buckets, host clipping and :class:`OffloadStepper`) with the masters and the
-optimizer state of every parameter kept in one file each, in a directory the user names
+optimizer state of every parameter kept in files (two each), in a directory the user names
 (``OffloadConfig.disk_dir``). Host memory holds at most ``host_window_bytes`` of them:
 
 * parameters are cut into consecutive *groups* of at most half the window (master plus state
