@@ -199,11 +199,22 @@ class Plan:
                     "optimizer offload cannot be combined with fp16-mixed: the loss scaler "
                     "checks device gradients that offload has moved; use bf16-mixed or bf16-pure"
                 )
-            if self.optimizer_in_backward:
+            if (
+                self.optimizer_in_backward
+                and self.max_grad_norm is not None
+                and self.grad_clip_mode == "exact"
+            ):
                 raise PlanError(
-                    "optimizer offload with optimizer_in_backward is not available yet: the host "
-                    "steps after backward; set optimizer_in_backward false"
+                    "optimizer offload with optimizer_in_backward steps each bucket on the host "
+                    "as its gradients land, before the global norm is known; use "
+                    "grad_clip_mode 'approx' (the previous step's norm) or set max_grad_norm null"
                 )
+        if off is not None and off.activations and self.compile_backend is not None:
+            raise PlanError(
+                "activation offload cannot be combined with compile: the saved-tensor hooks "
+                "that move activations to the host are not traced by torch.compile; set "
+                "compile false or offload activations false"
+            )
         if not isinstance(self.fused_pointwise, bool):
             raise PlanError(f"fused_pointwise must be true or false, got {self.fused_pointwise!r}")
         if self.max_seq_len is not None and (

@@ -19,6 +19,7 @@ USES = {
     "8bit": lambda p: p.optimizer.name == "adamw8bit",
     "factored": lambda p: p.optimizer.name == "adafactor",
     "bf16-pure": lambda p: p.precision.mode == "bf16-pure",
+    "offload": lambda p: p.offload is not None,
 }
 
 

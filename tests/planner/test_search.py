@@ -224,3 +224,26 @@ def test_cli_plan_bad_input(args, match):
     res = runner.invoke(app, ["plan", "-b", "4", "-l", "16", "--device", "a100", *args])
     assert res.exit_code == 2, res.output
     assert match in res.output and "Traceback" not in res.output
+
+
+@pytest.mark.slow
+def test_composition_goes_one_deeper_when_the_shallowest_run_peaks_elsewhere():
+    """With the step in backward, GPT-2's depth-2 optimizer phase peaks at the (large) tied
+    embedding's step while deeper runs peak with the last blocks' activations alive: (2, 3)
+    is not in the linear regime, (3, 4) is, and composing from it equals the full dry run."""
+    from memfit.estimate.compose import _by_phase, _compose_phases
+
+    workload = memfit.load_workload("gpt2", 8, 128)
+    p = memfit.Plan(optimizer_in_backward=True)
+    small, small_plan, scale = _reduced(workload, p)
+    shallow = [
+        _by_phase(memfit.dry_run(workload.with_depth(d).replace(batch_size=small.batch_size),
+                                 small_plan, steps=2), scale)
+        for d in (2, 3)
+    ]  # fmt: skip
+    assert _compose_phases([2, 3], shallow, [0] * workload.depth) == {}  # the premise
+    composed = predict_peak(workload, p)
+    full = predict_peak(workload, p, compose=False)
+    assert composed.method == "composed"
+    assert composed.by_category == full.by_category
+    assert composed.peak_bytes == full.peak_bytes

@@ -160,6 +160,8 @@ def test_bad_directories_and_windows_are_refused_before_training(tmp_path, monke
         apply_plan(Net(), memfit.Plan(offload={"optimizer": "disk", "disk_dir": str(a_file)}))
     with pytest.raises(ValueError, match="needs disk_dir"):
         memfit.Plan(offload={"optimizer": "disk"})
+    with pytest.raises(ValueError, match="set optimizer_in_backward false"):
+        apply_plan(Net(), memfit.Plan(offload=_disk(tmp_path), optimizer_in_backward=True))
     # Too small: the window names its minimum, two of the (64, 64) weight's master and state.
     minimum = 2 * _adamw_footprint(torch.zeros(64, 64))
     with pytest.raises(ValueError, match=f"minimum of {minimum} bytes"):

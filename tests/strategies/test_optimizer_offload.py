@@ -83,7 +83,8 @@ def test_bf16_device_weights_with_fp32_host_masters():
 
 def test_buckets_are_a_constant_size():
     params = [torch.nn.Parameter(torch.zeros(n)) for n in (10, 10, 30, 5, 100, 1)]
-    assert _buckets(params, 80) == [[0, 1], [2], [3], [4], [5]]  # 40 + 40 bytes, then 120 ...
+    # From the last parameter (backward's order): 4 bytes, 400, 20, 120, then 40 + 40.
+    assert _buckets(params, 80) == [[5], [4], [3], [2], [0, 1]]
     assert _buckets(params, 10**6) == [[0, 1, 2, 3, 4, 5]]
 
 
@@ -153,5 +154,5 @@ def test_bad_combinations_are_refused():
         model = Net()
         apply_plan(model, memfit.Plan(offload="host"),
                    optimizer=torch.optim.SGD(model.parameters(), lr=0.1))  # fmt: skip
-    with pytest.raises(memfit.PlanError, match="not available yet"):
-        memfit.Plan(offload="host", optimizer_in_backward=True)
+    with pytest.raises(memfit.PlanError, match="grad_clip_mode 'approx'"):
+        memfit.Plan(offload="host", optimizer_in_backward=True, max_grad_norm=1.0)

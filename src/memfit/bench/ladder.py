@@ -131,7 +131,24 @@ def ladder_plans(
             ("baseline + fused loss", Plan(optimizer=adamw, fused_loss=True)),
             ("best full fine-tune + fused loss", best.replace(fused_loss=True)),
         ]
-    return published + extra + fusion_plans()
+    return published + extra + offload_plans(batch_size) + fusion_plans()
+
+
+def offload_plans(batch_size: int = 32) -> list[tuple[str, Plan]]:
+    """The offload rungs: the optimizer on the host (ZeRO-Offload) under accumulation, and
+    the most frugal full fine-tune with it: bf16 weights on the device beside fp32 masters on
+    the host, one sample per micro-batch, every block checkpointed, each micro-batch's
+    gradients leaving the device at once."""
+    adamw = {"name": "adamw", "foreach": True}
+    accum = {"micro_batch_size": 1, "grad_accum_steps": batch_size, "optimizer": adamw}
+    host = {"optimizer": "host", "gradients_on_host": True}
+    return [
+        ("accumulation + optimizer offload", Plan(**accum, offload=host)),
+        (
+            "best full fine-tune + optimizer offload",
+            Plan(**accum, precision="bf16-pure", checkpointing="full", offload=host),
+        ),
+    ]
 
 
 def fusion_plans() -> list[tuple[str, Plan]]:

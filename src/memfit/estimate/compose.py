@@ -118,6 +118,37 @@ def _by_phase(report: Any, input_scale: float) -> dict[str, dict[str, float]]:
     return out
 
 
+def _depth_choices(depths: list[int] | None, pattern: list[int]) -> list[list[int]]:
+    """The shallow depths to compose from: ``depths``, then each one deeper when that still
+    measures every block type past them (see :func:`~.depth.profile_depths`)."""
+    if not depths:
+        return []
+    out = [depths]
+    deeper = [d + 1 for d in depths]
+    if deeper[-1] < len(pattern) and set(pattern[deeper[-1]:]) <= set(pattern[deeper[0]:deeper[-1]]):
+        out.append(deeper)
+    return out
+
+
+def _compose_phases(
+    depths: list[int], shallow: list[dict[str, dict[str, float]]], pattern: list[int]
+) -> dict[str, dict[str, int]]:
+    """Each phase's categories at full depth, composed from the shallow runs' (empty when a
+    category falls from one depth to the next: the runs are not in the linear regime)."""
+    phases: dict[str, dict[str, int]] = {}
+    for phase in PHASES[:3]:
+        at = [s[phase] for s in shallow]
+        if not all(at):
+            continue
+        if any(b[c] < a[c] for a, b in itertools.pairwise(at) for c in CATEGORIES):
+            return {}
+        phases[phase] = {
+            c: round(compose_pattern({d: v[c] for d, v in zip(depths, at, strict=True)}, pattern))
+            for c in CATEGORIES
+        }
+    return phases
+
+
 def predict_peak(
     workload: Workload,
     plan: Plan | None = None,
@@ -148,29 +179,35 @@ def predict_peak(
         n = workload.depth
         pattern = block_pattern(workload) or [0] * n
         depths = profile_depths(pattern)
-        shallow = []
-        for d in depths or ():
-            report = dry_run(
-                workload.with_depth(d).replace(batch_size=small_wl.batch_size),
-                small_plan,
-                steps=2,
-                device=target,
-            )
-            shallow.append(_by_phase(report, scale))
-            reserved.append(report.peak_reserved_bytes or report.peak_bytes)
-            shallow_peaks.append(report.peak_bytes)
-        for phase in PHASES[:3] if depths else ():
-            at = [s[phase] for s in shallow]
-            if not all(at):
-                continue
-            if any(b[c] < a[c] for a, b in itertools.pairwise(at) for c in CATEGORIES):
-                phases = {}
+        runs: dict[int, tuple[dict[str, dict[str, float]], int, int]] = {}
+
+        def shallow_run(d: int) -> tuple[dict[str, dict[str, float]], int, int]:
+            if d not in runs:
+                report = dry_run(
+                    workload.with_depth(d).replace(batch_size=small_wl.batch_size),
+                    small_plan,
+                    steps=2,
+                    device=target,
+                )
+                runs[d] = (
+                    _by_phase(report, scale),
+                    report.peak_reserved_bytes or report.peak_bytes,
+                    report.peak_bytes,
+                )
+            return runs[d]
+
+        # A phase's peak may fall at another moment in the shallowest run (with the step in
+        # backward, depth 2's optimizer phase peaks at the embedding's step, deeper ones while
+        # the last blocks' activations live): then the same depths, one deeper, are tried
+        # before the full-depth run.
+        for tried in _depth_choices(depths, pattern):
+            shallow = [shallow_run(d) for d in tried]
+            phases = _compose_phases(tried, [s[0] for s in shallow], pattern)
+            if phases:
+                reserved = [s[1] for s in shallow]
+                shallow_peaks = [s[2] for s in shallow]
+                method = "composed"
                 break
-            phases[phase] = {
-                c: round(compose_pattern({d: v[c] for d, v in zip(depths, at, strict=True)}, pattern))
-                for c in CATEGORIES
-            }
-        method = "composed"
     if phases:
         # The allocator's slack (reserved minus tensors) is not linear in depth: it depends on
         # which cached blocks happen to fit. Take the larger slack of the two shallow runs.

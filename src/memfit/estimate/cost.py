@@ -17,7 +17,10 @@ planner can say why one plan is slower than another:
 * ``offload``: with the optimizer on the host (ZeRO-Offload), the gradients' trip down and the
   weights' trip up over the host link (``host_bandwidth``; the trip down overlaps backward's
   compute, so only what exceeds it shows, as in ZeRO-Offload's overlapped transfers), plus the
-  host step at host memory bandwidth (``host_mem_bandwidth``), in place of the device step.
+  host step at host memory bandwidth (``host_mem_bandwidth``), in place of the device step
+  (with the step in backward, the three overlap the last backward as a pipeline);
+  with activation offload, the saved tensors' trips down (during forward) and back (during
+  backward), each showing only where it exceeds the compute it overlaps.
 """
 
 from __future__ import annotations
@@ -310,13 +313,28 @@ def step_cost(
     if off is not None and off.optimizer is not None:
         weight_bytes = 2.0 if plan.precision.mode == "bf16-pure" else 4.0
         moves = n_micro if off.gradients_on_host else 1
-        down = params * weight_bytes * moves / device.host_bandwidth
+        down = params * weight_bytes / device.host_bandwidth  # one micro-batch's gradients
         up = params * weight_bytes / device.host_bandwidth
+        bwd_micro = bwd / rate / n_micro
         # The host step streams the fp32 masters and state (the same bytes as on the device
         # in fp32) plus the gradients' fp32 copy, at host memory bandwidth.
         host_step = params * (_OPT_BYTES.get(name, 28.0) + 4) / device.host_mem_bandwidth
-        offload = max(0.0, down - bwd / rate) + up + host_step
+        # Each move overlaps its micro-batch's backward; only the excess shows.
+        offload = (moves - 1) * max(0.0, down - bwd_micro)
+        if plan.optimizer_in_backward:
+            # Buckets step on the host as they land: the link down, the host step and the
+            # link up run as a pipeline beside the last backward; its slowest stage sets the
+            # pace (ZeRO-Offload's and torchao's overlapped step).
+            offload += max(0.0, max(down, host_step, up) - bwd_micro)
+        else:
+            offload += max(0.0, down - bwd_micro) + up + host_step
         optimizer = 0.0  # no step on the device
+    if off is not None and off.activations:
+        # Saved tensors go down during forward and come back during backward, each trip
+        # overlapped with that pass's compute (a side stream on CUDA). Counted as every kept
+        # activation byte: with checkpointing only the block inputs move, so this errs slow.
+        trip = act_bytes / device.host_bandwidth
+        offload += max(0.0, trip - fwd / rate) + max(0.0, trip - bwd / rate)
     return StepCost(matmul, pointwise, launch, optimizer, extra, offload)
 
 

@@ -28,6 +28,7 @@ the user's plan, whatever it is); it is computed from what the option keeps:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -64,7 +65,8 @@ ALLOW: dict[str, str] = {
     "freeze": "freeze the embeddings or the model body",
     "shorter-seq": "truncate sequences to 1/2 or 1/4 of their length",
     "8bit": "8-bit AdamW state",
-    "offload": "the optimizer (fp32 master weights and state) on the host, stepping there",
+    "offload": "the optimizer (fp32 master weights and state) on the host, stepping there, "
+    "and tensors saved for backward in host memory",
     "factored": "Adafactor's factored state",
     "bf16-pure": "bf16 weights and optimizer math with stochastic rounding",
 }
@@ -91,6 +93,8 @@ RANK_DIMENSIONS: tuple[str, ...] = (
     "freezing",
     "sequence",
     "fused_loss",
+    "offload_optimizer",
+    "offload_activations",
 )
 
 #: Bytes a precision mode keeps (per parameter: weights, gradients and, under autocast, the
@@ -237,13 +241,11 @@ def options(
         length = base.max_seq_len or workload.seq_len
         seqs += [max(1, length // 2), max(1, length // 4)]
     offloads: list[OffloadConfig | None] = [base.offload]
-    if "offload" in allow and (base.offload is None or base.offload.optimizer is None):
-        # Gradients leave the device every micro-batch: under accumulation the device then
-        # never holds a whole gradient (with one micro-batch it is the same plan).
-        offloads.append(OffloadConfig(optimizer="host", gradients_on_host=True))
+    if "offload" in allow:
+        offloads = offload_options(base.offload)
         # With the fp32 masters on the host the device may keep bf16 weights: ZeRO-Offload's
         # mixed precision (exact fp32 updates), not bf16-pure's rounding, so no consent needed.
-        if device.supports_bf16:
+        if device.supports_bf16 and any(o is not None and o.optimizer for o in offloads):
             precisions.append("bf16-pure")
     fused_losses: list[FusedLossConfig | None] = [base.fused_loss]
     if "fused-loss" in forbid:
@@ -260,7 +262,7 @@ def options(
         freezes=_unique(tuple(f) for f in freezes),
         seq_lens=_unique(seqs, key=lambda s: s or workload.seq_len),
         fused_losses=tuple(fused_losses),
-        offloads=_unique(offloads, key=lambda o: None if o is None else o.optimizer),
+        offloads=_unique(offloads, key=_offload_key),
         pure_allowed="bf16-pure" in allow,
     )
 
@@ -330,8 +332,10 @@ def generate(
     seq_rank = ordinal({s: s or workload.seq_len for s in space.seq_lens})
     # The fused loss keeps one chunk of logits, the plain loss all of them.
     fused_loss_rank = ordinal({f: 0 if f is None else -1 for f in space.fused_losses})
-    # Optimizer offload keeps no state and at most a bucket of gradients on the device.
-    offload_rank = ordinal({_offload_key(o): 0 if _offload_key(o) is None else -1 for o in space.offloads})
+    # Optimizer offload keeps no state and at most a bucket of gradients on the device;
+    # activation offload keeps only what is too small to move. One rank dimension each.
+    opt_off_rank = ordinal({_moves_optimizer(o): -int(_moves_optimizer(o)) for o in space.offloads})
+    act_off_rank = ordinal({_moves_activations(o): -int(_moves_activations(o)) for o in space.offloads})
     consented_pure = base.precision.mode == "bf16-pure" or space.pure_allowed
     base_foreach = base.optimizer.foreach
     cuda = bool(getattr(device, "is_cuda", False))
@@ -349,16 +353,17 @@ def generate(
         space.fused_losses,
         space.offloads,
     ):
-        if pr == "bf16-pure" and not consented_pure and _offload_key(of) is None:
+        if pr == "bf16-pure" and not consented_pure and not _moves_optimizer(of):
             continue  # bf16 weights without consent only with their fp32 masters on the host
         accum = -(-batch // m)
         foreach_off = fe is False and base_foreach is not False
         # A step that loops per tensor has no parameter-sized multi-tensor temporaries: the
         # foreach switch turned off, memfit's optimizers, and torch's default off CUDA.
         loops = fe is False or opt.name not in _TORCH_FOREACH or (fe is None and not cuda)
-        if fu and (foreach_off or accum > 1):
+        if fu and (foreach_off or (accum > 1 and not _moves_optimizer(of))):
             # In backward the step runs per tensor anyway (foreach is moot), and accumulated
-            # gradients must persist across micro-batches, so fusing saves nothing then.
+            # gradients must persist across micro-batches, so fusing saves nothing then (with
+            # the optimizer on the host it still overlaps the host step with backward).
             continue
         if foreach_off and opt.name not in _TORCH_FOREACH:
             continue  # memfit's optimizers loop per tensor: foreach off is the same plan
@@ -374,7 +379,11 @@ def generate(
                     name=opt.name, lr=opt.lr, foreach=fe, kwargs=dict(opt.kwargs)
                 ),
                 optimizer_in_backward=fu,
-                grad_clip_mode=("approx" if fu and accum > 1 else base.grad_clip_mode),
+                grad_clip_mode=(
+                    "approx"
+                    if fu and (accum > 1 or _moves_optimizer(of))
+                    else base.grad_clip_mode
+                ),
                 freeze=fz,
                 max_seq_len=sq,
                 fused_loss=fl,
@@ -393,14 +402,51 @@ def generate(
             freeze_rank[fz],
             seq_rank[sq],
             fused_loss_rank[fl],
-            offload_rank[_offload_key(of)],
+            opt_off_rank[_moves_optimizer(of)],
+            act_off_rank[_moves_activations(of)],
         )
         out.append((plan, rank))
     return out
 
 
-def _offload_key(offload: OffloadConfig | None) -> str | None:
-    return None if offload is None else offload.optimizer
+def offload_options(base: OffloadConfig | None) -> list[OffloadConfig | None]:
+    """The offload choices ``--allow offload`` opens: the base's, plus the optimizer on the host
+    (gradients leaving the device every micro-batch: under accumulation the device then never
+    holds a whole gradient) and activations on the host, alone and together. The base's other
+    settings (bucket size, thresholds, host bound) are kept."""
+    template = base or OffloadConfig(optimizer="host")
+    optimizers = [None if base is None else base.optimizer, "host"]
+    activations = [False if base is None else base.activations, True]
+    out: list[OffloadConfig | None] = [base]
+    for opt in optimizers:
+        for act in activations:
+            if opt is None and not act:
+                out.append(None)
+                continue
+            out.append(
+                dataclasses.replace(
+                    template,
+                    optimizer=opt,
+                    activations=act,
+                    gradients_on_host=opt is not None
+                    and (template.gradients_on_host or base is None or base.optimizer is None),
+                )
+            )
+    return out
+
+
+def _offload_key(offload: OffloadConfig | None) -> tuple[Any, ...] | None:
+    if offload is None:
+        return None
+    return (offload.optimizer, offload.activations, offload.parameters)
+
+
+def _moves_optimizer(offload: OffloadConfig | None) -> bool:
+    return offload is not None and offload.optimizer is not None
+
+
+def _moves_activations(offload: OffloadConfig | None) -> bool:
+    return offload is not None and offload.activations
 
 
 def dominated(rank: Sequence[int], misfits: Iterable[Sequence[int]]) -> bool:

@@ -80,7 +80,37 @@ def why_it_won(
             f"the fastest plan in the search already fits: {total} of "
             f"{format_bytes(budget_bytes)}."
         )
-    return why + " " + _what_fits(target, winner)
+    moved = _what_moved(winner, target)
+    return why + " " + _what_fits(target, winner) + (" " + moved if moved else "")
+
+
+def _what_moved(winner: Candidate, target: DeviceProfile) -> str:
+    """What the winner moves off the device, where to, and what the cost model charges."""
+    off = winner.plan.offload
+    if off is None:
+        return ""
+    parts = []
+    if off.optimizer:
+        grads = "every micro-batch's" if off.gradients_on_host else "the last micro-batch's"
+        when = "during backward" if winner.plan.optimizer_in_backward else "after backward"
+        parts.append(
+            f"fp32 master weights and optimizer state live on the {off.optimizer} and step "
+            f"there {when}; {grads} gradients go down in {format_bytes(off.bucket_bytes)} "
+            "buckets and the new weights come back"
+        )
+    if getattr(off, "parameters", None):
+        parts.append(f"parameters wait on the {off.parameters} and come up one block at a time")
+    if off.activations:
+        parts.append("tensors saved for backward wait in host memory")
+    seconds = winner.cost_terms.get("offload", 0.0)
+    share = seconds / winner.step_time if winner.step_time else 0.0
+    return (
+        "Moved off the device: " + "; ".join(parts) + f". The cost model charges "
+        f"{seconds * 1e3:.1f} ms per step for it ({share:.0%} of the step; host link "
+        f"{format_bytes(int(target.host_bandwidth))}/s, host memory "
+        f"{format_bytes(int(target.host_mem_bandwidth))}/s), what the transfers and the host "
+        "step add beyond the compute they overlap."
+    )
 
 
 def _what_fits(target: DeviceProfile, winner: Candidate) -> str:
@@ -100,7 +130,7 @@ def nothing_fits_message(result: PlanResult, allow: Sequence[str], target: Devic
     hint = (
         f"allowing {', '.join(missing)} (--allow {','.join(missing)})"
         if missing
-        else "offloading to host memory (not yet available) or a smaller batch or sequence"
+        else "a smaller batch or sequence"
     )
     need = result.predicted_device_total_bytes or result.predicted_peak_bytes
     what = (

@@ -8,6 +8,8 @@ where they meet, in a fixed order:
    ``loss_function`` attributes only),
 3. precision (may cast the model to bf16),
 4. checkpointing (wraps blocks; sees the final dtypes and the frozen set),
+4b. activation offload (after checkpointing, so that only what the checkpointed blocks keep,
+   their boundaries, moves to the host),
 5. ``torch.compile`` (last, so dynamo traces the other techniques' wrappers),
 6. the optimizer, fused into backward or not (or on the host, with optimizer offload),
 7. per step (:func:`~memfit.strategies.stepper.run_step`): sequence truncation, micro-batches
@@ -205,6 +207,12 @@ def apply_plan(
             checkpointed = apply_checkpointing(model, plan.checkpointing)
             handles.append(("checkpointing", checkpointed))
             info["checkpointed"] = checkpointed.names
+        if plan.offload is not None and plan.offload.activations:
+            from .activation_offload import apply_activation_offload
+
+            act = apply_activation_offload(model, plan.offload)
+            handles.append(("activation_offload", act))
+            info["activation_offload"] = act
         if plan.compile_backend is not None:
             from torch._guards import active_fake_mode
 
@@ -219,10 +227,10 @@ def apply_plan(
                 info["compiled"] = "eager in the dry run (saving measured for real)"
         given = optimizer is not None
         optimizer = _build_optimizer(model, plan, precision, optimizer)
-        if plan.optimizer_in_backward:
-            handles.append(("optimizer_in_backward", optimizer))
         if plan.offload is not None and plan.offload.optimizer is not None:
             handles.append(("optimizer_offload", optimizer))
+        elif plan.optimizer_in_backward:
+            handles.append(("optimizer_in_backward", optimizer))
     except Exception:
         # A technique that cannot apply leaves the model as it was, not half-changed.
         for _, handle in reversed(handles):
@@ -245,9 +253,10 @@ def _check_offload(plan: Plan, optimizer: Any) -> None:
     off = plan.offload
     if off is None:
         return
-    if off.activations:
+    if off.optimizer == "disk" and plan.optimizer_in_backward:
         raise ValueError(
-            "activation offload is not available yet; set offload activations to false"
+            "optimizer offload to 'disk' steps after backward, group by group; set "
+            "optimizer_in_backward false (or use optimizer 'host', which steps in backward)"
         )
     if off.optimizer is not None and optimizer is not None:
         raise ValueError(
@@ -270,7 +279,13 @@ def _build_optimizer(model: nn.Module, plan: Plan, precision: Any, optimizer: An
             # Checks disk_dir (exists, writable, room for the state) and the host window
             # before any file is written or step taken.
             return DiskOffloadOptimizer(params, build, plan.offload)
-        return HostOffloadOptimizer(params, build, plan.offload)
+        return HostOffloadOptimizer(
+            params,
+            build,
+            plan.offload,
+            step_in_backward=plan.optimizer_in_backward,
+            max_grad_norm=plan.max_grad_norm,
+        )
     if plan.optimizer_in_backward:
         from .fused_step import optimizer_in_backward
 

@@ -181,7 +181,7 @@ class DiskOffloadOptimizer(HostOffloadOptimizer):
         self._region = [0] * len(self.params)  # data bytes of each parameter's current file
         self._file_bytes = [[0, 0] for _ in self.params]  # size of each parameter's two files
         self._version = [0] * len(self.params)
-        self._stepped = [False] * len(self.params)  # state made (its layout is known)
+        self._laid_out = [False] * len(self.params)  # state made (its layout is known)
         self._footprint = footprints
         self._reported: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memfit-disk")
@@ -203,6 +203,15 @@ class DiskOffloadOptimizer(HostOffloadOptimizer):
         self._offloading = True
         self._hooks = [p.register_post_accumulate_grad_hook(self._ready) for p in self.params]
         self.transfers = 0
+        # The host tier's stepping in backward is refused with this tier (apply_plan): its
+        # attributes keep their idle values for the gradient methods shared with it.
+        self.step_in_backward = False
+        self.max_grad_norm: float | None = None
+        self._last = False
+        self._stepped: set[int] = set()
+        self._sq_norm = 0.0
+        self._coef = 1.0
+        self.last_norm: float | None = None
         self._loaded: dict[int, tuple[torch.Tensor, dict[str, Any]]] = {}
 
     # ------------------------------------------------------------------ sizes
@@ -369,7 +378,7 @@ class DiskOffloadOptimizer(HostOffloadOptimizer):
                 }
                 master = master.detach().to("cpu", torch.float32)
                 self._write(i, master, entry)
-                self._stepped[i] = bool(entry)
+                self._laid_out[i] = bool(entry)
                 p = self.params[i]
                 p.copy_(master.to(p.device, p.dtype))
         self._regroup()
@@ -439,7 +448,7 @@ class DiskOffloadOptimizer(HostOffloadOptimizer):
                     # tensors are new memory, freed once written.
                     m.data = _placeholder(m.shape)
                     m.grad = grads[i] = None
-                    self._stepped[i] = True
+                    self._laid_out[i] = True
             writes.append(self._io.submit(self._save_group, saved))
             # Only the I/O thread holds the group now: it goes once written.
             del saved, state
@@ -455,7 +464,7 @@ class DiskOffloadOptimizer(HostOffloadOptimizer):
     def _window_halves(self, work: list[list[int]]) -> list[torch.Tensor | None]:
         """The two window halves, allocated once the layouts are known (after the first step;
         until then a group's tensors are new host memory, at most its footprint)."""
-        if not all(self._stepped[i] for g in work for i in g):
+        if not all(self._laid_out[i] for g in work for i in g):
             return [None, None]
         need = max((sum(_align(self._region[i]) for i in g) for g in work), default=0)
         if not self._halves or self._halves[0].numel() < need:

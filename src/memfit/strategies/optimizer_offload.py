@@ -7,14 +7,23 @@ device keeps the parameters in the training dtype and, at any moment, at most on
 gradients waiting to leave:
 
 * each parameter's post-accumulate-grad hook marks it ready; when every parameter of a bucket
-  (``bucket_bytes`` of gradients, in registration order, a constant independent of model size)
-  is ready, the bucket's gradients are copied to the host and dropped on the device, while the
+  (``bucket_bytes`` of gradients, a constant independent of model size, filled in reverse
+  registration order) is ready, the bucket's gradients are copied to the host and dropped on the device, while the
   rest of backward goes on. Without ``gradients_on_host`` this happens in the last micro-batch
   (gradients accumulate on the device until then); with it, in every micro-batch, and the host
   accumulates.
 * :meth:`HostOffloadOptimizer.step` clips on the host (the global norm over the host
   gradients), steps the host optimizer, and copies the updated masters back into the device
   parameters (cast to their dtype) before the next forward.
+
+With ``step_in_backward`` (the plan's ``optimizer_in_backward``), the host steps each bucket
+as soon as its gradients have landed in the last micro-batch, and its updated weights go back
+while the rest of backward runs (ZeRO-Offload's and torchao's overlap of the host step with
+the device's backward): ``step`` then only steps what got no gradient in the last backward.
+Autograd accumulates a parameter's gradient once per backward, after every node that uses
+the parameter has run, so copying the new value in cannot change this backward. Clipping
+then uses the previous step's global norm (``grad_clip_mode: approx``, as the in-device fused
+step); exact clipping would need every gradient before the first bucket steps.
 
 What torch lacks: FSDP2's ``CPUOffloadPolicy`` offloads parameters, gradients and the step
 together and needs a process group; torchao's ``CPUOffloadOptimizer`` offloads the step of a
@@ -63,6 +72,9 @@ class HostOffloadOptimizer:
         params: The trainable parameters (on the compute device, any floating dtype).
         build: Builds the optimizer over a list of host master tensors.
         config: The offload settings (``bucket_bytes``, ``gradients_on_host``, ``pin_memory``).
+        step_in_backward: Step each bucket on the host during the last backward.
+        max_grad_norm: With ``step_in_backward``: clip each step's gradients with the
+            previous step's global norm (``None``: no clipping).
 
     Attributes:
         optimizer: The host optimizer (over :attr:`masters`).
@@ -75,6 +87,9 @@ class HostOffloadOptimizer:
         params: list[nn.Parameter],
         build: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
         config: OffloadConfig,
+        *,
+        step_in_backward: bool = False,
+        max_grad_norm: float | None = None,
     ) -> None:
         from ..device import host_buffer
 
@@ -94,6 +109,13 @@ class HostOffloadOptimizer:
         self._offloading = True  # whether this backward moves gradients (last micro-batch)
         self._hooks = [p.register_post_accumulate_grad_hook(self._ready) for p in self.params]
         self.transfers = 0  # gradient buckets moved (for tests and reports)
+        self.step_in_backward = step_in_backward
+        self.max_grad_norm = max_grad_norm
+        self._last = False  # whether this backward is the step's last (buckets step in it)
+        self._stepped: set[int] = set()  # buckets stepped in this backward
+        self._sq_norm = 0.0  # this step's squared gradient norm, gathered bucket by bucket
+        self._coef = 1.0  # the clip coefficient from the previous step's norm
+        self.last_norm: float | None = None  # the previous step's global gradient norm
 
     # ------------------------------------------------------------------ optimizer face
     @property
@@ -133,6 +155,8 @@ class HostOffloadOptimizer:
         """Set whether the coming backward moves its gradients (the last micro-batch, or every
         one with ``gradients_on_host``)."""
         self._offloading = last or self.config.gradients_on_host
+        self._last = last
+        self._stepped = set()
         self._pending = [len(m) for m in self.buckets]
 
     def _ready(self, p: torch.Tensor) -> None:
@@ -151,6 +175,14 @@ class HostOffloadOptimizer:
             if 0 < left < len(self.buckets[b]):
                 self._move(b)
         self._pending = [len(m) for m in self.buckets]
+        if self.step_in_backward and self._last:
+            # Buckets with gradients from earlier micro-batches only (host accumulation).
+            for b in range(len(self.buckets)):
+                if b not in self._stepped and any(
+                    self.masters[i].grad is not None for i in self.buckets[b]
+                ):
+                    self._step_bucket(b)
+            self._finish_step()
 
     def _move(self, b: int) -> None:
         from ..device import copy_to_host
@@ -167,6 +199,48 @@ class HostOffloadOptimizer:
                     m.grad.add_(p.grad.to("cpu", torch.float32))
                 p.grad = None
         self.transfers += 1
+        if self.step_in_backward and self._last:
+            self._step_bucket(b)
+
+    def _step_bucket(self, b: int) -> None:
+        """Step bucket ``b``'s masters alone (the others' gradients hidden meanwhile) and send
+        their new values to the device."""
+        members = set(self.buckets[b])
+        mine = [self.masters[i] for i in self.buckets[b] if self.masters[i].grad is not None]
+        with torch.no_grad():
+            for m in mine:
+                self._sq_norm += float(torch.linalg.vector_norm(m.grad, 2)) ** 2
+                if self._coef != 1.0:
+                    m.grad.mul_(self._coef)
+        hidden = {
+            i: self.masters[i].grad
+            for i in range(len(self.masters))
+            if i not in members and self.masters[i].grad is not None
+        }
+        for i in hidden:
+            self.masters[i].grad = None
+        try:
+            with host_tier():
+                self.optimizer.step()
+        finally:
+            for i, g in hidden.items():
+                self.masters[i].grad = g
+        for m in mine:
+            m.grad = None
+        self._stepped.add(b)
+        with torch.no_grad():
+            for i in self.buckets[b]:
+                p, m = self.params[i], self.masters[i]
+                p.copy_(m.to(p.device, p.dtype, non_blocking=True))
+
+    def _finish_step(self) -> None:
+        """The step's norm is known: the next step's clip coefficient (as clip_grad_norm_)."""
+        norm = self._sq_norm**0.5
+        self._sq_norm = 0.0
+        self.last_norm = norm
+        if self.max_grad_norm is not None:
+            self._coef = min(1.0, self.max_grad_norm / (norm + 1e-6))
+        mark_host(v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v))
 
     def scale_grads(self, factor: float) -> None:
         """Multiply the step's gradients (on the host) by ``factor``."""
@@ -180,6 +254,8 @@ class HostOffloadOptimizer:
         """Clip on the host, step the host optimizer, copy the masters back to the device."""
         from ..device import synchronize
 
+        if self.step_in_backward:
+            return  # every bucket stepped in the last backward (end_backward)
         if self.params:
             synchronize(self.params[0].device)  # the non-blocking gradient copies have landed
         grads = [m.grad for m in self.masters if m.grad is not None]
@@ -246,14 +322,17 @@ class OffloadStepper:
 
 
 def _buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[int]]:
-    """Consecutive parameter indices whose gradients fill at most ``bucket_bytes`` each (a
-    larger parameter is a bucket of its own)."""
+    """Parameter indices whose gradients fill at most ``bucket_bytes`` each (a larger
+    parameter is a bucket of its own), taken from the last parameter to the first: the order
+    in which backward usually produces gradients (as DDP builds its buckets), so that a bucket
+    fills up soon after its first gradient arrives. Indices ascend within a bucket."""
     buckets: list[list[int]] = []
     size = 0
-    for i, p in enumerate(params):
+    for i in reversed(range(len(params))):
+        p = params[i]
         nbytes = p.numel() * p.element_size()
         if buckets and size + nbytes <= bucket_bytes:
-            buckets[-1].append(i)
+            buckets[-1].insert(0, i)
             size += nbytes
         else:
             buckets.append([i])

@@ -148,10 +148,10 @@ def make_stepper(
 ) -> Stepper:
     """The stepper for a plan: :class:`FusedStepper` over an optimizer-in-backward handle
     (``fused``), else :class:`PlainStepper`."""
-    if fused:
-        return FusedStepper(optimizer)
     if hasattr(optimizer, "make_stepper"):  # an engine that steps its own way (offload)
         return optimizer.make_stepper(precision, model, max_grad_norm)
+    if fused:
+        return FusedStepper(optimizer)
     return PlainStepper(optimizer, precision, model, max_grad_norm)
 
 
