@@ -260,9 +260,10 @@ def _check_offload(plan: Plan, optimizer: Any) -> None:
     off = plan.offload
     if off is None:
         return
-    if off.optimizer == "disk":
+    if off.optimizer == "disk" and plan.optimizer_in_backward:
         raise ValueError(
-            "optimizer offload to 'disk' is not available yet; use optimizer 'host' (or null)"
+            "optimizer offload to 'disk' steps after backward, group by group; set "
+            "optimizer_in_backward false (or use optimizer 'host', which steps in backward)"
         )
     if off.optimizer is not None and optimizer is not None:
         raise ValueError(
@@ -273,14 +274,21 @@ def _check_offload(plan: Plan, optimizer: Any) -> None:
 
 def _build_optimizer(model: nn.Module, plan: Plan, precision: Any, optimizer: Any) -> Any:
     if plan.offload is not None and plan.offload.optimizer is not None:
-        from .optimizer_offload import HostOffloadOptimizer
+        from .optimizer_offload import HostOffloadOptimizer, host_optimizer_builder
 
         # fp32 masters on the host: the plan's optimizer as configured (no bf16 wrapper: the
         # host copy is the high-precision weight that bf16-pure's rounding stands in for).
         params = [p for p in model.parameters() if p.requires_grad]
+        build = host_optimizer_builder(plan.optimizer)
+        if plan.offload.optimizer == "disk":
+            from .disk_offload import DiskOffloadOptimizer
+
+            # Checks disk_dir (exists, writable, room for the state) and the host window
+            # before any file is written or step taken.
+            return DiskOffloadOptimizer(params, build, plan.offload)
         return HostOffloadOptimizer(
             params,
-            plan.optimizer.build,
+            build,
             plan.offload,
             step_in_backward=plan.optimizer_in_backward,
             max_grad_norm=plan.max_grad_norm,

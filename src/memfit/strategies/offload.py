@@ -39,7 +39,8 @@ class OffloadConfig:
         activations: Move tensors saved for backward to host memory during forward and back in
             backward. Saves their device bytes (beyond ``activation_min_bytes`` each, within
             ``host_bytes``); costs two transfers per saved byte.
-        disk_dir: The directory of the ``disk`` tier's files (must exist and be writable).
+        disk_dir: The directory of the ``disk`` tier's files (must exist, be writable and have
+            room for the master weights and optimizer state; checked before training).
         gradients_on_host: With ``optimizer`` offload, accumulate gradients on the host across
             micro-batches (each micro-batch's gradients leave the device at once) instead of on
             the device until the last micro-batch. Saves the device gradients under
@@ -50,6 +51,11 @@ class OffloadConfig:
             small tensors cost more in latency than they save).
         host_bytes: Most host bytes the activation offload may hold (``None``: no bound); past
             it, saved tensors stay on the device.
+        host_window_bytes: With ``optimizer: disk``, most bytes of master weights and optimizer
+            state held in host memory at once (two halves: one group of parameters steps while
+            the next is read ahead); ``None``: 1 GiB, or the minimum when that is more. At least
+            two of the largest parameter's master and state, else refused naming the minimum.
+            Gradients (fp32, on the host as with ``host``) come on top.
         pin_memory: Use page-locked host buffers on CUDA (faster, non-blocking copies; they
             cannot be swapped out).
     """
@@ -63,6 +69,7 @@ class OffloadConfig:
     activation_min_bytes: int = 1 * MiB
     host_bytes: int | None = None
     pin_memory: bool = True
+    host_window_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for key in ("optimizer", "parameters"):
@@ -94,6 +101,13 @@ class OffloadConfig:
             raise ValueError(
                 f"offload host_bytes must be at least activation_min_bytes "
                 f"({self.activation_min_bytes}), the smallest tensor it moves, got {self.host_bytes!r}"
+            )
+        if self.host_window_bytes is not None and (
+            not isinstance(self.host_window_bytes, int) or self.host_window_bytes < 1
+        ):
+            raise ValueError(
+                "offload host_window_bytes must be a whole number >= 1, got "
+                f"{self.host_window_bytes!r}"
             )
         if self.gradients_on_host and self.optimizer is None:
             raise ValueError("offload gradients_on_host needs optimizer offload ('host' or 'disk')")
