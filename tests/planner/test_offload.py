@@ -124,3 +124,21 @@ def test_a_host_budget_rules_out_the_offload_it_cannot_hold(tmp_path):
         plan(WORKLOAD, budget, forbid=forbid, device="cpu", disk_dir=str(tmp_path))
     with pytest.raises(ValueError, match="not an existing directory"):
         plan(WORKLOAD, budget, allow=["offload"], device="cpu", disk_dir=str(tmp_path / "x"))
+
+
+@pytest.mark.slow
+def test_a_host_budget_between_the_tiers_picks_the_disk(tmp_path):
+    from memfit.planner import plan
+
+    forbid = ("accumulation", "checkpointing", "mixed-precision", "fused-step", "foreach-off",
+              "fused-loss")  # fmt: skip
+    budget = int(memfit.dry_run(WORKLOAD, memfit.Plan()).peak_bytes * 0.95)
+    on_host = memfit.dry_run(WORKLOAD, memfit.Plan(offload={"optimizer": "host", "gradients_on_host": True}))
+    on_disk = memfit.dry_run(WORKLOAD, memfit.Plan(
+        offload={"optimizer": "disk", "gradients_on_host": True, "disk_dir": str(tmp_path)}))  # fmt: skip
+    assert on_disk.peak_by_tier["host"] < on_host.peak_by_tier["host"]
+    between = (on_disk.peak_by_tier["host"] + on_host.peak_by_tier["host"]) // 2
+    result = plan(WORKLOAD, budget, allow=["offload"], forbid=forbid, device="cpu",
+                  host_budget=between, disk_dir=str(tmp_path))  # fmt: skip
+    assert result.fits and result.plan.offload.optimizer == "disk"
+    assert result.predicted_host_bytes <= between

@@ -281,7 +281,16 @@ def _build_optimizer(model: nn.Module, plan: Plan, precision: Any, optimizer: An
         params = [p for p in model.parameters() if p.requires_grad]
         build = host_optimizer_builder(plan.optimizer)
         if plan.offload.optimizer == "disk":
+            from torch._guards import active_fake_mode
+
             from .disk_offload import DiskOffloadOptimizer
+
+            if active_fake_mode() is not None:
+                # A dry run writes no files: the host tier's optimizer does the same on the
+                # device (the disk tier is its subclass there), and the dry run moves the
+                # masters and state from its host figure to disk
+                # (memfit.estimate.dryrun._disk_tier_estimate).
+                return HostOffloadOptimizer(params, build, plan.offload)
 
             # Checks disk_dir (exists, writable, room for the state) and the host window
             # before any file is written or step taken.

@@ -56,10 +56,18 @@ from ..accounting.tiers import host_tier, mark_host
 from .offload import OffloadConfig
 from .optimizer_offload import HostOffloadOptimizer
 
-__all__ = ["DEFAULT_HOST_WINDOW", "DiskOffloadOptimizer", "check_disk_dir"]
+__all__ = ["DEFAULT_HOST_WINDOW", "DiskOffloadOptimizer", "check_disk_dir", "default_window"]
 
-#: Host window when ``host_window_bytes`` is not set (raised to the minimum a model needs).
+#: Largest host window when ``host_window_bytes`` is not set (see :func:`default_window`).
 DEFAULT_HOST_WINDOW = 1 << 30
+
+
+def default_window(footprints: list[int]) -> int:
+    """The host window when none is set: half the masters and state (so the two halves hold
+    about half of what the host tier would), at most :data:`DEFAULT_HOST_WINDOW`, at least
+    two of the largest parameter's footprint."""
+    minimum = 2 * max(footprints, default=0)
+    return max(minimum, min(DEFAULT_HOST_WINDOW, sum(footprints) // 2))
 
 _MAGIC = b"MEMFITDISK1\n"
 _HEADER = 4096  # bytes before the data: the JSON header, zero-padded
@@ -163,7 +171,7 @@ class DiskOffloadOptimizer(HostOffloadOptimizer):
         minimum = 2 * max(footprints, default=0)
         window = config.host_window_bytes
         if window is None:
-            window = max(DEFAULT_HOST_WINDOW, minimum)
+            window = default_window(footprints)
         elif window < minimum:
             big = max(range(len(footprints)), key=footprints.__getitem__)
             raise ValueError(

@@ -53,7 +53,7 @@ class OffloadConfig:
             it, saved tensors stay on the device.
         host_window_bytes: With ``optimizer: disk``, most bytes of master weights and optimizer
             state held in host memory at once (two halves: one group of parameters steps while
-            the next is read ahead); ``None``: 1 GiB, or the minimum when that is more. At least
+            the next is read ahead); ``None``: half the masters and state, at most 1 GiB. At least
             two of the largest parameter's master and state, else refused naming the minimum.
             Gradients (fp32, on the host as with ``host``) come on top.
         pin_memory: Use page-locked host buffers on CUDA (faster, non-blocking copies; they
