@@ -8,8 +8,12 @@ where they meet, in a fixed order:
    ``loss_function`` attributes only),
 3. precision (may cast the model to bf16),
 4. checkpointing (wraps blocks; sees the final dtypes and the frozen set),
-5. ``torch.compile`` (last, so dynamo traces the other techniques' wrappers),
-6. the optimizer, fused into backward or not (or on the host, with optimizer offload),
+5. parameter offload (block parameters to host copies, streamed by module and gradient hooks;
+   after precision so the copies take the training dtype, after checkpointing so the
+   recomputation runs inside a block's backward, after its fetch; activation offload keeps
+   parameters as they are; refused with ``torch.compile``),
+   then ``torch.compile`` (last, so dynamo traces the other techniques' wrappers),
+6. the optimizer (optimizer offload steps parameter offload's host copies), fused into backward or not (or on the host, with optimizer offload),
 7. per step (:func:`~memfit.strategies.stepper.run_step`): sequence truncation, micro-batches
    with weighted losses, autocast and loss scaling, clipping, the optimizer step and
    ``zero_grad(set_to_none=True)``, through the plan's
@@ -205,6 +209,12 @@ def apply_plan(
             checkpointed = apply_checkpointing(model, plan.checkpointing)
             handles.append(("checkpointing", checkpointed))
             info["checkpointed"] = checkpointed.names
+        if plan.offload is not None and plan.offload.parameters is not None:
+            from .parameter_offload import apply_parameter_offload
+
+            streamed = apply_parameter_offload(model, plan.offload)
+            handles.append(("parameter_offload", streamed))
+            info["parameter_offload"] = streamed.blocks
         if plan.compile_backend is not None:
             from torch._guards import active_fake_mode
 
@@ -252,6 +262,16 @@ def _check_offload(plan: Plan, optimizer: Any) -> None:
     if off.activations:
         raise ValueError(
             "activation offload is not available yet; set offload activations to false"
+        )
+    if off.parameters is not None and off.optimizer is None:
+        raise ValueError(
+            "offload parameters needs optimizer offload too (optimizer 'host'): the step "
+            "updates the parameters' host copies"
+        )
+    if off.parameters is not None and plan.compile_backend is not None:
+        raise ValueError(
+            "parameter offload with compile is not available yet: its storage resizes run in "
+            "hooks dynamo does not trace; set compile false"
         )
     if off.optimizer is not None and optimizer is not None:
         raise ValueError(

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from ..accounting.tiers import host_tier, mark_host
-from .offload import OffloadConfig
+from .offload import OffloadConfig, host_copy_of
 
 __all__ = ["HostOffloadOptimizer", "OffloadStepper"]
 
@@ -66,10 +66,7 @@ class HostOffloadOptimizer:
         self.params = list(params)
         self.config = config
         with host_tier(), torch.no_grad():
-            self.masters = [
-                host_buffer(p.shape, torch.float32, pin=config.pin_memory).copy_(p.detach())
-                for p in self.params
-            ]
+            self.masters = [self._master(p, host_buffer) for p in self.params]
         mark_host(self.masters)
         self.optimizer = build(self.masters)
         self.buckets = _buckets(self.params, config.bucket_bytes)
@@ -79,6 +76,16 @@ class HostOffloadOptimizer:
         self._offloading = True  # whether this backward moves gradients (last micro-batch)
         self._hooks = [p.register_post_accumulate_grad_hook(self._ready) for p in self.params]
         self.transfers = 0  # gradient buckets moved (for tests and reports)
+
+    def _master(self, p: nn.Parameter, host_buffer: Callable[..., torch.Tensor]) -> torch.Tensor:
+        # A parameter streamed by parameter offload has its values in a host copy (its device
+        # storage may be released): an fp32 host copy is the master itself, so the step
+        # updates what the next fetch reads; another dtype is copied from.
+        copy = host_copy_of(p)
+        if copy is not None and copy.dtype == torch.float32:
+            return copy
+        source = p.detach() if copy is None else copy
+        return host_buffer(p.shape, torch.float32, pin=self.config.pin_memory).copy_(source)
 
     # ------------------------------------------------------------------ optimizer face
     @property
@@ -181,7 +188,11 @@ class HostOffloadOptimizer:
     def _push(self) -> None:
         with torch.no_grad():
             for p, m in zip(self.params, self.masters, strict=True):
-                p.copy_(m.to(p.device, p.dtype, non_blocking=True))
+                copy = host_copy_of(p)
+                if copy is None:
+                    p.copy_(m.to(p.device, p.dtype, non_blocking=True))
+                elif copy is not m:
+                    copy.copy_(m)  # parameter offload fetches it from there
 
     def remove(self) -> None:
         """Take the gradient hooks off the parameters (idempotent)."""
