@@ -139,6 +139,28 @@ def test_gathered_brings_every_parameter_and_keeps_edits():
     assert state["transformer.h.1.mlp.c_fc.weight"].abs().sum() > 0
 
 
+def test_state_dicts_read_and_write_the_host_copies():
+    plain = _gpt2()
+    model = copy.deepcopy(plain)
+    handle = apply_parameter_offload(model, HOST)
+    state = model.state_dict()
+    expected = plain.state_dict()
+    assert state.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(state[key], value), key
+    # Loading goes to the host copies; the device storages stay released.
+    other = _gpt2()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(2)
+    model.load_state_dict(other.state_dict())
+    weight = model.transformer.h[3].attn.c_proj.weight
+    assert weight.untyped_storage().nbytes() == 0
+    torch.testing.assert_close(model(**_batch()).loss, other(**_batch()).loss, rtol=0, atol=1e-6)
+    handle.remove()
+    assert torch.equal(weight, other.transformer.h[3].attn.c_proj.weight)
+
+
 @pytest.mark.parametrize("checkpointing", ["none", "full"])
 def test_plan_with_optimizer_offload_trains_like_optimizer_offload_alone(checkpointing):
     reference, model = _gpt2(), _gpt2()
@@ -190,8 +212,11 @@ def test_bf16_pure_streams_bf16_copies_beside_fp32_masters():
 def test_refusals():
     with pytest.raises(ValueError, match="'disk' is not available yet"):
         OffloadConfig(parameters="disk", disk_dir="/tmp")
-    with pytest.raises(ValueError, match="needs optimizer offload"):
-        apply_plan(_gpt2(), memfit.Plan(offload={"parameters": "host"}))
+    with pytest.raises(memfit.PlanError, match="needs optimizer offload"):
+        memfit.Plan(offload={"parameters": "host"})
+    with pytest.raises(ValueError, match="with compile is not available yet"):
+        apply_plan(_gpt2(), memfit.Plan(
+            compile=True, offload={"optimizer": "host", "parameters": "host"}))  # fmt: skip
     with pytest.raises(ValueError, match="has none"):
         apply_parameter_offload(torch.nn.Linear(4, 4), HOST)
     model = _gpt2()

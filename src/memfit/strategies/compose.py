@@ -263,11 +263,6 @@ def _check_offload(plan: Plan, optimizer: Any) -> None:
         raise ValueError(
             "activation offload is not available yet; set offload activations to false"
         )
-    if off.parameters is not None and off.optimizer is None:
-        raise ValueError(
-            "offload parameters needs optimizer offload too (optimizer 'host'): the step "
-            "updates the parameters' host copies"
-        )
     if off.parameters is not None and plan.compile_backend is not None:
         raise ValueError(
             "parameter offload with compile is not available yet: its storage resizes run in "

@@ -118,7 +118,7 @@ class ParameterOffloadHandle:
         self._hooks: list[Any] = []
         self._device: torch.device | None = None
         self._stream: Any = None
-        self._callback_queued = False
+        self._callback_task = -1  # the backward whose end callback is queued
         self._move_grads = config.optimizer is None
         names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
         shared = _shared(model, self._blocks)
@@ -150,6 +150,14 @@ class ParameterOffloadHandle:
                 with_kwargs=True))  # fmt: skip
             self._hooks.append(m.register_forward_hook(
                 lambda mod, args, out, i=i: self._post_forward(i, out), always_call=True))  # fmt: skip
+        for i, block in enumerate(self._blocks):
+            m = block.module
+            self._hooks.append(m.register_state_dict_post_hook(
+                lambda mod, sd, prefix, meta, i=i: self._state_dict(i, mod, sd, prefix)))
+            self._hooks.append(m.register_load_state_dict_pre_hook(
+                lambda mod, *args, i=i: self._begin_load(i)))
+            self._hooks.append(m.register_load_state_dict_post_hook(
+                lambda mod, keys, i=i: self._end_load(i)))  # fmt: skip
         if self._move_grads:
             for block in self._blocks:
                 for p, h in zip(block.params, block.host, strict=True):
@@ -225,15 +233,38 @@ class ParameterOffloadHandle:
                 )
 
     def _pre_backward(self, i: int) -> None:
-        if not self._callback_queued:
-            self._callback_queued = True
+        task = torch._C._current_graph_task_id()
+        if task != self._callback_task:
+            # Once per backward (a backward that raised never ran its callback: the next
+            # backward has another task id and queues its own).
+            self._callback_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         self._begin(i, i - 1 if i > 0 else None)
 
     def _end_backward(self) -> None:
-        self._callback_queued = False
+        self._callback_task = -1
         for block in self._blocks:
             self._release(block)
+
+    def _state_dict(self, i: int, module: nn.Module, state: dict, prefix: str) -> None:
+        # A released parameter has no values on the device: a state dict gets the host copy
+        # (a CPU tensor; loading it into a model on the device copies it there).
+        offloaded = {id(p): h for p, h in zip(self._blocks[i].params, self._blocks[i].host,
+                                             strict=True)}  # fmt: skip
+        for name, p in module.named_parameters():
+            if id(p) in offloaded and prefix + name in state:
+                state[prefix + name] = offloaded[id(p)]
+
+    def _begin_load(self, i: int) -> None:
+        self._fetch(i)  # load_state_dict copies into the device parameters
+        self._ready(self._blocks[i])
+
+    def _end_load(self, i: int) -> None:
+        block = self._blocks[i]
+        with torch.no_grad():
+            for p, h in zip(block.params, block.host, strict=True):
+                h.copy_(p.detach())
+        self._release(block)
 
     def _grad_to_host(self, p: torch.Tensor, h: torch.Tensor) -> None:
         grad = p.grad
