@@ -225,6 +225,7 @@ def test_refusals():
         apply_parameter_offload(model, HOST)
 
 
+@pytest.mark.slow  # builds the model four times (about 5 s in the suite, 13 s alone)
 def test_dry_run_predicts_the_real_peak(tmp_path):
     import json
 
