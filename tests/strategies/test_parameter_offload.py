@@ -82,6 +82,28 @@ def test_same_loss_and_gradients_as_the_plain_model(checkpointing):
     assert handle.fetches == 2 * 2 * N_LAYER
 
 
+def test_with_activation_offload_parameters_are_not_copied_as_activations():
+    from memfit.strategies.activation_offload import apply_activation_offload
+
+    config = OffloadConfig(activations=True, activation_min_bytes=0)
+    plain = _gpt2()
+    model = copy.deepcopy(plain)
+    alone = apply_activation_offload(plain, config)
+    moved = apply_activation_offload(model, config)
+    handle = apply_parameter_offload(model, HOST)
+    expected = plain(**_batch()).loss
+    expected.backward()
+    loss = model(**_batch()).loss
+    loss.backward()
+    torch.testing.assert_close(loss, expected, rtol=0, atol=1e-6)
+    _assert_same_grads(_grads(plain), _grads(model, handle))
+    # The weights saved for backward are still recognised as parameters (their storages keep
+    # their identity while released): activation offload moves exactly what it moves alone.
+    assert moved.counters.offloaded_bytes == alone.counters.offloaded_bytes > 0
+    handle.remove()
+    moved.remove()
+
+
 def test_the_device_holds_two_blocks_and_the_host_holds_the_rest():
     plain = _gpt2()
     model = copy.deepcopy(plain)
