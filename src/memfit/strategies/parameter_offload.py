@@ -46,15 +46,20 @@ Caveat: a block is released when its inputs' gradients are computed. A block who
 needs a parameter's value in a node that does not lead to its inputs (a product of two
 parameters only, say) could run that node after the release; transformer blocks have none.
 
-What PyTorch's own FSDP2 lacks for this (``fully_shard(block,
-offload_policy=CPUOffloadPolicy())``, which does run on a one-process gloo group on the CPU):
-it needs an initialised process group, which a single-process trainer does not own; it turns
-every parameter into a ``DTensor``, which memfit's optimizers (8-bit, Adafactor), precision
-wrappers and tracker do not handle, and the model cannot be given back (it swaps the module
-classes; memfit's techniques are removable); it does the optimizer step on the host over its
-own sharded parameter layout only, with no low-precision device copy beside fp32 host masters
-(memfit's optimizer offload); it has no disk tier; and its host buffers are invisible to
-memfit's tiers. So this module streams the parameters itself, on the same idea.
+What PyTorch's own FSDP2 lacks for this. ``fully_shard(block,
+offload_policy=CPUOffloadPolicy())`` on every block and the root does the same streaming (with
+prefetching), and it does run on a one-process gloo group on the CPU (checked with torch 2.13:
+forward and backward go through, the gradients land on the CPU). But it needs an initialised
+process group, which a single-process trainer does not own; it turns every parameter into a
+``DTensor`` and swaps the module classes, so memfit's optimizers (8-bit states, Adafactor's
+factored rows), precision wrappers and checkpoints meet DTensors, and the model cannot be given
+back (memfit's techniques are removable); with the policy the optimizer state and step always
+go to the host together with the parameters, over FSDP's own parameter layout (no bucketed
+gradient moves or host accumulation across micro-batches as in memfit's optimizer offload); it
+has no disk tier; and its host buffers are not marked as host memory, so on a CPU-only machine
+memfit's tracker counts them as device bytes. So this module streams the parameters itself, on
+the same idea (storages resized to zero between uses, as FSDP2 does with its unsharded
+parameters).
 
 Under fake tensors (a dry run) storage resizes work the same, so the planner can measure the
 device saving.
@@ -129,13 +134,15 @@ class ParameterOffloadHandle:
             block.params = own
         self.offloaded_bytes = sum(b.nbytes for b in self._blocks)
         params = [p for b in self._blocks for p in b.params]
+        # Fake tensors (a dry run) get no stream and no pinning: no real memory behind them.
+        self._pin = config.pin_memory and not (params and dev.is_fake(params[0]))
         if params:
             self._device = params[0].device
-            self._stream = dev.copy_stream(self._device) if config.pin_memory else None
+            self._stream = dev.copy_stream(self._device) if self._pin else None
         with host_tier(), torch.no_grad():
             for block in self._blocks:
                 block.host = [
-                    dev.host_buffer(p.shape, p.dtype, pin=config.pin_memory).copy_(p.detach())
+                    dev.host_buffer(p.shape, p.dtype, pin=self._pin).copy_(p.detach())
                     for p in block.params
                 ]
                 mark_host(block.host)
@@ -272,7 +279,7 @@ class ParameterOffloadHandle:
             return
         with host_tier(), torch.no_grad():
             if h.grad is None:
-                h.grad = dev.copy_to_host(grad, h.dtype, pin=self.config.pin_memory)
+                h.grad = dev.copy_to_host(grad, h.dtype, pin=self._pin)
                 mark_host(h.grad)
             else:
                 dev.synchronize(grad.device)
