@@ -191,6 +191,7 @@ def test_plan_with_optimizer_offload_trains_like_optimizer_offload_alone(checkpo
     setup = apply_plan(model, memfit.Plan(
         **common, offload={"optimizer": "host", "parameters": "host"}))  # fmt: skip
     assert setup.info["parameter_offload"] == [f"transformer.h.{i}" for i in range(N_LAYER)]
+    assert "offload optimizer on host + parameters on host" in setup.plan.summary()
     # fp32 parameters: the optimizer's master is the host copy itself (one host copy).
     block_param = model.transformer.h[0].attn.c_attn.weight
     assert any(m is host_copy_of(block_param) for m in setup.optimizer.masters)
