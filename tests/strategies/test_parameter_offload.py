@@ -124,6 +124,8 @@ def test_the_device_holds_two_blocks_and_the_host_holds_the_rest():
     assert before.peak_bytes - after.peak_bytes >= (N_LAYER - 2) * block
     # On the host: the parameters' copies and their gradients, nothing of that on the device.
     assert after.peak_by_tier["host"] == 2 * N_LAYER * block
+    host = after.peak_by_tier_category["host"]
+    assert host["parameters"] == host["gradients"] == N_LAYER * block
     assert before.peak_by_tier["host"] == 0
 
 

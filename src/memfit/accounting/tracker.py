@@ -25,10 +25,10 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .tiers import DEVICE, HOST, HOST_PINNED, in_host_tier, is_marked_host
+from .tiers import DEVICE, HOST, HOST_PINNED, in_host_tier, is_marked_host, marked_category
 from .trace import CATEGORIES, PHASES, AllocationTrace
 
-__all__ = ["CATEGORIES", "PHASES", "MemoryTracker", "storage_resized", "track"]
+__all__ = ["CATEGORIES", "PHASES", "MemoryTracker", "label_open", "storage_resized", "track"]
 
 # Trackers now open (a storage resized in place is news to each of them).
 _OPEN: list[MemoryTracker] = []
@@ -145,6 +145,9 @@ class MemoryTracker(TorchDispatchMode):
             return None  # a real meta tensor holds no memory (fake tensors report is_meta False)
         if t.device.type != self._dev_type or in_host_tier() or is_marked_host(st):
             tier = HOST_PINNED if _is_pinned(t) else HOST
+            marked = marked_category(st)
+            if marked is not None:
+                cat = min(cat, _RANK[marked])
         else:
             tier = DEVICE
         return self._record(st, key, st.nbytes(), cat, tier)
@@ -610,6 +613,13 @@ def storage_resized(tensors: Iterable[torch.Tensor]) -> None:
     for tracker in list(_OPEN):
         for t in items:
             tracker._resized(t)
+
+
+def label_open(tensors: Any, category: str) -> None:
+    """Attribute the storages of ``tensors`` to ``category`` in every open tracker (see
+    :meth:`MemoryTracker.label`): for a technique's own buffers, which no tracker is handed."""
+    for tracker in list(_OPEN):
+        tracker.label(tensors, category)
 
 
 _top_saved_hooks = torch._C._autograd._top_saved_tensors_default_hooks

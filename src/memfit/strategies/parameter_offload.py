@@ -77,7 +77,7 @@ from torch.utils._pytree import tree_leaves
 
 from .. import device as dev
 from ..accounting.tiers import host_tier, mark_host
-from ..accounting.tracker import storage_resized
+from ..accounting.tracker import label_open, storage_resized
 from .blocks import find_blocks
 from .offload import OffloadConfig, set_host_copy
 
@@ -145,7 +145,8 @@ class ParameterOffloadHandle:
                     dev.host_buffer(p.shape, p.dtype, pin=self._pin).copy_(p.detach())
                     for p in block.params
                 ]
-                mark_host(block.host)
+                mark_host(block.host, category="parameters")
+                label_open(block.host, "parameters")
                 for p, h in zip(block.params, block.host, strict=True):
                     set_host_copy(p, h)
         for block in self._blocks:
@@ -280,7 +281,8 @@ class ParameterOffloadHandle:
         with host_tier(), torch.no_grad():
             if h.grad is None:
                 h.grad = dev.copy_to_host(grad, h.dtype, pin=self._pin)
-                mark_host(h.grad)
+                mark_host(h.grad, category="gradients")
+                label_open(h.grad, "gradients")
             else:
                 dev.synchronize(grad.device)
                 h.grad.add_(grad.to("cpu", h.dtype))
