@@ -55,7 +55,9 @@ def test_offload_config_round_trips_and_refuses_bad_values(tmp_path):
     for bad, match in [
         ({"optimizer": "gpu"}, "offload optimizer must be null, 'host' or 'disk'"),
         ({"optimizer": "disk"}, "needs disk_dir"),
-        ({"parameters": "host"}, "offload parameters is not available yet"),
+        ({"parameters": "disk", "optimizer": "host", "disk_dir": str(tmp_path)},
+         "offload parameters to 'disk' is not available yet"),
+        ({"parameters": "host"}, "offload parameters needs optimizer offload"),
         ({}, "offload moves nothing"),
         ({"optimizer": "host", "bucket_bytes": 0}, "bucket_bytes must be"),
         ({"activations": True, "host_bytes": 10}, "host_bytes must be at least"),

@@ -205,6 +205,11 @@ class Plan:
                 f"got {self.compile!r}"
             )
         off = self.offload
+        if off is not None and off.parameters is not None and off.optimizer is None:
+            raise PlanError(
+                "offload parameters needs optimizer offload too (optimizer 'host'): the step "
+                "updates the parameters' host copies"
+            )
         if off is not None and off.optimizer is not None:
             if self.precision.mode == "fp16-mixed":
                 raise PlanError(

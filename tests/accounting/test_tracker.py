@@ -269,3 +269,26 @@ def test_cuda_cross_check_when_available():
     )
     assert 0 <= allocator_peak - rep.peak_bytes <= 511 * live
     assert rep.peak_by_category["gradients"] == param_bytes(model)
+
+
+def test_storage_resized_in_place_is_freed_and_allocated_again():
+    from memfit.accounting.tracker import storage_resized
+
+    lin = torch.nn.Linear(64, 64, bias=False)  # 16 KiB of weight
+    nbytes = 64 * 64 * 4
+    with memfit.track(lin) as tracker:
+        assert tracker.snapshot()["parameters"] == nbytes
+        lin.weight.untyped_storage().resize_(0)
+        storage_resized([lin.weight])
+        assert tracker.snapshot()["parameters"] == 0
+        lin.weight.untyped_storage().resize_(nbytes)
+        storage_resized([lin.weight])
+        assert tracker.snapshot()["parameters"] == nbytes
+        lin.weight.untyped_storage().resize_(0)
+        storage_resized([lin.weight])
+        big = torch.empty(2 * nbytes, dtype=torch.uint8)  # the new peak, with no weight alive
+        del big
+    report = tracker.report()
+    assert report.peak_bytes == 2 * nbytes
+    assert report.peak_by_category["parameters"] == 0
+    storage_resized([lin.weight])  # no tracker open: nothing to tell

@@ -30,6 +30,7 @@ __all__ = [
     "in_host_tier",
     "is_marked_host",
     "mark_host",
+    "marked_category",
 ]
 
 #: Tier codes in a trace. ``HOST_PINNED`` is host memory that is page-locked (fast copies to
@@ -64,13 +65,15 @@ def in_host_tier() -> bool:
 # Storages marked as host memory, by the address of their StorageImpl; an entry goes when its
 # storage is freed (the weak reference's callback).
 _MARKED: dict[int, weakref.ref] = {}
+_CATEGORY: dict[int, str] = {}  # the category a marked storage was given, if any
 
 
-def mark_host(tensors: Any) -> None:
+def mark_host(tensors: Any, category: str | None = None) -> None:
     """Mark the storages of ``tensors`` (a tensor or an iterable of them) as host memory for
     good: a tracker opened later still counts them in the ``host`` tier. Offload techniques mark
     the buffers they keep between steps (masters, state); allocations made while a tracker runs
-    only need :func:`host_tier`."""
+    only need :func:`host_tier`. ``category`` (a tracker category, ``"parameters"``) is what
+    a tracker opened later counts them as, when it knows nothing more specific."""
     items = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
     for t in items:
         if not isinstance(t, torch.Tensor):
@@ -78,10 +81,22 @@ def mark_host(tensors: Any) -> None:
         storage = t.untyped_storage()
         key = storage._cdata
         if key not in _MARKED:
-            _MARKED[key] = weakref.ref(storage, lambda _ref, key=key: _MARKED.pop(key, None))
+            _MARKED[key] = weakref.ref(storage, lambda _ref, key=key: _forget(key))
+        if category is not None:
+            _CATEGORY[key] = category
+
+
+def _forget(key: int) -> None:
+    _MARKED.pop(key, None)
+    _CATEGORY.pop(key, None)
 
 
 def is_marked_host(storage: Any) -> bool:
     """Whether ``storage`` was marked with :func:`mark_host` (and is still alive)."""
     ref = _MARKED.get(storage._cdata)
     return ref is not None and ref() is storage
+
+
+def marked_category(storage: Any) -> str | None:
+    """The category ``storage`` was marked with (:func:`mark_host`), else ``None``."""
+    return _CATEGORY.get(storage._cdata) if is_marked_host(storage) else None

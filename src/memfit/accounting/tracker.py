@@ -25,10 +25,13 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .tiers import DEVICE, HOST, HOST_PINNED, in_host_tier, is_marked_host
+from .tiers import DEVICE, HOST, HOST_PINNED, in_host_tier, is_marked_host, marked_category
 from .trace import CATEGORIES, PHASES, AllocationTrace
 
-__all__ = ["CATEGORIES", "PHASES", "MemoryTracker", "track"]
+__all__ = ["CATEGORIES", "PHASES", "MemoryTracker", "label_open", "storage_resized", "track"]
+
+# Trackers now open (a storage resized in place is news to each of them).
+_OPEN: list[MemoryTracker] = []
 
 _RANK = {name: i for i, name in enumerate(CATEGORIES)}
 _PARAM, _BUF, _GRAD, _OPT, _INPUT, _ACT, _TEMP, _OTHER = range(len(CATEGORIES))
@@ -92,6 +95,7 @@ class MemoryTracker(TorchDispatchMode):
         self._key: list[int] = []  # storage _cdata, to forget it when freed
         self._live: dict[int, int] = {}  # storage _cdata -> record index
         self._refs: dict[weakref.ref, int] = {}
+        self._ref_of: dict[int, weakref.ref] = {}  # storage _cdata -> its weak reference
         # Running state. ``_seq`` counts allocation and free events: births and deaths are stamped
         # with it so that the live set at any instant (the peak above all) is exactly known.
         self._seq = 0
@@ -139,12 +143,18 @@ class MemoryTracker(TorchDispatchMode):
             return idx
         if t.is_meta:
             return None  # a real meta tensor holds no memory (fake tensors report is_meta False)
-        nbytes = st.nbytes()
-        idx = len(self._nbytes)
         if t.device.type != self._dev_type or in_host_tier() or is_marked_host(st):
             tier = HOST_PINNED if _is_pinned(t) else HOST
+            marked = marked_category(st)
+            if marked is not None:
+                cat = min(cat, _RANK[marked])
         else:
             tier = DEVICE
+        return self._record(st, key, st.nbytes(), cat, tier)
+
+    def _record(self, st: Any, key: int, nbytes: int, cat: int, tier: int) -> int:
+        """Append a record for a storage born now."""
+        idx = len(self._nbytes)
         self._seq += 1
         self._nbytes.append(nbytes)
         self._birth.append(self._seq)
@@ -153,7 +163,9 @@ class MemoryTracker(TorchDispatchMode):
         self._tier.append(tier)
         self._key.append(key)
         self._live[key] = idx
-        self._refs[weakref.ref(st, self._on_free)] = idx
+        ref = weakref.ref(st, self._on_free)
+        self._refs[ref] = idx
+        self._ref_of[key] = ref
         if tier == 0:
             self._total += nbytes
             if self._total > self._peak:
@@ -175,8 +187,37 @@ class MemoryTracker(TorchDispatchMode):
         key = self._key[idx]
         if self._live.get(key) == idx:
             del self._live[key]
+            self._ref_of.pop(key, None)
         if self._tier[idx] == 0:
             self._total -= self._nbytes[idx]
+
+    def _resized(self, t: torch.Tensor) -> None:
+        """``t``'s storage was resized in place (``untyped_storage().resize_``, which no
+        dispatched op shows): its old record dies now and a record of its new size is born,
+        with the same category and tier."""
+        if self._closed:
+            return
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):
+            return
+        key = st._cdata
+        idx = self._live.get(key)
+        if idx is None:
+            self._register(t, _PARAM if isinstance(t, nn.Parameter) else _OTHER)
+            return
+        nbytes = st.nbytes()
+        if nbytes == self._nbytes[idx]:
+            return
+        ref = self._ref_of.get(key)
+        self._seq += 1
+        self._death[idx] = self._seq
+        if self._tier[idx] == 0:
+            self._total -= self._nbytes[idx]
+        if ref is not None:
+            self._refs.pop(ref, None)
+        del self._live[key]
+        self._record(st, key, nbytes, self._cat[idx], self._tier[idx])
 
     def account_disk(self, nbytes: int, category: str) -> None:
         """Note that ``nbytes`` of ``category`` now live on disk (negative: removed from it).
@@ -476,10 +517,13 @@ class MemoryTracker(TorchDispatchMode):
         self._closed = False
         self._install()
         super().__enter__()
+        _OPEN.append(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
+        if self in _OPEN:
+            _OPEN.remove(self)
         self._uninstall()
         self._close_backward()
         ev = self._events
@@ -489,6 +533,7 @@ class MemoryTracker(TorchDispatchMode):
         # Storages still alive at the end live to the last op; drop the weak references so
         # nothing calls back into a finished tracker.
         self._refs.clear()
+        self._ref_of.clear()
         self._live.clear()
         self._report = None
 
@@ -552,6 +597,29 @@ def track(
         The tracker; call ``tracker.report()`` after the block for a ``MemoryReport``.
     """
     return MemoryTracker(model, optimizer, device=device, cap=cap)
+
+
+def storage_resized(tensors: Iterable[torch.Tensor]) -> None:
+    """Tell every open tracker that the storages of ``tensors`` were resized in place.
+
+    ``untyped_storage().resize_`` frees or allocates a storage's memory without any dispatched
+    operation, so a tracker cannot see it by itself; a technique that releases memory this way
+    (parameter offload) calls this after each resize, and the tracker ends the storage's old
+    record and starts one of its new size.
+    """
+    if not _OPEN:
+        return
+    items = list(tensors)
+    for tracker in list(_OPEN):
+        for t in items:
+            tracker._resized(t)
+
+
+def label_open(tensors: Any, category: str) -> None:
+    """Attribute the storages of ``tensors`` to ``category`` in every open tracker (see
+    :meth:`MemoryTracker.label`): for a technique's own buffers, which no tracker is handed."""
+    for tracker in list(_OPEN):
+        tracker.label(tensors, category)
 
 
 _top_saved_hooks = torch._C._autograd._top_saved_tensors_default_hooks

@@ -8,11 +8,16 @@ where they meet, in a fixed order:
    ``loss_function`` attributes only),
 3. precision (may cast the model to bf16),
 4. checkpointing (wraps blocks; sees the final dtypes and the frozen set),
-4b. activation offload (after checkpointing, so that only what the checkpointed blocks keep,
-   their boundaries, moves to the host),
+4b. parameter offload (block parameters to host copies, streamed by module and gradient hooks;
+   after precision so the copies take the training dtype, after checkpointing so the
+   recomputation runs inside a block's backward, after its fetch; refused with
+   ``torch.compile``),
+4c. activation offload (after checkpointing, so that only what the checkpointed blocks keep,
+   their boundaries, moves to the host; it keeps parameters as they are),
 5. ``torch.compile`` (last, so dynamo traces the other techniques' wrappers),
 6. the contiguous gradient buffer (sees the final dtypes and the trainable set),
-7. the optimizer, fused into backward or not (or on the host, with optimizer offload),
+7. the optimizer (optimizer offload steps parameter offload's host copies), fused into
+   backward or not (or on the host, with optimizer offload),
 8. per step (:func:`~memfit.strategies.stepper.run_step`): sequence truncation, micro-batches
    with weighted losses, autocast and loss scaling, clipping, the optimizer step and
    ``zero_grad(set_to_none=True)``, through the plan's
@@ -208,6 +213,12 @@ def apply_plan(
             checkpointed = apply_checkpointing(model, plan.checkpointing)
             handles.append(("checkpointing", checkpointed))
             info["checkpointed"] = checkpointed.names
+        if plan.offload is not None and plan.offload.parameters is not None:
+            from .parameter_offload import apply_parameter_offload
+
+            streamed = apply_parameter_offload(model, plan.offload)
+            handles.append(("parameter_offload", streamed))
+            info["parameter_offload"] = streamed.blocks
         if plan.offload is not None and plan.offload.activations:
             from .activation_offload import apply_activation_offload
 
@@ -264,6 +275,11 @@ def _check_offload(plan: Plan, optimizer: Any) -> None:
         raise ValueError(
             "optimizer offload to 'disk' steps after backward, group by group; set "
             "optimizer_in_backward false (or use optimizer 'host', which steps in backward)"
+        )
+    if off.parameters is not None and plan.compile_backend is not None:
+        raise ValueError(
+            "parameter offload with compile is not available yet: its storage resizes run in "
+            "hooks dynamo does not trace; set compile false"
         )
     if off.optimizer is not None and optimizer is not None:
         raise ValueError(

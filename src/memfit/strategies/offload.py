@@ -7,7 +7,13 @@ Each setting is a technique in its own module:
   disk), the step computed there (:mod:`memfit.strategies.optimizer_offload`);
 * ``activations``: tensors saved for backward moved to host memory
   (:mod:`memfit.strategies.activation_offload`);
-* ``parameters`` (ZeRO-Infinity on one device): not built yet, refused with a sentence.
+* ``parameters`` (ZeRO-Infinity on one device): each block's parameters live on the host and
+  are streamed to the device around the block's forward and backward
+  (:mod:`memfit.strategies.parameter_offload`); ``"host"`` only, ``"disk"`` is refused.
+
+Offload techniques that keep a host copy of a parameter record it on the parameter, and
+:func:`host_copy_of` finds it: that is how the optimizer offload steps the very host copy that
+parameter offload streams from, without either reading the other's internals.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["OFFLOAD_TIERS", "OffloadConfig"]
+__all__ = ["OFFLOAD_TIERS", "OffloadConfig", "host_copy_of", "set_host_copy"]
 
 #: Where offloaded state may live.
 OFFLOAD_TIERS = ("host", "disk")
@@ -34,8 +40,12 @@ class OffloadConfig:
             the state (and, with a low-precision model, the master copy) and all but a bucket of
             gradients on the device; costs moving every gradient down and every updated weight
             up per step, and the host step's time (bounded by host memory bandwidth).
-        parameters: ``None``, ``"host"`` or ``"disk"``: parameters streamed to the device per
-            block. Not available yet: a plan asking for it is refused.
+        parameters: ``None`` or ``"host"``: the parameters of the model's repeated blocks
+            live in host memory and are copied to the device just before each block's forward
+            and backward (the next block prefetched), released after; the device holds about
+            two blocks' parameters. Costs two transfers of every block parameter per
+            micro-batch. ``"disk"`` is not available yet. In a plan it needs ``optimizer``
+            offload as well (the step updates the host copies).
         activations: Move tensors saved for backward to host memory during forward and back in
             backward. Saves their device bytes (beyond ``activation_min_bytes`` each, within
             ``host_bytes``); costs two transfers per saved byte.
@@ -78,10 +88,10 @@ class OffloadConfig:
                 raise ValueError(
                     f"offload {key} must be null, 'host' or 'disk', got {value!r}"
                 )
-        if self.parameters is not None:
+        if self.parameters == "disk":
             raise ValueError(
-                "offload parameters is not available yet: memfit cannot stream parameters from "
-                "the host or disk; set it to null (optimizer and activation offload are built)"
+                "offload parameters to 'disk' is not available yet: parameters stream from host "
+                "memory only; set parameters to 'host'"
             )
         if "disk" in (self.optimizer, self.parameters) and not self.disk_dir:
             raise ValueError("offload to 'disk' needs disk_dir, the directory for its files")
@@ -111,16 +121,16 @@ class OffloadConfig:
             )
         if self.gradients_on_host and self.optimizer is None:
             raise ValueError("offload gradients_on_host needs optimizer offload ('host' or 'disk')")
-        if self.optimizer is None and not self.activations:
+        if self.optimizer is None and self.parameters is None and not self.activations:
             raise ValueError(
-                "offload moves nothing: set optimizer ('host' or 'disk') or activations (true), "
-                "or set offload to null"
+                "offload moves nothing: set optimizer ('host' or 'disk'), parameters ('host') or "
+                "activations (true), or set offload to null"
             )
 
     @property
     def any(self) -> bool:
         """Whether anything moves."""
-        return self.optimizer is not None or self.activations
+        return self.optimizer is not None or self.parameters is not None or self.activations
 
     def replace(self, **changes: Any) -> OffloadConfig:
         """A copy with some fields changed (checked again)."""
@@ -131,6 +141,26 @@ class OffloadConfig:
         parts = []
         if self.optimizer:
             parts.append(f"optimizer on {self.optimizer}")
+        if self.parameters:
+            parts.append(f"parameters on {self.parameters}")
         if self.activations:
             parts.append("activations on host")
         return "offload " + " + ".join(parts)
+
+
+_HOST_COPY = "_memfit_host_copy"
+
+
+def host_copy_of(param: Any) -> Any:
+    """The host tensor that holds ``param``'s values while parameter offload streams it, else
+    ``None`` (the parameter's own storage is then the only copy)."""
+    return getattr(param, _HOST_COPY, None)
+
+
+def set_host_copy(param: Any, host: Any) -> None:
+    """Record ``host`` as ``param``'s host copy (``None``: forget it)."""
+    if host is None:
+        if hasattr(param, _HOST_COPY):
+            delattr(param, _HOST_COPY)
+    else:
+        setattr(param, _HOST_COPY, host)

@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from ..accounting.tiers import host_tier, mark_host
-from .offload import OffloadConfig
+from .offload import OffloadConfig, host_copy_of
 
 __all__ = ["HostOffloadOptimizer", "OffloadStepper", "host_optimizer_builder"]
 
@@ -96,10 +96,7 @@ class HostOffloadOptimizer:
         self.params = list(params)
         self.config = config
         with host_tier(), torch.no_grad():
-            self.masters = [
-                host_buffer(p.shape, torch.float32, pin=config.pin_memory).copy_(p.detach())
-                for p in self.params
-            ]
+            self.masters = [self._master(p, host_buffer) for p in self.params]
         mark_host(self.masters)
         self.optimizer = build(self.masters)
         self.buckets = _buckets(self.params, config.bucket_bytes)
@@ -116,6 +113,16 @@ class HostOffloadOptimizer:
         self._sq_norm = 0.0  # this step's squared gradient norm, gathered bucket by bucket
         self._coef = 1.0  # the clip coefficient from the previous step's norm
         self.last_norm: float | None = None  # the previous step's global gradient norm
+
+    def _master(self, p: nn.Parameter, host_buffer: Callable[..., torch.Tensor]) -> torch.Tensor:
+        # A parameter streamed by parameter offload has its values in a host copy (its device
+        # storage may be released): an fp32 host copy is the master itself, so the step
+        # updates what the next fetch reads; another dtype is copied from.
+        copy = host_copy_of(p)
+        if copy is not None and copy.dtype == torch.float32:
+            return copy
+        source = p.detach() if copy is None else copy
+        return host_buffer(p.shape, torch.float32, pin=self.config.pin_memory).copy_(source)
 
     # ------------------------------------------------------------------ optimizer face
     @property
@@ -272,7 +279,11 @@ class HostOffloadOptimizer:
     def _push(self) -> None:
         with torch.no_grad():
             for p, m in zip(self.params, self.masters, strict=True):
-                p.copy_(m.to(p.device, p.dtype, non_blocking=True))
+                copy = host_copy_of(p)
+                if copy is None:
+                    p.copy_(m.to(p.device, p.dtype, non_blocking=True))
+                elif copy is not m:
+                    copy.copy_(m)  # parameter offload fetches it from there
 
     def remove(self) -> None:
         """Take the gradient hooks off the parameters (idempotent)."""
