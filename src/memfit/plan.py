@@ -210,6 +210,16 @@ class Plan:
                 "offload parameters needs optimizer offload too (optimizer 'host'): the step "
                 "updates the parameters' host copies"
             )
+        if off is not None and off.parameters is not None and off.optimizer == "disk":
+            raise PlanError(
+                "offload parameters streams blocks from the optimizer's host masters, which the "
+                "disk tier keeps in files; use optimizer 'host' with parameters 'host'"
+            )
+        if off is not None and off.parameters is not None and self.compile_backend is not None:
+            raise PlanError(
+                "parameter offload cannot be combined with compile: its storage resizes run in "
+                "hooks torch.compile does not trace; set compile false"
+            )
         if off is not None and off.optimizer is not None:
             if self.precision.mode == "fp16-mixed":
                 raise PlanError(

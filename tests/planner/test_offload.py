@@ -17,13 +17,17 @@ WORKLOAD = load_workload("gpt2-tiny", 4, 32)
 
 
 def _keys(offloads):
-    return {None if o is None else (o.optimizer, o.activations) for o in offloads}
+    return {None if o is None else (o.optimizer, o.activations, o.parameters) for o in offloads}
 
 
-def test_allow_offload_opens_optimizer_and_activations_alone_and_together():
+def test_allow_offload_opens_optimizer_parameters_and_activations_alone_and_together():
     assert _keys(offload_options(None)) == {
-        None, ("host", False), (None, True), ("host", True),
+        None, ("host", False, None), (None, True, None), ("host", True, None),
+        ("host", False, "host"), ("host", True, "host"),
     }  # fmt: skip
+    # With a disk directory the optimizer may go to disk (parameters stream from host masters).
+    disk = _keys(offload_options(None, "/tmp")) - _keys(offload_options(None))
+    assert disk == {("disk", False, None), ("disk", True, None)}
     # A base offload keeps its own settings in every variant.
     base = OffloadConfig(activations=True, bucket_bytes=1 << 20, activation_min_bytes=4096)
     variants = [o for o in offload_options(base) if o is not None]
@@ -36,14 +40,16 @@ def test_allow_offload_opens_optimizer_and_activations_alone_and_together():
 def test_offload_ranks_one_dimension_each():
     device = get_device("cpu")
     space = options(WORKLOAD, memfit.Plan(), ["offload"], [], device)
-    assert len(space.offloads) == 4
+    assert len(space.offloads) == 6
     pairs = generate(WORKLOAD, memfit.Plan(), space, device=device)
-    opt, act = RANK_DIMENSIONS.index("offload_optimizer"), RANK_DIMENSIONS.index("offload_activations")
+    opt, act, par = (RANK_DIMENSIONS.index(f"offload_{k}")
+                     for k in ("optimizer", "activations", "parameters"))  # fmt: skip
     for plan, rank in pairs:
         assert len(rank) == len(RANK_DIMENSIONS)
         off = plan.offload
         assert rank[opt] == int(off is not None and off.optimizer is not None)
         assert rank[act] == int(off is not None and off.activations)
+        assert rank[par] == int(off is not None and off.parameters is not None)
 
 
 def test_activation_offload_costs_the_trips_beyond_the_compute_they_overlap():
@@ -142,3 +148,16 @@ def test_a_host_budget_between_the_tiers_picks_the_disk(tmp_path):
                   host_budget=between, disk_dir=str(tmp_path))  # fmt: skip
     assert result.fits and result.plan.offload.optimizer == "disk"
     assert result.predicted_host_bytes <= between
+
+
+def test_parameter_offload_costs_two_fetches_per_micro_batch_beyond_the_compute():
+    profile = profile_workload(WORKLOAD)
+    slow = dataclasses.replace(get_device("h100"), host_bandwidth=1e3, host_mem_bandwidth=1e30)
+    off = {"optimizer": "host"}
+    without = step_cost(profile, memfit.Plan(offload=off), slow, batch_size=4)
+    with_params = step_cost(profile, memfit.Plan(offload={**off, "parameters": "host"}), slow,
+                            batch_size=4)  # fmt: skip
+    fetch = profile.num_parameters * 4 / slow.host_bandwidth
+    # One micro-batch: a fetch before forward and one before backward, less the compute they
+    # overlap (forward plus backward being all the matmul time).
+    assert with_params.offload - without.offload == pytest.approx(2 * fetch - without.matmul)

@@ -138,7 +138,8 @@ def offload_plans(batch_size: int = 32) -> list[tuple[str, Plan]]:
     """The offload rungs: the optimizer on the host (ZeRO-Offload) under accumulation, and
     the most frugal full fine-tune with it: bf16 weights on the device beside fp32 masters on
     the host, one sample per micro-batch, every block checkpointed, each micro-batch's
-    gradients leaving the device at once."""
+    gradients leaving the device at once; then with the blocks' parameters streamed from the
+    host too (ZeRO-Infinity on one device)."""
     adamw = {"name": "adamw", "foreach": True}
     accum = {"micro_batch_size": 1, "grad_accum_steps": batch_size, "optimizer": adamw}
     host = {"optimizer": "host", "gradients_on_host": True}
@@ -147,6 +148,15 @@ def offload_plans(batch_size: int = 32) -> list[tuple[str, Plan]]:
         (
             "best full fine-tune + optimizer offload",
             Plan(**accum, precision="bf16-pure", checkpointing="full", offload=host),
+        ),
+        (
+            "best full fine-tune + parameter offload",
+            Plan(
+                **accum,
+                precision="bf16-pure",
+                checkpointing="full",
+                offload={**host, "parameters": "host"},
+            ),
         ),
     ]
 

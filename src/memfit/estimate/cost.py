@@ -19,8 +19,9 @@ planner can say why one plan is slower than another:
   compute, so only what exceeds it shows, as in ZeRO-Offload's overlapped transfers), plus the
   host step at host memory bandwidth (``host_mem_bandwidth``), in place of the device step
   (with the step in backward, the three overlap the last backward as a pipeline);
-  with activation offload, the saved tensors' trips down (during forward) and back (during
-  backward), each showing only where it exceeds the compute it overlaps.
+  with parameter offload, every parameter's fetch before each forward and each backward; with
+  activation offload, the saved tensors' trips down (during forward) and back (during
+  backward); each showing only where it exceeds the compute it overlaps.
 """
 
 from __future__ import annotations
@@ -339,6 +340,16 @@ def step_cost(
         else:
             offload += max(0.0, down - bwd_micro) + up + host_step
         optimizer = 0.0  # no step on the device
+    if off is not None and off.parameters is not None:
+        # Every block parameter comes up before its block's forward and again before its
+        # backward, each micro-batch, the next block prefetched while the current computes:
+        # each pass's fetches show only beyond that pass's compute. (Non-block parameters,
+        # embeddings and head, stay; counted as moving too, so this errs slow.)
+        weight_bytes = 2.0 if plan.precision.mode == "bf16-pure" else 4.0
+        fetch = profile.num_parameters * weight_bytes / device.host_bandwidth
+        fwd_micro = fwd / rate / n_micro
+        bwd_micro = bwd / rate / n_micro
+        offload += n_micro * (max(0.0, fetch - fwd_micro) + max(0.0, fetch - bwd_micro))
     if off is not None and off.activations:
         # Saved tensors go down during forward and come back during backward, each trip
         # overlapped with that pass's compute (a side stream on CUDA). Counted as every kept

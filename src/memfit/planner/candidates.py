@@ -66,7 +66,7 @@ ALLOW: dict[str, str] = {
     "shorter-seq": "truncate sequences to 1/2 or 1/4 of their length",
     "8bit": "8-bit AdamW state",
     "offload": "the optimizer (fp32 master weights and state) on the host, stepping there, "
-    "and tensors saved for backward in host memory",
+    "block parameters streamed from the host, and tensors saved for backward in host memory",
     "factored": "Adafactor's factored state",
     "bf16-pure": "bf16 weights and optimizer math with stochastic rounding",
 }
@@ -95,6 +95,7 @@ RANK_DIMENSIONS: tuple[str, ...] = (
     "fused_loss",
     "offload_optimizer",
     "offload_activations",
+    "offload_parameters",
 )
 
 #: Bytes a precision mode keeps (per parameter: weights, gradients and, under autocast, the
@@ -338,6 +339,7 @@ def generate(
     # activation offload keeps only what is too small to move. One rank dimension each.
     opt_off_rank = ordinal({_moves_optimizer(o): -int(_moves_optimizer(o)) for o in space.offloads})
     act_off_rank = ordinal({_moves_activations(o): -int(_moves_activations(o)) for o in space.offloads})
+    par_off_rank = ordinal({_moves_parameters(o): -int(_moves_parameters(o)) for o in space.offloads})
     consented_pure = base.precision.mode == "bf16-pure" or space.pure_allowed
     base_foreach = base.optimizer.foreach
     cuda = bool(getattr(device, "is_cuda", False))
@@ -406,6 +408,7 @@ def generate(
             fused_loss_rank[fl],
             opt_off_rank[_moves_optimizer(of)],
             act_off_rank[_moves_activations(of)],
+            par_off_rank[_moves_parameters(of)],
         )
         out.append((plan, rank))
     return out
@@ -416,9 +419,9 @@ def offload_options(
 ) -> list[OffloadConfig | None]:
     """The offload choices ``--allow offload`` opens: the base's, plus the optimizer on the host
     (gradients leaving the device every micro-batch: under accumulation the device then never
-    holds a whole gradient), or on disk in ``disk_dir`` when one is given, and activations on
-    the host, alone and together. The base's other settings (bucket size, thresholds, host
-    bound) are kept."""
+    holds a whole gradient), or on disk in ``disk_dir`` when one is given; with the optimizer
+    on the host, the blocks' parameters streamed from it; and activations on the host; alone
+    and together. The base's other settings (bucket size, thresholds, host bound) are kept."""
     template = base or OffloadConfig(optimizer="host")
     if disk_dir is not None:
         template = dataclasses.replace(template, disk_dir=disk_dir)
@@ -426,21 +429,24 @@ def offload_options(
     if template.disk_dir:
         optimizers.append("disk")
     activations = [False if base is None else base.activations, True]
+    parameters = [None if base is None else base.parameters, "host"]
     out: list[OffloadConfig | None] = [base]
-    for opt in optimizers:
-        for act in activations:
-            if opt is None and not act:
-                out.append(None)
-                continue
-            out.append(
-                dataclasses.replace(
-                    template,
-                    optimizer=opt,
-                    activations=act,
-                    gradients_on_host=opt is not None
-                    and (template.gradients_on_host or base is None or base.optimizer is None),
-                )
+    for opt, act, par in itertools.product(optimizers, activations, parameters):
+        if opt is None and not act and par is None:
+            out.append(None)
+            continue
+        if par is not None and opt != "host":
+            continue  # parameters stream from the host optimizer's masters
+        out.append(
+            dataclasses.replace(
+                template,
+                optimizer=opt,
+                activations=act,
+                parameters=par,
+                gradients_on_host=opt is not None
+                and (template.gradients_on_host or base is None or base.optimizer is None),
             )
+        )
     return out
 
 
@@ -456,6 +462,10 @@ def _moves_optimizer(offload: OffloadConfig | None) -> bool:
 
 def _moves_activations(offload: OffloadConfig | None) -> bool:
     return offload is not None and offload.activations
+
+
+def _moves_parameters(offload: OffloadConfig | None) -> bool:
+    return offload is not None and offload.parameters is not None
 
 
 def dominated(rank: Sequence[int], misfits: Iterable[Sequence[int]]) -> bool:
