@@ -67,21 +67,17 @@ def test_crash_mid_write_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
-    real_save = torch.save
-    calls = {"n": 0}
+    real_write = ckpt.write_manifest
 
-    def crashing_save(obj, f, *args, **kwargs):
-        # The optimizer file is written, then the process "dies" while writing the state.
-        calls["n"] += 1
-        if calls["n"] == 2:
-            with open(f, "wb") as fh:
-                fh.write(b"half a file")
-            raise KeyboardInterrupt("simulated crash")
-        return real_save(obj, f, *args, **kwargs)
+    def crashing_write(folder, step, extra=None):
+        # The data files are written, then the process "dies" while writing the manifest.
+        (folder / "manifest.json").write_text('{"half a')
+        raise KeyboardInterrupt("simulated crash")
 
-    monkeypatch.setattr(ckpt.torch, "save", crashing_save)
+    monkeypatch.setattr(ckpt, "write_manifest", crashing_write)
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint(tmp_path, 2, model, opt)
+    assert real_write is not crashing_write
     monkeypatch.undo()
     assert latest_checkpoint(tmp_path).name == "step-00000001"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]
