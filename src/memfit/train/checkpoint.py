@@ -228,7 +228,7 @@ def _fsync_dir(path: Path) -> None:
 # ---------------------------------------------------------------------------------- load
 def _resolve(path: str | os.PathLike[str]) -> Path:
     p = Path(path)
-    if (p / MANIFEST_FILE).is_file() or _NAME.match(p.name) and p.is_dir():
+    if (p / MANIFEST_FILE).is_file() or (_NAME.match(p.name) and p.is_dir()):
         return p
     latest = latest_checkpoint(p)
     if latest is None:

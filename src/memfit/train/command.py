@@ -50,9 +50,10 @@ def train(
     resume: Annotated[bool, typer.Option("--resume", help=_help("resume", "needs --checkpoint-dir"))] = False,
 ) -> None:
     """Train a causal LM on text under a memory budget: plan, train, report memory."""
-    from ..console import err, fail, out, quiet_libraries
+    from ..console import check_outputs, err, fail, out, quiet_libraries
 
     quiet_libraries()
+    check_outputs(json=json_path, plot=plot)
     flags = {
         "max_steps": max_steps,
         "seed": seed,

@@ -50,9 +50,9 @@ from .callbacks import (
 )
 from .callbacks.checkpointing import load_trainer, save_trainer
 from .checkpoint import latest_checkpoint
-from .manifest import params_sha256
 from .config import DEFAULT_BATCH_SIZE, TrainConfig
 from .data import BatchStream, collate
+from .manifest import params_sha256
 from .oom import switch_plan
 from .result import TrainResult
 from .schedule import SCHEDULES, build_scheduler, lr_factor
