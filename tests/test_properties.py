@@ -72,7 +72,7 @@ def test_anything_else_is_one_clear_sentence(text):
 @SETTINGS
 @given(n=st.one_of(st.integers(max_value=0), st.sampled_from(["0", "0GiB", "-1", "nan", "inf"])))
 def test_non_positive_budgets_are_refused(n):
-    with pytest.raises(ValueError, match="^budget "):
+    with pytest.raises(ValueError, match=r"^budget "):
         parse_budget(n)
 
 
