@@ -328,8 +328,15 @@ class Trainer:
     def fit(self) -> TrainResult:
         """Train up to ``max_steps`` and return the :class:`TrainResult`.
 
+        A SIGTERM ends the run after the step in progress, with a checkpoint when there is a
+        checkpoint folder (``result.stopped_by`` is ``"SIGTERM"``).
+
         Raises:
             torch.OutOfMemoryError: when even the smallest plan runs out of memory.
+            TrainingDiverged: when the loss is NaN or infinite and no loss scaler skips the step
+                (the last good checkpoint is kept).
+            CheckpointError: (a ``ValueError``) for a corrupt checkpoint, a data file changed
+                since it was saved, or a checkpoint that cannot be written.
             ValueError: when a resumed run has no step left to run.
         """
         if self.config.resume and self.checkpoint_dir is not None:
