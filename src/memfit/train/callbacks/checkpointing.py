@@ -45,7 +45,7 @@ def data_fingerprint(trainer: TrainerLike) -> dict[str, str]:
     cached = getattr(trainer, "_data_fingerprint", None)
     if cached is None:
         files = getattr(getattr(trainer, "config", None), "data", None) or ()
-        cached = {str(f): file_sha256(f) for f in files if Path(f).is_file()}
+        cached = {str(Path(f).resolve()): file_sha256(f) for f in files if Path(f).is_file()}
         trainer._data_fingerprint = cached  # type: ignore[attr-defined]
     return dict(cached)
 
