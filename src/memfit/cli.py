@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
-from .console import err, fail, out, quiet_libraries
+from .console import check_outputs, err, fail, out, quiet_libraries
 
 app = typer.Typer(
     name="memfit",
@@ -118,6 +118,9 @@ def profile(
     from .workload import load_workload
 
     _check_sizes(batch_size, seq_len, steps)
+    check_outputs(json=json_path, plot=plot)
+    if top < 0:
+        _fail(f"--top must be a whole number >= 0, got {top}")
     cap_bytes = _parse_cap(cap)
     from .targets import get_device
 
@@ -242,6 +245,7 @@ def plan_command(
     from .workload import load_workload
 
     _check_sizes(batch_size, seq_len)
+    check_outputs(json=json_path, save=save)
     base_plan = _run_guarded(Plan.load, base) if base is not None else None
     workload = _run_guarded(load_workload, model, batch_size, seq_len)
     from rich.status import Status
@@ -343,6 +347,10 @@ def bench_ladder(
     from .bench.ladder import ladder_markdown, ladder_table, run_ladder
 
     _check_sizes(batch_size, seq_len)
+    check_outputs(json=json_path, markdown=markdown)
+    for flag, value in (("--compute-depth", compute_depth), ("--compute-seq", compute_seq)):
+        if value < 1:
+            _fail(f"{flag} must be a whole number >= 1, got {value}")
     from .targets import get_device
 
     target = _run_guarded(get_device, device)

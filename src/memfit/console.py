@@ -7,12 +7,13 @@ A floor below the commands (``cli.py`` and the per-command modules such as
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import NoReturn
 
 import typer
 from rich.console import Console
 
-__all__ = ["err", "fail", "out", "quiet_libraries"]
+__all__ = ["check_outputs", "err", "fail", "out", "quiet_libraries"]
 
 #: Results go to standard output; progress and errors to standard error.
 out = Console()
@@ -32,3 +33,22 @@ def fail(message: str, code: int = 2) -> NoReturn:
     """Print one sentence on standard error and exit with ``code`` (2: bad input)."""
     err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
+
+
+def check_outputs(**paths: Path | None) -> None:
+    """Fail at once (one sentence, exit 2) when an output file cannot be written, rather than
+    after the work: ``check_outputs(json=path)`` names ``--json``. A missing parent folder is
+    fine when it can be created."""
+    for name, path in paths.items():
+        if path is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if path.is_dir():
+            fail(f"{flag} {str(path)!r} is a folder; give a file path")
+        ancestor = path.parent
+        while not ancestor.exists() and ancestor != ancestor.parent:
+            ancestor = ancestor.parent
+        if not ancestor.is_dir():
+            fail(f"{flag} {str(path)!r} cannot be written: {str(ancestor)!r} is not a folder")
+        if not os.access(ancestor, os.W_OK):
+            fail(f"{flag} {str(path)!r} cannot be written: {str(ancestor)!r} is not writable")

@@ -38,10 +38,16 @@ def _one_sentence_error(res, *needles: str) -> None:
 
 def test_default_run_quick(tmp_path):
     out = tmp_path / "run.json"
-    res = _invoke("--max-steps", "3", "--json", str(out))
+    ck = tmp_path / "ck"
+    res = _invoke(
+        "--max-steps", "3", "--seed", "0", "--checkpoint-dir", str(ck), "--save-every", "2",
+        "--keep", "1", "--json", str(out),
+    )  # fmt: skip
     assert res.exit_code == 0, res.output
     data = json.loads(out.read_text())
     assert data["steps"] == 3
+    assert len(data["params_sha256"]) == 64 and int(data["params_sha256"], 16) >= 0
+    assert sorted(p.name for p in ck.iterdir()) == ["step-00000003"]  # --keep 1
     for key in ("first_loss", "final_loss", "budget_bytes", "peak_bytes", "plan", "predicted_peak_bytes"):
         assert key in data
     assert data["budget_bytes"] == 48 * 2**20
@@ -110,6 +116,10 @@ def test_missing_config_file_and_bad_flags(tmp_path):
     _one_sentence_error(_invoke("--cap", "tiny", "--max-steps", "1"), "--cap 'tiny' is not understood")
     _one_sentence_error(_invoke("--budget", "lots"), "--budget 'lots' is not understood")
     _one_sentence_error(_invoke("--resume"), "--resume needs checkpoint_dir")
+    _one_sentence_error(_invoke("--save-every", "3"), "--save-every needs checkpoint_dir")
+    _one_sentence_error(
+        _invoke("--keep", "0", "--checkpoint-dir", str(tmp_path)), "--keep must be a whole number >= 1"
+    )
 
 
 def test_flags_override_the_file_and_name_the_flag(tmp_path):

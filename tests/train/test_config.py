@@ -108,14 +108,18 @@ def test_command_line_flags_override_the_file_and_are_named_as_flags(tmp_path):
 
 def test_typer_options_are_the_config_fields():
     """Every option of ``memfit train`` that sets a setting names a TrainConfig field."""
-    from memfit.train.command import train
+    from memfit.train.command import _FLAG_NAMES, train
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     hints = typing.get_type_hints(train, include_extras=True)
     own = {"config", "json_path", "plot", "plan_path", "return"}
+    # Options named after the issue's words rather than the field (--save-every, --keep).
+    renamed = {"save_every": "checkpoint_every", "keep": "keep_checkpoints"}
+    for field, flag in _FLAG_NAMES.items():
+        assert renamed[flag.replace("-", "_")] == field
     for name in hints:
         if name not in own:
-            assert name in fields, name
+            assert renamed.get(name, name) in fields, name
 
 
 def test_the_trainer_reads_its_config_and_keywords_override_it():

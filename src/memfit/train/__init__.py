@@ -14,16 +14,19 @@ from __future__ import annotations
 
 from .callbacks import Callback, StepInfo
 from .config import ConfigError, TrainConfig
+from .manifest import CheckpointError
 from .prepare import Prepared, prepare
-from .trainer import Trainer, TrainResult
+from .trainer import Trainer, TrainingDiverged, TrainResult
 
 __all__ = [
     "Callback",
+    "CheckpointError",
     "ConfigError",
     "Prepared",
     "StepInfo",
     "TrainConfig",
     "TrainResult",
     "Trainer",
+    "TrainingDiverged",
     "prepare",
 ]

@@ -5,9 +5,14 @@ A checkpoint is a folder ``step-00000100`` holding
 * ``model.safetensors``: the weights (``safetensors.torch.save_model``, which stores a tensor
   shared by two names, such as GPT-2's ``lm_head.weight`` tied to ``wte.weight``, once and
   re-ties it on load; plain ``save_file`` refuses shared tensors);
-* ``optimizer.pt``: the optimizer's ``state_dict`` (also an optimizer-in-backward handle's);
-* ``state.pt``: the step, every RNG state (Python, NumPy, torch CPU and accelerator), the
-  scheduler's state, the plan and the data position, plus whatever the caller adds.
+* ``state.json`` and ``state.safetensors``: the optimizer's ``state_dict`` (any optimizer's:
+  8-bit, factored, an optimizer-in-backward handle's, an offloaded one's), the step, every RNG
+  state (Python, NumPy, torch CPU and accelerator), the scheduler's state, the plan and the
+  data position, plus whatever the caller adds; tensors in the safetensors file, everything
+  else in the JSON (:mod:`memfit.train.manifest`). Nothing is pickled, so loading runs no code;
+* ``manifest.json``: each file's size and SHA-256, written last. A checkpoint whose files do
+  not match it is refused (:class:`~memfit.train.manifest.CheckpointError`) before anything is
+  loaded, so a corrupt checkpoint is never half-loaded.
 
 Crash safety: everything is written (and fsynced) into a hidden temporary folder that is then
 renamed into place with :func:`os.replace`, which is atomic. A crash at any moment leaves either
@@ -17,6 +22,8 @@ and :func:`latest_checkpoint` ignores unfinished temporary folders.
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import random
 import re
@@ -29,7 +36,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from .manifest import MANIFEST_FILE, CheckpointError, flatten, unflatten, verify, write_manifest
+
 __all__ = [
+    "CheckpointError",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
@@ -41,8 +51,8 @@ __all__ = [
 
 _NAME = re.compile(r"^step-(\d+)$")
 MODEL_FILE = "model.safetensors"
-OPTIMIZER_FILE = "optimizer.pt"
-STATE_FILE = "state.pt"
+STATE_FILE = "state.json"
+TENSORS_FILE = "state.safetensors"
 
 
 # ---------------------------------------------------------------------------------- RNG
@@ -117,52 +127,73 @@ def save_checkpoint(
         model: The model (weights go to safetensors; tied weights are stored once).
         optimizer: The optimizer or optimizer-in-backward handle, or ``None``.
         scheduler: An LR scheduler, or ``None``.
-        state: More trainer state to store (plan dict, data position, ...); plain data and
-            tensors, saved with ``torch.save``.
+        state: More trainer state to store (plan dict, data position, ...): tensors and plain
+            JSON data (dicts, lists, tuples, numbers, strings, ``None``).
         keep: Checkpoints to keep (older ones are deleted after the new one is in place);
             ``None`` keeps all.
 
     Returns:
         The checkpoint's folder.
-    """
-    from safetensors.torch import save_model
 
+    Raises:
+        CheckpointError: for state that is neither tensors nor JSON data, or a write that
+            fails (a full disk); the previous checkpoints are left as they were.
+    """
     if keep is not None and keep < 1:
         raise ValueError(f"keep must be >= 1 or None, got {keep!r}")
     root = Path(directory)
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"cannot create the checkpoint folder {str(root)!r} ({e.strerror})") from None
     final = root / f"step-{int(step):08d}"
     tmp = root / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    trainer_state = {
+        "step": int(step),
+        "rng": rng_state(),
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        **dict(state or {}),
+    }
+    # Flattened before anything is written: state that cannot be stored fails here.
+    tree, tensors = flatten(trainer_state)
     try:
-        save_model(model, str(tmp / MODEL_FILE))
-        if optimizer is not None:
-            torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
-        trainer_state = {
-            "step": int(step),
-            "rng": rng_state(),
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            **dict(state or {}),
-        }
-        torch.save(trainer_state, tmp / STATE_FILE)
-        for f in tmp.iterdir():
-            _fsync_file(f)
-        _fsync_dir(tmp)
+        tmp.mkdir()
+        _write(tmp, int(step), model, tree, tensors)
         if final.exists():
             # Re-saving a step (a resumed run): move the old one aside first, since a rename
             # cannot replace a non-empty folder; it is deleted once the new one is in place.
-            old = root / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
+            old = root / f".old-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             os.replace(final, old)
             os.replace(tmp, final)
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, final)
         _fsync_dir(root)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        why = "the disk is full" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+        before = latest_checkpoint(root)
+        kept = f"; the previous checkpoint {before.name} is intact" if before else ""
+        raise CheckpointError(f"could not write checkpoint {final.name} in {str(root)!r}: {why}{kept}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _prune(root, keep)
     return final
+
+
+def _write(tmp: Path, step: int, model: nn.Module, tree: Any, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file, save_model
+
+    save_model(model, str(tmp / MODEL_FILE))
+    save_file(tensors, str(tmp / TENSORS_FILE))
+    (tmp / STATE_FILE).write_text(json.dumps(tree, allow_nan=False) + "\n")
+    # The manifest last: its checksums cover the files as written.
+    write_manifest(tmp, step)
+    for f in tmp.iterdir():
+        _fsync_file(f)
+    _fsync_dir(tmp)
 
 
 def _prune(root: Path, keep: int | None) -> None:
@@ -197,7 +228,7 @@ def _fsync_dir(path: Path) -> None:
 # ---------------------------------------------------------------------------------- load
 def _resolve(path: str | os.PathLike[str]) -> Path:
     p = Path(path)
-    if (p / STATE_FILE).is_file():
+    if (p / MANIFEST_FILE).is_file() or (_NAME.match(p.name) and p.is_dir()):
         return p
     latest = latest_checkpoint(p)
     if latest is None:
@@ -210,13 +241,25 @@ def _resolve(path: str | os.PathLike[str]) -> Path:
 def read_state(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The trainer state of a checkpoint (or of a run folder's latest), touching nothing else.
 
+    Every file is checked against the manifest first.
+
     Raises:
         FileNotFoundError: when there is no checkpoint at ``path``.
+        CheckpointError: for a corrupt, incomplete or old-format checkpoint.
     """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
     p = _resolve(path)
-    # weights_only=False: the state holds RNG states (a NumPy tuple) and plain Python data
-    # that memfit wrote itself.
-    state = torch.load(p / STATE_FILE, weights_only=False, map_location="cpu")
+    verify(p)
+    try:
+        tree = json.loads((p / STATE_FILE).read_text())
+        tensors = load_file(str(p / TENSORS_FILE))
+    except (OSError, ValueError, SafetensorError) as e:
+        raise CheckpointError(f"checkpoint {str(p)!r} cannot be read ({e})") from None
+    state = unflatten(tree, tensors)
+    if not isinstance(state, dict) or "step" not in state:
+        raise CheckpointError(f"checkpoint {str(p)!r} holds no trainer state")
     state["path"] = str(p)
     return state
 
@@ -228,6 +271,7 @@ def load_checkpoint(
     *,
     scheduler: Any = None,
     restore_rng: bool = True,
+    state: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Restore a checkpoint into ``model`` (and ``optimizer``, ``scheduler``) in place.
 
@@ -237,28 +281,33 @@ def load_checkpoint(
         optimizer: The optimizer to restore, or ``None`` to skip it.
         scheduler: The LR scheduler to restore, or ``None``.
         restore_rng: Also restore every RNG state (needed for a bit-exact continuation).
+        state: :func:`read_state`'s result for ``path``, when the caller already read (and
+            verified) it.
 
     Returns:
-        The trainer state saved with it (``step``, ``rng``, ``scheduler`` and the caller's keys).
+        The trainer state saved with it (``step``, ``rng``, ``scheduler``, ``optimizer`` and
+        the caller's keys).
 
     Raises:
         FileNotFoundError: when there is no checkpoint at ``path``.
-        ValueError: when the weights do not match the model.
+        CheckpointError: (a ``ValueError``) for a corrupt checkpoint, or weights that do not
+            match the model; nothing is loaded then.
     """
     from safetensors.torch import load_model
 
-    state = read_state(path)
+    if state is None:
+        state = read_state(path)
     p = Path(state["path"])
     device = next((t.device for t in model.parameters()), torch.device("cpu"))
     missing, unexpected = load_model(model, str(p / MODEL_FILE), strict=False, device=str(device))
     if missing or unexpected:
-        raise ValueError(
+        raise CheckpointError(
             f"checkpoint {str(p)!r} does not match the model (missing {sorted(missing)[:4]}, "
             f"unexpected {sorted(unexpected)[:4]}); build the model the same way as the run that "
             "saved it"
         )
-    if optimizer is not None and (p / OPTIMIZER_FILE).is_file():
-        optimizer.load_state_dict(torch.load(p / OPTIMIZER_FILE, weights_only=False, map_location=device))
+    if optimizer is not None and state.get("optimizer") is not None:
+        optimizer.load_state_dict(state["optimizer"])
     if scheduler is not None and state.get("scheduler") is not None:
         scheduler.load_state_dict(state["scheduler"])
     if restore_rng and state.get("rng") is not None:

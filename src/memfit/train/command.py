@@ -22,6 +22,7 @@ import typer
 from ..workload import WorkloadError
 from .config import ConfigError, TrainConfig, field_help
 from .run import TrainRun, prepare_run
+from .trainer import TrainingDiverged
 
 __all__ = ["build_config", "train"]
 
@@ -44,12 +45,15 @@ def train(
     plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG of the run's memory here.")] = None,
     plan_path: Annotated[Path | None, typer.Option("--plan", help=_help("plan", "a saved plan file"))] = None,
     checkpoint_dir: Annotated[Path | None, typer.Option("--checkpoint-dir", help=_help("checkpoint_dir"))] = None,
+    save_every: Annotated[int | None, typer.Option("--save-every", help=_help("checkpoint_every", "needs --checkpoint-dir"))] = None,
+    keep: Annotated[int | None, typer.Option("--keep", help=_help("keep_checkpoints", "default 3"))] = None,
     resume: Annotated[bool, typer.Option("--resume", help=_help("resume", "needs --checkpoint-dir"))] = False,
 ) -> None:
     """Train a causal LM on text under a memory budget: plan, train, report memory."""
-    from ..console import err, fail, out, quiet_libraries
+    from ..console import check_outputs, err, fail, out, quiet_libraries
 
     quiet_libraries()
+    check_outputs(json=json_path, plot=plot)
     flags = {
         "max_steps": max_steps,
         "seed": seed,
@@ -57,6 +61,8 @@ def train(
         "cap": cap,
         "plan": str(plan_path) if plan_path else None,
         "checkpoint_dir": str(checkpoint_dir) if checkpoint_dir else None,
+        "checkpoint_every": save_every,
+        "keep_checkpoints": keep,
         "resume": resume or None,
     }
     try:
@@ -69,7 +75,7 @@ def train(
     _print_plan(out, run)
     try:
         result = run.trainer(report_png=plot, console=err).fit()
-    except torch.OutOfMemoryError as e:
+    except (torch.OutOfMemoryError, TrainingDiverged) as e:
         fail(str(e), code=1)
     except (WorkloadError, ValueError) as e:
         fail(str(e))
@@ -79,6 +85,10 @@ def train(
     if json_path is not None:
         json_path.write_text(json.dumps(_result_json(run, result), indent=2) + "\n")
         out.print(f"wrote {json_path}")
+
+
+#: Config fields whose option has another name.
+_FLAG_NAMES = {"checkpoint_every": "save-every", "keep_checkpoints": "keep"}
 
 
 def build_config(path: Path | None, flags: Mapping[str, Any]) -> TrainConfig:
@@ -95,7 +105,8 @@ def build_config(path: Path | None, flags: Mapping[str, Any]) -> TrainConfig:
         return TrainConfig.from_dict({**values, **flags})
     except ConfigError as e:
         if e.key in flags:
-            raise ConfigError(f"--{e.key.replace('_', '-')}", e.problem) from None
+            flag = _FLAG_NAMES.get(e.key, e.key.replace("_", "-"))
+            raise ConfigError(f"--{flag}", e.problem) from None
         if path is not None and e.key in values:
             raise ConfigError(f"{path.name}: {e.key}", e.problem) from None
         raise
@@ -132,6 +143,9 @@ def _print_result(out: Any, run: TrainRun, result: Any) -> None:
         f"[bold]{_fmt(result.peak_bytes)}[/], {within} the budget of {_fmt(budget)}",
         highlight=False,
     )
+    if result.stopped_by:
+        saved = f"; checkpoint {result.checkpoint}, continue with --resume" if result.checkpoint else ""
+        out.print(f"stopped by {result.stopped_by} after step {result.steps}{saved}", highlight=False)
     for s in result.step_downs:
         out.print(f"stepped down at step {s['step'] + 1}: {s['summary']}", highlight=False)
     if result.step_downs:

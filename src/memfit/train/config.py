@@ -199,6 +199,12 @@ class TrainConfig:
         if self.data == ():
             raise ConfigError("data", "is an empty list; give at least one file, or leave it out")
         _ = self.budget_bytes, self.cap_bytes  # a size that does not parse fails here
+        if self.checkpoint_dir is not None and Path(self.checkpoint_dir).exists() and not Path(
+            self.checkpoint_dir
+        ).is_dir():
+            raise ConfigError(
+                "checkpoint_dir", f"{self.checkpoint_dir!r} is a file; give a folder for checkpoints"
+            )
         # Settings that contradict each other.
         if self.checkpoint_every is not None and self.checkpoint_dir is None:
             raise ConfigError(

@@ -29,6 +29,10 @@ class TrainResult:
         tokens: Input tokens trained on in this ``fit``.
         seconds: Wall time of this ``fit``'s loop.
         checkpoint: The last checkpoint written, if any.
+        params_sha256: SHA-256 over the final parameters in ``named_parameters()`` order,
+            each tensor's bytes (equal for two runs whose weights are equal bit for bit).
+        stopped_by: ``"SIGTERM"`` when a signal ended the run early (after a checkpoint),
+            else ``None``.
     """
 
     first_loss: float
@@ -43,6 +47,8 @@ class TrainResult:
     tokens: int = 0
     seconds: float = 0.0
     checkpoint: str | None = None
+    params_sha256: str = ""
+    stopped_by: str | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -66,4 +72,6 @@ class TrainResult:
             "seconds": self.seconds,
             "tokens_per_second": self.tokens_per_second,
             "checkpoint": self.checkpoint,
+            "params_sha256": self.params_sha256,
+            "stopped_by": self.stopped_by,
         }

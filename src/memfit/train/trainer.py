@@ -22,6 +22,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
+import signal
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -49,6 +52,7 @@ from .callbacks.checkpointing import load_trainer, save_trainer
 from .checkpoint import latest_checkpoint
 from .config import DEFAULT_BATCH_SIZE, TrainConfig
 from .data import BatchStream, collate
+from .manifest import params_sha256
 from .oom import switch_plan
 from .result import TrainResult
 from .schedule import SCHEDULES, build_scheduler, lr_factor
@@ -60,12 +64,18 @@ __all__ = [
     "TrainProgress",
     "TrainResult",
     "Trainer",
+    "TrainingDiverged",
     "build_scheduler",
     "evaluate",
     "lr_factor",
 ]
 
 logger = logging.getLogger("memfit.train")
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or infinite with no loss scaler to skip the step; ``str(error)``
+    names the step, the batch's samples and the last good checkpoint."""
 
 
 class Trainer:
@@ -198,6 +208,7 @@ class Trainer:
         self.train_data, self.eval_data = train_data, eval_data
         self.stream = self._make_stream(train_data)
         self.step_count = 0
+        self._signal: str | None = None
         self.losses: list[float] = []
         self.eval_losses: list[tuple[int, float]] = []
         # The built-in callbacks, in the order their hooks run.
@@ -317,8 +328,15 @@ class Trainer:
     def fit(self) -> TrainResult:
         """Train up to ``max_steps`` and return the :class:`TrainResult`.
 
+        A SIGTERM ends the run after the step in progress, with a checkpoint when there is a
+        checkpoint folder (``result.stopped_by`` is ``"SIGTERM"``).
+
         Raises:
             torch.OutOfMemoryError: when even the smallest plan runs out of memory.
+            TrainingDiverged: when the loss is NaN or infinite and no loss scaler skips the step
+                (the last good checkpoint is kept).
+            CheckpointError: (a ``ValueError``) for a corrupt checkpoint, a data file changed
+                since it was saved, or a checkpoint that cannot be written.
             ValueError: when a resumed run has no step left to run.
         """
         if self.config.resume and self.checkpoint_dir is not None:
@@ -327,16 +345,46 @@ class Trainer:
                 self.load(latest)
         started: list[Callback] = []
         result: TrainResult | None = None
+        restore = self._catch_sigterm()
         try:
             for callback in self.callbacks:
                 callback.on_fit_start(self)
                 started.append(callback)
             result = self._loop()
         finally:
+            restore()
             for callback in started:
                 callback.on_fit_end(self, result)
         assert result is not None  # _loop returned, or its error propagated above
         return result
+
+    def _catch_sigterm(self) -> Callable[[], None]:
+        # SIGTERM (a scheduler's pre-emption) ends the run after the current step, with a
+        # checkpoint; only the main thread may install a handler.
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        self._signal = None
+
+        def handler(signum: int, frame: Any) -> None:
+            self._signal = signal.Signals(signum).name
+
+        previous = signal.signal(signal.SIGTERM, handler)
+        return lambda: signal.signal(signal.SIGTERM, previous)
+
+    def _check_loss(self, loss: float, indices: list[int]) -> None:
+        if math.isfinite(loss) or getattr(self.setup.precision, "scaler", None) is not None:
+            return  # a scaler skips the step of a non-finite loss and training goes on
+        where = f"samples {indices[:8]}{' ...' if len(indices) > 8 else ''}" if indices else (
+            f"batch {self.step_count + 1}"
+        )
+        last = self.checkpoints.last or (
+            str(latest_checkpoint(self.checkpoint_dir)) if self.checkpoint_dir else None
+        )
+        kept = f"; the last good checkpoint is {last}" if last else "; no checkpoint was written"
+        raise TrainingDiverged(
+            f"the loss is {loss} at step {self.step_count + 1} ({where}) and there is no loss "
+            f"scaler to skip the step, so training stopped{kept}"
+        )
 
     def _loop(self) -> TrainResult:
         device, start_step, tokens = self.device, self.step_count, 0
@@ -348,6 +396,7 @@ class Trainer:
                 for callback in self.callbacks:
                     stack.enter_context(callback.step_context(self, batch))
                 loss = float(self.oom.step(self, batch))
+            self._check_loss(loss, list(indices))
             self.scheduler.step()
             self.step_count += 1
             self.losses.append(loss)
@@ -358,6 +407,10 @@ class Trainer:
             for callback in self.callbacks:
                 callback.on_step_end(self, info)
             del info
+            if self._signal is not None:
+                if self.checkpoint_dir is not None and not self._saved_this_step():
+                    self.checkpoints.last = str(self.save())
+                break
         seconds = time.perf_counter() - t0
         if not self.losses or self.step_count == start_step:
             raise ValueError("no step was run: max_steps is already reached by the checkpoint")
@@ -375,7 +428,13 @@ class Trainer:
             tokens=tokens,
             seconds=seconds,
             checkpoint=self.checkpoints.last,
+            params_sha256=params_sha256(self.model),
+            stopped_by=self._signal,
         )
+
+    def _saved_this_step(self) -> bool:
+        last = self.checkpoints.last
+        return last is not None and Path(last).name == f"step-{self.step_count:08d}"
 
 
 def _with_lr(plan: Plan, lr: float | None) -> Plan:

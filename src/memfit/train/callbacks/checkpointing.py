@@ -2,7 +2,8 @@
 
 A checkpoint (:mod:`memfit.train.checkpoint`) holds the weights, the optimizer and schedule,
 the RNG, and the trainer's own state: the plan in force (a step-down is kept across a resume),
-the data position, the loss history and the loss scaler.
+the data position (with each data file's SHA-256, so that a file changed between save and
+resume is named rather than silently trained on), the loss history and the loss scaler.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 
 from ...plan import Plan
 from ..checkpoint import load_checkpoint, read_state, save_checkpoint
+from ..manifest import CheckpointError, file_sha256
 from .base import Callback, StepInfo, TrainerLike, due
 
 __all__ = ["CheckpointCallback", "load_trainer", "save_trainer"]
@@ -32,18 +34,50 @@ def save_trainer(trainer: TrainerLike, folder: str | Path, *, keep: int = 3) -> 
             "losses": list(trainer.losses),
             "eval_losses": list(trainer.eval_losses),
             "scaler": scaler.state_dict() if scaler is not None else None,
+            "data_files": data_fingerprint(trainer),
         },
     )
+
+
+def data_fingerprint(trainer: TrainerLike) -> dict[str, str]:
+    """SHA-256 of each of the run's data files (``config.data``), hashed once per run: what a
+    resume checks so that the data position means the same samples."""
+    cached = getattr(trainer, "_data_fingerprint", None)
+    if cached is None:
+        files = getattr(getattr(trainer, "config", None), "data", None) or ()
+        cached = {str(Path(f).resolve()): file_sha256(f) for f in files if Path(f).is_file()}
+        trainer._data_fingerprint = cached  # type: ignore[attr-defined]
+    return dict(cached)
+
+
+def _check_data(trainer: TrainerLike, saved: dict[str, str] | None) -> None:
+    if not saved:
+        return
+    now = data_fingerprint(trainer)
+    for name, digest in saved.items():
+        if name not in now:
+            raise CheckpointError(
+                f"data file {name!r} of the checkpointed run is not part of this run (or is "
+                "gone); resume with the same data or start a new run"
+            )
+        if now[name] != digest:
+            raise CheckpointError(
+                f"data file {name!r} changed since the checkpoint was saved; resume with the "
+                "same data or start a new run"
+            )
 
 
 def load_trainer(trainer: TrainerLike, path: str | Path) -> None:
     """Continue ``trainer`` from a checkpoint: its plan first (a run that had stepped down goes
     on with the plan that fitted), then weights, optimizer, schedule, RNG, data position."""
     state = read_state(path)
+    _check_data(trainer, state.get("data_files"))
     saved_plan = Plan.from_dict(state["plan"])
     if saved_plan != trainer.plan:
         trainer.switch_plan(saved_plan)
-    state = load_checkpoint(path, trainer.model, trainer.optimizer, scheduler=trainer.scheduler)
+    state = load_checkpoint(
+        path, trainer.model, trainer.optimizer, scheduler=trainer.scheduler, state=state
+    )
     trainer.stream.load_state_dict(state.get("data") or {})
     scaler = getattr(trainer.setup.precision, "scaler", None)
     if scaler is not None and state.get("scaler") is not None:
