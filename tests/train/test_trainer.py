@@ -70,12 +70,16 @@ def test_lr_schedule_shapes():
         build_scheduler(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), "step")
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["optimizer", "optimizer-in-backward"])
-def test_lr_override_and_schedule_reach_the_optimizer(fused):
+@pytest.mark.parametrize(
+    ("fused", "offload"),
+    [(False, None), (True, None), (False, "host"), (True, "host")],
+    ids=["optimizer", "optimizer-in-backward", "offload", "offload-in-backward"],
+)
+def test_lr_override_and_schedule_reach_the_optimizer(fused, offload):
     lrs = []
     trainer = Trainer(
         tiny_gpt2(),
-        Plan(optimizer_in_backward=fused),
+        Plan(optimizer_in_backward=fused, offload=offload),
         text_dataset(),
         batch_size=4,
         lr=0.02,
@@ -88,9 +92,11 @@ def test_lr_override_and_schedule_reach_the_optimizer(fused):
     trainer.fit()
     assert trainer.plan.optimizer.lr == 0.02
     assert lrs == pytest.approx([0.015, 0.01, 0.005, 0.0])
-    if fused:
+    if fused and offload is None:
         inner = trainer.optimizer.optimizers[0].param_groups[0]["lr"]
         assert inner == pytest.approx(0.0)
+    if offload is not None:  # the host optimizer is the one scheduled
+        assert trainer.optimizer.optimizer.param_groups[0]["lr"] == pytest.approx(0.0)
 
 
 def test_progress_prints_the_memory_table_and_writes_the_plot(tmp_path):

@@ -40,7 +40,8 @@ def build_scheduler(
     """A torch ``LambdaLR`` on ``optimizer``: warm-up, then cosine / linear decay to 0, or flat.
 
     Args:
-        optimizer: A torch optimizer or an optimizer-in-backward handle.
+        optimizer: A torch optimizer, an optimizer-in-backward handle, or an offload engine
+            (its host optimizer is scheduled).
         schedule: ``cosine``, ``linear`` or ``constant``.
         warmup_steps: Steps of linear warm-up from ``lr / warmup_steps``.
         max_steps: Steps of the whole run (the decay ends there).
@@ -58,6 +59,11 @@ def build_scheduler(
     def factor(step: int) -> float:
         return lr_factor(step, schedule=schedule, warmup_steps=warmup_steps, max_steps=max_steps)
 
+    if not isinstance(optimizer, torch.optim.Optimizer) and isinstance(
+        getattr(optimizer, "optimizer", None), torch.optim.Optimizer
+    ):
+        # Optimizer offload steps a torch optimizer over host masters: schedule that one.
+        optimizer = optimizer.optimizer
     if start_step > 0:
         # LambdaLR resumes from last_epoch only when each group records its base LR.
         for group in optimizer.param_groups:
