@@ -64,7 +64,7 @@ def test_approx_clipping_uses_the_previous_steps_norm():
         opt.zero_grad()
         coef = min(1.0, max_norm / (norm + 1e-6))
         got.step(_batch(step))
-        norms.append((norm, got.optimizer.last_norm))
+        norms.append((norm, float(got.optimizer.last_norm)))
     for p, q in zip(ref_model.parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(q, p, rtol=0, atol=1e-6)
     for want, seen in norms:
@@ -110,3 +110,18 @@ def test_device_gradients_stay_within_a_bucket():
 def test_exact_clipping_is_refused():
     with pytest.raises(memfit.PlanError, match="grad_clip_mode 'approx'"):
         memfit.Plan(optimizer_in_backward=True, max_grad_norm=1.0, offload="host")
+
+
+def test_dry_run_equals_real_run_with_the_step_in_backward(tmp_path):
+    import json
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
+                                "n_embd": 64, "n_layer": 2, "n_head": 2, "vocab_size": 256,
+                                "n_positions": 64}))  # fmt: skip
+    plan = memfit.Plan(optimizer_in_backward=True, max_grad_norm=1.0, grad_clip_mode="approx",
+                       offload={"optimizer": "host", "bucket_bytes": 1 << 16})  # fmt: skip
+    real = memfit.measure(str(path), plan, batch_size=2, seq_len=16)
+    dry = memfit.dry_run(str(path), plan, batch_size=2, seq_len=16)
+    assert dry.peak_by_category == real.peak_by_category
+    assert dry.peak_by_tier == real.peak_by_tier

@@ -217,9 +217,9 @@ class DiskOffloadOptimizer(HostOffloadOptimizer):
         self.max_grad_norm: float | None = None
         self._last = False
         self._stepped: set[int] = set()
-        self._sq_norm = 0.0
-        self._coef = 1.0
-        self.last_norm: float | None = None
+        self._sq_norm: torch.Tensor | None = None
+        self._coef: torch.Tensor | None = None
+        self.last_norm: torch.Tensor | None = None
         self._loaded: dict[int, tuple[torch.Tensor, dict[str, Any]]] = {}
 
     # ------------------------------------------------------------------ sizes

@@ -110,9 +110,12 @@ class HostOffloadOptimizer:
         self.max_grad_norm = max_grad_norm
         self._last = False  # whether this backward is the step's last (buckets step in it)
         self._stepped: set[int] = set()  # buckets stepped in this backward
-        self._sq_norm = 0.0  # this step's squared gradient norm, gathered bucket by bucket
-        self._coef = 1.0  # the clip coefficient from the previous step's norm
-        self.last_norm: float | None = None  # the previous step's global gradient norm
+        # With clipping: this step's squared gradient norm, gathered bucket by bucket, and the
+        # coefficient from the previous step's norm (tensors: nothing reads a value, so a dry
+        # run of fake tensors goes through).
+        self._sq_norm: torch.Tensor | None = None
+        self._coef: torch.Tensor | None = None
+        self.last_norm: torch.Tensor | None = None  # the previous step's global gradient norm
 
     def _master(self, p: nn.Parameter, host_buffer: Callable[..., torch.Tensor]) -> torch.Tensor:
         # A parameter streamed by parameter offload has its values in a host copy (its device
@@ -216,8 +219,11 @@ class HostOffloadOptimizer:
         mine = [self.masters[i] for i in self.buckets[b] if self.masters[i].grad is not None]
         with torch.no_grad():
             for m in mine:
-                self._sq_norm += float(torch.linalg.vector_norm(m.grad, 2)) ** 2
-                if self._coef != 1.0:
+                if self.max_grad_norm is None:
+                    continue
+                sq = torch.linalg.vector_norm(m.grad, 2).square()
+                self._sq_norm = sq if self._sq_norm is None else self._sq_norm + sq
+                if self._coef is not None:
                     m.grad.mul_(self._coef)
         hidden = {
             i: self.masters[i].grad
@@ -242,11 +248,12 @@ class HostOffloadOptimizer:
 
     def _finish_step(self) -> None:
         """The step's norm is known: the next step's clip coefficient (as clip_grad_norm_)."""
-        norm = self._sq_norm**0.5
-        self._sq_norm = 0.0
-        self.last_norm = norm
-        if self.max_grad_norm is not None:
-            self._coef = min(1.0, self.max_grad_norm / (norm + 1e-6))
+        if self._sq_norm is not None and self.max_grad_norm is not None:
+            norm = self._sq_norm.sqrt()
+            self.last_norm = norm
+            # The same operations as torch.nn.utils.clip_grad_norm_.
+            self._coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+        self._sq_norm = None
         mark_host(v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v))
 
     def scale_grads(self, factor: float) -> None:
