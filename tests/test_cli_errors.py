@@ -48,6 +48,8 @@ BAD: dict[str, dict[str, list[str] | None]] = {
         "--plan": [MISSING],
         "--json": [UNWRITABLE],
         "--save": [UNWRITABLE],
+        "--host-budget": ["lots"],
+        "--disk-dir": [MISSING],
     },
     "train": {
         "--config": [MISSING],
