@@ -17,17 +17,7 @@ from memfit.strategies import disk_offload
 from memfit.strategies.compose import apply_plan
 from memfit.strategies.disk_offload import DiskOffloadOptimizer
 
-
-class Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = torch.nn.Linear(16, 64)
-        self.b = torch.nn.Linear(64, 64)
-        self.c = torch.nn.Linear(64, 4)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        h = torch.nn.functional.gelu(self.b(torch.nn.functional.gelu(self.a(x))))
-        return ((self.c(h) - y) ** 2).mean()
+from .test_optimizer_offload import Net
 
 
 class Deep(torch.nn.Module):

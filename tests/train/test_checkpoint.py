@@ -105,17 +105,18 @@ def test_missing_checkpoint_says_so(tmp_path):
         load_checkpoint(tmp_path, tiny_gpt2())
 
 
-def _trainer(checkpoint_dir, *, resume=False, seed=0):
+def _trainer(checkpoint_dir, *, resume=False, seed=0, plan=None, max_steps=6, every=3,
+             warmup=2):  # fmt: skip
     return Trainer(
         tiny_gpt2(seed=seed, dropout=0.1),  # dropout: the RNG state must be restored too
-        Plan(micro_batch_size=2, grad_accum_steps=2),
+        plan or Plan(micro_batch_size=2, grad_accum_steps=2),
         text_dataset(),
         batch_size=4,
         lr=1e-2,
-        warmup_steps=2,
-        max_steps=6,
+        warmup_steps=warmup,
+        max_steps=max_steps,
         checkpoint_dir=checkpoint_dir,
-        checkpoint_every=3,
+        checkpoint_every=every,
         keep_checkpoints=5,
         resume=resume,
         seed=0,
@@ -149,25 +150,15 @@ def test_resume_is_bit_exact(tmp_path):
         {"optimizer": {"name": "adafactor"}},
         {"optimizer_in_backward": True, "max_grad_norm": 1.0, "grad_clip_mode": "approx"},
         {"precision": {"mode": "fp16-mixed"}},
+        {"offload": {"optimizer": "host", "pin_memory": False}},
+        {"offload": {"optimizer": "host"}, "optimizer_in_backward": True},
     ],
-    ids=["8bit", "factored", "in-backward", "fp16-scaler"],
+    ids=["8bit", "factored", "in-backward", "fp16-scaler", "offload", "offload-in-backward"],
 )
 def test_every_optimizer_state_resumes_bit_exactly_without_pickle(tmp_path, plan):
     def trainer(folder, resume=False, seed=0):
-        return Trainer(
-            tiny_gpt2(seed=seed, dropout=0.1),
-            Plan.from_dict(plan),
-            text_dataset(),
-            batch_size=4,
-            lr=1e-2,
-            warmup_steps=1,
-            max_steps=4,
-            checkpoint_dir=folder,
-            checkpoint_every=2,
-            keep_checkpoints=5,
-            resume=resume,
-            progress=False,
-        )
+        return _trainer(folder, resume=resume, seed=seed, plan=Plan.from_dict(plan), max_steps=4,
+                        every=2, warmup=1)  # fmt: skip
 
     full = trainer(tmp_path / "run")
     result = full.fit()
@@ -197,8 +188,7 @@ def test_params_sha256_is_the_hash_of_the_parameter_bytes():
 
 
 def test_an_offloaded_optimizer_state_resumes_bit_exactly(tmp_path):
-    # Through apply_plan directly: the Trainer's LR schedule does not take the host optimizer
-    # yet (that belongs to the offload work).
+    # Through apply_plan and the checkpoint functions directly (the Trainer's run is above).
     from memfit.strategies.compose import apply_plan
 
     plan = Plan.from_dict({"offload": {"optimizer": "host", "pin_memory": False}})
