@@ -42,6 +42,17 @@ def batches(n: int, size: int) -> list[dict[str, torch.Tensor]]:
     return out
 
 
+class _Fresh(torch.utils.data.Dataset):
+    def __init__(self, makers):
+        self.makers = makers
+
+    def __len__(self):
+        return len(self.makers)
+
+    def __getitem__(self, i):
+        return self.makers[i]()
+
+
 class Module(L.LightningModule):
     def __init__(self, model: nn.Module, callback) -> None:
         super().__init__()
@@ -66,8 +77,10 @@ def fit(model, plan, data, tmp_path=None, **extra):
         enable_model_summary=False, accelerator="cpu", devices=1,
         callbacks=[cb], **{**trainer_kwargs(plan), **extra},
     )
-    # batch_size=None: the batches are already made (each one a micro-batch).
-    loader = torch.utils.data.DataLoader(data, batch_size=None)
+    # batch_size=None: the batches are already made (each one a micro-batch); cloned on
+    # access, as a real loader makes new tensors, so a used batch dies after its step.
+    fresh = [lambda b=b: {k: v.clone() for k, v in b.items()} for b in data]
+    loader = torch.utils.data.DataLoader(_Fresh(fresh), batch_size=None)
     trainer.fit(module, train_dataloaders=loader)
     return module, cb, trainer
 
@@ -166,8 +179,17 @@ def test_tracked_peak_matches_dry_run(plan):
 
     workload = Workload(name="tiny-gpt2", batch_size=BATCH, seq_len=SEQ,
                         build_model=tiny_gpt2, make_batch=make_batch)
-    predicted = memfit.dry_run(workload, plan, steps=2).peak_bytes
+    pred = memfit.dry_run(workload, plan, steps=2)
     torch.manual_seed(0)
     _, cb, _ = fit(tiny_gpt2(), plan, batches(2 * plan.grad_accum_steps, mb))
-    measured = cb.report.peak_bytes
-    assert abs(measured - predicted) <= 0.05 * predicted, (measured, predicted)
+    got = cb.report
+    assert abs(got.peak_bytes - pred.peak_bytes) <= 0.05 * pred.peak_bytes
+    # At the peak the same weights, gradients, optimizer state and activations are alive...
+    for cat in ("parameters", "gradients", "optimizer_state", "activations"):
+        assert got.peak_by_category[cat] == pred.peak_by_category[cat], cat
+    # ...but inputs differ: the dry run holds the whole effective batch (micro-batches are
+    # slices of it), Lightning only the current micro-batch (int64 ids and labels: 2 tensors x
+    # 8 bytes per token); what Lightning itself allocates (the prefetched batch before it is
+    # labelled, the logged loss) counts as "other" and stays within the 5%.
+    assert pred.peak_by_category["inputs"] == 2 * BATCH * SEQ * 8
+    assert got.peak_by_category["inputs"] == 2 * mb * SEQ * 8

@@ -13,7 +13,10 @@ Lightning owns the training loop, so the plan is split between the two:
   ``configure_optimizers`` to return.
 * **Memory** is measured with memfit's tracker from ``on_train_start`` to ``on_train_end``;
   each step's live and peak bytes are logged through ``pl_module.log`` and the report (JSON
-  and PNG) is written to ``report_dir`` when training ends.
+  and PNG) is written to ``report_dir`` when training ends. The callback sets gradients to
+  ``None`` right after each optimizer step (Lightning itself zeroes them only after the next
+  forward, so they would live beside that forward's activations); with that the measured peak
+  is the dry run's, plus Lightning's prefetched next batch (one more batch of inputs).
 
 Not supported (refused at ``setup`` with a sentence saying why): ``optimizer_in_backward``
 (Lightning's automatic optimization calls ``optimizer.step(closure)`` and runs backward inside
@@ -184,6 +187,7 @@ def _make_class() -> type:
             self.report: Any = None
             self.info: dict[str, Any] = {}
             self._checked_batch = False
+            self._last_step = 0
 
         # ------------------------------------------------------------ model side
         def target(self, pl_module: nn.Module) -> nn.Module:
@@ -256,6 +260,7 @@ def _make_class() -> type:
 
         # ------------------------------------------------------------ memory
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            self._last_step = trainer.global_step
             self.tracker = MemoryTracker(pl_module, list(trainer.optimizers) or None)
             self.tracker.__enter__()
 
@@ -276,6 +281,14 @@ def _make_class() -> type:
         def on_train_batch_end(
             self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
         ) -> None:
+            if trainer.global_step != self._last_step:
+                # An optimizer step ran on this batch. Lightning zeroes gradients inside the
+                # next step's closure, after that step's forward: the old gradients would
+                # then live through a whole forward (gradients + activations at once). Drop
+                # them now, as memfit's own loop does; Lightning's later zero_grad is a no-op.
+                self._last_step = trainer.global_step
+                for opt in trainer.optimizers:
+                    opt.zero_grad(set_to_none=True)
             t = self.tracker
             if t is None or not self.log:
                 return
