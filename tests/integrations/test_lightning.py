@@ -193,3 +193,33 @@ def test_tracked_peak_matches_dry_run(plan):
     # labelled, the logged loss) counts as "other" and stays within the 5%.
     assert pred.peak_by_category["inputs"] == 2 * BATCH * SEQ * 8
     assert got.peak_by_category["inputs"] == 2 * mb * SEQ * 8
+
+
+def test_precision_and_optimizer_reach_the_trainer():
+    """bf16-mixed is Lightning's autocast (logits come out bf16 inside training_step); the
+    plan's memfit optimizer is the one Lightning steps; the memory is logged every step."""
+    plan = Plan(precision="bf16-mixed", optimizer={"name": "adafactor", "lr": 1e-2})
+    seen = []
+    torch.manual_seed(0)
+    model = tiny_gpt2()
+    model.register_forward_hook(lambda m, a, out: seen.append(out.logits.dtype))
+    _, cb, trainer = fit(model, plan, batches(2, 2))
+    assert str(trainer.precision) == "bf16-mixed"
+    assert seen == [torch.bfloat16, torch.bfloat16]
+    assert type(trainer.optimizers[0]).__name__ == "Adafactor"
+    assert type(trainer.optimizers[0]).__module__.startswith("memfit.")
+    logged = float(trainer.callback_metrics["memfit/peak_bytes"])
+    assert 0 < logged <= cb.report.peak_bytes
+
+
+def test_lightning_is_imported_only_for_the_callback():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, memfit, memfit.integrations.lightning as m; "
+        "assert 'lightning' not in sys.modules; m.trainer_kwargs(memfit.Plan()); "
+        "assert 'lightning' not in sys.modules; cb = m.MemfitCallback(memfit.Plan()); "
+        "import lightning; assert isinstance(cb, lightning.Callback)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -44,7 +44,8 @@ from ..plan import Plan, PlanError
 from ..strategies.sequence import SequenceConfig
 from ..workload import batch_size_of
 
-__all__ = ["LIGHTNING_PRECISION", "MemfitCallback", "trainer_kwargs"]
+# MemfitCallback comes from the module __getattr__ (it imports lightning).
+__all__ = ["LIGHTNING_PRECISION", "MemfitCallback", "check_plan", "trainer_kwargs"]  # noqa: F822
 
 #: Lightning's precision string for each plan precision mode. ``bf16-pure`` is done by the
 #: callback (bf16 weights, the plan's optimizer wrapped for them), so Lightning runs "32-true"
@@ -118,11 +119,10 @@ def check_plan(plan: Plan) -> None:
         )
 
 
-class MemfitCallback:
-    """Builds the Lightning callback (a ``lightning.Callback``) for ``plan``.
+_CALLBACK_DOC = """A ``lightning.Callback`` that applies ``plan`` and measures memory.
 
-    ``MemfitCallback(plan, ...)`` returns an instance of a ``lightning.Callback`` subclass made
-    on first use (so ``lightning`` is imported only then). Use it as::
+    The class is made on first access of ``memfit.integrations.lightning.MemfitCallback`` (a
+    module ``__getattr__``), so ``lightning`` is imported only then. Use it as::
 
         plan = memfit.Plan(grad_accum_steps=4, checkpointing="full", precision="bf16-mixed")
         cb = MemfitCallback(plan, report_dir="memfit-report")
@@ -142,27 +142,26 @@ class MemfitCallback:
         log: Log ``memfit/live_bytes`` and ``memfit/peak_bytes`` every step.
         check_trainer: Raise at ``setup`` when the Trainer's accumulation, precision or clipping
             differ from the plan's.
-    """
-
-    def __new__(cls, plan: Plan, **kwargs: Any) -> Any:  # noqa: D102
-        return _callback_class()(plan, **kwargs)
-
+"""
 
 _CLASS: type | None = None
 
 
-def _callback_class() -> type:
-    global _CLASS
-    if _CLASS is None:
-        _CLASS = _make_class()
-    return _CLASS
+def __getattr__(name: str) -> Any:
+    # MemfitCallback subclasses lightning.Callback: build it (importing lightning) on first use.
+    if name == "MemfitCallback":
+        global _CLASS
+        if _CLASS is None:
+            _CLASS = _make_class()
+        return _CLASS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _make_class() -> type:
     import lightning as L
 
     class _MemfitCallback(L.Callback):
-        __doc__ = MemfitCallback.__doc__
+        __doc__ = _CALLBACK_DOC
 
         def __init__(
             self,
