@@ -98,7 +98,6 @@ def test_trainer_kwargs_carry_plan_fields():
 @pytest.mark.parametrize(
     ("plan", "words"),
     [
-        (Plan(optimizer_in_backward=True), "optimizer_in_backward"),
         (Plan(offload="host"), "offload"),
         (Plan(compile=True), "compile"),
         (Plan(max_seq_len=8), "max_seq_len"),
@@ -223,3 +222,68 @@ def test_lightning_is_imported_only_for_the_callback():
         "import lightning; assert isinstance(cb, lightning.Callback)"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+class FusedModule(Module):
+    def __init__(self, model, callback):
+        super().__init__(model, callback)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(**batch).loss
+        self.losses.append(float(loss.detach()))
+        self.callback.backward(self, loss)
+
+
+def fit_fused(model, plan, data):
+    cb = MemfitCallback(plan)
+    module = FusedModule(model, cb)
+    fresh = [lambda b=b: {k: v.clone() for k, v in b.items()} for b in data]
+    trainer = L.Trainer(
+        max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, accelerator="cpu", devices=1, callbacks=[cb],
+        **trainer_kwargs(plan),
+    )
+    trainer.fit(module, torch.utils.data.DataLoader(_Fresh(fresh), batch_size=None))
+    return module, cb, trainer
+
+
+def test_fused_step_needs_manual_optimization():
+    with pytest.raises(PlanError, match="manual optimization"):
+        fit(tiny_gpt2(), Plan(optimizer_in_backward=True), batches(1, 2))
+
+
+def test_fused_step_equals_the_plain_loop():
+    """Manual optimization with the step in backward, accumulation 2: the same parameters as
+    a plain torch loop (accumulate, step, zero), to float32 rounding."""
+    torch.manual_seed(0)
+    model = tiny_gpt2()
+    ref = copy.deepcopy(model)
+    plan = Plan(grad_accum_steps=2, optimizer_in_backward=True,
+                optimizer={"name": "adamw", "lr": 1e-2})
+    assert trainer_kwargs(plan)["accumulate_grad_batches"] == 1
+    data = batches(8, 2)
+    _, cb, trainer = fit_fused(model, plan, data)
+    assert trainer.global_step == 4
+    assert cb.handles == []
+    opt = plan.replace(optimizer_in_backward=False).optimizer.build(list(ref.parameters()))
+    for i in range(0, len(data), 2):
+        for b in data[i : i + 2]:
+            (ref(**b).loss / 2).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_fused_step_peak_matches_dry_run():
+    plan = Plan(optimizer_in_backward=True)
+    workload = Workload(name="tiny-gpt2", batch_size=BATCH, seq_len=SEQ,
+                        build_model=tiny_gpt2, make_batch=lambda m, bs, sl: batches(1, bs)[0])
+    pred = memfit.dry_run(workload, plan, steps=2)
+    torch.manual_seed(0)
+    _, cb, _ = fit_fused(tiny_gpt2(), plan, batches(2, BATCH))
+    got = cb.report
+    assert abs(got.peak_bytes - pred.peak_bytes) <= 0.05 * pred.peak_bytes
+    for cat in ("parameters", "gradients", "optimizer_state", "activations"):
+        assert got.peak_by_category[cat] == pred.peak_by_category[cat], cat

@@ -18,10 +18,17 @@ Lightning owns the training loop, so the plan is split between the two:
   forward, so they would live beside that forward's activations); with that the measured peak
   is the dry run's, plus Lightning's prefetched next batch (one more batch of inputs).
 
-Not supported (refused at ``setup`` with a sentence saying why): ``optimizer_in_backward``
-(Lightning's automatic optimization calls ``optimizer.step(closure)`` and runs backward inside
-that closure, while the fused step must run during backward and needs to know which
-micro-batch is the last one; use :class:`memfit.Trainer` or :func:`memfit.prepare`), offload,
+The fused step (``optimizer_in_backward``) needs Lightning's *manual* optimization: automatic
+optimization calls ``optimizer.step(closure)`` and runs backward inside that closure, after
+which there is nothing left to step, and Lightning would clip gradients the hooks already
+freed. Set ``self.automatic_optimization = False`` and call ``callback.backward(self, loss)``
+in ``training_step`` (it weights the loss by ``1/grad_accum_steps``, runs the fused backward
+and, on the last micro-batch, calls the LightningOptimizer's no-op ``step`` so that
+``global_step`` counts); the handle does accumulation and clipping, so the Trainer gets
+``accumulate_grad_batches=1`` and no ``gradient_clip_val``. A module left on automatic
+optimization is refused at ``setup``.
+
+Not supported (refused with a sentence saying why): offload,
 ``compile`` (use Lightning's own ``torch.compile`` of the module), ``max_seq_len``,
 ``loss_normalization: tokens`` (Lightning divides each micro-batch loss by the accumulation
 count) and a non-default ``sequence`` config (data shaping belongs to the DataLoader). The
@@ -72,10 +79,13 @@ def trainer_kwargs(plan: Plan) -> dict[str, Any]:
         PlanError: for a plan field Lightning cannot carry (see :func:`check_plan`).
     """
     check_plan(plan)
+    fused = plan.optimizer_in_backward
     return {
-        "accumulate_grad_batches": plan.grad_accum_steps,
+        # With the fused step the callback's handle accumulates and clips (Lightning's manual
+        # optimization allows neither accumulate_grad_batches nor gradient_clip_val).
+        "accumulate_grad_batches": 1 if fused else plan.grad_accum_steps,
         "precision": LIGHTNING_PRECISION[plan.precision.mode],
-        "gradient_clip_val": plan.max_grad_norm,
+        "gradient_clip_val": None if fused else plan.max_grad_norm,
         "gradient_clip_algorithm": "norm",
     }
 
@@ -86,12 +96,6 @@ def check_plan(plan: Plan) -> None:
     Raises:
         PlanError: naming the field and what to do instead.
     """
-    if plan.optimizer_in_backward:
-        raise PlanError(
-            "optimizer_in_backward is not supported in a lightning.Trainer: automatic "
-            "optimization runs backward inside optimizer.step(closure), while the fused step "
-            "must step during backward; use memfit.Trainer or memfit.prepare, or set it false"
-        )
     if plan.offload is not None:
         raise PlanError(
             "offload is not supported in a lightning.Trainer; use memfit.Trainer or set "
@@ -187,6 +191,8 @@ def _make_class() -> type:
             self.info: dict[str, Any] = {}
             self._checked_batch = False
             self._last_step = 0
+            self._handle: Any = None
+            self._micro = 0  # micro-batches done in the current fused step
 
         # ------------------------------------------------------------ model side
         def target(self, pl_module: nn.Module) -> nn.Module:
@@ -197,6 +203,12 @@ def _make_class() -> type:
         def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
             if stage != "fit" or self.handles:
                 return
+            if self.plan.optimizer_in_backward and pl_module.automatic_optimization:
+                raise PlanError(
+                    "optimizer_in_backward needs manual optimization in Lightning: set "
+                    "self.automatic_optimization = False in the LightningModule and call "
+                    "callback.backward(self, loss) in training_step"
+                )
             if self.check_trainer:
                 _check_trainer(trainer, self.plan)
             self._apply(self.target(pl_module))
@@ -239,6 +251,7 @@ def _make_class() -> type:
             while self.handles:
                 self.handles.pop()[1].remove()
             self.precision = None
+            self._handle = None
 
         def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
             if stage == "fit":
@@ -251,11 +264,68 @@ def _make_class() -> type:
             after the callback's ``setup``, so frozen parameters are already left out and
             ``bf16-pure`` weights are already bf16).
             """
+            if self.plan.optimizer_in_backward:
+                return self._fused(pl_module)
             params = [p for p in pl_module.parameters() if p.requires_grad]
             if self.precision is not None:
                 cfg = self.precision.optimizer_config(self.plan.optimizer)
                 return self.precision.wrap_optimizer(cfg.build(params))
             return self.plan.optimizer.build(params)
+
+        def _fused(self, pl_module: nn.Module) -> Any:
+            from ..strategies.fused_step import optimizer_in_backward
+
+            plan, runtime = self.plan, self.precision
+            cfg = plan.optimizer if runtime is None else runtime.optimizer_config(plan.optimizer)
+
+            def build(params: Any) -> Any:
+                opt = cfg.build(params)
+                return opt if runtime is None else runtime.wrap_optimizer(opt)
+
+            handle = optimizer_in_backward(
+                pl_module,
+                build,
+                grad_accum_steps=plan.grad_accum_steps,
+                max_grad_norm=plan.max_grad_norm,
+                clip_mode=plan.grad_clip_mode,
+            )
+            self.handles.append(("optimizer_in_backward", handle))
+            self._handle = handle
+            fused_step = handle.step
+
+            def step(closure: Any = None) -> None:
+                # Lightning's manual step passes a closure that does nothing (the backward ran
+                # in training_step); the handle refuses closures, so run it here and step.
+                if closure is not None:
+                    closure()
+                fused_step()
+
+            handle.step = step  # on the instance: gone with the handle at teardown
+            return handle
+
+        def backward(self, pl_module: Any, loss: torch.Tensor) -> None:
+            """Backward of one micro-batch's loss with the fused step (manual optimization).
+
+            The loss is weighted by ``1/grad_accum_steps`` (the plan's ``mean``); on the last
+            micro-batch of a step the parameters are updated inside this backward.
+
+            Raises:
+                RuntimeError: when the plan has no ``optimizer_in_backward`` or
+                    ``configure_optimizers`` did not return :meth:`configure_optimizers`.
+            """
+            handle = self._handle
+            if handle is None:
+                raise RuntimeError(
+                    "callback.backward is for plans with optimizer_in_backward whose "
+                    "configure_optimizers returns callback.configure_optimizers(self)"
+                )
+            k = self.plan.grad_accum_steps
+            last = self._micro + 1 >= k
+            self._micro = 0 if last else self._micro + 1
+            handle.backward(loss / k, last=last)
+            if last:
+                # A no-op step (the parameters moved in backward) that Lightning counts.
+                pl_module.optimizers().step()
 
         # ------------------------------------------------------------ memory
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
