@@ -1,0 +1,1 @@
+"""Integrations of memfit plans with other training frameworks (Lightning, Hugging Face)."""
