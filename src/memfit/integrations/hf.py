@@ -15,7 +15,8 @@
   micro-batch ends the step, and :class:`MemfitCallback` finishes the step before the Trainer's
   ``optimizer.step()`` (parameters without a gradient in the last micro-batch, the norm for
   ``approx`` clipping);
-* freezing; length grouping (``group_by_length``).
+* freezing; length grouping (``train_sampling_strategy='group_by_length'``, the
+  ``group_by_length`` flag before 5.x).
 
 transformers is imported inside the functions: this module imports without it.
 """
@@ -53,7 +54,7 @@ def args_changes(plan: Plan, fields: set[str] | None = None) -> dict[str, Any]:
         plan: The plan.
         fields: The field names of the installed ``TrainingArguments`` (default: 5.x names).
     """
-    fields = fields if fields is not None else {"activation_checkpointing"}
+    fields = fields if fields is not None else {"activation_checkpointing", "train_sampling_strategy"}
     out: dict[str, Any] = {"gradient_accumulation_steps": plan.grad_accum_steps}
     if plan.micro_batch_size is not None:
         out["per_device_train_batch_size"] = plan.micro_batch_size
@@ -67,7 +68,11 @@ def args_changes(plan: Plan, fields: set[str] | None = None) -> dict[str, Any]:
         out[flag] = True
         out[kwargs] = {"use_reentrant": False}
     if plan.sequence.group_by_length:
-        out["group_by_length"] = True
+        # 5.x: a sampling strategy; before: a boolean.
+        if "train_sampling_strategy" in fields:
+            out["train_sampling_strategy"] = "group_by_length"
+        else:
+            out["group_by_length"] = True
     return out
 
 
