@@ -37,7 +37,11 @@ class _Data(torch.utils.data.Dataset):
         return len(self.ids)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+        # Position 0 is never a target (labels shift); -100 there makes every count of label
+        # tokens agree (transformers' num_items_in_batch may count the unshifted labels).
+        labels = self.ids[i].clone()
+        labels[0] = -100
+        return {"input_ids": self.ids[i], "labels": labels}
 
 
 def _args(tmp_path, **kw) -> TrainingArguments:
@@ -104,28 +108,43 @@ def test_plan_fields_reach_training_args(tmp_path):
     assert isinstance(cbs[0], hf.MemfitCallback)
 
 
-def _plain_loop(model, steps_batches, lr, accum, max_norm):
-    """The reference: plain torch, micro-batch mean losses / accum, clip, AdamW."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+def _plain_loop(model, steps_batches, accum, max_norm, stale_clip):
+    """The reference: plain torch, micro-batch mean losses / accum, clipping, SGD momentum.
+
+    ``stale_clip``: clip step t with the norm of step t-1's unclipped gradient (no clipping at
+    the first step), which is what the fused step's ``approx`` mode promises.
+    """
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    prev = None
     for micro in steps_batches:
         for ids in micro:
             (model(input_ids=ids, labels=ids).loss / accum).backward()
-        if max_norm:
+        if not stale_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        else:
+            grads = [p.grad for p in model.parameters()]
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+            if prev is not None:
+                coef = torch.clamp(max_norm / (prev + 1e-6), max=1.0)
+                for g in grads:
+                    g.mul_(coef)
+            prev = norm
         opt.step()
         opt.zero_grad(set_to_none=True)
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_accumulation_numerics_match_plain_loop(tmp_path, fused):
-    # Accumulation 2 over micro-batches of 4; the fused step with approx clipping is compared
-    # with a clip threshold no step reaches (approx clips with the previous norm).
-    max_norm = 1e6 if fused else 0.5
-    plan = Plan(micro_batch_size=4, grad_accum_steps=2, optimizer={"name": "adamw", "lr": 1e-3},
-                optimizer_in_backward=fused, max_grad_norm=max_norm,
+def test_accumulation_clipping_numerics_match_plain_loop(tmp_path, fused):
+    """Accumulation 2 over micro-batches of 4, clipping at 0.5 (the gradient norm is about 1,
+    so every step clips): exact clipping through the Trainer, or the fused step with approx
+    clipping; parameters equal a plain torch loop on the same micro-batches."""
+    plan = Plan(micro_batch_size=4, grad_accum_steps=2,
+                optimizer={"name": "sgd", "lr": 0.1, "kwargs": {"momentum": 0.9}},
+                optimizer_in_backward=fused, max_grad_norm=0.5,
                 grad_clip_mode="approx" if fused else "exact")
     model = tiny_gpt2()
     ref = copy.deepcopy(model)
+    init = {n: p.detach().clone() for n, p in model.named_parameters()}
     seen: list[torch.Tensor] = []  # the micro-batches in the Trainer's order, replayed below
     model.register_forward_pre_hook(
         lambda m, a, kw: seen.append(kw["input_ids"].clone()) if m.training else None,
@@ -133,6 +152,31 @@ def test_accumulation_numerics_match_plain_loop(tmp_path, fused):
     )
     _train(model, plan, tmp_path, per_device_train_batch_size=4)
     assert len(seen) == N // 4
-    _plain_loop(ref, [seen[i:i + 2] for i in range(0, len(seen), 2)], 1e-3, 2, max_norm)
+    _plain_loop(ref, [seen[i:i + 2] for i in range(0, len(seen), 2)], 2, 0.5, stale_clip=fused)
     for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=n)
+        assert not torch.equal(p, init[n]), n  # it trained
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("plan", "words"),
+    [
+        (Plan(offload="host"), "offload"),
+        (Plan(optimizer_in_backward=True, max_grad_norm=1.0), "approx"),
+        (Plan(max_seq_len=8), "max_length"),
+        (Plan(loss_normalization="tokens"), "num_items_in_batch"),
+    ],
+)
+def test_unsupported_combinations_refused(tmp_path, plan, words):
+    model = tiny_gpt2()
+    with pytest.raises(ValueError, match=words):
+        hf.apply(plan, model, _args(tmp_path))
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_emit_names_arguments_and_code():
+    text = hf.emit(Plan(grad_accum_steps=4, checkpointing="full", precision="bf16-mixed"))
+    assert "gradient_accumulation_steps=4," in text
+    assert "activation_checkpointing=True," in text
+    assert "bf16=True," in text
+    assert "hf.apply(plan, model, args)" in text
