@@ -180,3 +180,21 @@ def test_emit_names_arguments_and_code():
     assert "activation_checkpointing=True," in text
     assert "bf16=True," in text
     assert "hf.apply(plan, model, args)" in text
+
+
+def test_cli_emit_hf_and_unknown_emit():
+    from typer.testing import CliRunner
+
+    from memfit.cli import app
+
+    runner = CliRunner()
+    res = runner.invoke(app, ["plan", "-m", "tests.models:mlp_workload", "-b", "4", "-l", "1",
+                              "--budget", "1GiB", "--emit", "hf"])
+    assert res.exit_code == 0, res.output
+    assert "gradient_accumulation_steps=" in res.output
+    assert "hf.apply(plan, model, args)" in res.output
+    res = runner.invoke(app, ["plan", "-m", "tests.models:mlp_workload", "--budget", "1GiB",
+                              "--emit", "lightning-x"])
+    assert res.exit_code == 2
+    assert "--emit 'lightning-x' is not known" in res.output
+    assert "Traceback" not in res.output

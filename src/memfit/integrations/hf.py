@@ -23,6 +23,7 @@ transformers is imported inside the functions: this module imports without it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import json
@@ -92,12 +93,12 @@ def _check_supported(plan: Plan) -> None:
             "offload is not supported inside the Hugging Face Trainer yet; train with "
             "memfit's own Trainer (memfit.train) or set offload null"
         )
-    if plan.optimizer_in_backward and plan.max_grad_norm is not None:
-        if plan.grad_clip_mode == "exact":
-            raise ValueError(
-                "exact clipping with optimizer_in_backward needs a second, norm-only backward "
-                "that the Hugging Face Trainer does not run; use grad_clip_mode 'approx'"
-            )
+    fused_clip = plan.optimizer_in_backward and plan.max_grad_norm is not None
+    if fused_clip and plan.grad_clip_mode == "exact":
+        raise ValueError(
+            "exact clipping with optimizer_in_backward needs a second, norm-only backward "
+            "that the Hugging Face Trainer does not run; use grad_clip_mode 'approx'"
+        )
     if plan.max_seq_len is not None:
         raise ValueError(
             "max_seq_len is not applied inside the Hugging Face Trainer; truncate in the "
@@ -256,10 +257,8 @@ class MemfitCallback(_trainer_callback_base()):  # type: ignore[misc]
         out = Path(args.output_dir)
         self.report.to_json(out / "memfit_report.json")
         if self.plot:
-            try:
+            with contextlib.suppress(ImportError):  # matplotlib is optional
                 self.report.plot(out / "memfit_report.png", title="memfit: Trainer memory")
-            except ImportError:  # matplotlib is optional
-                pass
 
     def _go_first(self) -> None:
         # The Trainer puts user callbacks after its reporters (TensorBoard, W&B), so values
