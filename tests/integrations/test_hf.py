@@ -225,3 +225,34 @@ def test_tracker_peak_matches_dry_run(tmp_path, checkpointing):
     # The states the plan fixes are exact: AdamW's two fp32 moments per trainable parameter.
     n = sum(p.numel() for p in tiny_gpt2().parameters())
     assert cb.report.peak_by_category["optimizer_state"] >= 8 * n
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_fused_step_drops_gradient_memory_in_the_trainer(tmp_path, fused):
+    """The plain run holds every fp32 gradient at once (4 bytes per parameter); the fused step
+    inside the Trainer frees each gradient as it steps, and its peak holds none."""
+    plan = Plan(micro_batch_size=8, optimizer={"name": "adamw", "lr": 1e-3},
+                optimizer_in_backward=fused)
+    model = tiny_gpt2()
+    n = sum(p.numel() for p in model.parameters())
+    _, cb = _train(model, plan, tmp_path, per_device_train_batch_size=8)
+    most_grads = max(cb.report.timeline["gradients"])
+    if fused:
+        # At most one module's own parameters at once (one backward node makes them), plus the
+        # tied embedding/head's first partial gradient, held until its second use.
+        bucket = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+        assert most_grads <= 4 * (bucket + model.transformer.wte.weight.numel()) < 4 * n
+        assert cb.report.peak_by_category["gradients"] == 0
+    else:
+        assert most_grads == 4 * n
+
+
+def test_memfit_checkpointing_modes_and_bf16_pure_reach_the_model(tmp_path):
+    from memfit.strategies.checkpointing import checkpointed_blocks
+
+    model = tiny_gpt2()
+    args, _, _ = hf.apply(Plan(checkpointing="selective", precision="bf16-pure"), model,
+                          _args(tmp_path))
+    assert not args.activation_checkpointing and not args.bf16
+    assert checkpointed_blocks(model) == ["transformer.h.0", "transformer.h.1"]
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
