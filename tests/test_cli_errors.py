@@ -50,6 +50,7 @@ BAD: dict[str, dict[str, list[str] | None]] = {
         "--save": [UNWRITABLE],
         "--host-budget": ["lots"],
         "--disk-dir": [MISSING],
+        "--emit": ["deepspeed"],
     },
     "train": {
         "--config": [MISSING],

@@ -234,10 +234,21 @@ def plan_command(
             help="With --allow offload: a directory for optimizer state on disk, searched too.",
         ),
     ] = None,
+    emit: Annotated[
+        str | None,
+        typer.Option(
+            "--emit",
+            help="Also print how to run the plan elsewhere: 'hf' (TrainingArguments lines and "
+            "the code for the Hugging Face Trainer).",
+        ),
+    ] = None,
 ) -> None:
     """Find the fastest plan whose peak memory fits a budget."""
     _quiet_libraries()
     import json
+
+    if emit is not None and emit != "hf":
+        _fail(f"--emit {emit!r} is not known; use 'hf' (the Hugging Face Trainer)")
 
     from .plan import Plan
     from .planner import NothingFits, explain_table, plan
@@ -300,6 +311,10 @@ def plan_command(
         else:
             result.plan.to_json(save)
         out.print(f"wrote {save}")
+    if emit == "hf":
+        from .integrations.hf import emit as emit_hf
+
+        print(emit_hf(result.plan), end="")
 
 
 @bench_app.command("ladder")

@@ -104,8 +104,8 @@ def test_bf16_parameters_use_fp32_state() -> None:
 
 def test_argument_validation_like_transformers() -> None:
     params = [nn.Parameter(torch.zeros(2))]
-    with pytest.raises(ValueError, match="relative_step"):
-        Adafactor(params, lr=1e-3)
+    with pytest.raises(ValueError, match="both lr and relative_step=True"):
+        Adafactor(params, lr=1e-3, relative_step=True)
     with pytest.raises(ValueError, match="warmup_init"):
         Adafactor(params, lr=1e-3, relative_step=False, warmup_init=True)
 
@@ -141,3 +141,22 @@ def test_state_dict_roundtrip(beta1: float | None) -> None:
     model, x, y = regression_task()
     assert_state_dict_roundtrip(lambda m: Adafactor(m.parameters(), beta1=beta1), model, x, y)
     assert loss_fn(model, x, y).item() > 0
+
+
+
+def test_given_lr_is_a_fixed_step_size_like_torch() -> None:
+    """``Adafactor(params, lr=...)`` works (torch's convention): relative_step is off, and the
+    result equals spelling ``relative_step=False`` out; without lr the relative step is on."""
+    torch.manual_seed(0)
+    a = nn.Parameter(torch.randn(4, 3))
+    b = nn.Parameter(a.detach().clone())
+    short = Adafactor([a], lr=1e-2)
+    spelled = Adafactor([b], lr=1e-2, relative_step=False)
+    assert short.defaults["relative_step"] is False
+    assert Adafactor([nn.Parameter(torch.zeros(2))]).defaults["relative_step"] is True
+    for _ in range(3):
+        for p, opt in ((a, short), (b, spelled)):
+            p.grad = torch.ones_like(p)
+            opt.step()
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert not torch.equal(a, torch.zeros_like(a))

@@ -1,1 +1,5 @@
-"""Integrations of memfit plans with other training frameworks (Lightning, Hugging Face)."""
+"""Integrations of memfit plans with other training loops (Hugging Face ``Trainer``,
+Lightning).
+
+Each integration imports its framework lazily, so ``import memfit`` works without it.
+"""

@@ -44,15 +44,18 @@ class Adafactor(MemfitOptimizer):
 
     Args:
         params: Parameters or parameter groups.
-        lr: External learning rate; must be ``None`` when ``relative_step`` is true.
+        lr: The step size, fixed (torch's ``torch.optim.Adafactor`` takes ``lr`` directly
+            too). ``None`` (the default) uses the paper's relative step size instead.
         eps: ``(eps1, eps2)``: regulariser added to squared gradients, and the lower bound of
             the parameter scale.
         clip_threshold: Threshold ``d`` of the update clipping.
         decay_rate: Exponent of the ``beta2`` schedule ``1 - t ** decay_rate``.
         beta1: Momentum coefficient, or ``None`` for no first moment.
         weight_decay: Decoupled weight decay coefficient.
-        scale_parameter: Scale the step by the parameter RMS.
-        relative_step: Use the time-dependent relative step size instead of ``lr``.
+        scale_parameter: Scale the step by the parameter RMS (as torch's Adafactor always
+            does, ``lr`` given or not).
+        relative_step: Use the time-dependent relative step size instead of ``lr``. ``None``:
+            on exactly when no ``lr`` is given.
         warmup_init: Linear warm-up of the relative step size (needs ``relative_step``).
         chunk_size: Matrices with more elements are stepped in row chunks of about this many
             elements (three passes: statistics, update RMS, update), so the step's fp32
@@ -64,7 +67,7 @@ class Adafactor(MemfitOptimizer):
     Example:
         >>> model = torch.nn.Linear(16, 16)
         >>> opt = Adafactor(model.parameters())  # relative step, no momentum
-        >>> opt = Adafactor(model.parameters(), lr=1e-3, relative_step=False, beta1=0.9)
+        >>> opt = Adafactor(model.parameters(), lr=1e-3, beta1=0.9)  # fixed lr, momentum
     """
 
     def __init__(
@@ -77,14 +80,22 @@ class Adafactor(MemfitOptimizer):
         beta1: float | None = None,
         weight_decay: float = 0.0,
         scale_parameter: bool = True,
-        relative_step: bool = True,
+        relative_step: bool | None = None,
         warmup_init: bool = False,
         *,
         chunk_size: int = 1 << 20,
         stochastic_rounding: bool = False,
     ) -> None:
+        # A given lr is a fixed step size (torch's convention); the relative step size and the
+        # parameter scaling are the defaults only without one (the old transformers signature
+        # refused lr unless relative_step=False was spelled out as well).
+        if relative_step is None:
+            relative_step = lr is None
         if lr is not None and relative_step:
-            raise ValueError("Cannot combine manual `lr` and `relative_step=True` options")
+            raise ValueError(
+                "Adafactor got both lr and relative_step=True; drop lr to use the relative step "
+                "size, or drop relative_step to use lr as the step size"
+            )
         if lr is None and not relative_step:
             raise ValueError("`relative_step=False` needs an explicit `lr`")
         if warmup_init and not relative_step:

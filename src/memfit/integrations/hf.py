@@ -1,0 +1,297 @@
+"""Run a memfit :class:`~memfit.plan.Plan` inside the stock Hugging Face ``Trainer``.
+
+:func:`apply` returns ``(training_args, optimizers, callbacks)`` for
+``Trainer(model, args=training_args, optimizers=optimizers, callbacks=callbacks, ...)``:
+
+* accumulation and micro-batch: ``gradient_accumulation_steps``, ``per_device_train_batch_size``;
+* full checkpointing through transformers' own ``activation_checkpointing`` (the
+  ``gradient_checkpointing`` names before 5.x); selective, sqrt and budget through memfit;
+* mixed precision through ``bf16`` / ``fp16``; ``bf16-pure`` casts the model (memfit);
+* the optimizer is memfit's, built from the plan (the Trainer's default linear schedule drives
+  it); ``max_grad_norm`` becomes the Trainer's;
+* the optimizer step fused into backward: the handle is passed as the optimizer and the
+  Trainer's clipping is off (``max_grad_norm=0``: the gradients no longer exist when it would
+  clip); a forward pre-hook reads accelerate's ``sync_gradients`` to tell the hooks whether this
+  micro-batch ends the step, and :class:`MemfitCallback` finishes the step before the Trainer's
+  ``optimizer.step()`` (parameters without a gradient in the last micro-batch, the norm for
+  ``approx`` clipping);
+* freezing; length grouping (``train_sampling_strategy='group_by_length'``, the
+  ``group_by_length`` flag before 5.x).
+
+transformers is imported inside the functions: this module imports without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import json
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from ..plan import Plan
+
+__all__ = ["MemfitCallback", "apply", "emit"]
+
+
+def _args_fields(training_args: Any) -> set[str]:
+    return {f.name for f in dataclasses.fields(training_args)}
+
+
+def _checkpoint_names(fields: set[str]) -> tuple[str, str]:
+    # transformers 5.x renamed gradient_checkpointing to activation_checkpointing.
+    if "activation_checkpointing" in fields:
+        return "activation_checkpointing", "activation_checkpointing_kwargs"
+    return "gradient_checkpointing", "gradient_checkpointing_kwargs"
+
+
+def args_changes(plan: Plan, fields: set[str] | None = None) -> dict[str, Any]:
+    """The ``TrainingArguments`` fields a plan sets, as a mapping (also used by ``--emit hf``).
+
+    Args:
+        plan: The plan.
+        fields: The field names of the installed ``TrainingArguments`` (default: 5.x names).
+    """
+    fields = fields if fields is not None else {"activation_checkpointing", "train_sampling_strategy"}
+    out: dict[str, Any] = {"gradient_accumulation_steps": plan.grad_accum_steps}
+    if plan.micro_batch_size is not None:
+        out["per_device_train_batch_size"] = plan.micro_batch_size
+    # The fused step clips in its own hooks; the Trainer would clip gradients that are gone.
+    fused = plan.optimizer_in_backward
+    out["max_grad_norm"] = 0.0 if fused or plan.max_grad_norm is None else plan.max_grad_norm
+    out["bf16"] = plan.precision.mode == "bf16-mixed"
+    out["fp16"] = plan.precision.mode == "fp16-mixed"
+    if plan.checkpointing.mode == "full":
+        flag, kwargs = _checkpoint_names(fields)
+        out[flag] = True
+        out[kwargs] = {"use_reentrant": False}
+    if plan.sequence.group_by_length:
+        # 5.x: a sampling strategy; before: a boolean.
+        if "train_sampling_strategy" in fields:
+            out["train_sampling_strategy"] = "group_by_length"
+        else:
+            out["group_by_length"] = True
+    return out
+
+
+def _memfit_side(plan: Plan) -> Plan:
+    """What memfit applies itself: the plan less what the Trainer does."""
+    changes: dict[str, Any] = {}
+    if plan.precision.mode in ("bf16-mixed", "fp16-mixed"):
+        changes["precision"] = dataclasses.replace(plan.precision, mode="fp32")
+    if plan.checkpointing.mode == "full":
+        changes["checkpointing"] = dataclasses.replace(plan.checkpointing, mode="none")
+    return plan.replace(**changes) if changes else plan
+
+
+def _check_supported(plan: Plan) -> None:
+    if plan.offload is not None:
+        raise ValueError(
+            "offload is not supported inside the Hugging Face Trainer yet; train with "
+            "memfit's own Trainer (memfit.train) or set offload null"
+        )
+    fused_clip = plan.optimizer_in_backward and plan.max_grad_norm is not None
+    if fused_clip and plan.grad_clip_mode == "exact":
+        raise ValueError(
+            "exact clipping with optimizer_in_backward needs a second, norm-only backward "
+            "that the Hugging Face Trainer does not run; use grad_clip_mode 'approx'"
+        )
+    if plan.max_seq_len is not None:
+        raise ValueError(
+            "max_seq_len is not applied inside the Hugging Face Trainer; truncate in the "
+            "tokenizer (max_length=...) and set max_seq_len null"
+        )
+    if plan.loss_normalization == "tokens":
+        raise ValueError(
+            "loss_normalization 'tokens' is the Trainer's own behaviour for causal LMs "
+            "(num_items_in_batch); set it to 'mean' in the plan"
+        )
+
+
+def apply(plan: Plan, model: nn.Module, training_args: Any) -> tuple[Any, tuple[Any, Any], list]:
+    """Apply ``plan`` to ``model`` for the stock ``transformers.Trainer``.
+
+    Example::
+
+        args, optimizers, callbacks = memfit.integrations.hf.apply(plan, model, args)
+        Trainer(model=model, args=args, optimizers=optimizers, callbacks=callbacks,
+                train_dataset=ds).train()
+
+    Args:
+        plan: The plan.
+        model: The (Hugging Face) model; changed in place.
+        training_args: The user's ``TrainingArguments`` (not changed: a copy is returned).
+
+    Returns:
+        ``(training_args, (optimizer, None), [MemfitCallback])``: the updated arguments, the
+        ``optimizers`` pair for the Trainer (``None``: its default schedule) and callbacks.
+
+    Raises:
+        ValueError: for a combination the Trainer cannot run (offload, exact clipping with the
+            fused step, ``max_seq_len``, token normalisation), or one apply_plan refuses.
+    """
+    from ..strategies.compose import apply_plan
+
+    if not isinstance(plan, Plan):
+        raise TypeError(f"apply(plan, model, training_args) takes a memfit.Plan first, got a "
+                        f"{type(plan).__name__}")
+    _check_supported(plan)
+    changes = args_changes(plan, _args_fields(training_args))
+    setup = apply_plan(model, _memfit_side(plan))
+    new_args = dataclasses.replace(training_args, **changes)
+    callback = MemfitCallback(plan=plan, setup=setup)
+    if plan.optimizer_in_backward:
+        callback.bridge = _FusedBridge(setup.optimizer, model)
+    return new_args, (setup.optimizer, None), [callback]
+
+
+class _FusedBridge:
+    """Tells the fused step's hooks what the Trainer's next backward is (accumulate or step)."""
+
+    def __init__(self, handle: Any, model: nn.Module) -> None:
+        self.handle = handle
+        self._hook = model.register_forward_pre_hook(self._before_forward)
+
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        import torch
+        from accelerate.state import GradientState
+
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        h = self.handle
+        last = GradientState().sync_gradients
+        if not last:
+            h._mode = "accumulate"
+            return
+        h._mode = "step"
+        h._stepped.clear()
+        h._norms.clear()
+        if h.max_grad_norm is not None and h.last_norm is not None:
+            from ..strategies.fused_step import _clip_coefficient
+
+            h._coef = _clip_coefficient(h.max_grad_norm, h.last_norm)
+
+    def finish_step(self) -> None:
+        """Before the Trainer's ``optimizer.step()``: leftovers, and the norm for next step."""
+        h = self.handle
+        h._step_leftovers()
+        if h.max_grad_norm is not None:
+            h.last_norm = h._finish_norm()
+        h._coef = None
+        h._mode = None
+
+    def remove(self) -> None:
+        self._hook.remove()
+
+
+def _trainer_callback_base() -> type:
+    try:
+        from transformers import TrainerCallback
+    except ImportError:  # memfit imports without transformers; the callback needs it to run
+        return object
+    return TrainerCallback
+
+
+class MemfitCallback(_trainer_callback_base()):  # type: ignore[misc]
+    """Measure memory per step with memfit's tracker and log it through the Trainer.
+
+    Logs ``memfit/peak_bytes`` (the run so far) and ``memfit/step_peak_bytes`` at every logging
+    step (so they reach TensorBoard or W&B as configured); at the end writes
+    ``memfit_report.json`` and ``memfit_report.png`` to ``output_dir``.
+
+    Args:
+        plan: The plan applied (recorded in the report's meta).
+        setup: The :class:`~memfit.strategies.compose.TrainingSetup` (its optimizer is tracked).
+        track: Whether to track memory (the tracker slows training; off keeps only the bridge).
+        plot: Whether to write the PNG.
+    """
+
+    def __init__(self, plan: Plan | None = None, setup: Any = None, *, track: bool = True,
+                 plot: bool = True) -> None:
+        self.plan = plan
+        self.setup = setup
+        self.track = track
+        self.plot = plot
+        self.bridge: _FusedBridge | None = None
+        self.tracker: Any = None
+        self.report: Any = None
+        self._last_peak = 0
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._go_first()
+        if not self.track:
+            return
+        from ..accounting import track
+
+        model = kwargs.get("model")
+        optimizer = self.setup.optimizer if self.setup is not None else kwargs.get("optimizer")
+        self.tracker = track(model, optimizer)
+        self.tracker.__enter__()
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.bridge is not None:
+            self.bridge.finish_step()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.tracker is not None:
+            self.tracker.mark_step()
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any
+               ) -> None:
+        if self.tracker is None or logs is None or "loss" not in logs:
+            return
+        logs["memfit/peak_bytes"] = self.tracker.peak_bytes
+        logs["memfit/live_bytes"] = self.tracker.live_bytes
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.tracker is None:
+            return
+        self.tracker.__exit__(None, None, None)
+        self.report = self.tracker.report()
+        self.tracker = None
+        if self.plan is not None:
+            self.report.meta["plan"] = self.plan.to_dict()
+        out = Path(args.output_dir)
+        self.report.to_json(out / "memfit_report.json")
+        if self.plot:
+            with contextlib.suppress(ImportError):  # matplotlib is optional
+                self.report.plot(out / "memfit_report.png", title="memfit: Trainer memory")
+
+    def _go_first(self) -> None:
+        # The Trainer puts user callbacks after its reporters (TensorBoard, W&B), so values
+        # this callback adds to ``logs`` in on_log would reach them one log late or never.
+        # The handler is the caller of this event; move this callback to its front.
+        frame = inspect.currentframe()
+        while frame is not None:
+            handler = frame.f_locals.get("self")
+            if type(handler).__name__ == "CallbackHandler" and self in handler.callbacks:
+                handler.callbacks.remove(self)
+                handler.callbacks.insert(0, self)
+                return
+            frame = frame.f_back
+
+
+def emit(plan: Plan) -> str:
+    """The ``TrainingArguments`` lines and the Python code that run ``plan`` in the Trainer."""
+    changes = args_changes(plan)
+    lines = ["# TrainingArguments set by the plan"]
+    lines += [f"{k}={v!r}," for k, v in changes.items()]
+    plan_json = json.dumps(plan.to_dict())
+    lines += [
+        "",
+        "# Python",
+        "import memfit",
+        "from memfit.integrations import hf",
+        "from transformers import Trainer, TrainingArguments",
+        "",
+        f"plan = memfit.Plan.from_dict({plan_json})",
+        "args = TrainingArguments(output_dir='out')",
+        "args, optimizers, callbacks = hf.apply(plan, model, args)",
+        "trainer = Trainer(model=model, args=args, optimizers=optimizers, callbacks=callbacks,",
+        "                  train_dataset=train_dataset)",
+        "trainer.train()",
+    ]
+    return "\n".join(lines) + "\n"
