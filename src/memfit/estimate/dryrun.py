@@ -179,21 +179,15 @@ def _disk_tier_estimate(report: MemoryReport, optimizer: Any, plan: Plan) -> Non
     an estimate (the real tier's first step and its read-ahead buffers differ a little), not a
     byte-exact figure; ``meta["disk_tier"]`` says so and holds the numbers.
     """
-    from ..strategies.disk_offload import _HEADER, _align, _groups, default_window
+    from ..strategies.disk_offload import footprint, tier_bytes
 
     state = optimizer.optimizer.state
-    footprints = []
-    for m in optimizer.masters:
-        tensors = [v for v in state.get(m, {}).values() if torch.is_tensor(v)]
-        footprints.append(
-            _align(m.numel() * 4) + sum(_align(t.numel() * t.element_size()) for t in tensors)
-        )
-    minimum = 2 * max(footprints, default=0)
-    window = plan.offload.host_window_bytes or default_window(footprints)
-    groups = _groups(footprints, max(window, minimum) // 2)
-    halves = 2 * max((sum(_align(footprints[i]) for i in g) for g in groups), default=0)
-    resident = sum(footprints)
-    disk = 2 * (resident + _HEADER * len(footprints))
+    footprints = [
+        footprint(m, [v for v in state.get(m, {}).values() if torch.is_tensor(v)])
+        for m in optimizer.masters
+    ]
+    tier = tier_bytes(footprints, plan.offload.host_window_bytes)
+    halves, disk, resident = tier["window"], tier["disk"], sum(footprints)
     host = report.peak_by_tier.get("host", 0)
     report.peak_by_tier["host"] = max(0, host - resident + halves)
     cats = report.peak_by_tier_category.get("host")
@@ -207,7 +201,7 @@ def _disk_tier_estimate(report: MemoryReport, optimizer: Any, plan: Plan) -> Non
         "masters_and_state_bytes": resident,
         "window_bytes": halves,
         "disk_bytes": disk,
-        "groups": len(groups),
+        "groups": tier["groups"],
     }
 
 

@@ -56,10 +56,39 @@ from ..accounting.tiers import host_tier, mark_host
 from .offload import OffloadConfig
 from .optimizer_offload import HostOffloadOptimizer
 
-__all__ = ["DEFAULT_HOST_WINDOW", "DiskOffloadOptimizer", "check_disk_dir", "default_window"]
+__all__ = [
+    "DEFAULT_HOST_WINDOW",
+    "DiskOffloadOptimizer",
+    "check_disk_dir",
+    "default_window",
+    "footprint",
+    "tier_bytes",
+]
 
 #: Largest host window when ``host_window_bytes`` is not set (see :func:`default_window`).
 DEFAULT_HOST_WINDOW = 1 << 30
+
+
+def footprint(master: torch.Tensor, state: list[torch.Tensor]) -> int:
+    """Bytes of one parameter's region in its file (and in the window): its fp32 master and
+    its state tensors, each aligned."""
+    return _align(master.numel() * 4) + sum(_align(_nbytes(t)) for t in state)
+
+
+def tier_bytes(footprints: list[int], host_window_bytes: int | None) -> dict[str, int]:
+    """What the tier holds for parameters of these footprints (fp32 master plus state bytes
+    each): ``window`` (the two host halves, each as large as the largest group), ``disk``
+    (two files per parameter with their headers) and ``groups``. A dry run, which writes no
+    files, reports these (:mod:`memfit.estimate.dryrun`)."""
+    window = host_window_bytes or default_window(footprints)
+    minimum = 2 * max(footprints, default=0)
+    groups = _groups(footprints, max(window, minimum) // 2)
+    largest = max((sum(footprints[i] for i in g) for g in groups), default=0)
+    return {
+        "window": 2 * largest,
+        "disk": 2 * (sum(footprints) + _HEADER * len(footprints)),
+        "groups": len(groups),
+    }
 
 
 def default_window(footprints: list[int]) -> int:
@@ -239,7 +268,7 @@ class DiskOffloadOptimizer(HostOffloadOptimizer):
                 out = []
                 for f in fakes:
                     tensors = [v for v in probe.state.get(f, {}).values() if torch.is_tensor(v)]
-                    out.append(_align(f.numel() * 4) + sum(_align(_nbytes(t)) for t in tensors))
+                    out.append(footprint(f, tensors))
                 return out
         except Exception:  # any failure of the probe falls back to an estimate
             return [_align(p.numel() * 4) + 2 * _align(p.numel() * 4) for p in self.params]
