@@ -48,12 +48,17 @@ _OPT_BYTES = {
     "lars": 20.0,
     "adamw8bit": 18.0,  # 1-byte moments read and written, fp32 weights and gradient
     "adafactor": 20.0,  # update temporaries, row/column statistics are negligible
+    # Peers' 8-bit AdamWs (bitsandbytes, torchao): the same bytes as memfit's.
+    "bnb-adamw8bit": 18.0,
+    "bnb-paged-adamw8bit": 18.0,
+    "torchao-adamw8bit": 18.0,
 }
 # Bytes of optimizer state kept per parameter (what the disk tier stores besides the fp32
 # master): AdamW's two fp32 moments, 8-bit AdamW's two 1-byte codes (block scales are
 # negligible), SGD's momentum, Adafactor's factored statistics (about nothing per parameter).
 _STATE_BYTES = {"adamw": 8.0, "adam": 8.0, "sgd": 4.0, "lamb": 8.0, "lars": 4.0,
-                "adamw8bit": 2.0, "adafactor": 0.0}  # fmt: skip
+                "adamw8bit": 2.0, "adafactor": 0.0, "bnb-adamw8bit": 2.0,
+                "bnb-paged-adamw8bit": 2.0, "torchao-adamw8bit": 2.0}  # fmt: skip
 # Ops per parameter tensor when an optimizer loops over tensors one by one: counted from the
 # kernels of torch's single-tensor implementations (torch/optim/adamw.py _single_tensor_adamw:
 # weight decay mul_, lerp_, mul_, addcmul_, step counter, bias corrections, sqrt, div_, add_,

@@ -37,7 +37,7 @@ from typing import Any
 from ..plan import Plan
 from ..strategies.fused_loss import FusedLossConfig
 from ..strategies.offload import OffloadConfig
-from ..strategies.optimizer import OptimizerConfig
+from ..strategies.optimizer import PEER_OPTIMIZERS, OptimizerConfig
 from ..workload import Workload
 
 __all__ = [
@@ -175,7 +175,14 @@ def _measure_state_bytes(config: OptimizerConfig) -> float:
     for p in params:
         p.grad = torch.full_like(p, 1e-3)
     try:
-        optimizer = OptimizerConfig(name=config.name, kwargs=dict(config.kwargs)).build(params)
+        # A peer's 8-bit optimizer has memfit's AdamW8bit layout; its library need not be
+        # installed where the plan is made.
+        probe = (
+            OptimizerConfig(name="adamw8bit", kwargs={"block_size": 256, "min_8bit_size": 4096})
+            if config.name in PEER_OPTIMIZERS
+            else OptimizerConfig(name=config.name, kwargs=dict(config.kwargs))
+        )
+        optimizer = probe.build(params)
         optimizer.step()
     except (TypeError, ValueError) as e:
         raise ValueError(

@@ -8,10 +8,24 @@ from typing import Any
 
 import torch
 
-__all__ = ["OPTIMIZER_NAMES", "OptimizerConfig"]
+__all__ = ["OPTIMIZER_NAMES", "PEER_OPTIMIZERS", "OptimizerConfig"]
 
-#: Optimizer names a plan accepts (torch's own first, then memfit's memory-light ones).
-OPTIMIZER_NAMES: tuple[str, ...] = ("adamw", "adam", "sgd", "adamw8bit", "adafactor", "lamb", "lars")
+#: Peers' 8-bit optimizers a plan may name when their library is installed: name -> (package
+#: to install, module, class). Their state has memfit's AdamW8bit layout (8-bit codes, an fp32
+#: maximum per 256-element block, fp32 state for tensors under 4096 elements), so a dry run,
+#: which needs no peer library, builds memfit's AdamW8bit in their place (bitsandbytes' two
+#: 1 KiB code maps per tensor and the peers' step temporaries are not modelled).
+PEER_OPTIMIZERS: dict[str, tuple[str, str, str]] = {
+    "bnb-adamw8bit": ("bitsandbytes", "bitsandbytes.optim", "AdamW8bit"),
+    "bnb-paged-adamw8bit": ("bitsandbytes", "bitsandbytes.optim", "PagedAdamW8bit"),
+    "torchao-adamw8bit": ("torchao", "torchao.optim", "AdamW8bit"),
+}
+
+#: Optimizer names a plan accepts (torch's own first, then memfit's memory-light ones, then
+#: the peers').
+OPTIMIZER_NAMES: tuple[str, ...] = (
+    "adamw", "adam", "sgd", "adamw8bit", "adafactor", "lamb", "lars", *PEER_OPTIMIZERS,
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -22,7 +36,9 @@ class OptimizerConfig:
         name: ``adamw`` / ``adam`` (8 bytes of state per parameter), ``sgd`` (4 with momentum,
             0 without), ``adamw8bit`` (about 2.03: block-wise quantised moments), ``adafactor``
             (factored second moment: O(n+m) per matrix, well under 1 byte per parameter),
-            ``lamb`` / ``lars`` (layer-wise trust ratio for large batches; 8 / 4 bytes).
+            ``lamb`` / ``lars`` (layer-wise trust ratio for large batches; 8 / 4 bytes);
+            ``bnb-adamw8bit``, ``bnb-paged-adamw8bit`` (bitsandbytes) and
+            ``torchao-adamw8bit`` (torchao) when installed (about 2.03, as ``adamw8bit``).
         lr: Learning rate.
         foreach: torch's multi-tensor implementation. ``None`` is torch's default (on where
             supported): fastest, but it materialises intermediates for all parameters at once,
@@ -59,6 +75,29 @@ class OptimizerConfig:
             else:
                 kwargs.setdefault("relative_step", False)
                 kwargs.setdefault("scale_parameter", False)
+        if self.name in PEER_OPTIMIZERS:
+            return _build_peer(self.name, params, kwargs)
         from ..optim import build_optimizer
 
         return build_optimizer(self.name, params, **kwargs)
+
+
+def _build_peer(name: str, params: Any, kwargs: dict[str, Any]) -> torch.optim.Optimizer:
+    """A peer's optimizer; memfit's AdamW8bit with the same state layout in a dry run."""
+    import importlib
+
+    from torch._guards import active_fake_mode
+
+    if active_fake_mode() is not None:
+        from ..optim import AdamW8bit
+
+        return AdamW8bit(params, block_size=256, min_8bit_size=4096, **kwargs)
+    package, module, cls = PEER_OPTIMIZERS[name]
+    try:
+        found = importlib.import_module(module)
+    except ImportError:
+        raise ValueError(
+            f"optimizer {name!r} needs {package}, which is not installed here: pip install "
+            f"{package} (or use memfit's 'adamw8bit', the same state layout)"
+        ) from None
+    return getattr(found, cls)(params, **kwargs)
