@@ -124,7 +124,7 @@ def test_a_host_budget_rules_out_the_offload_it_cannot_hold(tmp_path):
     assert 0 < roomy.predicted_host_bytes <= 1 << 30
     assert roomy.to_dict()["predicted_host_bytes"] == roomy.predicted_host_bytes
     # Only offload fits the device, and no offload fits 1 KiB of host memory.
-    with pytest.raises(NothingFits):
+    with pytest.raises(NothingFits, match=r"fit the device but not the host budget of 1\.00 KiB"):
         plan(WORKLOAD, budget, allow=["offload"], forbid=forbid, device="cpu", host_budget="1KiB")
     with pytest.raises(ValueError, match="add --allow offload"):
         plan(WORKLOAD, budget, forbid=forbid, device="cpu", disk_dir=str(tmp_path))

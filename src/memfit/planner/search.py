@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from ..plan import Plan
 from ..targets import DeviceProfile
+from ..units import format_bytes
 from ..workload import Workload
 from .candidates import (
     ALLOW,
@@ -153,6 +154,15 @@ def plan(
         )
         result = _result(closest, False, budget_bytes, predicted, [], target, seconds)
         message = nothing_fits_message(result, allow, target)
+        held = [c for c in predicted if c.host_misfit]
+        if held and host_bytes is not None:
+            least = min(held, key=lambda c: c.host_bytes or 0)
+            message += (
+                f" {len(held)} plan(s) fit the device but not the host budget of "
+                f"{format_bytes(host_bytes)}: the least needs {format_bytes(least.host_bytes or 0)} "
+                f"of host memory ({least.plan.summary()}); raise --host-budget, or give "
+                "--disk-dir for optimizer state on disk."
+            )
         result.explanation = message
         raise NothingFits(result, message)
     frontier = [winner.plan] + [c.plan for c in predicted if c.fits and c.plan != winner.plan]
