@@ -152,3 +152,36 @@ def constant_schedule_workload(batch_size: int, seq_len: int):
             return x[:, keep].sum()
 
     return Net(), torch.randn(batch_size, 8)
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(x))
+
+
+class Stack(nn.Module):
+    """In-projection, repeated blocks (what FSDP2 shards one by one), head; returns its loss.
+    Widths are odd so that shards are uneven."""
+
+    def __init__(self, d_in: int = 12, width: int = 33, depth: int = 3) -> None:
+        super().__init__()
+        self.inp = nn.Linear(d_in, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, 5)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return nn.functional.mse_loss(self.head(h), y)
+
+
+def stack_workload(batch_size: int, seq_len: int):
+    """A :class:`Stack` (``seq_len`` is its width) and a regression batch."""
+    g = torch.Generator().manual_seed(1)
+    model = Stack(width=seq_len, depth=4)
+    return model, {"x": torch.randn(batch_size, 12, generator=g), "y": torch.randn(batch_size, 5, generator=g)}

@@ -36,6 +36,7 @@ BAD: dict[str, dict[str, list[str] | None]] = {
         "--top": ["-1"],
         "--device": ["no-such-gpu"],
         "--expert-load": ["0.5"],
+        "--world-size": ["0", "3", "x"],
     },
     "plan": {
         "--model": ["nonsense-model"],
@@ -51,6 +52,7 @@ BAD: dict[str, dict[str, list[str] | None]] = {
         "--host-budget": ["lots"],
         "--disk-dir": [MISSING],
         "--emit": ["deepspeed"],
+        "--world-size": ["0", "3", "x"],
     },
     "train": {
         "--config": [MISSING],
@@ -63,6 +65,7 @@ BAD: dict[str, dict[str, list[str] | None]] = {
         "--plan": [MISSING],
         "--checkpoint-dir": ["{tmp}/a-file"],
         "--save-every": ["0"],
+        "--nproc-per-node": ["0", "3", "x"],
         "--keep": ["0"],
         "--resume": None,
     },

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import traceback
@@ -110,6 +111,14 @@ def profile(
             "gives one expert c times its share (a worst case).",
         ),
     ] = 1.0,
+    world_size: Annotated[
+        int | None,
+        typer.Option(
+            "--world-size",
+            help="With --dry-run: predict each of N data-parallel processes (the plan's ZeRO "
+            "stage, stage 0 by default) without launching them; --batch-size is the global batch.",
+        ),
+    ] = None,
 ) -> None:
     """Measure where a training step's memory goes, by category, phase and module."""
     _quiet_libraries()
@@ -127,6 +136,16 @@ def profile(
     target = _run_guarded(get_device, device)
     the_plan = _run_guarded(Plan.load, plan) if plan is not None else None
     workload = _run_guarded(load_workload, model, batch_size, seq_len)
+    if world_size is not None:
+        _profile_ranks(workload, the_plan, world_size, dry_run, steps, target, json_path)
+        return
+    from .distributed.launch import under_launcher
+
+    if under_launcher() and not dry_run:
+        from .distributed.profile import profile_under_launcher
+
+        _run_guarded(profile_under_launcher, workload, the_plan, steps, json_path, out)
+        return
     report = _with_progress(
         f"{'dry-running' if dry_run else 'running'} {workload.name} "
         f"(batch {batch_size}, length {seq_len}) for {target.name}",
@@ -158,6 +177,49 @@ def profile(
             plot, title=f"memfit profile: {workload.name}, batch {batch_size}, length {seq_len}"
         )
         out.print(f"wrote {plot}")
+
+
+def _profile_ranks(
+    workload: Any, plan: Any, world: int, dry: bool, steps: int, target: Any, json_path: Any
+) -> None:
+    """``memfit profile --dry-run --world-size N``: every rank's predicted memory, a table of
+    rank x category and, with ``--json``, one JSON with each rank's peak and categories."""
+    import json
+
+    from rich.table import Table
+
+    from .estimate.distributed import predict_ranks
+    from .plan import Plan
+    from .units import format_bytes
+
+    if not dry:
+        _fail(
+            "--world-size predicts processes without launching them and needs --dry-run; to "
+            "measure real processes, run memfit train --nproc-per-node N"
+        )
+    if isinstance(world, bool) or world < 1:
+        _fail(f"--world-size must be a whole number >= 1, got {world}")
+    plan = plan or Plan()
+    if plan.parallel.data == 1:
+        plan = plan.replace(parallel=dataclasses.replace(plan.parallel, data=world))
+    elif plan.parallel.data != world:
+        _fail(f"the plan is for {plan.parallel.data} processes but --world-size is {world}")
+    with err.status(f"dry-running {world} ranks of {workload.name}"):
+        pred = _run_guarded(predict_ranks, workload, plan, steps=max(steps, 3), device=target)
+    categories = [c for c in next(iter(pred.reports.values())).peak_by_category]
+    table = Table(title=f"{workload.name}: {plan.summary()} (predicted per rank)")
+    for col in ["rank", "peak", *categories]:
+        table.add_column(col, justify="right")
+    for r in range(world):
+        rep = pred.reports.get(r)
+        cells = [format_bytes(rep.peak_by_category.get(c, 0)) if rep else "as rank 0" for c in categories]
+        table.add_row(str(r), format_bytes(pred.peak_bytes[r]), *cells)
+    out.print(table)
+    if json_path is not None:
+        data = {"model": workload.name, "plan": plan.to_dict(), "world_size": world, **pred.to_dict()}
+        data["reports"] = {str(r): rep.to_dict(max_points=200) for r, rep in pred.reports.items()}
+        json_path.write_text(json.dumps(data, indent=2) + "\n")
+        out.print(f"wrote {json_path}")
 
 
 @app.command("plan")
@@ -242,6 +304,14 @@ def plan_command(
             "the code for the Hugging Face Trainer).",
         ),
     ] = None,
+    world_size: Annotated[
+        int | None,
+        typer.Option(
+            "--world-size",
+            help="Plan for N data-parallel processes (the budget is per process): chooses the "
+            "ZeRO stage too and predicts each rank's peak without launching anything.",
+        ),
+    ] = None,
 ) -> None:
     """Find the fastest plan whose peak memory fits a budget."""
     _quiet_libraries()
@@ -274,6 +344,7 @@ def plan_command(
                 progress=lambda msg: status.update(msg),
                 host_budget=host_budget,
                 disk_dir=None if disk_dir is None else str(disk_dir),
+                world_size=world_size,
             )
         except NothingFits as e:
             status.stop()
@@ -302,6 +373,13 @@ def plan_command(
         f"(cost model: {result.device}); searched in {result.seconds:.1f} s",
         highlight=False,
     )
+    if result.rank_peak_bytes is not None:
+        out.print(
+            "[bold]per process:[/] "
+            + ", ".join(f"rank {r} {format_bytes(b)}" for r, b in enumerate(result.rank_peak_bytes[:8]))
+            + (f", ... ({len(result.rank_peak_bytes)} ranks)" if len(result.rank_peak_bytes) > 8 else ""),
+            highlight=False,
+        )
     if json_path is not None:
         json_path.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
         out.print(f"wrote {json_path}")

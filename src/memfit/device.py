@@ -17,12 +17,14 @@ __all__ = [
     "copy_stream",
     "copy_to_host",
     "cuda_available",
+    "current_event",
     "default_device",
     "device_capability",
     "device_memory_used",
     "device_name",
     "empty_cache",
     "empty_host",
+    "event_done",
     "host_buffer",
     "is_cuda",
     "is_fake",
@@ -38,6 +40,7 @@ __all__ = [
     "stream_ready",
     "synchronize",
     "total_memory",
+    "wait_event",
     "wait_for",
 ]
 
@@ -45,6 +48,11 @@ __all__ = [
 def cuda_available() -> bool:
     """Whether a CUDA device can be used."""
     return bool(torch.cuda.is_available())
+
+
+def set_device(index: int) -> None:
+    """Make CUDA device ``index`` this process's current device (one per launched process)."""
+    torch.cuda.set_device(index)
 
 
 def default_device() -> torch.device:
@@ -218,3 +226,23 @@ def record_stream(tensor: torch.Tensor, device: torch.device | str) -> None:
     another stream), so its memory is not reused before that work is done (no-op off CUDA)."""
     if tensor.is_cuda:
         tensor.record_stream(torch.cuda.current_stream(torch.device(device)))
+
+
+def current_event(device: torch.device | str) -> Any:
+    """An event marking the work queued so far on ``device``'s current stream; ``None`` off
+    CUDA (where work is done when it returns)."""
+    if is_cuda(device):
+        return torch.cuda.current_stream(torch.device(device)).record_event()
+    return None
+
+
+def event_done(event: Any) -> bool:
+    """Whether the work before ``event`` has run (without waiting; ``None`` is done)."""
+    return event is None or bool(event.query())
+
+
+def wait_event(event: Any) -> None:
+    """Block the host until the work before ``event`` has run (no-op for ``None``); other
+    work queued after it goes on."""
+    if event is not None:
+        event.synchronize()

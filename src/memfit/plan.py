@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .distributed.config import ParallelConfig
 from .strategies.checkpointing import CheckpointConfig
 from .strategies.fused_loss import FusedLossConfig
 from .strategies.offload import OffloadConfig
@@ -120,6 +121,7 @@ class Plan:
     fused_loss: FusedLossConfig | None = None
     compile: bool | str = False
     grad_buffer: bool = False
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         # Accept short forms (strings, dicts, lists) and store the canonical configs.
@@ -128,6 +130,9 @@ class Plan:
         coerce(self, "precision", _coerce(PrecisionConfig, self.precision, "mode"))
         coerce(self, "optimizer", _coerce(OptimizerConfig, self.optimizer, "name"))
         coerce(self, "sequence", _coerce(SequenceConfig, self.sequence, None))
+        if isinstance(self.parallel, int) and not isinstance(self.parallel, bool):
+            coerce(self, "parallel", ParallelConfig(data=self.parallel))
+        coerce(self, "parallel", _coerce(ParallelConfig, self.parallel, None))
         if self.offload is not None:
             # "host" is short for the optimizer on the host (ZeRO-Offload).
             offload = {"optimizer": self.offload} if isinstance(self.offload, str) else self.offload
@@ -250,6 +255,7 @@ class Plan:
         if not isinstance(self.fused_pointwise, bool):
             raise PlanError(f"fused_pointwise must be true or false, got {self.fused_pointwise!r}")
         self._validate_grad_buffer()
+        self._validate_parallel()
         if self.max_seq_len is not None and (
             not isinstance(self.max_seq_len, int) or self.max_seq_len < 1
         ):
@@ -273,6 +279,69 @@ class Plan:
                 "grad_buffer cannot be combined with optimizer offload: gradients leave the "
                 "device in offload bucket_bytes buckets, and a device buffer of all of them "
                 "would undo that saving; set grad_buffer false"
+            )
+
+    def _validate_parallel(self) -> None:
+        par = self.parallel
+        problems = par.problems()
+        if problems:
+            raise PlanError(problems[0])
+        if par.tensor > 1 or par.pipeline > 1:
+            raise PlanError(
+                "tensor and pipeline parallelism are not available in plans yet; use parallel "
+                "tensor 1 and pipeline 1 (data parallelism with a ZeRO stage)"
+            )
+        if par.data == 1 and par.zero_stage == 0:
+            return
+        if self.precision.mode == "bf16-pure":
+            raise PlanError(
+                "bf16-pure cannot be combined with data parallelism yet: its fp32 step swaps "
+                "each parameter's dtype, which drops DDP's gradient hooks and mixes dtypes in "
+                "FSDP2's shards; use bf16-mixed"
+            )
+        if self.loss_normalization == "tokens":
+            raise PlanError(
+                "loss_normalization 'tokens' cannot be combined with data parallelism yet: each "
+                "process would weight by its own token count, not the whole batch's; use 'mean'"
+            )
+        if self.optimizer_in_backward:
+            raise PlanError(
+                "optimizer_in_backward cannot be combined with data parallelism: each gradient "
+                "must be averaged across processes (in DDP's or FSDP2's buckets) before its "
+                "step, which runs after the hooks the fused step uses; set optimizer_in_backward "
+                "false"
+            )
+        if self.grad_buffer:
+            raise PlanError(
+                "grad_buffer cannot be combined with data parallelism: DDP already keeps "
+                "gradients as views into its contiguous buckets and FSDP2 shards them; set "
+                "grad_buffer false"
+            )
+        off = self.offload
+        if off is not None and (off.optimizer is not None or off.parameters is not None):
+            raise PlanError(
+                "optimizer and parameter offload cannot be combined with data parallelism yet "
+                "(their gradient hooks would run before the gradients are averaged across "
+                "processes); keep offload activations only, or use one process"
+            )
+        if par.zero_stage == 1 and self.optimizer.name.startswith(("bnb-", "torchao-")):
+            raise PlanError(
+                f"optimizer {self.optimizer.name!r} cannot be sharded by ZeRO stage 1 "
+                "(ZeroRedundancyOptimizer rebuilds it from its class and settings, which the "
+                "peer's wrapper does not allow); it supports stage 0 only: use zero_stage 0 or "
+                "memfit's adamw8bit"
+            )
+        if par.zero_stage > 0 and self.optimizer.name == "onebit-adam":
+            raise PlanError(
+                "optimizer 'onebit-adam' compresses DDP's gradient all-reduce (a communication "
+                "hook) and steps every parameter on every process; it supports stage 0 only: "
+                "use zero_stage 0"
+            )
+        if par.zero_stage >= 2 and self.optimizer.name.startswith(("bnb-", "torchao-")):
+            raise PlanError(
+                f"optimizer {self.optimizer.name!r} cannot step FSDP2's sharded parameters "
+                "(DTensors); it supports stage 0 only: use zero_stage 0 or memfit's adamw8bit, "
+                "which steps each shard"
             )
 
     # ------------------------------------------------------------------ derived
@@ -391,6 +460,8 @@ class Plan:
             parts.append("fused loss" + (f" (chunks of {chunk} tokens)" if chunk else ""))
         if self.grad_buffer:
             parts.append("contiguous gradient buffer")
+        if self.parallel.data > 1 or self.parallel.zero_stage:
+            parts.append(f"{self.parallel.data} processes, ZeRO stage {self.parallel.zero_stage}")
         if self.compile_backend is not None:
             parts.append(
                 "compiled" if self.compile_backend == "inductor" else f"compiled ({self.compile_backend})"

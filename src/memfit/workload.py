@@ -130,6 +130,21 @@ PRESETS: dict[str, _Preset] = {
         ),
         "Llama-architecture causal LM (8.03B parameters, Llama-3.1-8B dimensions)",
     ),
+    "llama-70b": _Preset(
+        "llama",
+        dict(
+            vocab_size=128256,
+            hidden_size=8192,
+            intermediate_size=28672,
+            num_hidden_layers=80,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            max_position_embeddings=8192,
+            rope_theta=500000.0,
+            tie_word_embeddings=False,
+        ),
+        "Llama-architecture causal LM (70.6B parameters, Llama-3.1-70B dimensions)",
+    ),
     "mixtral-8x7b": _Preset(
         "mixtral",
         dict(

@@ -14,6 +14,7 @@ from memfit.optim import (
     AdamW8bit,
     Lamb,
     Lars,
+    OneBitAdam,
     StableEmbedding,
     build_optimizer,
     state_bytes,
@@ -25,6 +26,7 @@ MEMFIT = {
     "adafactor": {"beta1": 0.9},
     "lamb": {"lr": 1e-2, "weight_decay": 0.01},
     "lars": {"lr": 1.0, "eta": 0.02},
+    "onebitadam": {"lr": 1e-2, "warmup_steps": 1},  # the later steps past the warm-up
 }
 
 
@@ -39,6 +41,7 @@ MEMFIT = {
         ("adafactor", Adafactor),
         ("lamb", Lamb),
         ("LARS", Lars),
+        ("onebit-adam", OneBitAdam),
     ],
 )
 def test_build_optimizer(name: str, cls: type) -> None:
@@ -55,7 +58,9 @@ def test_build_optimizer_unknown_name_lists_accepted() -> None:
         build_optimizer("rmsprop", nn.Linear(2, 2).parameters())
     for name in ("adamw", "adam", "sgd", "adamw8bit", "adafactor", "lamb", "lars"):
         assert repr(name) in str(info.value)
-    assert set(OPTIMIZERS) == {"adamw", "adam", "sgd", "adamw8bit", "adafactor", "lamb", "lars"}
+    assert set(OPTIMIZERS) == {
+        "adamw", "adam", "sgd", "adamw8bit", "adafactor", "lamb", "lars", "onebitadam"
+    }
 
 
 def test_state_bytes_counts_each_storage_once() -> None:

@@ -41,8 +41,10 @@ def test_compiled_training_equals_eager():
     for _ in range(2):
         la, lb = a.step(_batch()), b.step(_batch())
         torch.testing.assert_close(lb, la, rtol=1e-5, atol=1e-6)
+    # Decompositions round differently; Adam's first steps (update about lr * sign(g)) turn a
+    # rounding difference in a near-zero gradient into up to ~1e-6 in a parameter.
     for p, q in zip(eager.parameters(), compiled.parameters(), strict=True):
-        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=5e-6)
 
 
 def test_remove_makes_the_model_eager_again():

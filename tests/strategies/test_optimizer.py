@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import memfit
+from memfit.optim import OneBitAdam
 from memfit.strategies.optimizer import OptimizerConfig
 
 
@@ -16,6 +17,9 @@ def test_builds_each_optimizer():
         opt = OptimizerConfig(name=name, lr=1e-3).build(model.parameters())
         assert isinstance(opt, torch.optim.Optimizer)
         assert opt.param_groups[0]["lr"] == 1e-3
+    opt = OptimizerConfig(name="onebit-adam", kwargs={"warmup_steps": 7}).build(model.parameters())
+    assert isinstance(opt, OneBitAdam)
+    assert opt.param_groups[0]["warmup_steps"] == 7
 
 
 def test_unknown_name():

@@ -10,6 +10,7 @@ import torch
 
 import memfit
 from memfit.strategies.compose import apply_plan
+from memfit.strategies.offload import host_copy_of
 from memfit.strategies.optimizer_offload import HostOffloadOptimizer
 
 from .test_optimizer_offload import Net, _batch
@@ -125,3 +126,90 @@ def test_dry_run_equals_real_run_with_the_step_in_backward(tmp_path):
     dry = memfit.dry_run(str(path), plan, batch_size=2, seq_len=16)
     assert dry.peak_by_category == real.peak_by_category
     assert dry.peak_by_tier == real.peak_by_tier
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-pure"])
+def test_with_parameter_offload_the_buckets_step_the_host_copies(precision):
+    """Streamed parameters have no device storage between uses: a bucket stepped in backward
+    updates their host copies (the next fetch reads them), never the released storage, and
+    trains like the same offload stepping after backward."""
+    from .test_parameter_offload import N_LAYER, _gpt2
+    from .test_parameter_offload import _batch as _tokens
+
+    reference, model = _gpt2(), _gpt2()
+    off = {"optimizer": "host", "parameters": "host", "bucket_bytes": 1 << 14}
+    ref = apply_plan(reference, memfit.Plan(precision=precision, offload=off))
+    got = apply_plan(model, memfit.Plan(precision=precision, optimizer_in_backward=True,
+                                        offload=off))  # fmt: skip
+    assert got.optimizer.step_in_backward and len(got.optimizer.buckets) > N_LAYER
+    weight = model.transformer.h[1].mlp.c_fc.weight
+    before = host_copy_of(weight).clone()
+    for step in range(3):
+        torch.testing.assert_close(got.step(_tokens(step)), ref.step(_tokens(step)),
+                                   rtol=0, atol=1e-6)  # fmt: skip
+        assert weight.untyped_storage().nbytes() == 0  # released: nothing was written there
+    assert not torch.equal(host_copy_of(weight), before)
+    for a, b in zip(got.optimizer.masters, ref.optimizer.masters, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    got.remove()
+    ref.remove()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6, msg=name)
+
+
+def test_buckets_in_flight_step_in_order_once_landed(monkeypatch):
+    """The CUDA path's logic, run on the CPU with stand-in events (the copies themselves are
+    synchronous here): a gradient hook steps only buckets whose copies are done, the end of
+    backward waits for the others one by one and steps each after its wait, and the
+    parameters are the on-device optimizer's."""
+    from memfit import device
+
+    log: list[tuple[str, int]] = []
+
+    class Event:
+        def __init__(self) -> None:
+            self.id = len(events)
+            self.done = self.id % 2 == 0  # some have landed by the next hook, others not
+            events.append(self)
+
+    events: list[Event] = []
+
+    def wait(event: Event) -> None:
+        log.append(("wait", event.id))
+        event.done = True
+
+    monkeypatch.setattr(device, "current_event", lambda d: Event())
+    monkeypatch.setattr(device, "event_done", lambda e: e is None or e.done)
+    monkeypatch.setattr(device, "wait_event", wait)
+    ref_model, model, ref, got = _pair({}, {})
+    opt = got.optimizer
+    step_bucket, move = opt._step_bucket, opt._move
+
+    def logged_step(b: int) -> None:
+        log.append(("step", b))
+        step_bucket(b)
+
+    def logged_move(b: int) -> None:
+        log.append(("fill", b))
+        move(b)
+
+    monkeypatch.setattr(opt, "_step_bucket", logged_step)
+    monkeypatch.setattr(opt, "_move", logged_move)
+    ref.step(_batch(0))
+    got.step(_batch(0))
+    filled = [b for what, b in log if what == "fill"]
+    assert len(events) == len(filled) == len(opt.buckets) >= 3
+    # Buckets step in the order they filled, each once: one whose copies were in flight right
+    # after its wait; one that had landed without a wait (the third only after the second,
+    # in flight before it, was waited for).
+    assert [b for what, b in log if what == "step"] == filled
+    for k, b in enumerate(filled):
+        at = log.index(("step", b))
+        if events[k].id % 2:
+            assert log[at - 1] == ("wait", k)
+        else:
+            assert ("wait", k) not in log
+    # The first bucket had landed: it stepped in its own hook, before the next one filled.
+    assert log.index(("step", filled[0])) < log.index(("fill", filled[1]))
+    for p, q in zip(ref_model.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(q, p, rtol=0, atol=1e-6)

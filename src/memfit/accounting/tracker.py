@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from .tiers import DEVICE, HOST, HOST_PINNED, in_host_tier, is_marked_host, marked_category
 from .trace import CATEGORIES, PHASES, AllocationTrace
@@ -130,7 +130,17 @@ class MemoryTracker(TorchDispatchMode):
 
         A storage already known takes ``cat`` if it is more specific than its own, unless
         ``promote`` is false (an op's output that is a view of a known storage is no news).
+        A wrapper subclass (a DTensor shard of FSDP2) holds its memory in its inner tensors,
+        which are recorded instead (its own "storage" would claim the global size).
         """
+        if is_traceable_wrapper_subclass(t):
+            inner, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
+            idx = None
+            for name in inner:
+                part = getattr(t, name)
+                if isinstance(part, torch.Tensor):
+                    idx = self._register(part, cat, promote)
+            return idx
         try:
             st = t.untyped_storage()
         except (RuntimeError, NotImplementedError, TypeError):

@@ -4,6 +4,12 @@
   parameter instead of 8), plus :class:`StableEmbedding` for embeddings trained with it.
 * :class:`Adafactor` -- factored second moment, O(n + m) state for an n x m matrix.
 * :class:`Lamb` and :class:`Lars` -- layer-wise trust-ratio optimizers for large batches.
+* :class:`OneBitAdam` -- Adam, then frozen variance (1-bit Adam's optimizer; its compressed
+  communication is the DDP hook in :mod:`memfit.distributed.onebit`).
+
+AdamW8bit, Adafactor, Lamb and Lars also step parameters sharded by FSDP2's ``fully_shard`` (DTensors), each rank its own
+shard, with the unsharded result up to rounding; AdamW8bit's quantisation blocks start at each
+shard's first element instead (:mod:`memfit.optim.sharding`).
 
 :func:`build_optimizer` creates any of them (or torch's AdamW/Adam/SGD) by name and
 :func:`state_bytes` measures how much memory an optimizer's state takes.
@@ -22,6 +28,7 @@ from .adafactor import Adafactor
 from .adamw8bit import AdamW8bit, StableEmbedding
 from .lamb import Lamb
 from .lars import Lars
+from .onebit_adam import OneBitAdam
 
 __all__ = [
     "OPTIMIZERS",
@@ -29,6 +36,7 @@ __all__ = [
     "AdamW8bit",
     "Lamb",
     "Lars",
+    "OneBitAdam",
     "StableEmbedding",
     "build_optimizer",
     "state_bytes",
@@ -43,6 +51,7 @@ OPTIMIZERS: dict[str, Callable[..., Optimizer]] = {
     "adafactor": Adafactor,
     "lamb": Lamb,
     "lars": Lars,
+    "onebitadam": OneBitAdam,
 }
 
 
@@ -51,8 +60,8 @@ def build_optimizer(name: str, params: Iterable[Any], **kwargs: Any) -> Optimize
 
     Args:
         name: One of ``"adamw"``, ``"adam"``, ``"sgd"`` (torch's own), ``"adamw8bit"``,
-            ``"adafactor"``, ``"lamb"``, ``"lars"``.  Case, ``-`` and ``_`` are ignored, so
-            ``"AdamW_8bit"`` works too.
+            ``"adafactor"``, ``"lamb"``, ``"lars"``, ``"onebitadam"``.  Case, ``-`` and ``_``
+            are ignored, so ``"AdamW_8bit"`` and ``"onebit-adam"`` work too.
         params: Parameters or parameter groups, as for any torch optimizer.
         **kwargs: Passed to the optimizer's constructor (e.g. ``lr``).
 

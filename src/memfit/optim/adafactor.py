@@ -12,6 +12,7 @@ from torch import Tensor
 from ..device import is_fake
 from ._base import MemfitOptimizer, compute_dtype, dense_grad, work_copy, write_back
 from .rounding import stochastic_round_to_bf16
+from .sharding import all_reduce_sum_, is_sharded, local_tensor, norms
 
 __all__ = ["Adafactor"]
 
@@ -41,6 +42,12 @@ class Adafactor(MemfitOptimizer):
     bf16/fp16 parameters are updated in fp32 (state is fp32) and rounded once per step.  No
     step-time host synchronisation: the step size is kept as a tensor where it depends on the
     parameter's RMS, so the optimizer also runs under ``FakeTensorMode``.
+
+    Parameters sharded by FSDP2 (DTensors) are stepped shard by shard, state kept as plain
+    local tensors (so ``state_dict()`` is per rank), and the result is the unsharded one: the
+    statistics that run across a split dimension (with ``Shard(0)`` of a matrix, the column
+    means and the mean of the row statistics) and the parameter and update RMS are sums over
+    the whole tensor, reduced across shards with ``all_reduce``.
 
     Args:
         params: Parameters or parameter groups.
@@ -126,8 +133,10 @@ class Adafactor(MemfitOptimizer):
     handles_low_precision = True
 
     @staticmethod
-    def _rms(tensor: Tensor) -> Tensor:
-        return tensor.norm(2) / math.sqrt(tensor.numel())
+    def _rms(tensor: Tensor, like: Tensor) -> Tensor:
+        """RMS of the whole tensor shaped like ``like`` whose local shard is ``tensor``."""
+        (norm,) = norms(like, tensor)
+        return norm / math.sqrt(like.numel())
 
     @staticmethod
     def _relative_step_size(group: dict[str, Any], step: int) -> float:
@@ -177,19 +186,22 @@ class Adafactor(MemfitOptimizer):
             for param in group["params"]:
                 if param.grad is None:
                     continue
-                grad = dense_grad(param, type(self).__name__)
+                grad = local_tensor(dense_grad(param, type(self).__name__))
+                local = local_tensor(param)
                 state = self.state[param]
                 if not state:
-                    self._init_state(param, state, group)
+                    self._init_state(local, state, group)
+                # The whole parameter's size: every rank of a sharded one takes the same path
+                # (and so runs the same collectives).
                 if param.dim() == 2 and param.numel() > self.chunk_size:
                     self._chunked_factored_step(param, grad, state, group)
                     continue
-                work = work_copy(param)
+                work = work_copy(local)
                 grad = grad.to(work.dtype)
 
                 state["step"] += 1
                 step = state["step"]
-                rms = self._rms(work)
+                rms = self._rms(work, param)
                 state["RMS"].copy_(rms)
                 # A tensor when it depends on the parameter RMS: using it in place avoids a
                 # host sync (and works under fake tensors) where float(rms) would not.
@@ -203,12 +215,12 @@ class Adafactor(MemfitOptimizer):
                     row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
                     # eps1 is added to the (small) means rather than to every squared gradient:
                     # the same value up to rounding, one full pass fewer.
-                    row_mean = sq_grad.mean(dim=-1).add_(eps1)
-                    col_mean = sq_grad.mean(dim=-2).add_(eps1)
+                    row_mean = _mean(sq_grad, -1, param, -1).add_(eps1)
+                    col_mean = _mean(sq_grad, -2, param, -2).add_(eps1)
                     del sq_grad
                     row.mul_(beta2t).add_(row_mean, alpha=1.0 - beta2t)
                     col.mul_(beta2t).add_(col_mean, alpha=1.0 - beta2t)
-                    update = _factored_rsqrt(row, col).mul_(grad)
+                    update = _factored_rsqrt(row, col, param).mul_(grad)
                 else:
                     exp_avg_sq = state["exp_avg_sq"]
                     exp_avg_sq.mul_(beta2t).add_(sq_grad.add_(eps1), alpha=1.0 - beta2t)
@@ -216,7 +228,7 @@ class Adafactor(MemfitOptimizer):
                     update = exp_avg_sq.rsqrt().mul_(grad)
 
                 # Clipping and the step size folded into one scalar: one pass over the update.
-                scale = lr / (self._rms(update) / group["clip_threshold"]).clamp_(min=1.0)
+                scale = lr / (self._rms(update, param) / group["clip_threshold"]).clamp_(min=1.0)
                 if beta1 is not None:
                     exp_avg = state["exp_avg"]
                     exp_avg.mul_(beta1).add_(update.mul_(scale), alpha=1.0 - beta1)
@@ -227,7 +239,7 @@ class Adafactor(MemfitOptimizer):
                     work.sub_(update)
                 else:
                     work.addcmul_(update, scale, value=-1.0)
-                self._write(param, work)
+                self._write(local, work)
         return loss
 
     def _write(self, param: Tensor, work: Tensor) -> None:
@@ -253,31 +265,42 @@ class Adafactor(MemfitOptimizer):
         update's sum of squares (for update clipping) and the parameter's (for its RMS), pass 3
         applies the update chunk by chunk. Rows are independent given the new statistics, so
         this is the unchunked step reorganised, not an approximation.
+
+        ``param`` may be a sharded DTensor (``grad`` is then its local gradient): the passes
+        run over the local shard, and the sums that span a split dimension are reduced after
+        the loops (never inside them: ranks may hold different numbers of chunks).
         """
         eps1, eps2 = group["eps"]
         beta1 = group["beta1"]
-        n, m = param.shape
+        local = local_tensor(param)
+        n, m = local.shape
         rows = max(1, self.chunk_size // m)
         chunks = [(r, min(r + rows, n)) for r in range(0, n, rows)]
-        dtype = compute_dtype(param)
+        dtype = compute_dtype(local)
         state["step"] += 1
         step = state["step"]
         beta2t = 1.0 - math.pow(step, group["decay_rate"])
+        # Columns split across ranks: local row sums, reduced and averaged after the loop.
+        cols_split = is_sharded(param, [-1])
 
-        row_mean = torch.empty(n, dtype=dtype, device=param.device)
-        col_sum = torch.zeros(m, dtype=dtype, device=param.device)
-        param_sq = torch.zeros((), dtype=dtype, device=param.device)
+        row_mean = torch.empty(n, dtype=dtype, device=local.device)
+        col_sum = torch.zeros(m, dtype=dtype, device=local.device)
+        param_sq = torch.zeros((), dtype=dtype, device=local.device)
         for lo, hi in chunks:
             sq = grad[lo:hi].to(dtype).square()
-            row_mean[lo:hi] = sq.mean(dim=-1)
+            row_mean[lo:hi] = sq.sum(dim=-1) if cols_split else sq.mean(dim=-1)
             col_sum += sq.sum(dim=0)
-            param_sq += param[lo:hi].to(dtype).square().sum()
+            param_sq += local[lo:hi].to(dtype).square().sum()
             del sq
+        if cols_split:
+            all_reduce_sum_(row_mean, param, [-1]).div_(param.shape[-1])
+        all_reduce_sum_(col_sum, param, [-2])
+        all_reduce_sum_(param_sq, param)
         row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
         row.mul_(beta2t).add_(row_mean.add_(eps1), alpha=1.0 - beta2t)
-        col.mul_(beta2t).add_(col_sum.div_(n).add_(eps1), alpha=1.0 - beta2t)
+        col.mul_(beta2t).add_(col_sum.div_(param.shape[-2]).add_(eps1), alpha=1.0 - beta2t)
         del row_mean, col_sum
-        row_factor = (row / row.mean()).rsqrt_().unsqueeze(-1)
+        row_factor = (row / _mean(row, -1, param, -2)).rsqrt_().unsqueeze(-1)
         col_factor = col.rsqrt().unsqueeze(0)
 
         rms = (param_sq / param.numel()).sqrt()
@@ -285,12 +308,13 @@ class Adafactor(MemfitOptimizer):
         lr: Tensor | float = self._relative_step_size(group, step)
         if group["scale_parameter"]:
             lr = rms.clamp(min=eps2) * lr
-        update_sq = torch.zeros((), dtype=dtype, device=param.device)
+        update_sq = torch.zeros((), dtype=dtype, device=local.device)
         for lo, hi in chunks:
             # Out of place: for fp32 gradients .to() is the gradient itself.
             update = grad[lo:hi].to(dtype) * row_factor[lo:hi] * col_factor
             update_sq += update.square().sum()
             del update
+        all_reduce_sum_(update_sq, param)
         update_rms = (update_sq / param.numel()).sqrt()
         scale = lr / (update_rms / group["clip_threshold"]).clamp_(min=1.0)
         for lo, hi in chunks:
@@ -300,7 +324,7 @@ class Adafactor(MemfitOptimizer):
                 exp_avg = state["exp_avg"][lo:hi]
                 exp_avg.mul_(beta1).add_(update.mul_(scale), alpha=1.0 - beta1)
                 update, step_scale = exp_avg, None
-            part = param[lo:hi]
+            part = local[lo:hi]
             work = work_copy(part)
             if group["weight_decay"] != 0.0:
                 work.mul_(1.0 - group["weight_decay"] * lr)
@@ -312,12 +336,25 @@ class Adafactor(MemfitOptimizer):
             del update, work
 
 
-def _factored_rsqrt(row: Tensor, col: Tensor) -> Tensor:
+def _mean(x: Tensor, dim: int, like: Tensor, like_dim: int) -> Tensor:
+    """``x.mean(dim)``, where ``x``'s ``dim`` runs along dimension ``like_dim`` of ``like``.
+
+    ``x`` is computed from the local shard of ``like``; if ``like`` is split along
+    ``like_dim`` the local sums are reduced across shards and divided by the full length.
+    """
+    if not is_sharded(like, [like_dim]):
+        return x.mean(dim=dim)
+    return all_reduce_sum_(x.sum(dim=dim), like, [like_dim]).div_(like.shape[like_dim])
+
+
+def _factored_rsqrt(row: Tensor, col: Tensor, like: Tensor) -> Tensor:
     """``1/sqrt(V)`` for the rank-1 estimate ``V = row col^T / mean(row)`` (paper, Alg. 4).
 
     Normalising the row factor by its mean (rather than dividing the product by the total sum)
-    keeps both factors O(1), which avoids overflow/underflow for large matrices.
+    keeps both factors O(1), which avoids overflow/underflow for large matrices.  ``row`` and
+    ``col`` are the local statistics of the (possibly sharded) parameter ``like``; the mean of
+    ``row`` runs along ``like``'s second-to-last dimension.
     """
-    row_factor = (row / row.mean(dim=-1, keepdim=True)).rsqrt_().unsqueeze(-1)
+    row_factor = (row / _mean(row, -1, like, -2).unsqueeze(-1)).rsqrt_().unsqueeze(-1)
     col_factor = col.unsqueeze(-2).rsqrt()
     return row_factor * col_factor

@@ -14,6 +14,7 @@ from torch.nn import functional as F
 from ..device import is_fake
 from ._base import MemfitOptimizer, compute_dtype, dense_grad, work_copy, write_back
 from .quantization import SIGNED_MAP, UNSIGNED_MAP, dequantize_blocks, quantize_blocks_
+from .sharding import local_tensor
 
 __all__ = ["KEEP_32BIT_ATTR", "AdamW8bit", "StableEmbedding"]
 
@@ -46,6 +47,13 @@ class AdamW8bit(MemfitOptimizer):
     bf16/fp16 parameters are updated in fp32 and rounded once per step.  The step is free of
     host synchronisation and data-dependent control flow, so it also runs under
     ``FakeTensorMode``.
+
+    Parameters sharded by FSDP2 (DTensors) are stepped shard by shard: each rank quantises its
+    local shard in blocks that start at the shard's first element, so no block straddles two
+    ranks, the block maxima stay local and the update needs no communication.  Which tensors
+    get 8-bit state is decided on the whole parameter's size, the same on every rank.  State
+    is kept as plain local tensors: ``state_dict()`` holds this rank's shard of the state and
+    loads back into the same sharding.
 
     Args:
         params: Parameters or parameter groups.  Pass ``model.named_parameters()`` (or groups
@@ -133,25 +141,27 @@ class AdamW8bit(MemfitOptimizer):
         self, param: Tensor, state: dict[str, Any], group: dict[str, Any], index: int
     ) -> None:
         state["step"] = 0
+        # The choice uses the whole (possibly sharded) parameter, the state its local shard.
+        local = local_tensor(param)
         if self._wants_8bit(param, group, index):
             block = group["block_size"]
-            blocks = -(-param.numel() // block)
+            blocks = -(-local.numel() // block)
             # Codes are flat and padded to whole blocks: every chunk then covers whole blocks
             # and the (at most block - 1) padding bytes stay zero forever (zero grads there).
             for key in ("exp_avg", "exp_avg_sq"):
                 state[f"{key}_codes"] = torch.zeros(
-                    blocks * block, dtype=torch.uint8, device=param.device
+                    blocks * block, dtype=torch.uint8, device=local.device
                 )
                 state[f"{key}_absmax"] = torch.zeros(
-                    blocks, dtype=torch.float32, device=param.device
+                    blocks, dtype=torch.float32, device=local.device
                 )
         else:
-            dtype = compute_dtype(param)
+            dtype = compute_dtype(local)
             state["exp_avg"] = torch.zeros_like(
-                param, dtype=dtype, memory_format=torch.preserve_format
+                local, dtype=dtype, memory_format=torch.preserve_format
             )
             state["exp_avg_sq"] = torch.zeros_like(
-                param, dtype=dtype, memory_format=torch.preserve_format
+                local, dtype=dtype, memory_format=torch.preserve_format
             )
 
     @torch.no_grad()
@@ -170,10 +180,12 @@ class AdamW8bit(MemfitOptimizer):
             for index, param in enumerate(group["params"]):
                 if param.grad is None:
                     continue
-                grad = dense_grad(param, type(self).__name__)
+                grad = local_tensor(dense_grad(param, type(self).__name__))
                 state = self.state[param]
                 if not state:
                     self._init_state(param, state, group, index)
+                # A sharded parameter's update is element- and block-wise: its local shard's.
+                local = local_tensor(param)
                 state["step"] += 1
                 step = state["step"]
                 hyper = _Hyper(
@@ -186,13 +198,13 @@ class AdamW8bit(MemfitOptimizer):
                     bias_correction2_sqrt=math.sqrt(1.0 - beta2**step),
                 )
                 if "exp_avg_codes" in state:
-                    _update_8bit(param, grad, state, hyper, group["block_size"], _chunk(group))
+                    _update_8bit(local, grad, state, hyper, group["block_size"], _chunk(group))
                 else:
-                    work = work_copy(param)
+                    work = work_copy(local)
                     adamw_math(
                         work, grad.to(work.dtype), state["exp_avg"], state["exp_avg_sq"], hyper
                     )
-                    write_back(param, work)
+                    write_back(local, work)
         return loss
 
 

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ._base import MemfitOptimizer, compute_dtype, dense_grad, work_copy, write_back
+from .sharding import local_tensor, norms
 
 __all__ = ["Lamb"]
 
@@ -27,6 +28,10 @@ class Lamb(MemfitOptimizer):
     The ratio falls back to 1 when either norm is zero (fresh zero-initialised layers), decided
     with ``torch.where`` rather than a Python branch, so the step never syncs with the device
     and runs under ``FakeTensorMode``.
+
+    Parameters sharded by FSDP2 (DTensors) are stepped shard by shard with state kept as plain
+    local tensors (so ``state_dict()`` is per rank); the two norms of the trust ratio are of
+    the whole parameter, reduced across shards in one ``all_reduce``.
 
     Args:
         params: Parameters or parameter groups.
@@ -91,14 +96,15 @@ class Lamb(MemfitOptimizer):
             for param in group["params"]:
                 if param.grad is None:
                     continue
-                grad = dense_grad(param, type(self).__name__)
+                grad = local_tensor(dense_grad(param, type(self).__name__))
+                local = local_tensor(param)
                 state = self.state[param]
                 if not state:
-                    dtype = compute_dtype(param)
+                    dtype = compute_dtype(local)
                     state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(param, dtype=dtype)
-                    state["exp_avg_sq"] = torch.zeros_like(param, dtype=dtype)
-                work = work_copy(param)
+                    state["exp_avg"] = torch.zeros_like(local, dtype=dtype)
+                    state["exp_avg_sq"] = torch.zeros_like(local, dtype=dtype)
+                work = work_copy(local)
                 grad = grad.to(work.dtype)
                 state["step"] += 1
                 step = state["step"]
@@ -117,10 +123,9 @@ class Lamb(MemfitOptimizer):
                 if group["weight_decay"] != 0.0:
                     update.add_(work, alpha=group["weight_decay"])
 
-                weight_norm = torch.linalg.vector_norm(work)
+                weight_norm, update_norm = norms(param, work, update)
                 if group["clamp_value"] is not None:
                     weight_norm = weight_norm.clamp(max=group["clamp_value"])
-                update_norm = torch.linalg.vector_norm(update)
                 trust_ratio = torch.where(
                     (weight_norm > 0) & (update_norm > 0),
                     weight_norm / update_norm,
@@ -129,5 +134,5 @@ class Lamb(MemfitOptimizer):
                 # Kept for monitoring (a 0-d tensor: reading it is the caller's choice to sync).
                 state["trust_ratio"] = trust_ratio
                 work.sub_(update.mul_(trust_ratio), alpha=group["lr"])
-                write_back(param, work)
+                write_back(local, work)
         return loss

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ._base import MemfitOptimizer, compute_dtype, dense_grad, work_copy, write_back
+from .sharding import local_tensor, norms
 
 __all__ = ["Lars"]
 
@@ -30,6 +31,10 @@ class Lars(MemfitOptimizer):
     normalisation scales -- skip both the trust ratio and weight decay and take plain SGD
     momentum steps, as is customary (their norms say little about a sensible step and decaying
     them hurts).  ``exclude_1d`` is a group option, so it can be set per parameter group.
+
+    Parameters sharded by FSDP2 (DTensors) are stepped shard by shard with the momentum buffer
+    kept as a plain local tensor (so ``state_dict()`` is per rank); the norms of the trust
+    ratio are of the whole parameter, reduced across shards in one ``all_reduce``.
 
     Args:
         params: Parameters or parameter groups.
@@ -99,13 +104,13 @@ class Lars(MemfitOptimizer):
             for param in group["params"]:
                 if param.grad is None:
                     continue
-                grad = dense_grad(param, type(self).__name__)
+                grad = local_tensor(dense_grad(param, type(self).__name__))
+                local = local_tensor(param)
                 state = self.state[param]
-                work = work_copy(param)
+                work = work_copy(local)
                 grad = grad.to(work.dtype)
                 if not (group["exclude_1d"] and param.ndim <= 1):
-                    weight_norm = torch.linalg.vector_norm(work)
-                    grad_norm = torch.linalg.vector_norm(grad)
+                    weight_norm, grad_norm = norms(param, work, grad)
                     trust = torch.where(
                         (weight_norm > 0) & (grad_norm > 0),
                         group["eta"]
@@ -118,11 +123,11 @@ class Lars(MemfitOptimizer):
                 if momentum != 0.0:
                     buf = state.get("momentum_buffer")
                     if buf is None:
-                        buf = grad.detach().to(compute_dtype(param), copy=True)
+                        buf = grad.detach().to(compute_dtype(local), copy=True)
                         state["momentum_buffer"] = buf
                     else:
                         buf.mul_(momentum).add_(grad, alpha=1.0 - group["dampening"])
                     grad = grad.add(buf, alpha=momentum) if group["nesterov"] else buf
                 work.add_(grad, alpha=-group["lr"])
-                write_back(param, work)
+                write_back(local, work)
         return loss

@@ -89,6 +89,8 @@ class PlanResult:
             what was fitted into the budget.
         predicted_host_bytes: Predicted host-tier peak (offload's masters, state, gradients,
             activations).
+        rank_peak_bytes: For a plan over several processes: each rank's predicted peak, in
+            rank order (``predicted_peak_bytes`` is then the largest).
     """
 
     fits: bool
@@ -105,9 +107,25 @@ class PlanResult:
     predicted_peak_reserved_bytes: int = 0
     predicted_device_total_bytes: int = 0
     predicted_host_bytes: int = 0
+    rank_peak_bytes: list[int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON of ``memfit plan``."""
+        """The JSON of ``memfit plan``. For a plan over several processes
+        (``rank_peak_bytes`` set), ``predicted_peak_bytes`` is the list of each rank's peak
+        (also ``predicted_rank_peak_bytes``, and ``ranks`` with one entry per rank)."""
+        data = self._plain_dict()
+        if self.rank_peak_bytes is not None:
+            peaks = [int(p) for p in self.rank_peak_bytes]
+            data.update(
+                world_size=len(peaks),
+                predicted_peak_bytes=peaks,
+                predicted_rank_peak_bytes=peaks,
+                predicted_max_rank_peak_bytes=max(peaks),
+                ranks=[{"rank": r, "predicted_peak_bytes": v} for r, v in enumerate(peaks)],
+            )
+        return data
+
+    def _plain_dict(self) -> dict[str, Any]:
         return {
             "fits": self.fits,
             "plan": self.plan.to_dict(),

@@ -22,7 +22,11 @@ On CUDA the copy back runs one block ahead on a side stream: when backward first
 tensor saved in block *i*, the storages saved in the block before it are copied back on the
 copy stream while block *i*'s backward computes, so the device holds at most one extra block
 of restored activations. On the CPU (every test here) there is no second stream and no
-prefetch: each storage is copied back when backward first needs it. Blocks are the model's
+prefetch: each storage is copied back when backward first needs it, unless a CUDA target's
+kernels are emulated (a dry run or measurement for a GPU, :mod:`memfit.targets.kernels`):
+then the same copies are made one block ahead, synchronously, so the report counts the block
+copied back ahead as the GPU holds it. Tensors saved from another device than the model's
+(a CPU tensor in a CUDA model) and empty storages stay as they are. Blocks are the model's
 repeated blocks (:func:`~memfit.strategies.blocks.find_blocks`); without any, copies are made
 on demand.
 
@@ -56,6 +60,7 @@ from torch.utils._pytree import tree_leaves
 
 from .. import device as dev
 from ..accounting.tiers import host_tier
+from ..targets.kernels import cuda_emulation_active
 from .blocks import find_blocks
 from .offload import OffloadConfig
 
@@ -122,6 +127,10 @@ class _Forward:
         self.groups: dict[int, list[weakref.ref]] = {}
         self.prefetched: set[int] = set()
         self.group = 0
+        # Copies back run one block ahead as on a CUDA device, synchronously: a CUDA target's
+        # kernels are emulated on the CPU (a dry run for a GPU), so its peak counts the block
+        # copied back ahead as the GPU's does.
+        self.emulated = False
 
 
 class _HostCopy:
@@ -221,7 +230,9 @@ class _Offloader:
         self.depth = 0
         self.ctx: Any = None
         self.stream: Any = None  # the copy stream (CUDA only), made at the first copy
-        self.stream_made = False
+        self.stream_device: torch.device | None = None  # the device it copies to
+        self.streamless: set[torch.device] = set()  # devices without streams (the CPU)
+        self.device_type: str | None = None  # the compute device's (its parameters')
 
     # ------------------------------------------------------------------ model hooks
     def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -233,8 +244,10 @@ class _Offloader:
         self.counters.last_forward_held_bytes = 0
         # Parameters, buffers and inputs stay alive anyway: a host copy would free nothing.
         held = [*module.parameters(), *module.buffers()]
+        self.device_type = held[0].device.type if held else None
         held += [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         self.skip = {st._cdata for st in map(_storage, held) if st is not None}
+        self.fwd.emulated = cuda_emulation_active()
         ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         ctx.__enter__()
         self.ctx = ctx
@@ -265,8 +278,10 @@ class _Offloader:
         if st is None or not _movable(t):
             return t.detach()
         key = st._cdata
-        if key in self.skip:
-            return t.detach()
+        if key in self.skip or st.nbytes() == 0:
+            return t.detach()  # held anyway, or nothing to move
+        if self.device_type is not None and t.device.type != self.device_type:
+            return t.detach()  # off the compute device already (a CPU tensor in a CUDA model)
         fwd = self.fwd
         seen = fwd.seen.get(key)
         # The same storage (alive, unchanged since) was seen in this forward: share its fate.
@@ -289,9 +304,12 @@ class _Offloader:
 
     def _to_host(self, t: torch.Tensor, st: torch.UntypedStorage, nbytes: int) -> _HostCopy:
         real = not dev.is_fake(t)  # a dry run's fake tensors: no streams, no pinning
-        if not self.stream_made:
-            self.stream_made = True
-            self.stream = dev.copy_stream(t.device) if real else None
+        if real and self.stream is None and t.device not in self.streamless:
+            self.stream = dev.copy_stream(t.device)  # None off CUDA
+            if self.stream is None:
+                self.streamless.add(t.device)
+            else:
+                self.stream_device = t.device
         with torch.no_grad():
             with host_tier():
                 host = dev.empty_host(nbytes, pin=self.config.pin_memory and t.is_cuda and real)
@@ -325,7 +343,7 @@ class _Offloader:
         buf = entry.device_copy()
         if buf is not None:
             return buf
-        if self.stream is not None:
+        if (self.stream is not None and entry.device == self.stream_device) or entry.fwd.emulated:
             self._prefetch_before(entry)
         buf = entry.prefetched
         if buf is not None:
@@ -350,7 +368,8 @@ class _Offloader:
             return
         fwd.prefetched.add(group)
         todo = [e for e in (r() for r in fwd.groups[group]) if e is not None]
-        todo = [e for e in todo if e.device_copy() is None and e.prefetched is None]
+        todo = [e for e in todo
+                if e.device == entry.device and e.device_copy() is None and e.prefetched is None]  # fmt: skip
         if not todo:
             return
         # The copy stream starts after what the compute stream has queued so far.

@@ -16,6 +16,9 @@ where they meet, in a fixed order:
    their boundaries, moves to the host; it keeps parameters as they are),
 5. ``torch.compile`` (last, so dynamo traces the other techniques' wrappers),
 6. the contiguous gradient buffer (sees the final dtypes and the trainable set),
+6b. data parallelism (:mod:`memfit.distributed.data`: DDP wraps the model, FSDP2 shards the
+   checkpointed blocks in place; before the optimizer, which steps FSDP2's shards or is
+   sharded by ZeRO stage 1),
 7. the optimizer (optimizer offload steps parameter offload's host copies), fused into
    backward or not (or on the host, with optimizer offload),
 8. per step (:func:`~memfit.strategies.stepper.run_step`): sequence truncation, micro-batches
@@ -77,6 +80,7 @@ class TrainingSetup:
     handles: list[tuple[str, Removable]] = field(default_factory=list, repr=False)
     optimizer_given: bool = False
     removed: bool = False
+    parallel: Any = None
 
     def __post_init__(self) -> None:
         if self.stepper is None:
@@ -87,6 +91,10 @@ class TrainingSetup:
                 fused=self.plan.optimizer_in_backward,
                 max_grad_norm=self.plan.max_grad_norm,
             )
+            if self.parallel is not None:
+                from ..distributed.data import DataParallelStepper
+
+                self.stepper = DataParallelStepper(self.stepper, self.parallel)
 
     def remove(self) -> None:
         """Take the plan off the model, last technique first: the fused step's hooks, the
@@ -119,8 +127,17 @@ class TrainingSetup:
             )
         plan = self.plan
         assert self.stepper is not None
+        module = self.model
+        if self.parallel is not None:
+            from ..distributed.data import batches_local, local_batch, rank_and_world
+
+            # ``batch`` is the global batch: this rank trains on its share, and the engine
+            # averages the gradients, so the step is the whole batch's.
+            if not batches_local():
+                batch = local_batch(batch, *rank_and_world())
+            module = self.parallel.module
         total = run_step(
-            self.model,
+            module,
             batch,
             stepper=self.stepper,
             autocast=self.precision.autocast,
@@ -130,6 +147,10 @@ class TrainingSetup:
             max_seq_len=plan.max_seq_len,
         )
         self.steps_done += 1
+        if self.parallel is not None:
+            from ..distributed.data import mean_over_ranks
+
+            total = mean_over_ranks(total)
         return total
 
 
@@ -243,8 +264,18 @@ def apply_plan(
             grad_buffer = apply_grad_buffer(model, plan.grad_buffer)
             handles.append(("grad_buffer", grad_buffer))
             info["grad_buffer_bytes"] = grad_buffer.nbytes
+        parallel = None
+        if plan.parallel.data > 1 or plan.parallel.zero_stage:
+            from ..distributed.data import apply_data_parallel
+
+            mixed = {"bf16-mixed": torch.bfloat16}.get(plan.precision.mode)
+            parallel = apply_data_parallel(model, plan.parallel, mixed_dtype=mixed)
+            handles.append(("data_parallel", parallel))
+            info["data_parallel"] = plan.parallel.engine
         given = optimizer is not None
-        optimizer = _build_optimizer(model, plan, precision, optimizer)
+        optimizer = _build_optimizer(model, plan, precision, optimizer, parallel)
+        if parallel is not None:
+            parallel.attach_optimizer(optimizer)  # 1-bit Adam's compressed all-reduce
         if plan.offload is not None and plan.offload.optimizer is not None:
             handles.append(("optimizer_offload", optimizer))
         elif plan.optimizer_in_backward:
@@ -263,6 +294,7 @@ def apply_plan(
         info=info,
         handles=handles,
         optimizer_given=given,
+        parallel=parallel,
     )
 
 
@@ -288,7 +320,9 @@ def _check_offload(plan: Plan, optimizer: Any) -> None:
         )
 
 
-def _build_optimizer(model: nn.Module, plan: Plan, precision: Any, optimizer: Any) -> Any:
+def _build_optimizer(
+    model: nn.Module, plan: Plan, precision: Any, optimizer: Any, parallel: Any = None
+) -> Any:
     if plan.offload is not None and plan.offload.optimizer is not None:
         from .optimizer_offload import HostOffloadOptimizer, host_optimizer_builder
 
@@ -332,6 +366,8 @@ def _build_optimizer(model: nn.Module, plan: Plan, precision: Any, optimizer: An
     if optimizer is None:
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = precision.optimizer_config(plan.optimizer).build(params)
+    if parallel is not None:
+        optimizer = parallel.shard_optimizer(optimizer)  # ZeRO stage 1; others unchanged
     # bf16-pure wraps the optimizer's step (the runtime unwraps it on removal); other modes
     # return it unchanged.
     return precision.wrap_optimizer(optimizer)

@@ -132,6 +132,20 @@ class GradBufferHandle:
         """Bytes of all buffers (the gradients plus alignment padding)."""
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
 
+    def reallocate(self) -> None:
+        """Move every gradient into new buffers (values kept), then let the old ones go: for
+        a moment both exist. That is what DDP does once, at the first forward after the first
+        synchronised backward, when it rebuilds its buckets in the order gradients became
+        ready; memfit's dry run of DDP, which this buffer stands in for, calls it there."""
+        old = self.buffers
+        self.buffers = {key: b.clone() for key, b in old.items()}
+        for i, p in enumerate(self.params):
+            view = _view(self.buffers[(p.dtype, p.device)], self.views[i].storage_offset(), p)
+            if p.grad is self.views[i]:
+                p.grad = view
+            self.views[i] = view
+        del old
+
     def attach(self) -> int:
         """Point every buffered parameter whose ``.grad`` is ``None`` at its view, zeroed.
 

@@ -24,7 +24,8 @@ PEER_OPTIMIZERS: dict[str, tuple[str, str, str]] = {
 #: Optimizer names a plan accepts (torch's own first, then memfit's memory-light ones, then
 #: the peers').
 OPTIMIZER_NAMES: tuple[str, ...] = (
-    "adamw", "adam", "sgd", "adamw8bit", "adafactor", "lamb", "lars", *PEER_OPTIMIZERS,
+    "adamw", "adam", "sgd", "adamw8bit", "adafactor", "lamb", "lars", "onebit-adam",
+    *PEER_OPTIMIZERS,
 )  # fmt: skip
 
 
@@ -37,6 +38,8 @@ class OptimizerConfig:
             0 without), ``adamw8bit`` (about 2.03: block-wise quantised moments), ``adafactor``
             (factored second moment: O(n+m) per matrix, well under 1 byte per parameter),
             ``lamb`` / ``lars`` (layer-wise trust ratio for large batches; 8 / 4 bytes);
+            ``onebit-adam`` (Adam, then frozen variance: 1-bit Adam's optimizer, 8 bytes; its
+            compressed communication is :func:`memfit.distributed.onebit.register_onebit_adam`);
             ``bnb-adamw8bit``, ``bnb-paged-adamw8bit`` (bitsandbytes) and
             ``torchao-adamw8bit`` (torchao) when installed (about 2.03, as ``adamw8bit``).
         lr: Learning rate.

@@ -20,6 +20,10 @@ With ``step_in_backward`` (the plan's ``optimizer_in_backward``), the host steps
 as soon as its gradients have landed in the last micro-batch, and its updated weights go back
 while the rest of backward runs (ZeRO-Offload's and torchao's overlap of the host step with
 the device's backward): ``step`` then only steps what got no gradient in the last backward.
+On CUDA a bucket whose copies are still queued waits (a gradient hook never blocks the host
+on the device, which would drain the device's queue), and the end of backward steps the
+waiting buckets in order, each as soon as its copies have run, while the device works
+through the backward queued behind them.
 Autograd accumulates a parameter's gradient once per backward, after every node that uses
 the parameter has run, so copying the new value in cannot change this backward. Clipping
 then uses the previous step's global norm (``grad_clip_mode: approx``, as the in-device fused
@@ -109,7 +113,10 @@ class HostOffloadOptimizer:
         self.step_in_backward = step_in_backward
         self.max_grad_norm = max_grad_norm
         self._last = False  # whether this backward is the step's last (buckets step in it)
-        self._stepped: set[int] = set()  # buckets stepped in this backward
+        self._stepped: set[int] = set()  # buckets stepped (or queued to step) in this backward
+        # Buckets whose gradients are on their way to the host, with the event that marks
+        # their copies (``None``: landed already), in the order they step.
+        self._waiting: list[tuple[int, Any]] = []
         # With clipping: this step's squared gradient norm, gathered bucket by bucket, and the
         # coefficient from the previous step's norm (tensors: nothing reads a value, so a dry
         # run of fake tensors goes through).
@@ -167,6 +174,7 @@ class HostOffloadOptimizer:
         self._offloading = last or self.config.gradients_on_host
         self._last = last
         self._stepped = set()
+        self._waiting = []
         self._pending = [len(m) for m in self.buckets]
 
     def _ready(self, p: torch.Tensor) -> None:
@@ -191,7 +199,9 @@ class HostOffloadOptimizer:
                 if b not in self._stepped and any(
                     self.masters[i].grad is not None for i in self.buckets[b]
                 ):
-                    self._step_bucket(b)
+                    self._stepped.add(b)
+                    self._waiting.append((b, None))
+            self._step_ready(block=True)
             self._finish_step()
 
     def _move(self, b: int) -> None:
@@ -210,6 +220,32 @@ class HostOffloadOptimizer:
                 p.grad = None
         self.transfers += 1
         if self.step_in_backward and self._last:
+            from ..device import current_event
+
+            self._stepped.add(b)
+            self._waiting.append((b, current_event(self.params[self.buckets[b][0]].device)))
+            self._step_ready(block=False)
+
+    def _step_ready(self, *, block: bool) -> None:
+        """Step the waiting buckets, in order, whose gradients have landed on the host; with
+        ``block``, all of them, each as soon as its copies are done.
+
+        On CUDA the gradient copies are non-blocking: the host may read a bucket only once
+        its copies have run, which also orders its step after the previous step's copies up of
+        those masters. Waiting in the gradient hook for the bucket just queued would drain the
+        device's queue and leave it idle while the host steps; so a hook steps only buckets
+        already landed, and the end of backward waits for the rest one by one, each host step
+        running while the device works through the backward still queued behind it. Off CUDA
+        every bucket has landed at once (no event): it steps in its hook."""
+        from ..device import event_done, wait_event
+
+        while self._waiting:
+            b, event = self._waiting[0]
+            if not event_done(event):
+                if not block:
+                    return
+                wait_event(event)
+            self._waiting.pop(0)
             self._step_bucket(b)
 
     def _step_bucket(self, b: int) -> None:
@@ -240,11 +276,7 @@ class HostOffloadOptimizer:
                 self.masters[i].grad = g
         for m in mine:
             m.grad = None
-        self._stepped.add(b)
-        with torch.no_grad():
-            for i in self.buckets[b]:
-                p, m = self.params[i], self.masters[i]
-                p.copy_(m.to(p.device, p.dtype, non_blocking=True))
+        self._push(self.buckets[b])
 
     def _finish_step(self) -> None:
         """The step's norm is known: the next step's clip coefficient (as clip_grad_norm_)."""
@@ -283,9 +315,14 @@ class HostOffloadOptimizer:
         mark_host(v for s in self.optimizer.state.values() for v in s.values())
         self._push()
 
-    def _push(self) -> None:
+    def _push(self, indices: list[int] | None = None) -> None:
+        """Send the updated masters (of parameters ``indices``, default all) to the device.
+
+        A parameter streamed by parameter offload gets them in its host copy instead: its
+        device storage may be released, and the next fetch reads the host copy."""
         with torch.no_grad():
-            for p, m in zip(self.params, self.masters, strict=True):
+            for i in range(len(self.params)) if indices is None else indices:
+                p, m = self.params[i], self.masters[i]
                 copy = host_copy_of(p)
                 if copy is None:
                     p.copy_(m.to(p.device, p.dtype, non_blocking=True))

@@ -228,8 +228,12 @@ def run_step(
     # loss: it is skipped, and the last one that counts ends the step.
     live = [i for i, w in enumerate(weights) if w > 0]
     total: torch.Tensor | None = None
+    # A data-parallel stepper decides before the forward whether its backward synchronises.
+    before_forward = getattr(stepper, "before_forward", None)
     for i in live:
         part, weight = parts[i], weights[i]
+        if before_forward is not None:
+            before_forward(i == live[-1])
         loss = forward_loss(model, part, autocast=autocast, loss_fn=loss_fn)
         stepper.backward(loss * weight, last=i == live[-1])
         contribution = loss.detach() * weight

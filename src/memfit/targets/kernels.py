@@ -45,7 +45,7 @@ from torch.overrides import TorchFunctionMode
 
 from .profiles import DeviceProfile
 
-__all__ = ["KernelEmulation", "emulate", "sdpa_backend"]
+__all__ = ["KernelEmulation", "cuda_emulation_active", "emulate", "sdpa_backend"]
 
 _LOW = (torch.float16, torch.bfloat16)
 
@@ -407,6 +407,14 @@ def _dtype_not_positional(name: str, args: tuple[Any, ...]) -> bool:
     # softmax(input, dim, _stacklevel, dtype) and Tensor.softmax(dim, dtype): a dtype given
     # positionally is kept; so are integer-typed reductions.
     return not any(isinstance(a, torch.dtype) for a in args)
+
+
+def cuda_emulation_active() -> bool:
+    """Whether a :class:`KernelEmulation` is active here (a CUDA target's kernels emulated on
+    the CPU); ``False`` inside one of its own handlers, which run with the mode suspended."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    return any(isinstance(m, KernelEmulation) for m in _get_current_function_mode_stack())
 
 
 def emulate(profile: DeviceProfile) -> Any:

@@ -147,6 +147,8 @@ def save_checkpoint(
     except OSError as e:
         raise CheckpointError(f"cannot create the checkpoint folder {str(root)!r} ({e.strerror})") from None
     final = root / f"step-{int(step):08d}"
+    if _world() > 1:
+        return _save_sharded(root, final, int(step), model, optimizer, scheduler, state, keep)
     tmp = root / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     trainer_state = {
         "step": int(step),
@@ -183,10 +185,75 @@ def save_checkpoint(
     return final
 
 
-def _write(tmp: Path, step: int, model: nn.Module, tree: Any, tensors: dict[str, torch.Tensor]) -> None:
+def _world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _save_sharded(
+    root: Path,
+    final: Path,
+    step: int,
+    model: nn.Module,
+    optimizer: Any,
+    scheduler: Any,
+    state: Mapping[str, Any] | None,
+    keep: int | None,
+) -> Path:
+    """A checkpoint of a run on several processes (every process calls it): the weights and
+    optimizer state sharded (:mod:`memfit.train.sharded_checkpoint`), the trainer state and
+    every process's RNG written by process 0, then the manifest and the atomic rename."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from .sharded_checkpoint import save_sharded
+
+    rank = dist.get_rank()
+    tmp = root / f".tmp-{final.name}-sharded"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    dist.barrier()
+    rngs: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(rngs, rng_state())
+    try:
+        save_sharded(tmp, model, optimizer)
+        dist.barrier()
+        if rank == 0:
+            trainer_state = {
+                "step": step,
+                "rng": rngs[0],
+                "rank_rng": rngs,
+                "world_size": len(rngs),
+                "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                "optimizer": None,  # in the sharded files
+                **dict(state or {}),
+            }
+            tree, tensors = flatten(trainer_state)
+            _write(tmp, step, None, tree, tensors)  # the weights are in the sharded files
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _fsync_dir(root)
+            _prune(root, keep)
+    except (OSError, CheckpointException) as e:
+        # DCP gathers the processes' write errors into a CheckpointException.
+        errno_ = getattr(e, "errno", None)
+        why = "the disk is full" if errno_ == errno.ENOSPC else (getattr(e, "strerror", None) or str(e))
+        raise CheckpointError(f"could not write checkpoint {final.name} in {str(root)!r}: {why}") from None
+    finally:
+        dist.barrier()
+    return final
+
+
+def _write(
+    tmp: Path, step: int, model: nn.Module | None, tree: Any, tensors: dict[str, torch.Tensor]
+) -> None:
     from safetensors.torch import save_file, save_model
 
-    save_model(model, str(tmp / MODEL_FILE))
+    if model is not None:
+        save_model(model, str(tmp / MODEL_FILE))
     save_file(tensors, str(tmp / TENSORS_FILE))
     (tmp / STATE_FILE).write_text(json.dumps(tree, allow_nan=False) + "\n")
     # The manifest last: its checksums cover the files as written.
@@ -236,6 +303,30 @@ def _resolve(path: str | os.PathLike[str]) -> Path:
             f"no checkpoint at {str(p)!r}; give a step-NNNNNNNN folder or the run folder holding them"
         )
     return latest
+
+
+def _load_sharded(
+    p: Path, model: nn.Module, optimizer: Any, scheduler: Any, restore_rng: bool, state: dict
+) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from .sharded_checkpoint import load_sharded
+
+    saved, now = int(state.get("world_size", 1)), _world()
+    if saved != now:
+        raise CheckpointError(
+            f"checkpoint {str(p)!r} was written by {saved} process(es) and this run has {now}; "
+            f"resume with --nproc-per-node {saved}"
+        )
+    try:
+        load_sharded(p, model, optimizer)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    if scheduler is not None and state.get("scheduler") is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    if restore_rng and state.get("rank_rng") is not None:
+        restore_rng_state(state["rank_rng"][dist.get_rank()])
+    return state
 
 
 def read_state(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -298,6 +389,8 @@ def load_checkpoint(
     if state is None:
         state = read_state(path)
     p = Path(state["path"])
+    if state.get("world_size", 1) > 1 or _world() > 1:
+        return _load_sharded(p, model, optimizer, scheduler, restore_rng, state)
     device = next((t.device for t in model.parameters()), torch.device("cpu"))
     missing, unexpected = load_model(model, str(p / MODEL_FILE), strict=False, device=str(device))
     if missing or unexpected:

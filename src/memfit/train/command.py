@@ -48,9 +48,17 @@ def train(
     save_every: Annotated[int | None, typer.Option("--save-every", help=_help("checkpoint_every", "needs --checkpoint-dir"))] = None,
     keep: Annotated[int | None, typer.Option("--keep", help=_help("keep_checkpoints", "default 3"))] = None,
     resume: Annotated[bool, typer.Option("--resume", help=_help("resume", "needs --checkpoint-dir"))] = False,
+    nproc_per_node: Annotated[int | None, typer.Option("--nproc-per-node", help=_help("nproc_per_node", "started through torch's elastic launcher"))] = None,
 ) -> None:
     """Train a causal LM on text under a memory budget: plan, train, report memory."""
     from ..console import check_outputs, err, fail, out, quiet_libraries
+    from ..distributed.launch import (
+        finish_worker,
+        init_worker,
+        launch,
+        under_launcher,
+        worker_world_size,
+    )
 
     quiet_libraries()
     check_outputs(json=json_path, plot=plot)
@@ -64,27 +72,120 @@ def train(
         "checkpoint_every": save_every,
         "keep_checkpoints": keep,
         "resume": resume or None,
+        "nproc_per_node": nproc_per_node,
     }
+    world = worker_world_size()
+    if world > 1 and nproc_per_node is None:
+        flags["nproc_per_node"] = world  # started by torchrun directly
     try:
         settings = build_config(config, {k: v for k, v in flags.items() if v is not None})
+        if settings.nproc_per_node > 1 and not under_launcher():
+            _check_plan_degree(settings)  # before any process starts
+            failed = launch(settings.nproc_per_node, _argv(locals()))
+            if failed is not None:
+                fail(failed, code=1)
+            raise typer.Exit(0)
+        if under_launcher() and settings.nproc_per_node != world:
+            raise ValueError(
+                f"--nproc-per-node {settings.nproc_per_node} differs from the launcher's "
+                f"{world} processes; give one or the other"
+            )
+    except (WorkloadError, ValueError) as e:
+        fail(str(e))
+    if world > 1:
+        given = settings.load_plan()
+        rank = init_worker(given.parallel.backend if given is not None else None)[0]
+        try:
+            _work(settings, rank, world, plot=plot, json_path=json_path, out=out, err=err)
+        except BaseException:
+            finish_worker(ok=False)
+            raise
+        finish_worker()
+    else:
+        _work(settings, 0, world, plot=plot, json_path=json_path, out=out, err=err)
+
+
+def _work(
+    settings: TrainConfig, rank: int, world: int, *, plot: Path | None, json_path: Path | None,
+    out: Any, err: Any,
+) -> None:
+    """Plan, train and report in this process (one of ``world``)."""
+    from ..console import fail
+
+    if rank != 0:  # one voice: the other processes print only their errors
+        out, err = _quiet(out), _quiet(err)
+    try:
         # Planner progress goes to a transient status line: it is noise once a plan is chosen.
         with err.status("preparing the run") as status:
-            run = prepare_run(settings, say=lambda m: status.update(str(m)))
+            run = prepare_run(settings, say=lambda m: status.update(str(m)), world_size=world)
     except (WorkloadError, ValueError) as e:
         fail(str(e))
     _print_plan(out, run)
     try:
-        result = run.trainer(report_png=plot, console=err).fit()
+        result = run.trainer(report_png=plot if rank == 0 else None, console=err, progress=rank == 0).fit()
     except (torch.OutOfMemoryError, TrainingDiverged) as e:
         fail(str(e), code=1)
     except (WorkloadError, ValueError) as e:
         fail(str(e))
+    peaks = _gather_peaks(result.peak_bytes, world)
     _print_result(out, run, result)
-    if plot is not None:
+    if world > 1:
+        out.print("per-process peaks: " + ", ".join(_fmt(p) for p in peaks), highlight=False)
+    if plot is not None and rank == 0:
         out.print(f"wrote {plot}")
-    if json_path is not None:
-        json_path.write_text(json.dumps(_result_json(run, result), indent=2) + "\n")
+    if json_path is not None and rank == 0:
+        data = _result_json(run, result)
+        data.update(world_size=world, per_rank_peak_bytes=peaks)
+        json_path.write_text(json.dumps(data, indent=2) + "\n")
         out.print(f"wrote {json_path}")
+
+
+def _check_plan_degree(settings: TrainConfig) -> None:
+    plan = settings.load_plan()
+    n = settings.nproc_per_node
+    if plan is not None and plan.parallel.data not in (1, n):
+        raise ValueError(
+            f"the plan trains on {plan.parallel.data} processes but --nproc-per-node is {n}; "
+            f"give --nproc-per-node {plan.parallel.data} or a plan for {n}"
+        )
+
+
+#: Options passed on to the launched processes: parameter name -> flag.
+_PASSED = {
+    "config": "--config", "max_steps": "--max-steps", "seed": "--seed", "budget": "--budget",
+    "json_path": "--json", "cap": "--cap", "plot": "--plot", "plan_path": "--plan",
+    "checkpoint_dir": "--checkpoint-dir", "save_every": "--save-every", "keep": "--keep",
+    "nproc_per_node": "--nproc-per-node",
+}  # fmt: skip
+
+
+def _argv(params: Mapping[str, Any]) -> list[str]:
+    """``train``'s command line for the launched processes, rebuilt from its options."""
+    argv = ["train"]
+    for name, flag in _PASSED.items():
+        value = params.get(name)
+        if value is not None:
+            argv += [flag, str(value)]
+    if params.get("resume"):
+        argv.append("--resume")
+    return argv
+
+
+def _quiet(console: Any) -> Any:
+    from rich.console import Console
+
+    return Console(file=console.file, quiet=True, stderr=console.stderr)
+
+
+def _gather_peaks(peak: int, world: int) -> list[int]:
+    """Every process's measured peak, in rank order (``[peak]`` on one process)."""
+    if world == 1:
+        return [int(peak)]
+    import torch.distributed as dist
+
+    peaks: list[Any] = [None] * world
+    dist.all_gather_object(peaks, int(peak))
+    return [int(p) for p in peaks]
 
 
 #: Config fields whose option has another name.

@@ -171,6 +171,12 @@ class TrainConfig:
     """Continue from the latest checkpoint in ``checkpoint_dir``, if there is one: weights,
     optimizer, schedule, RNG, data position and the plan a step-down had moved to."""
 
+    nproc_per_node: int = 1
+    """Processes to train with on this machine (data parallelism, one per device): each
+    trains on ``batch_size / nproc_per_node`` samples of every batch, with the plan's ZeRO stage
+    (``parallel`` in the plan; stage 0 when the plan has none). Started through torch's elastic
+    launcher; memory per process drops by its share of the activations and the sharded states."""
+
     track_every: int = 100
     """Memory is tracked in windows so that a run's host memory stays bounded: the first two
     steps, every N-th step and the steps after a step-down, each by a fresh tracker that records
@@ -184,7 +190,10 @@ class TrainConfig:
             value = _normalise(f.name, getattr(self, f.name))
             _check_type(f.name, value, hints[f.name])
             object.__setattr__(self, f.name, value)
-        for key in ("corpus_bytes", "seq_len", "max_steps", "keep_checkpoints", "track_every"):
+        for key in (
+            "corpus_bytes", "seq_len", "max_steps", "keep_checkpoints", "track_every",
+            "nproc_per_node",
+        ):  # fmt: skip
             _at_least(key, getattr(self, key), 1)
         for key in ("batch_size", "eval_every", "checkpoint_every"):
             if getattr(self, key) is not None:
@@ -218,6 +227,14 @@ class TrainConfig:
             raise ConfigError(
                 "eval_every", "needs evaluation samples, but eval_fraction is 0; raise eval_fraction"
             )
+        if self.nproc_per_node > 1:
+            batch = self.batch_size or DEFAULT_BATCH_SIZE
+            if batch % self.nproc_per_node:
+                raise ConfigError(
+                    "nproc_per_node",
+                    f"{self.nproc_per_node} does not divide the batch of {batch} samples; use a "
+                    f"batch size that is a multiple of {self.nproc_per_node}",
+                )
         if self.plan is not None and (self.allow or self.forbid):
             raise ConfigError(
                 "allow" if self.allow else "forbid",

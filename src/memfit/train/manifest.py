@@ -160,10 +160,14 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
 def params_sha256(model: torch.nn.Module) -> str:
     """SHA-256 over ``model``'s parameters in ``named_parameters()`` order, each tensor's bytes
     (its dtype's bytes in row-major order, on the CPU): equal hashes mean equal weights bit for
-    bit."""
+    bit. A sharded parameter (FSDP2's DTensor) is hashed whole, so every process of a run
+    gets the same hash (a collective: every process must call it)."""
     h = hashlib.sha256()
     for _, p in model.named_parameters():
-        t = p.detach().to("cpu").contiguous()
+        t = p.detach()
+        if hasattr(t, "full_tensor"):
+            t = t.full_tensor()
+        t = t.to("cpu").contiguous()
         # A uint8 view gives the raw bytes of any dtype (NumPy has no bfloat16).
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()

@@ -314,6 +314,13 @@ class OOMFallback:
             # Outside the except block: the exception's traceback, which holds the failed
             # attempt's tensors, is gone, so collecting now frees them.
             self._free()
+            if self.setup.parallel is not None:
+                raise torch.OutOfMemoryError(
+                    f"{message} This process ran out of memory in a run on several processes, "
+                    "where every process must switch plans together, which is not available "
+                    "yet; choose a plan with a smaller per-process peak (memfit plan "
+                    "--world-size N) and start again."
+                )
             if watch.stepped:
                 raise torch.OutOfMemoryError(
                     f"{message} The optimizer had already updated parameters when memory ran "

@@ -20,6 +20,8 @@ own vocabulary size is replaced, nothing is lost.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -200,6 +202,22 @@ def choose_plan(
     )
 
 
+def _over_processes(choice: PlanChoice, world_size: int) -> PlanChoice:
+    """The choice with its plan spread over ``world_size`` processes (no fallbacks)."""
+    from ..distributed.config import ParallelConfig
+
+    par = choice.plan.parallel
+    if par.data == 1:
+        par = dataclasses.replace(par, data=world_size)
+    elif par.data != world_size:
+        raise ValueError(
+            f"the plan trains on {par.data} processes but {world_size} were started; give "
+            f"--nproc-per-node {par.data} or a plan for {world_size}"
+        )
+    assert isinstance(par, ParallelConfig)
+    return dataclasses.replace(choice, plan=choice.plan.replace(parallel=par), fallback_plans=[])
+
+
 def _dry_run_step_down(workload: Workload, budget_bytes: int, plan: Plan) -> PlanChoice:
     from ..estimate import dry_run
     from .oom import step_down
@@ -269,13 +287,19 @@ class TrainRun:
         )
 
 
-def prepare_run(config: TrainConfig, *, say: Callable[[str], Any] | None = None) -> TrainRun:
+def prepare_run(
+    config: TrainConfig, *, say: Callable[[str], Any] | None = None, world_size: int = 1
+) -> TrainRun:
     """Build the run ``config`` describes: tokenizer, text, model, split, and the plan (the
     config's, else the planner's for its budget).
 
     Args:
         config: The settings.
         say: Called with a line on what is being done (planning takes seconds).
+        world_size: Processes training together (data parallelism). The planner then plans
+            one process's share of the batch; a plan without ``parallel`` gets stage 0 over
+            ``world_size`` processes; a plan for another degree is refused. No step-down
+            fallbacks: every process must switch together, which is not available yet.
 
     Raises:
         WorkloadError: for text, a tokenizer or a model that cannot be used.
@@ -304,9 +328,25 @@ def prepare_run(config: TrainConfig, *, say: Callable[[str], Any] | None = None)
         from ..units import format_bytes
 
         say(f"planning for a budget of {format_bytes(config.budget_bytes)}")
-        choice = choose_plan(
-            workload, config.budget_bytes, allow=config.allow, forbid=config.forbid, progress=say
-        )
+        local = workload.replace(batch_size=batch_size // world_size)
+        base = None
+        planning = contextlib.nullcontext()
+        if world_size > 1:
+            from ..distributed.config import ParallelConfig
+            from ..distributed.data import batches_are_local
+
+            # One process's share, with DDP's memory (its dry-run stand-in communicates
+            # nothing, so it runs in the launched processes' group): techniques data
+            # parallelism refuses are not candidates.
+            base = Plan(parallel=ParallelConfig(data=world_size))
+            planning = batches_are_local()
+        with planning:
+            choice = choose_plan(
+                local, config.budget_bytes, allow=config.allow, forbid=config.forbid,
+                base=base, progress=say,
+            )
+    if world_size > 1:
+        choice = _over_processes(choice, world_size)
     pad = tokenizer.pad_token_id
     pad_multiple = choice.plan.sequence.pad_to_multiple_of
 

@@ -7,26 +7,16 @@ same scheduler drives every per-parameter optimizer.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
+# The formula is shared with the large-batch recipes (memfit.distributed.recipes): it lives
+# in memfit.optim, below both.
+from ..optim.schedule import lr_factor
 from .config import SCHEDULES
 
 __all__ = ["SCHEDULES", "build_scheduler", "lr_factor"]
-
-
-def lr_factor(step: int, *, schedule: str, warmup_steps: int, max_steps: int) -> float:
-    """The LR multiplier at ``step`` (0-based): linear warm-up, then the schedule's decay."""
-    if warmup_steps > 0 and step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
-    if schedule == "linear":
-        return 1.0 - progress
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def build_scheduler(

@@ -407,6 +407,13 @@ class Trainer:
             for callback in self.callbacks:
                 callback.on_step_end(self, info)
             del info
+            if self.setup.parallel is not None:
+                # Every process stops at the same step (a save is a collective): a signal seen
+                # by one is acted on by all.
+                from ..distributed.data import any_rank
+
+                if any_rank(self._signal is not None, device) and self._signal is None:
+                    self._signal = "SIGTERM (another process)"
             if self._signal is not None:
                 if self.checkpoint_dir is not None and not self._saved_this_step():
                     self.checkpoints.last = str(self.save())

@@ -72,6 +72,13 @@ def load_trainer(trainer: TrainerLike, path: str | Path) -> None:
     on with the plan that fitted), then weights, optimizer, schedule, RNG, data position."""
     state = read_state(path)
     _check_data(trainer, state.get("data_files"))
+    saved_world = int(state.get("world_size", 1))
+    world = trainer.plan.parallel.data
+    if saved_world != world:
+        raise CheckpointError(
+            f"checkpoint {state['path']!r} was written by {saved_world} process(es) and this run "
+            f"has {world}; resume with --nproc-per-node {saved_world}"
+        )
     saved_plan = Plan.from_dict(state["plan"])
     if saved_plan != trainer.plan:
         trainer.switch_plan(saved_plan)

@@ -98,7 +98,9 @@ class EvaluationCallback(Callback):
             (to_device(b, device) for b in batches),
             loss_fn=setup.loss_fn,
             autocast=setup.precision.autocast,
-            micro_batch_size=setup.plan.micro_batch_for(trainer.batch_size),
+            micro_batch_size=setup.plan.micro_batch_for(
+                max(1, trainer.batch_size // setup.plan.parallel.data)
+            ),
         )
 
     def on_step_end(self, trainer: TrainerLike, info: StepInfo) -> None:

@@ -1,0 +1,131 @@
+"""How a plan spreads training over processes: :class:`ParallelConfig`.
+
+The field names are the plan JSON's (``parallel: {data: 8, zero_stage: 2}``). Data parallelism
+and its ZeRO stages are built on torch.distributed (:mod:`memfit.distributed.data`):
+
+* stage 0: ``DistributedDataParallel`` (bucketed all-reduce of gradients, each gradient a view
+  into its bucket);
+* stage 1: DDP plus ``ZeroRedundancyOptimizer`` (each rank holds the optimizer state of its
+  share of the parameters and broadcasts their update);
+* stage 2: FSDP2 (``fully_shard``) with ``reshard_after_forward=False``: parameters, gradients
+  and state sharded at rest; a block's parameters, once gathered for its forward, stay whole
+  until its backward (the ZeRO-2-like mode, no second all-gather);
+* stage 3: FSDP2 with ``reshard_after_forward=True`` (ZeRO-3): parameters gathered block by
+  block in forward and again in backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["SCHEDULES", "ZERO_STAGES", "ParallelConfig"]
+
+MiB = 1 << 20
+
+#: The ZeRO stages a plan may name.
+ZERO_STAGES = (0, 1, 2, 3)
+
+#: Pipeline schedules a plan may name.
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Data parallelism and ZeRO sharding.
+
+    Attributes:
+        data: Data-parallel degree (processes, one per device). Each process trains on
+            ``batch / data`` samples of every batch; memory per process drops by the share of
+            activations, and by the sharded model states of the ZeRO stage. Costs one
+            all-reduce (or reduce-scatter + all-gather) of the gradients per step.
+        zero_stage: 0 (DDP: every rank holds all parameters, gradients and optimizer state),
+            1 (optimizer state sharded: saves ``(1 - 1/data)`` of it), 2 (gradients too, and
+            FSDP2 keeps parameters whole only between a block's forward and backward), 3
+            (parameters too: a few blocks' parameters whole at a time; two all-gathers of the
+            parameters per step instead of one). See the module docstring for the engines.
+        bucket_bytes: Gradient bucket size for DDP's all-reduce (stages 0 and 1). Larger
+            buckets mean fewer, better-overlapped collectives and no more memory: DDP's buckets
+            hold the gradients themselves.
+        reshard_after_forward: Stage 3 only: free a block's gathered parameters after its
+            forward (``True``, ZeRO-3; gathers again for backward) or keep them until its
+            backward (``False``: the memory of every block's parameters at the forward's end,
+            one all-gather fewer). Stage 2 always keeps them.
+        backend: The process group backend, ``None`` for gloo on CPU and NCCL on CUDA.
+        tensor: Tensor-parallel degree (Megatron-style: attention split by heads, the MLP by
+            columns then rows, the vocabulary across ranks): parameters, gradients, states and
+            most activations divided by it; two all-reduces per layer in forward and backward
+            (within a node). The world is ``data x tensor x pipeline`` processes.
+        pipeline: Pipeline-parallel degree: the blocks cut into this many stages, one per
+            process; each holds its stage's states and its in-flight micro-batches' activations;
+            idle for the bubble, about ``(pipeline - 1) / (microbatches + pipeline - 1)`` of a
+            step.
+        schedule: The pipeline schedule: ``gpipe`` (all forwards, then all backwards: every
+            micro-batch's activations at once), ``1f1b`` (at most ``pipeline`` micro-batches
+            in flight), ``interleaved-1f1b`` (several stages per process, a smaller bubble),
+            ``zero-bubble`` (backward split into input and weight gradients to fill the bubble).
+        microbatches: Micro-batches per step through the pipeline (``None``: ``2 x
+            pipeline``); more shrinks the bubble and each micro-batch's activations.
+    """
+
+    data: int = 1
+    zero_stage: int = 0
+    bucket_bytes: int = 25 * MiB
+    reshard_after_forward: bool = True
+    backend: str | None = None
+    tensor: int = 1
+    pipeline: int = 1
+    schedule: str = "1f1b"
+    microbatches: int | None = None
+
+    def problems(self) -> list[str]:
+        """What is wrong with these settings, one sentence each (empty when valid)."""
+        out = []
+        if not isinstance(self.data, int) or isinstance(self.data, bool) or self.data < 1:
+            out.append(f"parallel data must be a whole number >= 1, got {self.data!r}")
+        if self.zero_stage not in ZERO_STAGES or isinstance(self.zero_stage, bool):
+            out.append(f"parallel zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 1:
+            out.append(
+                f"parallel bucket_bytes must be a whole number of bytes >= 1, got "
+                f"{self.bucket_bytes!r}"
+            )
+        if not isinstance(self.reshard_after_forward, bool):
+            out.append(
+                "parallel reshard_after_forward must be true or false, got "
+                f"{self.reshard_after_forward!r}"
+            )
+        for name in ("tensor", "pipeline"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                out.append(f"parallel {name} must be a whole number >= 1, got {v!r}")
+        if self.schedule not in SCHEDULES:
+            out.append(
+                f"parallel schedule {self.schedule!r} is not known; use one of {', '.join(SCHEDULES)}"
+            )
+        if self.microbatches is not None and (
+            not isinstance(self.microbatches, int) or self.microbatches < 1
+        ):
+            out.append(f"parallel microbatches must be a whole number >= 1 or null, got {self.microbatches!r}")
+        if self.backend not in (None, "gloo", "nccl"):
+            out.append(f"parallel backend must be 'gloo', 'nccl' or null, got {self.backend!r}")
+        return out
+
+    @property
+    def world_size(self) -> int:
+        """Processes the plan runs on: ``data x tensor x pipeline``."""
+        return self.data * self.tensor * self.pipeline
+
+    @property
+    def sharded(self) -> bool:
+        """Whether FSDP2 shards the model (stages 2 and 3)."""
+        return self.zero_stage >= 2
+
+    @property
+    def engine(self) -> str:
+        """The torch.distributed engine this stage runs on, in words."""
+        return {
+            0: "DDP",
+            1: "DDP + ZeroRedundancyOptimizer",
+            2: "FSDP2 (reshard_after_forward=False)",
+            3: f"FSDP2 (reshard_after_forward={self.reshard_after_forward})",
+        }.get(self.zero_stage, "?")

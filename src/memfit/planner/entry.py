@@ -1,0 +1,39 @@
+"""``memfit.planner.plan``: one process (:mod:`memfit.planner.search`) or several
+(:mod:`memfit.planner.parallel`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..workload import Workload
+from . import search
+from .parallel import plan_parallel
+from .result import PlanResult
+
+__all__ = ["plan"]
+
+
+def plan(
+    workload: Workload | str, budget: int | str, *, world_size: int | None = None, **kwargs: Any
+) -> PlanResult:
+    """Find the fastest plan whose peak fits ``budget``.
+
+    Args:
+        workload: The workload at its full (global) batch, or a SPEC.
+        budget: Bytes, a size string (``4GiB``) or a device name (``t4``); per process with
+            ``world_size``.
+        world_size: Plan for this many data-parallel processes: the ZeRO stage is chosen too
+            and the result lists each rank's predicted peak
+            (:func:`~memfit.planner.parallel.plan_parallel`). ``None``: one process.
+        **kwargs: The search's settings (``batch_size``, ``seq_len``, ``allow``, ``forbid``,
+            ``base``, ``device``, ``max_predictions``, ``progress``, ``host_budget``,
+            ``disk_dir``): see :func:`memfit.planner.search.plan`.
+
+    Raises:
+        ValueError: for a malformed budget, an unknown allow/forbid value or a world size that
+            does not divide the batch.
+        NothingFits: when no allowed plan fits; ``.result`` holds the closest plan.
+    """
+    if world_size is not None:
+        return plan_parallel(workload, budget, world_size, **kwargs)
+    return search.plan(workload, budget, **kwargs)

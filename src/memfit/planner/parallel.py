@@ -1,0 +1,126 @@
+"""Plan for N data-parallel processes: the ZeRO stage and the single-device techniques.
+
+For each ZeRO stage the single-device search (:mod:`memfit.planner.search`) runs inside a fake
+process group of the world size, so every memory prediction is a rank's: its share of the
+batch, and its engine's real sharding (FSDP2's code, ``ZeroRedundancyOptimizer``'s partition,
+DDP's buckets; see :mod:`memfit.estimate.distributed`). The fastest fitting plan of each stage
+competes; equal predicted step times go to the lower stage, which communicates no more (ZeRO
+stages 0-2 move the same bytes per step as an all-reduce, stage 3 half as much again for the
+second all-gather of the parameters). The winner's every rank is then predicted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from ..distributed.config import ZERO_STAGES, ParallelConfig
+from ..plan import Plan
+from ..units import format_bytes
+from ..workload import Workload, load_workload
+from .result import NothingFits, PlanResult
+
+__all__ = ["plan_parallel"]
+
+
+def plan_parallel(
+    workload: Workload | str,
+    budget: int | str,
+    world_size: int,
+    *,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    base: Plan | None = None,
+    stages: Iterable[int] = ZERO_STAGES,
+    progress: Callable[[str], None] | None = None,
+    **search: Any,
+) -> PlanResult:
+    """The fastest plan over ``world_size`` processes whose every rank fits ``budget``.
+
+    Args:
+        workload: The workload at its global batch, or a SPEC.
+        budget: Per-process budget (bytes, a size string or a device name).
+        world_size: Data-parallel processes (must divide the batch).
+        batch_size: With a SPEC: the global batch (default 8).
+        seq_len: With a SPEC: tokens per sample (default 128).
+        base: The user's plan to start from (its ``parallel`` settings other than the degree
+            and stage are kept).
+        stages: The ZeRO stages to consider.
+        progress: Called with a short message as the search advances.
+        **search: Passed to :func:`memfit.planner.plan` (``allow``, ``forbid``, ``device``,
+            ...).
+
+    Returns:
+        The :class:`PlanResult`, with ``rank_peak_bytes``.
+
+    Raises:
+        ValueError: for a world size that is not a whole number >= 1 or does not divide the
+            batch.
+        NothingFits: when no stage fits; ``.result`` holds the closest plan.
+    """
+    from ..distributed.data import batches_are_local
+    from ..estimate.distributed import fake_process_group, predict_ranks
+    from .search import plan
+
+    started = time.perf_counter()
+    say = progress or (lambda msg: None)
+    if isinstance(workload, str):
+        workload = load_workload(workload, batch_size or 8, seq_len or 128)
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"--world-size must be a whole number >= 1, got {world_size!r}")
+    if workload.batch_size % world_size:
+        raise ValueError(
+            f"--world-size {world_size} does not divide the batch of {workload.batch_size} "
+            f"samples; use a batch size that is a multiple of {world_size}"
+        )
+    base = base or Plan()
+    # Each search plans one rank: its share of the batch (micro-batches, costs, dry runs).
+    local = workload.replace(batch_size=workload.batch_size // world_size)
+    results: list[PlanResult] = []
+    for stage in stages:
+        par = dataclasses.replace(base.parallel, data=world_size, zero_stage=stage)
+        assert isinstance(par, ParallelConfig)
+        try:
+            staged = base.replace(parallel=par)
+        except ValueError:
+            continue  # the base plan's optimizer cannot be sharded this way
+        say(f"ZeRO stage {stage} on {world_size} processes")
+        with fake_process_group(world_size), batches_are_local():
+            try:
+                result = plan(local, budget, base=staged, progress=progress, **search)
+            except NothingFits as e:
+                result = e.result
+        results.append(result)
+    if not results:
+        raise ValueError(f"no ZeRO stage can shard the plan's optimizer {base.optimizer.name!r}")
+    fitting = [r for r in results if r.fits]
+    if not fitting:
+        closest = min(results, key=lambda r: r.predicted_peak_bytes)
+        closest.rank_peak_bytes = [closest.predicted_peak_bytes] * world_size
+        raise NothingFits(
+            closest,
+            f"no plan fits {format_bytes(closest.budget_bytes)} per process on {world_size} "
+            f"processes at any ZeRO stage; the closest (stage "
+            f"{closest.plan.parallel.zero_stage}: {closest.plan.summary()}) needs "
+            f"{format_bytes(closest.predicted_peak_bytes)}. Use more processes, allow more "
+            "techniques (--allow), or a smaller batch or sequence length.",
+        )
+    best = min(fitting, key=lambda r: (round(r.predicted_step_time_ratio, 3), r.plan.parallel.zero_stage))
+    say(f"predicting every rank: {best.plan.summary()}")
+    ranks = predict_ranks(workload, best.plan, device=best.device)
+    best.rank_peak_bytes = list(ranks.peak_bytes)
+    best.predicted_peak_bytes = ranks.max_peak_bytes
+    others = ", ".join(
+        f"stage {r.plan.parallel.zero_stage} "
+        + (f"{r.predicted_step_time_ratio:.2f}x" if r.fits else "does not fit")
+        for r in results
+        if r is not best
+    )
+    best.explanation = (
+        f"ZeRO stage {best.plan.parallel.zero_stage} ({best.plan.parallel.engine}) on "
+        f"{world_size} processes: {best.explanation} Other stages: {others}."
+    )
+    best.seconds = time.perf_counter() - started
+    return best

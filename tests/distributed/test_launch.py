@@ -1,0 +1,195 @@
+"""``memfit train`` on several real processes: through its own launcher and through torchrun,
+the global loss of one process, per-process peaks, and a killed process that stops the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from memfit import Plan
+
+pytestmark = pytest.mark.distributed
+
+CONFIG = """\
+data: [data.txt]
+batch_size: 8
+seq_len: 32
+eval_fraction: 0
+track_every: 1000
+lr: 0.003
+warmup_steps: 1
+"""
+TEXT = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(400))
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("launch")
+    (d / "data.txt").write_text(TEXT)
+    (d / "run.yaml").write_text(CONFIG)
+    # A flat schedule: a run stopped at step 2 by --max-steps then resumed to 4 follows the
+    # same learning rates as one run to 4 (a cosine decay would end at the first run's end).
+    (d / "flat.yaml").write_text(CONFIG + "schedule: constant\n")
+    return d
+
+
+def _env() -> dict[str, str]:
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    return {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def _memfit(workdir: Path, *args: str, launcher: list[str] | None = None, timeout: float = 240,
+            config: str = "run.yaml"):
+    cmd = [*(launcher or [sys.executable, "-m", "memfit"]), "train", "--config", config, *args]
+    return subprocess.run(
+        cmd, cwd=workdir, env=_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.mark.parametrize("stage", [3])  # every stage's numerics: test_data.py, in-process
+def test_two_processes_train_like_one_on_the_global_batch(workdir: Path, stage: int):
+    Plan(parallel={"data": 2, "zero_stage": stage}).to_json(workdir / f"plan{stage}.json")
+    Plan().to_json(workdir / "plan1.json")
+    two = _memfit(workdir, "--nproc-per-node", "2", "--plan", f"plan{stage}.json",
+                  "--max-steps", "3", "--seed", "5", "--json", f"two{stage}.json")
+    assert two.returncode == 0, two.stderr[-3000:]
+    one = _memfit(workdir, "--plan", "plan1.json", "--max-steps", "3", "--seed", "5",
+                  "--json", "one.json")
+    assert one.returncode == 0, one.stderr[-3000:]
+    a = json.loads((workdir / f"two{stage}.json").read_text())
+    b = json.loads((workdir / "one.json").read_text())
+    assert a["world_size"] == 2 and len(a["per_rank_peak_bytes"]) == 2
+    assert all(p > 0 for p in a["per_rank_peak_bytes"])
+    assert a["plan"]["parallel"]["data"] == 2 and a["plan"]["parallel"]["zero_stage"] == stage
+    assert a["losses"] == pytest.approx(b["losses"], rel=1e-5)
+    assert a["final_loss"] == pytest.approx(b["final_loss"], rel=1e-5)
+
+
+def test_torchrun_runs_the_same_command(workdir: Path):
+    Plan(parallel={"data": 2}).to_json(workdir / "plan_tr.json")
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", "2", "-m", "memfit"]
+    run = _memfit(workdir, "--plan", "plan_tr.json", "--max-steps", "2", "--json", "tr.json",
+                  launcher=launcher)
+    assert run.returncode == 0, run.stderr[-3000:]
+    data = json.loads((workdir / "tr.json").read_text())
+    assert len(data["per_rank_peak_bytes"]) == 2
+
+
+def test_a_plan_for_another_degree_is_refused_before_launch(workdir: Path):
+    Plan(parallel={"data": 4}).to_json(workdir / "plan4.json")
+    run = _memfit(workdir, "--nproc-per-node", "2", "--plan", "plan4.json", timeout=60)
+    assert run.returncode == 2
+    assert "--nproc-per-node 4" in run.stderr and "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize("stage", [3])  # ZeRO-1's per-rank files: train/test_sharded_checkpoint.py
+def test_a_resumed_run_equals_the_run_that_never_stopped(workdir: Path, stage: int):
+    Plan(parallel={"data": 2, "zero_stage": stage}).to_json(workdir / f"plan_r{stage}.json")
+    common = ["--nproc-per-node", "2", "--plan", f"plan_r{stage}.json", "--seed", "3"]
+    flat = {"config": "flat.yaml"}
+    whole = _memfit(workdir, *common, "--max-steps", "4", "--json", f"whole{stage}.json", **flat)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    ck = f"ck{stage}"
+    first = _memfit(workdir, *common, "--max-steps", "2", "--checkpoint-dir", ck, **flat)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (workdir / ck / "step-00000002" / "manifest.json").is_file()
+    rest = _memfit(workdir, *common, "--max-steps", "4", "--checkpoint-dir", ck, "--resume",
+                   "--json", f"resumed{stage}.json", **flat)
+    assert rest.returncode == 0, rest.stderr[-3000:]
+    a = json.loads((workdir / f"whole{stage}.json").read_text())
+    b = json.loads((workdir / f"resumed{stage}.json").read_text())
+    assert b["losses"] == a["losses"]
+    assert b["params_sha256"] == a["params_sha256"]
+
+
+def test_a_killed_process_stops_the_others_with_a_clear_message(workdir: Path):
+    Plan(parallel={"data": 2}).to_json(workdir / "plan_kill.json")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "memfit", "train", "--config", "run.yaml", "--nproc-per-node",
+         "2", "--max-steps", "100000", "--checkpoint-dir", "ck-kill", "--save-every", "2",
+         "--plan", "plan_kill.json"],
+        cwd=workdir, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        workers: list[int] = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and len(workers) < 2:
+            time.sleep(1)
+            workers = _workers(proc.pid)
+        assert len(workers) == 2, "the launcher did not start two processes"
+        while time.monotonic() < deadline and not list((workdir / "ck-kill").glob("step-*")):
+            time.sleep(0.5)  # into training, past a checkpoint
+        os.kill(workers[-1], signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1
+    assert "was killed by SIGKILL" in stderr and "stopped the other processes" in stderr
+    # A restart resumes from the last sharded checkpoint.
+    saved = sorted((workdir / "ck-kill").glob("step-*"))
+    assert saved, "no checkpoint was written before the kill"
+    step = int(saved[-1].name.split("-")[1])
+    again = _memfit(workdir, "--nproc-per-node", "2", "--checkpoint-dir", "ck-kill", "--resume",
+                    "--max-steps", str(step + 1), "--json", "after-kill.json",
+                    "--plan", "plan_kill.json")
+    assert again.returncode == 0, again.stderr[-3000:]
+    data = json.loads((workdir / "after-kill.json").read_text())
+    assert data["steps"] == step + 1 and len(data["losses"]) == step + 1
+
+
+def _workers(launcher_pid: int) -> list[int]:
+    """The launcher's worker processes (its children running memfit)."""
+    out = subprocess.run(["ps", "-o", "pid=,ppid=,args=", "-A"], capture_output=True, text=True)
+    rows = [line.split(None, 2) for line in out.stdout.splitlines()]
+    return sorted(int(pid) for pid, ppid, args in rows
+                  if int(ppid) == launcher_pid and "memfit" in args)
+
+
+def test_profile_under_torchrun_writes_one_report_per_rank_and_a_merged_one(tmp_path: Path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "memfit", "profile", "-m", "gpt2-tiny", "-b", "4", "-l", "16", "--json",
+           "prof.json"]
+    run = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    merged = json.loads((tmp_path / "prof.json").read_text())
+    assert [r["rank"] for r in merged["ranks"]] == [0, 1]
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"prof.rank{rank}.json").read_text())
+        assert report["peak_bytes"] == merged["per_rank_peak_bytes"][rank] > 0
+
+
+def test_sigterm_to_one_process_stops_all_at_the_same_step_with_a_checkpoint(workdir: Path):
+    Plan(parallel={"data": 2}).to_json(workdir / "plan_term.json")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "memfit", "train", "--config", "run.yaml", "--nproc-per-node",
+         "2", "--max-steps", "100000", "--checkpoint-dir", "ck-term", "--save-every", "1000",
+         "--plan", "plan_term.json", "--json", "term.json"],
+        cwd=workdir, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        workers: list[int] = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and len(workers) < 2:
+            time.sleep(1)
+            workers = _workers(proc.pid)
+        assert len(workers) == 2, "the launcher did not start two processes"
+        time.sleep(10)  # into training
+        os.kill(workers[-1], signal.SIGTERM)  # one process only
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    data = json.loads((workdir / "term.json").read_text())
+    assert data["stopped_by"] is not None
+    saved = sorted((workdir / "ck-term").glob("step-*"))
+    assert saved and int(saved[-1].name.split("-")[1]) == data["steps"]
