@@ -312,6 +312,15 @@ def plan_command(
             "ZeRO stage too and predicts each rank's peak without launching anything.",
         ),
     ] = None,
+    gpus_per_node: Annotated[
+        int | None,
+        typer.Option(
+            "--gpus-per-node",
+            help="With --world-size: devices per node. Searches data x tensor x pipeline "
+            "layouts too (tensor parallelism within a node), with the schedule and "
+            "micro-batches.",
+        ),
+    ] = None,
 ) -> None:
     """Find the fastest plan whose peak memory fits a budget."""
     _quiet_libraries()
@@ -345,13 +354,19 @@ def plan_command(
                 host_budget=host_budget,
                 disk_dir=None if disk_dir is None else str(disk_dir),
                 world_size=world_size,
+                gpus_per_node=gpus_per_node,
             )
         except NothingFits as e:
             status.stop()
             if json_path is not None:
                 json_path.write_text(json.dumps(e.result.to_dict(), indent=2) + "\n")
             _fail(str(e))
-    out.print(explain_table(result))
+    if getattr(result, "layout", None) is not None:
+        from .planner.layout import layout_table
+
+        out.print(layout_table(result))
+    else:
+        out.print(explain_table(result))
     cats = ", ".join(
         f"{k} {format_bytes(v)}" for k, v in result.predicted_peak_by_category.items() if v
     )
@@ -369,11 +384,15 @@ def plan_command(
         f"[bold]plan:[/] {result.plan.summary()}\n"
         f"[bold]predicted peak:[/] {format_bytes(result.predicted_peak_bytes)} of tensors "
         f"({cats})\n{total}"
-        f"[bold]predicted step time:[/] {result.predicted_step_time_ratio:.2f}x the unoptimised plan "
-        f"(cost model: {result.device}); searched in {result.seconds:.1f} s",
+        f"[bold]predicted step time:[/] {result.predicted_step_time_ratio:.2f}x "
+        + ("the ideal (the work spread evenly, no bubble, no communication)"
+           if getattr(result, "layout", None) is not None else "the unoptimised plan")
+        + f" (cost model: {result.device}); searched in {result.seconds:.1f} s",
         highlight=False,
     )
-    if result.rank_peak_bytes is not None:
+    if getattr(result, "layout", None) is not None and result.rank_peak_bytes is not None:
+        out.print("[bold]per stage:[/] " + _stages_line(result), highlight=False)
+    elif result.rank_peak_bytes is not None:
         out.print(
             "[bold]per process:[/] "
             + ", ".join(f"rank {r} {format_bytes(b)}" for r, b in enumerate(result.rank_peak_bytes[:8]))
@@ -393,6 +412,19 @@ def plan_command(
         from .integrations.hf import emit as emit_hf
 
         print(emit_hf(result.plan), end="")
+
+
+def _stages_line(result: Any) -> str:
+    """Each pipeline stage's ranks and their largest predicted peak, in one line."""
+    from .units import format_bytes
+
+    par = result.plan.parallel
+    per = par.data * par.tensor
+    peaks = result.rank_peak_bytes
+    return ", ".join(
+        f"stage {s} (ranks {s * per}-{s * per + per - 1}) {format_bytes(max(peaks[s * per:(s + 1) * per]))}"
+        for s in range(par.pipeline)
+    )
 
 
 @bench_app.command("ladder")

@@ -286,12 +286,19 @@ class Plan:
         problems = par.problems()
         if problems:
             raise PlanError(problems[0])
-        if par.tensor > 1 or par.pipeline > 1:
+        if par.pipeline > 1 and (self.micro_batch_size is not None or self.grad_accum_steps > 1):
             raise PlanError(
-                "tensor and pipeline parallelism are not available in plans yet; use parallel "
-                "tensor 1 and pipeline 1 (data parallelism with a ZeRO stage)"
+                "a pipeline splits each step into its own micro-batches (parallel microbatches), "
+                "which replace gradient accumulation; leave micro_batch_size unset and "
+                "grad_accum_steps 1"
             )
-        if par.data == 1 and par.zero_stage == 0:
+        if par.pipeline > 1 and par.zero_stage >= 2:
+            raise PlanError(
+                f"ZeRO stage {par.zero_stage} cannot be combined with pipeline parallelism "
+                "(FSDP2 would gather and reduce a stage's parameters once per micro-batch); "
+                "use zero_stage 0 or 1"
+            )
+        if par.world_size == 1 and par.zero_stage == 0:
             return
         if self.precision.mode == "bf16-pure":
             raise PlanError(
@@ -460,8 +467,17 @@ class Plan:
             parts.append("fused loss" + (f" (chunks of {chunk} tokens)" if chunk else ""))
         if self.grad_buffer:
             parts.append("contiguous gradient buffer")
-        if self.parallel.data > 1 or self.parallel.zero_stage:
-            parts.append(f"{self.parallel.data} processes, ZeRO stage {self.parallel.zero_stage}")
+        par = self.parallel
+        if par.tensor > 1 or par.pipeline > 1:
+            layout = f"data {par.data} x tensor {par.tensor} x pipeline {par.pipeline}"
+            if par.pipeline > 1:
+                m = par.microbatches if par.microbatches is not None else 2 * par.pipeline
+                layout += f" ({par.schedule}, {m} micro-batches)"
+            if par.zero_stage:
+                layout += f", ZeRO stage {par.zero_stage}"
+            parts.append(layout)
+        elif par.data > 1 or par.zero_stage:
+            parts.append(f"{par.data} processes, ZeRO stage {par.zero_stage}")
         if self.compile_backend is not None:
             parts.append(
                 "compiled" if self.compile_backend == "inductor" else f"compiled ({self.compile_backend})"

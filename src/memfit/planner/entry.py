@@ -14,7 +14,12 @@ __all__ = ["plan"]
 
 
 def plan(
-    workload: Workload | str, budget: int | str, *, world_size: int | None = None, **kwargs: Any
+    workload: Workload | str,
+    budget: int | str,
+    *,
+    world_size: int | None = None,
+    gpus_per_node: int | None = None,
+    **kwargs: Any,
 ) -> PlanResult:
     """Find the fastest plan whose peak fits ``budget``.
 
@@ -25,6 +30,9 @@ def plan(
         world_size: Plan for this many data-parallel processes: the ZeRO stage is chosen too
             and the result lists each rank's predicted peak
             (:func:`~memfit.planner.parallel.plan_parallel`). ``None``: one process.
+        gpus_per_node: With ``world_size``: devices per node, which turns on the 3-D search
+            (data x tensor x pipeline degrees, :func:`~memfit.planner.layout.plan_layout`);
+            tensor parallelism stays within a node.
         **kwargs: The search's settings (``batch_size``, ``seq_len``, ``allow``, ``forbid``,
             ``base``, ``device``, ``max_predictions``, ``progress``, ``host_budget``,
             ``disk_dir``): see :func:`memfit.planner.search.plan`.
@@ -34,6 +42,12 @@ def plan(
             does not divide the batch.
         NothingFits: when no allowed plan fits; ``.result`` holds the closest plan.
     """
+    if gpus_per_node is not None:
+        if world_size is None:
+            raise ValueError("--gpus-per-node describes the machines of --world-size; give both")
+        from .layout import plan_layout
+
+        return plan_layout(workload, budget, world_size, gpus_per_node, **kwargs)
     if world_size is not None:
         return plan_parallel(workload, budget, world_size, **kwargs)
     return search.plan(workload, budget, **kwargs)

@@ -121,9 +121,18 @@ class PlanResult:
                 predicted_peak_bytes=peaks,
                 predicted_rank_peak_bytes=peaks,
                 predicted_max_rank_peak_bytes=max(peaks),
-                ranks=[{"rank": r, "predicted_peak_bytes": v} for r, v in enumerate(peaks)],
+                ranks=[self._rank_entry(r, v) for r, v in enumerate(peaks)],
             )
         return data
+
+    def _rank_entry(self, rank: int, peak: int) -> dict[str, Any]:
+        entry: dict[str, Any] = {"rank": rank, "predicted_peak_bytes": peak}
+        par = self.plan.parallel
+        if par.tensor > 1 or par.pipeline > 1:
+            from .layout import rank_coordinates
+
+            entry.update(rank_coordinates(rank, par))
+        return entry
 
     def _plain_dict(self) -> dict[str, Any]:
         return {

@@ -198,6 +198,12 @@ def apply_plan(
             "pass no optimizer (or set optimizer_in_backward false)"
         )
     _check_offload(plan, optimizer)
+    if plan.parallel.tensor > 1 or plan.parallel.pipeline > 1:
+        raise ValueError(
+            f"the plan splits the model over tensor {plan.parallel.tensor} x pipeline "
+            f"{plan.parallel.pipeline} processes, which apply_plan (one model per process) "
+            "cannot do; build each rank's share with memfit.distributed.layout.build_layout"
+        )
     info: dict[str, Any] = {}
     handles: list[tuple[str, Removable]] = []
     try:

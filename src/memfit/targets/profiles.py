@@ -69,6 +69,12 @@ class DeviceProfile:
             ZeRO-Offload's CPU Adam, reaches about a third of that.
         disk_bandwidth: Bytes/s the disk tier reads and writes optimizer state at. Default
             2 GB/s: a PCIe 4 NVMe drive's sustained writes (reads are faster).
+        intra_node_bandwidth: Bytes/s one device sends to the others of its node in a
+            collective (NVLink's one-direction rate, or the host link without NVLink): what
+            tensor parallelism's per-layer all-reduces run at. 0: the host link.
+        network_bandwidth: Bytes/s one device sends across nodes (its share of the node's
+            network: 400 Gb/s InfiniBand per GPU is 50 GB/s): what data and pipeline
+            parallelism run at when their groups span nodes. 0: a tenth of the host link.
     """
 
     name: str
@@ -86,6 +92,19 @@ class DeviceProfile:
     extra: Mapping[str, Any] = field(default_factory=dict)
     host_mem_bandwidth: float = 100e9
     disk_bandwidth: float = 2e9
+    intra_node_bandwidth: float = 0.0
+    network_bandwidth: float = 0.0
+
+    @property
+    def node_link_bandwidth(self) -> float:
+        """Bytes/s for collectives within a node (``intra_node_bandwidth`` or the host link)."""
+        return self.intra_node_bandwidth or self.host_bandwidth
+
+    @property
+    def cross_node_bandwidth(self) -> float:
+        """Bytes/s for collectives across nodes (``network_bandwidth`` or a tenth of the host
+        link)."""
+        return self.network_bandwidth or self.host_bandwidth / 10
 
     @property
     def is_cuda(self) -> bool:
@@ -138,6 +157,8 @@ def _cuda(
     has_bf16: bool = True,
     context_bytes: int | None = None,
     workspace_bytes: int | None = None,
+    intra_node_bandwidth: float = 0.0,
+    network_bandwidth: float = 0.0,
 ) -> DeviceProfile:
     if workspace_bytes is None:
         workspace_bytes = _WORKSPACE_HOPPER if cc >= (9, 0) else _WORKSPACE_OLDER
@@ -158,6 +179,8 @@ def _cuda(
         compute_capability=cc,
         context_bytes=_CONTEXT_BYTES if context_bytes is None else context_bytes,
         workspace_bytes=workspace_bytes,
+        intra_node_bandwidth=intra_node_bandwidth,
+        network_bandwidth=network_bandwidth,
     )
 
 
@@ -171,16 +194,25 @@ def _gpu(
     host: float,
     cc: tuple[int, int],
     has_bf16: bool = True,
+    nvlink: float = 0.0,
+    network: float = 0.0,
 ) -> DeviceProfile:
     flops = {"fp32": fp32, "bf16": bf16, "fp16": fp16}
-    return _cuda(name, int(mem_gib * GiB), flops, bw, host, cc, has_bf16)
+    return _cuda(name, int(mem_gib * GiB), flops, bw, host, cc, has_bf16,
+                 intra_node_bandwidth=nvlink, network_bandwidth=network)
 
 
-#: Built-in GPU profiles (vendors' dense peak throughput; fp32 without TF32).
+#: Built-in GPU profiles (vendors' dense peak throughput; fp32 without TF32). Interconnects:
+#: an HGX node's NVLink, one direction (H100 NVLink 4: 900 GB/s both ways; A100 NVLink 3:
+#: 600 GB/s), and one network adapter per GPU across nodes (400 Gb/s NDR InfiniBand with H100,
+#: 200 Gb/s HDR with A100). Cards without NVLink talk over PCIe.
 DEVICES: dict[str, DeviceProfile] = {
-    "h100": _gpu("h100", 79.6, 67e12, 989e12, 989e12, 3.35e12, 55e9, (9, 0)),
-    "a100": _gpu("a100", 79.2, 19.5e12, 312e12, 312e12, 2.04e12, 25e9, (8, 0)),
-    "a100-40gb": _gpu("a100-40gb", 39.4, 19.5e12, 312e12, 312e12, 1.56e12, 25e9, (8, 0)),
+    "h100": _gpu("h100", 79.6, 67e12, 989e12, 989e12, 3.35e12, 55e9, (9, 0), nvlink=450e9,
+                 network=50e9),
+    "a100": _gpu("a100", 79.2, 19.5e12, 312e12, 312e12, 2.04e12, 25e9, (8, 0), nvlink=300e9,
+                 network=25e9),
+    "a100-40gb": _gpu("a100-40gb", 39.4, 19.5e12, 312e12, 312e12, 1.56e12, 25e9, (8, 0),
+                      nvlink=300e9, network=25e9),
     "rtx4090": _gpu("rtx4090", 23.6, 82.6e12, 165e12, 165e12, 1.01e12, 25e9, (8, 9)),
     # Turing has no bf16 units: bf16 falls back to fp32 rates; fp16 runs on tensor cores.
     "t4": _gpu("t4", 14.75, 8.1e12, 8.1e12, 65e12, 0.32e12, 12e9, (7, 5), has_bf16=False),
@@ -286,7 +318,10 @@ CUSTOM_FIELDS: tuple[str, ...] = (
     "compute_capability",
     "bf16",
 )
-_OPTIONAL = ("fp32_tflops", "bf16_tflops", "fp16_tflops", "context", "workspace")
+_OPTIONAL = (
+    "fp32_tflops", "bf16_tflops", "fp16_tflops", "context", "workspace", "intra_node_bandwidth",
+    "network_bandwidth",
+)
 
 
 def parse_device(spec: str | Mapping[str, Any]) -> DeviceProfile:
@@ -297,7 +332,8 @@ def parse_device(spec: str | Mapping[str, Any]) -> DeviceProfile:
     ``compute_capability`` (``8.9``); ``bf16`` (true/false). Optional: ``fp32_tflops``,
     ``bf16_tflops``, ``fp16_tflops`` (dense peak, for the step-time model; default: scaled
     from the bandwidth like an A100), ``context`` and ``workspace`` (sizes; default: the
-    built-in GPUs' values).
+    built-in GPUs' values), ``intra_node_bandwidth`` and ``network_bandwidth`` (rates, for
+    the 3-D planner's communication times; default: the host link, and a tenth of it).
 
     Example: ``name=l4,memory=22.5GiB,mem_bandwidth=300GB/s,host_bandwidth=32GB/s,
     compute_capability=8.9,bf16=true,bf16_tflops=121``.
@@ -344,7 +380,13 @@ def parse_device(spec: str | Mapping[str, Any]) -> DeviceProfile:
         bf16,
         context_bytes=_size_field(data, "context") if "context" in data else None,
         workspace_bytes=_size_field(data, "workspace") if "workspace" in data else None,
+        intra_node_bandwidth=_optional_rate(data, "intra_node_bandwidth"),
+        network_bandwidth=_optional_rate(data, "network_bandwidth"),
     )
+
+
+def _optional_rate(data: Mapping[str, Any], key: str) -> float:
+    return _rate_field(data, key) if key in data else 0.0
 
 
 def _read_description(spec: str | Mapping[str, Any]) -> dict[str, Any]:
