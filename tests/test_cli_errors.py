@@ -53,6 +53,7 @@ BAD: dict[str, dict[str, list[str] | None]] = {
         "--disk-dir": [MISSING],
         "--emit": ["deepspeed"],
         "--world-size": ["0", "3", "x"],
+        "--gpus-per-node": ["0", "3", "x"],
     },
     "train": {
         "--config": [MISSING],

@@ -116,6 +116,12 @@ def model_shape(workload: Workload) -> ModelShape:
     hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None)
     model_type = str(getattr(cfg, "model_type", ""))
     family = "llama" if model_type in ("llama", "mistral", "qwen2") else model_type
+    if family not in ("llama", "gpt2"):
+        raise WorkloadError(
+            f"the 3-D planner splits causal LMs of the Llama and GPT-2 layouts, not "
+            f"{workload.name!r} ({model_type}); plan data parallelism for it with --world-size "
+            "alone"
+        )
     return ModelShape(
         family=family,
         layers=int(workload.depth),
@@ -298,6 +304,7 @@ class LayoutCandidate:
         fits: Whether every rank fits the budget.
         microbatches: Micro-batches per step (the pipeline's, or accumulation's).
         by_category: The largest rank's peak by category.
+        stages: Each pipeline stage's ranks' peak by category.
     """
 
     parallel: ParallelConfig
@@ -308,6 +315,7 @@ class LayoutCandidate:
     fits: bool = False
     microbatches: int = 1
     by_category: dict[str, int] = dataclasses.field(default_factory=dict)
+    stages: list[dict[str, int]] = dataclasses.field(default_factory=list)
 
     @property
     def max_peak_bytes(self) -> int:
@@ -451,7 +459,7 @@ def estimate_layout(shape: ModelShape, parallel: ParallelConfig, *, batch_size: 
                 peaks[_rank_of(s, r, k, parallel)] = peaks_by_stage[s]
     top = max(range(p), key=lambda i: peaks_by_stage[i])
     return LayoutCandidate(parallel, checkpointing, peaks, step, parts, microbatches=m,
-                           by_category=cats_by_stage[top])
+                           by_category=cats_by_stage[top], stages=cats_by_stage)
 
 
 # -------------------------------------------------------------------------------- planning
@@ -464,17 +472,51 @@ def _layouts(world: int, gpus_per_node: int) -> Iterable[tuple[int, int, int]]:
             yield world // (t * p), t, p
 
 
+def _fixed_layout(par: ParallelConfig, world: int, shape: ModelShape, batch_size: int,
+                  gpus_per_node: int) -> tuple[int, int, int]:
+    """The one layout a plan's own tensor and pipeline degrees leave, or one sentence why
+    they cannot run."""
+    t, p = par.tensor, par.pipeline
+    if par.data > 1 and par.world_size != world:
+        raise ValueError(
+            f"the plan's data {par.data} x tensor {t} x pipeline {p} is {par.world_size} "
+            f"processes but --world-size is {world}; give --world-size {par.world_size} or "
+            f"degrees whose product is {world}"
+        )
+    if world % (t * p):
+        raise ValueError(
+            f"the plan's tensor {t} x pipeline {p} is {t * p} processes per replica, which does "
+            f"not divide --world-size {world}; use a world size that is a multiple of {t * p}"
+        )
+    d = world // (t * p)
+    trial = dataclasses.replace(par, data=d)
+    problems = layout_problems(shape, trial, batch_size, gpus_per_node)
+    if problems:
+        raise ValueError(problems[0])
+    return d, t, p
+
+
 def _settings(d: int, t: int, p: int, batch_size: int, base: ParallelConfig,
-              shape: ModelShape, gpus_per_node: int) -> Iterable[tuple[ParallelConfig, int]]:
+              shape: ModelShape, gpus_per_node: int,
+              fixed: bool = False) -> Iterable[tuple[ParallelConfig, int]]:
     """Every valid setting of one layout, with its micro-batch count (the pipeline's, or
-    gradient accumulation's with one stage)."""
+    gradient accumulation's with one stage). ``fixed``: the plan's own schedule and
+    micro-batch count, when it gives them, are kept."""
     if batch_size % d:
         return
-    stages = (0, 1, 2, 3) if d > 1 else (0,)
-    schedules = ("1f1b", "interleaved-1f1b", "zero-bubble", "gpipe") if p > 1 else ("1f1b",)
+    # ZeRO stages 2 and 3 (FSDP2) would gather and reduce a stage once per micro-batch.
+    stages = ((0, 1, 2, 3) if p == 1 else (0, 1)) if d > 1 else (0,)
+    schedules: tuple[str, ...] = (
+        ("1f1b", "interleaved-1f1b", "zero-bubble", "gpipe") if p > 1 else ("1f1b",)
+    )
+    counts = _divisors(batch_size // d)
+    if fixed and p > 1:
+        schedules = (base.schedule,)
+        if base.microbatches is not None:
+            counts = [base.microbatches]
     for stage in stages:
         for schedule in schedules:
-            for m in _divisors(batch_size // d):
+            for m in counts:
                 par = dataclasses.replace(base, data=d, tensor=t, pipeline=p, zero_stage=stage,
                                           schedule=schedule if p > 1 else base.schedule,
                                           microbatches=m if p > 1 else None)
@@ -548,10 +590,15 @@ def plan_layout(
     base = plan_for_target(base.replace(precision=precision), target)
     say("reading the model's shapes")
     shape = model_shape(workload)
+    layouts = list(_layouts(world_size, g))
+    fixed = base.parallel if base.parallel.tensor > 1 or base.parallel.pipeline > 1 else None
+    if fixed is not None:
+        layouts = [_fixed_layout(fixed, world_size, shape, workload.batch_size, g)]
     candidates: list[LayoutCandidate] = []
     refused: list[str] = []
-    for d, t, p in _layouts(world_size, g):
-        settings = list(_settings(d, t, p, workload.batch_size, base.parallel, shape, g))
+    for d, t, p in layouts:
+        settings = list(_settings(d, t, p, workload.batch_size, base.parallel, shape, g,
+                                  fixed=fixed is not None))
         if not settings:
             trial = dataclasses.replace(base.parallel, data=d, tensor=t, pipeline=p,
                                         microbatches=2 * p if p > 1 else None)

@@ -143,10 +143,25 @@ def _work(
 def _check_plan_degree(settings: TrainConfig) -> None:
     plan = settings.load_plan()
     n = settings.nproc_per_node
-    if plan is not None and plan.parallel.data not in (1, n):
+    if plan is None:
+        return
+    par = plan.parallel
+    if par.tensor > 1 or par.pipeline > 1:
+        if par.world_size != n:
+            raise ValueError(
+                f"the plan's data {par.data} x tensor {par.tensor} x pipeline {par.pipeline} is "
+                f"{par.world_size} processes but --nproc-per-node is {n}; give "
+                f"--nproc-per-node {par.world_size} or degrees whose product is {n}"
+            )
         raise ValueError(
-            f"the plan trains on {plan.parallel.data} processes but --nproc-per-node is {n}; "
-            f"give --nproc-per-node {plan.parallel.data} or a plan for {n}"
+            f"memfit train runs data-parallel plans; this plan's tensor {par.tensor} x pipeline "
+            f"{par.pipeline} split runs in your own loop through "
+            "memfit.distributed.layout.build_layout (see the README's 'Many processes')"
+        )
+    elif par.data not in (1, n):
+        raise ValueError(
+            f"the plan trains on {par.data} processes but --nproc-per-node is {n}; "
+            f"give --nproc-per-node {par.data} or a plan for {n}"
         )
 
 

@@ -1,0 +1,191 @@
+"""The 3-D planner (memfit.planner.layout): layouts, their checks, their prices, the answer."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from memfit.distributed.config import ParallelConfig
+from memfit.plan import Plan
+from memfit.planner.layout import (
+    estimate_layout,
+    layout_problems,
+    model_shape,
+    plan_layout,
+    rank_coordinates,
+)
+from memfit.planner.result import NothingFits
+from memfit.targets import get_device
+from memfit.workload import WorkloadError, load_workload
+
+TINY = load_workload("llama-tiny", 8, 32)  # 2 layers, 4 heads, 2 key-value heads, MLP 176
+DEEP = TINY.with_depth(4)
+
+
+def _estimate(par: ParallelConfig, *, workload=DEEP, ckpt: bool = False, m: int | None = None):
+    return estimate_layout(
+        model_shape(workload), par, batch_size=workload.batch_size, seq_len=workload.seq_len,
+        checkpointing=ckpt, device=get_device("a100"), precision="bf16-mixed",
+        optimizer="adamw", gpus_per_node=8, microbatches=m,
+    )
+
+
+def test_shapes_are_read_from_the_config():
+    shape = model_shape(TINY)
+    assert (shape.family, shape.layers, shape.hidden) == ("llama", 2, 64)
+    assert (shape.heads, shape.kv_heads, shape.mlp, shape.vocab) == (4, 2, 176, 1000)
+
+
+def test_tensor_parallelism_divides_the_parameters_but_not_the_norms():
+    one = _estimate(ParallelConfig())
+    two = _estimate(ParallelConfig(tensor=2))
+    ratio = two.by_category["parameters"] / one.by_category["parameters"]
+    # Every matrix halves; the norms' weights (replicated) keep the ratio just above 1/2.
+    assert 0.5 < ratio < 0.52
+    assert two.parts["tensor"] > 0 and one.parts["tensor"] == 0
+
+
+def test_gpipe_keeps_every_micro_batch_and_1f1b_the_stages_in_flight():
+    base = ParallelConfig(pipeline=2, microbatches=4)
+    gpipe = _estimate(dataclasses.replace(base, schedule="gpipe"))
+    ofob = _estimate(dataclasses.replace(base, schedule="1f1b"))
+    # Stage 0: GPipe keeps all 4 micro-batches, 1F1B the 2 stages' worth.
+    assert gpipe.stages[0]["activations"] == 2 * ofob.stages[0]["activations"]
+    # The last stage: GPipe 4, 1F1B 1.
+    assert gpipe.stages[1]["activations"] == 4 * ofob.stages[1]["activations"]
+    assert gpipe.rank_peak_bytes[0] > ofob.rank_peak_bytes[0]
+    assert gpipe.step_seconds == pytest.approx(ofob.step_seconds)  # the same bubble
+
+
+def test_more_micro_batches_shrink_the_bubble():
+    two = _estimate(ParallelConfig(pipeline=2, microbatches=2))
+    eight = _estimate(ParallelConfig(pipeline=2, microbatches=8))
+    assert eight.parts["bubble"] / eight.parts["compute"] < two.parts["bubble"] / two.parts["compute"]
+
+
+def test_checkpointing_keeps_block_inputs_only_and_recomputes():
+    plain = _estimate(ParallelConfig(pipeline=2, microbatches=2))
+    ckpt = _estimate(ParallelConfig(pipeline=2, microbatches=2), ckpt=True)
+    assert ckpt.stages[0]["activations"] < plain.stages[0]["activations"]
+    assert ckpt.parts["compute"] > plain.parts["compute"]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_stages_shard_the_state_over_the_replicas(stage: int):
+    zero = _estimate(ParallelConfig(data=4, zero_stage=0))
+    sharded = _estimate(ParallelConfig(data=4, zero_stage=stage))
+    assert sharded.by_category["optimizer_state"] == pytest.approx(
+        zero.by_category["optimizer_state"] / 4, rel=1e-6
+    )
+    assert (sharded.by_category["gradients"] < zero.by_category["gradients"]) == (stage >= 2)
+
+
+def test_ranks_are_numbered_stage_then_replica_then_shard():
+    par = ParallelConfig(data=2, tensor=2, pipeline=2)
+    coords = [rank_coordinates(r, par) for r in range(8)]
+    assert coords[0] == {"stage": 0, "replica": 0, "shard": 0}
+    assert coords[1] == {"stage": 0, "replica": 0, "shard": 1}
+    assert coords[2] == {"stage": 0, "replica": 1, "shard": 0}
+    assert coords[7] == {"stage": 1, "replica": 1, "shard": 1}
+    est = _estimate(dataclasses.replace(par, microbatches=2), workload=DEEP, m=None)
+    # The stages differ (embeddings, head, in-flight micro-batches); ranks of a stage agree.
+    assert len(set(est.rank_peak_bytes[:4])) == 1 and len(set(est.rank_peak_bytes[4:])) == 1
+
+
+@pytest.mark.parametrize(
+    ("par", "says"),
+    [
+        (ParallelConfig(tensor=3), "tensor parallelism of 3 does not divide the 4 attention heads"),
+        (ParallelConfig(tensor=4), "does not divide the 2 key-value heads"),
+        (ParallelConfig(pipeline=3, microbatches=4), "does not divide the 4 layers evenly; use pipeline 2, 4"),
+        (ParallelConfig(pipeline=2, microbatches=1), "needs at least as many micro-batches"),
+        (ParallelConfig(pipeline=2, schedule="interleaved-1f1b", microbatches=3), "multiple of the pipeline degree"),
+        (ParallelConfig(data=3), "does not split into 3 replicas"),
+    ],
+)
+def test_bad_layouts_say_what_would_work(par: ParallelConfig, says: str):
+    problems = layout_problems(model_shape(DEEP), par, DEEP.batch_size, gpus_per_node=8)
+    assert problems and says in " ".join(problems)
+
+
+def test_tensor_parallelism_stays_in_a_node():
+    problems = layout_problems(model_shape(DEEP), ParallelConfig(tensor=2), 8, gpus_per_node=1)
+    assert "does not fit in a node of 1 devices" in problems[0]
+
+
+def test_the_answer_lists_every_rank_and_fits():
+    budget = 3 << 20
+    result = plan_layout(DEEP, budget, 4, 2, confirm=False)
+    assert result.fits and len(result.rank_peak_bytes) == 4
+    assert max(result.rank_peak_bytes) <= budget
+    par = result.plan.parallel
+    assert par.data * par.tensor * par.pipeline == 4 and par.tensor <= 2
+    data = result.to_dict()
+    assert data["predicted_rank_peak_bytes"] == result.rank_peak_bytes
+    assert {"data", "tensor", "pipeline", "schedule", "zero_stage"} <= set(data["plan"]["parallel"])
+    assert [r["rank"] for r in data["ranks"]] == [0, 1, 2, 3]
+    # The winner is the fastest fitting layout the search priced.
+    fitting = [c for c in result.layouts if c.fits]
+    assert result.layout.step_seconds == min(c.step_seconds for c in fitting)
+    assert "next best layout" in result.explanation
+
+
+def test_a_plan_s_own_degrees_are_kept_or_refused():
+    base = Plan(parallel={"tensor": 2, "pipeline": 2, "microbatches": 2})
+    result = plan_layout(DEEP, 1 << 30, 4, 4, base=base, confirm=False)
+    par = result.plan.parallel
+    assert (par.data, par.tensor, par.pipeline, par.microbatches) == (1, 2, 2, 2)
+    with pytest.raises(ValueError, match="is 8 processes but --world-size is 4"):
+        plan_layout(DEEP, 1 << 30, 4, 4, base=Plan(parallel={"data": 2, "tensor": 2, "pipeline": 2}),
+                    confirm=False)
+    with pytest.raises(ValueError, match="does not divide the 4 attention heads"):
+        plan_layout(DEEP, 1 << 30, 6, 6, base=Plan(parallel={"tensor": 3}), confirm=False)
+
+
+def test_nothing_fits_names_the_closest_layout():
+    with pytest.raises(NothingFits, match="no layout of 4 processes fits"):
+        plan_layout(DEEP, 1 << 10, 4, 2, confirm=False)
+
+
+def test_node_size_and_model_are_checked():
+    with pytest.raises(ValueError, match="--gpus-per-node 3 does not divide --world-size 4"):
+        plan_layout(DEEP, 1 << 30, 4, 3, confirm=False)
+    with pytest.raises(WorkloadError, match="Llama and GPT-2 layouts"):
+        plan_layout(load_workload("bert-tiny", 8, 32), 1 << 30, 4, 2, confirm=False)
+
+
+def test_plans_with_degrees_fail_fast_where_they_cannot_run():
+    with pytest.raises(ValueError, match="replace gradient accumulation"):
+        Plan(parallel={"pipeline": 2}, grad_accum_steps=2)
+    with pytest.raises(ValueError, match="ZeRO stage 3 cannot be combined with pipeline"):
+        Plan(parallel={"pipeline": 2, "data": 2, "zero_stage": 3})
+
+
+@pytest.mark.slow
+def test_llama_70b_on_64_gpus_fits_every_rank():
+    result = plan_layout("llama-70b", "h100", 64, 8)
+    assert result.fits and len(result.rank_peak_bytes) == 64
+    budget = get_device("h100")
+    assert max(result.rank_peak_bytes) <= budget.budget_bytes
+    assert result.plan.parallel.tensor <= 8
+
+
+def test_the_cli_prints_the_layout_and_writes_every_rank(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from memfit.cli import app
+
+    out = tmp_path / "plan.json"
+    args = ["plan", "--model", "llama-tiny", "--batch-size", "8", "--seq-len", "32", "--budget",
+            "3MiB", "--world-size", "4", "--gpus-per-node", "2", "--json", str(out)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "Layouts weighed" in result.output and "per stage:" in result.output
+    data = json.loads(out.read_text())
+    assert len(data["predicted_rank_peak_bytes"]) == 4
+    assert {"stage", "replica", "shard"} <= set(data["ranks"][0])
+    bad = CliRunner().invoke(app, [*args[:-2], "--gpus-per-node", "3"])
+    assert bad.exit_code == 2 and "does not divide --world-size 4" in bad.output
