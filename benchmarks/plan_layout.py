@@ -46,7 +46,7 @@ def run_case(model: str, batch: int, length: int, world: int, per_node: int, bud
         "gpus_per_node": per_node, "budget": budget, "plan": result.plan.summary(),
         "parallel": result.plan.parallel.__dict__, "stage_peak_bytes": stages,
         "predicted_rank_peak_bytes": result.rank_peak_bytes,
-        "step_seconds": result.layout.step_seconds, "parts": result.layout.parts,
+        "step_seconds": result.layout["step_seconds"], "parts": result.layout["parts_seconds"],
         "search_seconds": seconds, "explanation": result.explanation, "next": others,
     }
 

@@ -361,7 +361,7 @@ def plan_command(
             if json_path is not None:
                 json_path.write_text(json.dumps(e.result.to_dict(), indent=2) + "\n")
             _fail(str(e))
-    if getattr(result, "layout", None) is not None:
+    if result.layout is not None:
         from .planner.layout import layout_table
 
         out.print(layout_table(result))
@@ -386,11 +386,11 @@ def plan_command(
         f"({cats})\n{total}"
         f"[bold]predicted step time:[/] {result.predicted_step_time_ratio:.2f}x "
         + ("the ideal (the work spread evenly, no bubble, no communication)"
-           if getattr(result, "layout", None) is not None else "the unoptimised plan")
+           if result.layout is not None else "the unoptimised plan")
         + f" (cost model: {result.device}); searched in {result.seconds:.1f} s",
         highlight=False,
     )
-    if getattr(result, "layout", None) is not None and result.rank_peak_bytes is not None:
+    if result.layout is not None and result.rank_peak_bytes is not None:
         out.print("[bold]per stage:[/] " + _stages_line(result), highlight=False)
     elif result.rank_peak_bytes is not None:
         out.print(

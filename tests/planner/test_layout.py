@@ -127,7 +127,7 @@ def test_the_answer_lists_every_rank_and_fits():
     assert [r["rank"] for r in data["ranks"]] == [0, 1, 2, 3]
     # The winner is the fastest fitting layout the search priced.
     fitting = [c for c in result.layouts if c.fits]
-    assert result.layout.step_seconds == min(c.step_seconds for c in fitting)
+    assert result.layout_candidate.step_seconds == min(c.step_seconds for c in fitting)
     assert "next best layout" in result.explanation
 
 
@@ -186,6 +186,7 @@ def test_the_cli_prints_the_layout_and_writes_every_rank(tmp_path):
     assert "Layouts weighed" in result.output and "per stage:" in result.output
     data = json.loads(out.read_text())
     assert len(data["predicted_rank_peak_bytes"]) == 4
-    assert {"stage", "replica", "shard"} <= set(data["ranks"][0])
+    assert {"stage", "replica", "shard", "predicted_step_seconds"} <= set(data["ranks"][0])
+    assert data["layout"]["step_seconds"] > 0 and data["layout"]["alternatives"]
     bad = CliRunner().invoke(app, [*args[:-2], "--gpus-per-node", "3"])
     assert bad.exit_code == 2 and "does not divide --world-size 4" in bad.output

@@ -305,6 +305,8 @@ class LayoutCandidate:
         microbatches: Micro-batches per step (the pipeline's, or accumulation's).
         by_category: The largest rank's peak by category.
         stages: Each pipeline stage's ranks' peak by category.
+        stage_busy_seconds: Each stage's compute seconds per step (the rest of the step it
+            waits: the bubble, and the slowest stage).
     """
 
     parallel: ParallelConfig
@@ -316,6 +318,7 @@ class LayoutCandidate:
     microbatches: int = 1
     by_category: dict[str, int] = dataclasses.field(default_factory=dict)
     stages: list[dict[str, int]] = dataclasses.field(default_factory=list)
+    stage_busy_seconds: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def max_peak_bytes(self) -> int:
@@ -429,7 +432,8 @@ def estimate_layout(shape: ModelShape, parallel: ParallelConfig, *, batch_size: 
     rate = device.flops.get("bf16" if dtype == "bfloat16" else "fp16" if dtype == "float16" else "fp32")
     tokens = mb * seq_len
     eff = tokens / (tokens + device.half_tokens)
-    compute = max(stage_flops) / (rate * eff)
+    busy = [f / (rate * eff) for f in stage_flops]
+    compute = max(busy)
     bubble = {"gpipe": (p - 1) / m, "1f1b": (p - 1) / m, "interleaved-1f1b": (p - 1) / (2 * m),
               "zero-bubble": (p - 1) / (6 * m)}[parallel.schedule] if p > 1 else 0.0
     node = device.node_link_bandwidth
@@ -459,7 +463,8 @@ def estimate_layout(shape: ModelShape, parallel: ParallelConfig, *, batch_size: 
                 peaks[_rank_of(s, r, k, parallel)] = peaks_by_stage[s]
     top = max(range(p), key=lambda i: peaks_by_stage[i])
     return LayoutCandidate(parallel, checkpointing, peaks, step, parts, microbatches=m,
-                           by_category=cats_by_stage[top], stages=cats_by_stage)
+                           by_category=cats_by_stage[top], stages=cats_by_stage,
+                           stage_busy_seconds=busy)
 
 
 # -------------------------------------------------------------------------------- planning
@@ -701,10 +706,33 @@ def _result(cand: LayoutCandidate, *, fits: bool, explanation: str, workload: Wo
         explanation=explanation,
         device=target.name,
         rank_peak_bytes=list(cand.rank_peak_bytes),
+        layout={
+            "step_seconds": cand.step_seconds,
+            "parts_seconds": dict(cand.parts),
+            "stage_busy_seconds": list(cand.stage_busy_seconds),
+            "checkpointing": cand.checkpointing,
+            "microbatches": cand.microbatches,
+            "alternatives": _alternatives(cand, candidates),
+        },
     )
-    result.layout = cand  # type: ignore[attr-defined]
+    result.layout_candidate = cand  # type: ignore[attr-defined]
     result.layouts = candidates  # type: ignore[attr-defined]
     return result
+
+
+def _alternatives(chosen: LayoutCandidate, candidates: list[LayoutCandidate],
+                  n: int = 3) -> list[dict[str, Any]]:
+    """The fastest fitting setting of the next ``n`` layouts (``candidates`` sorted fastest
+    first)."""
+    seen, out = {_layout_key(chosen)}, []
+    for c in candidates:
+        if c.fits and _layout_key(c) not in seen:
+            seen.add(_layout_key(c))
+            out.append({"layout": c.describe(), "step_seconds": c.step_seconds,
+                        "largest_rank_bytes": c.max_peak_bytes})
+            if len(out) == n:
+                break
+    return out
 
 
 def _explain(best: LayoutCandidate, other: LayoutCandidate | None, world: int, g: int,
@@ -745,7 +773,7 @@ def layout_table(result: PlanResult, limit: int = 12) -> Any:
     from rich.table import Table
 
     layouts: list[LayoutCandidate] = getattr(result, "layouts", [])
-    chosen: LayoutCandidate | None = getattr(result, "layout", None)
+    chosen: LayoutCandidate | None = getattr(result, "layout_candidate", None)
     table = Table(
         title=f"Layouts weighed against {format_bytes(result.budget_bytes)} per process "
         f"(cost model: {result.device})",

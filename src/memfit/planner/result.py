@@ -91,6 +91,8 @@ class PlanResult:
             activations).
         rank_peak_bytes: For a plan over several processes: each rank's predicted peak, in
             rank order (``predicted_peak_bytes`` is then the largest).
+        layout: For a 3-D plan (:mod:`memfit.planner.layout`): the predicted step time, its
+            parts, each rank's busy time and the next best layouts (the JSON's ``layout``).
     """
 
     fits: bool
@@ -108,6 +110,7 @@ class PlanResult:
     predicted_device_total_bytes: int = 0
     predicted_host_bytes: int = 0
     rank_peak_bytes: list[int] | None = None
+    layout: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON of ``memfit plan``. For a plan over several processes
@@ -127,11 +130,13 @@ class PlanResult:
 
     def _rank_entry(self, rank: int, peak: int) -> dict[str, Any]:
         entry: dict[str, Any] = {"rank": rank, "predicted_peak_bytes": peak}
-        par = self.plan.parallel
-        if par.tensor > 1 or par.pipeline > 1:
+        if self.layout is not None:
             from .layout import rank_coordinates
 
-            entry.update(rank_coordinates(rank, par))
+            where = rank_coordinates(rank, self.plan.parallel)
+            entry.update(where)
+            entry["predicted_step_seconds"] = self.layout["step_seconds"]
+            entry["predicted_busy_seconds"] = self.layout["stage_busy_seconds"][where["stage"]]
         return entry
 
     def _plain_dict(self) -> dict[str, Any]:
@@ -150,6 +155,7 @@ class PlanResult:
             "device": self.device,
             "target_device": self.device,
             "seconds": self.seconds,
+            **({"layout": self.layout} if self.layout is not None else {}),
         }
 
 
