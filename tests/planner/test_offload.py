@@ -91,7 +91,7 @@ def test_the_step_in_backward_overlaps_the_host_step_with_backward():
 def _bwd(profile, device) -> float:
     """Backward's matmul seconds of the 4-sample fp32 step (as the cost model rates them)."""
     tokens = 4 * profile.seq_len
-    rate = device.flops["fp32"] * tokens / (tokens + device.half_tokens)
+    rate = device.flops["fp32"] * device.matmul_efficiency * tokens / (tokens + device.half_tokens)
     return profile.bwd_flops_per_sample * 4 / rate
 
 

@@ -263,7 +263,7 @@ def step_cost(
     n_micro = -(-batch_size // micro)
     tokens = micro * profile.seq_len * seq_scale
     efficiency = tokens / (tokens + device.half_tokens)
-    rate = device.flops[_compute_dtype(plan)] * efficiency
+    rate = device.flops[_compute_dtype(plan)] * device.matmul_efficiency * efficiency
 
     fwd = profile.fwd_flops_per_sample * batch_size * seq_scale
     bwd = profile.bwd_flops_per_sample * batch_size * seq_scale * trainable_fraction

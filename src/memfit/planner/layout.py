@@ -431,7 +431,7 @@ def estimate_layout(shape: ModelShape, parallel: ParallelConfig, *, batch_size: 
 
     rate = device.flops.get("bf16" if dtype == "bfloat16" else "fp16" if dtype == "float16" else "fp32")
     tokens = mb * seq_len
-    eff = tokens / (tokens + device.half_tokens)
+    eff = device.matmul_efficiency * tokens / (tokens + device.half_tokens)
     busy = [f / (rate * eff) for f in stage_flops]
     compute = max(busy)
     bubble = {"gpipe": (p - 1) / m, "1f1b": (p - 1) / m, "interleaved-1f1b": (p - 1) / (2 * m),

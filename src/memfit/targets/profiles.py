@@ -72,6 +72,12 @@ class DeviceProfile:
         intra_node_bandwidth: Bytes/s one device sends to the others of its node in a
             collective (NVLink's one-direction rate, or the host link without NVLink): what
             tensor parallelism's per-layer all-reduces run at. 0: the host link.
+        matmul_efficiency: The share of ``flops`` a training step's matmuls sustain with
+            large micro-batches (the cost model's rate is ``flops x matmul_efficiency x t /
+            (t + half_tokens)``). Built-in GPUs: 0.35, measured on an H100
+            (``benchmarks/results/gpu_offload.md``: llama-1b in bf16-mixed, eager, 8 x 1024
+            tokens per micro-batch, took 0.96 s a step where the vendor's peak gives 0.25 s of
+            matmuls). The CPU's figure is measured, so 1.
         network_bandwidth: Bytes/s one device sends across nodes (its share of the node's
             network: 400 Gb/s InfiniBand per GPU is 50 GB/s): what data and pipeline
             parallelism run at when their groups span nodes. 0: a tenth of the host link.
@@ -94,6 +100,7 @@ class DeviceProfile:
     disk_bandwidth: float = 2e9
     intra_node_bandwidth: float = 0.0
     network_bandwidth: float = 0.0
+    matmul_efficiency: float = 1.0
 
     @property
     def node_link_bandwidth(self) -> float:
@@ -147,6 +154,11 @@ _WORKSPACE_HOPPER = 32 * MiB
 _WORKSPACE_OLDER = 4096 * 1024 + 8 * 16 * 1024
 
 
+# Sustained share of the vendor's peak in eager PyTorch training, measured on an H100 (see
+# DeviceProfile.matmul_efficiency); taken for the other GPUs until measured on them.
+_GPU_MATMUL_EFFICIENCY = 0.35
+
+
 def _cuda(
     name: str,
     memory_bytes: int,
@@ -181,6 +193,7 @@ def _cuda(
         workspace_bytes=workspace_bytes,
         intra_node_bandwidth=intra_node_bandwidth,
         network_bandwidth=network_bandwidth,
+        matmul_efficiency=_GPU_MATMUL_EFFICIENCY,
     )
 
 
