@@ -93,3 +93,35 @@ def test_stochastic_rounding_keeps_updates_below_half_an_ulp():
     assert results[False] == 1.0  # 1e-4 is below half of bf16's ulp at 1.0 (2**-8)
     # Expected 1 - 50 * 1e-4 = 0.995; the mean of 4096 stochastic roundings is close to it.
     assert abs(results[True] - 0.995) < 1e-3
+
+
+@pytest.mark.parametrize("device", ["cpu", "t4"])
+def test_dry_run_of_two_chunks_measures_every_chunk(monkeypatch, device):
+    # On fake tensors the chunked step runs only its first and last chunk (the others allocate
+    # the same temporaries): the report, the emulated caching allocator's reserved peak
+    # included, must equal the run that steps every chunk.
+    from memfit.optim import adafactor as adafactor_module
+
+    plan = memfit.Plan(
+        optimizer={"name": "adafactor", "lr": 1e-3, "kwargs": {"chunk_size": 4096}},
+        grad_accum_steps=2,
+        micro_batch_size=2,
+    )
+
+    def report() -> tuple:
+        r = memfit.dry_run("bert-tiny", plan, batch_size=4, seq_len=16, steps=2, device=device)
+        phases = {k: dict(v) for k, v in r.phase_peak_by_category.items()}
+        return r.peak_bytes, r.peak_reserved_bytes, dict(r.peak_by_category), phases
+
+    chunks: list[int] = []
+    original = adafactor_module.Adafactor._chunked_factored_step
+
+    def counting(self, param, *args):
+        chunks.append(param.shape[0])
+        return original(self, param, *args)
+
+    monkeypatch.setattr(adafactor_module.Adafactor, "_chunked_factored_step", counting)
+    shortcut = report()
+    assert chunks, "no matrix took the chunked step"
+    monkeypatch.setattr(adafactor_module, "is_fake", lambda t: False)  # every chunk
+    assert report() == shortcut

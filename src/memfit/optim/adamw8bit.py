@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from ..device import is_fake
+from . import _fused8bit
 from ._base import MemfitOptimizer, compute_dtype, dense_grad, work_copy, write_back
 from .quantization import SIGNED_MAP, UNSIGNED_MAP, dequantize_blocks, quantize_blocks_
 from .sharding import local_tensor
@@ -69,6 +70,15 @@ class AdamW8bit(MemfitOptimizer):
         chunk_size: Elements processed at once by the quantised update (rounded down to a
             multiple of ``block_size``); bounds the temporaries of a step.  ``None``: 256 Ki
             times ``torch.get_num_threads()`` at step time.
+        compiled: Use a ``torch.compile``'d (inductor) fused decode-update-encode kernel for
+            fp32 CPU parameters with 8-bit state: a few times faster than the eager kernels, with
+            the same codes bit for bit.  ``None`` (default): for local shards of at least 1 Mi
+            elements, unless the environment sets ``MEMFIT_COMPILED_OPTIM=0``; ``True``: for
+            every such parameter with at least one whole 1 Mi chunk; ``False``: never.  Never
+            under fake tensors or a dispatch mode (memfit's tracker, dry runs), and the eager
+            kernels stay in use (with a warning) if compilation fails or the one-time check
+            against the eager step does not pass.  Needs a C++ compiler at run time; compiles
+            in the first step (seconds; cached on disk) and keeps an 8 MiB fp32 scratch buffer.
 
     Example:
         >>> model = torch.nn.Linear(128, 128)
@@ -87,6 +97,7 @@ class AdamW8bit(MemfitOptimizer):
         min_8bit_size: int = 4096,
         keep_32bit: Iterable[str | Tensor] = (),
         chunk_size: int | None = None,
+        compiled: bool | None = None,
     ) -> None:
         if lr < 0.0:
             raise ValueError(f"Invalid learning rate: {lr}")
@@ -100,6 +111,11 @@ class AdamW8bit(MemfitOptimizer):
             raise ValueError(f"block_size must be positive, got {block_size}")
         if chunk_size is not None and chunk_size < block_size:
             raise ValueError(f"chunk_size ({chunk_size}) must be >= block_size ({block_size})")
+        if compiled is not None and not isinstance(compiled, bool):
+            raise TypeError(f"compiled must be None, True or False, got {compiled!r}")
+        self._compiled = compiled
+        # fp32 scratch of the compiled step (one chunk of each moment), made on first use.
+        self._scratch: Tensor | None = None
         self._keep_names: list[str] = []
         self._keep_ids: set[int] = set()
         for item in keep_32bit:
@@ -198,7 +214,15 @@ class AdamW8bit(MemfitOptimizer):
                     bias_correction2_sqrt=math.sqrt(1.0 - beta2**step),
                 )
                 if "exp_avg_codes" in state:
-                    _update_8bit(local, grad, state, hyper, group["block_size"], _chunk(group))
+                    done = 0
+                    if self._use_compiled(local, grad, group["block_size"]):
+                        if self._scratch is None:
+                            rows = _fused8bit.COMPILED_CHUNK // _fused8bit.BLOCK_SIZE
+                            self._scratch = torch.empty(2, rows, _fused8bit.BLOCK_SIZE)
+                        done = _update_8bit_compiled(local, grad, state, hyper, self._scratch)
+                    _update_8bit(
+                        local, grad, state, hyper, group["block_size"], _chunk(group), start=done
+                    )
                 else:
                     work = work_copy(local)
                     adamw_math(
@@ -206,6 +230,27 @@ class AdamW8bit(MemfitOptimizer):
                     )
                     write_back(local, work)
         return loss
+
+    def _use_compiled(self, local: Tensor, grad: Tensor, block_size: int) -> bool:
+        """Whether this parameter's 8-bit update runs the compiled kernel (see ``compiled``)."""
+        if self._compiled is False:
+            return False
+        if self._compiled is None and (
+            local.numel() < _fused8bit.MIN_COMPILED_NUMEL or not _fused8bit.env_enabled()
+        ):
+            return False
+        eligible = (
+            block_size == _fused8bit.BLOCK_SIZE
+            and local.numel() >= _fused8bit.COMPILED_CHUNK
+            and local.device.type == "cpu"
+            and local.dtype == torch.float32
+            and grad.dtype == torch.float32
+            and local.is_contiguous()
+            and grad.is_contiguous()
+            and not is_fake(local)
+            and _fused8bit.outside_special_modes()
+        )
+        return eligible and _fused8bit.compiled_step(_eager_reference) is not None
 
 
 def _chunk(group: dict[str, Any]) -> int:
@@ -265,15 +310,19 @@ def _update_8bit(
     h: _Hyper,
     block_size: int,
     chunk_size: int,
+    start: int = 0,
 ) -> None:
+    # ``start`` (a multiple of block_size): elements before it were updated already.
     n = param.numel()
+    if start >= n:
+        return
     # Non-contiguous parameters are rare; give them a contiguous work tensor and copy back.
     target = param if param.is_contiguous() else param.detach().contiguous()
     flat_param = target.view(-1)
     flat_grad = grad.reshape(-1)
     m_codes, m_absmax = state["exp_avg_codes"], state["exp_avg_absmax"]
     v_codes, v_absmax = state["exp_avg_sq_codes"], state["exp_avg_sq_absmax"]
-    starts = range(0, n, chunk_size)
+    starts = range(start, n, chunk_size)
     if is_fake(param) and len(starts) > 2:
         # Fake tensors have no values, and every full chunk allocates the same temporaries and
         # updates in place: the first chunk and the (shorter) last one show the step's memory
@@ -305,6 +354,81 @@ def _update_8bit(
         quantize_blocks_(exp_avg_sq, UNSIGNED_MAP, vc, va)
     if target is not param:
         param.copy_(target)
+
+
+def _hyper_tensor(h: _Hyper) -> Tensor:
+    # The scalars of _fused8bit.fused_step_, each computed in double as adamw_math does.
+    values = [
+        1.0 - h.beta1,
+        h.beta2,
+        1.0 - h.beta2,
+        h.bias_correction2_sqrt,
+        h.eps,
+        1.0 - h.lr * h.weight_decay if h.weight_decay != 0.0 else 1.0,
+        -h.step_size,
+    ]
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def _update_8bit_compiled(
+    param: Tensor, grad: Tensor, state: dict[str, Any], h: _Hyper, scratch: Tensor
+) -> int:
+    """Update the whole compiled chunks of a contiguous fp32 CPU parameter.
+
+    Returns:
+        The number of leading elements updated (the eager path does the rest).
+    """
+    fn = _fused8bit.compiled_step(_eager_reference)
+    assert fn is not None  # checked by _use_compiled
+    chunk, block = _fused8bit.COMPILED_CHUNK, _fused8bit.BLOCK_SIZE
+    done = param.numel() - param.numel() % chunk
+    hyper = _hyper_tensor(h)
+    flat_param, flat_grad = param.view(-1), grad.view(-1)
+    m_codes, m_absmax = state["exp_avg_codes"], state["exp_avg_absmax"]
+    v_codes, v_absmax = state["exp_avg_sq_codes"], state["exp_avg_sq_absmax"]
+    rows = chunk // block
+    for start in range(0, done, chunk):
+        b0 = start // block
+        fn(
+            flat_param[start : start + chunk].view(rows, block),
+            flat_grad[start : start + chunk].view(rows, block),
+            m_codes[start : start + chunk].view(rows, block),
+            m_absmax[b0 : b0 + rows],
+            v_codes[start : start + chunk].view(rows, block),
+            v_absmax[b0 : b0 + rows],
+            hyper,
+            scratch,
+        )
+    return done
+
+
+def _eager_reference(
+    param: Tensor,
+    grad: Tensor,
+    m_codes: Tensor,
+    m_absmax: Tensor,
+    v_codes: Tensor,
+    v_absmax: Tensor,
+    hyper: Tensor,
+) -> None:
+    """The eager 8-bit update with _fused8bit.fused_step_'s signature (for its self-check)."""
+    w1, b2, _, bc2, eps, decay, neg_step = hyper.tolist()
+    h = _Hyper(
+        lr=1.0 - decay,
+        beta1=1.0 - w1,
+        beta2=b2,
+        eps=eps,
+        weight_decay=1.0,
+        step_size=-neg_step,
+        bias_correction2_sqrt=bc2,
+    )
+    state = {
+        "exp_avg_codes": m_codes.view(-1),
+        "exp_avg_absmax": m_absmax,
+        "exp_avg_sq_codes": v_codes.view(-1),
+        "exp_avg_sq_absmax": v_absmax,
+    }
+    _update_8bit(param, grad, state, h, param.shape[-1], param.numel())
 
 
 class StableEmbedding(nn.Embedding):
