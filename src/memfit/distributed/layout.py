@@ -117,6 +117,7 @@ def check_layout(
     *,
     batch_size: int | None = None,
     world_size: int | None = None,
+    num_blocks: int | None = None,
 ) -> None:
     """Refuse a layout that cannot work, before any process group is touched.
 
@@ -134,6 +135,8 @@ def check_layout(
         batch_size: The global batch (samples per step over all replicas), when known.
         world_size: The processes launched, when known (default: the process group's, if one
             is open).
+        num_blocks: The model's block count, when ``model`` is only its HF config (a
+            prediction that builds no whole model).
 
     Raises:
         LayoutError: naming every problem found.
@@ -154,7 +157,8 @@ def check_layout(
             "zero_stage 1 (ZeroRedundancyOptimizer) is not composed with tensor or pipeline "
             "parallelism; use zero_stage 0 (gradients all-reduced) or 2 or 3 (FSDP2)")
     if t > 1:
-        if type(model).__name__ not in supported_models() and not isinstance(model, StageModule):
+        known = (*supported_models(), "LlamaConfig", "GPT2Config")
+        if type(model).__name__ not in known and not isinstance(model, StageModule):
             problems.append(
                 f"memfit has no tensor-parallel plan for {type(model).__name__}; tensor "
                 f"parallelism in a layout takes {', '.join(supported_models())}")
@@ -164,11 +168,12 @@ def check_layout(
             except ValueError as e:
                 problems.append(str(e).rstrip("."))
     if p > 1:
-        try:
-            num_blocks = len(model_blocks(model))
-        except ValueError as e:
-            problems.append(str(e).rstrip("."))
-        else:
+        if num_blocks is None:
+            try:
+                num_blocks = len(model_blocks(model))
+            except ValueError as e:
+                problems.append(str(e).rstrip("."))
+        if num_blocks is not None:
             problems.extend(pipeline_config(parallel).problems(num_blocks))
     if batch_size is not None:
         m = layout_microbatches(parallel) if not problems else (parallel.microbatches or 1)
