@@ -398,6 +398,9 @@ def _fully_shard(module: nn.Module, parallel: ParallelConfig, dp_mesh: Any) -> N
     ``reshard_after_forward`` says)."""
     from torch.distributed.fsdp import fully_shard
 
+    from .data import _report_fsdp_resizes
+
+    _report_fsdp_resizes()  # FSDP2 frees and re-gathers by resizing storages: tell the tracker
     reshard = parallel.zero_stage == 3 and parallel.reshard_after_forward
     blocks = module.blocks() if isinstance(module, StageModule) else [
         b for _, b in _blocks_or_empty(module)]

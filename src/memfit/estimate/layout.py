@@ -45,6 +45,7 @@ from ..distributed.config import ParallelConfig
 from ..distributed.layout import (
     MESH_DIMS,
     LayoutError,
+    _fully_shard,
     check_layout,
     layout_coords,
     layout_microbatches,
@@ -272,18 +273,26 @@ def _role_costs(src: _Source, parallel: ParallelConfig, pipe_rank: int, depth: i
                     apply_tensor_parallel(stage, TensorParallelConfig(parallel.tensor),
                                           mesh["tp"])
                 if parallel.data > 1 and parallel.sharded:
-                    from ..distributed.layout import _fully_shard
+                    from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-                    _fully_shard(stage, parallel, mesh["dp"])
+                    # FSDP2 computes the rank's mesh coordinates with tensor ops, which must be
+                    # real; the parameters stay fake (their own mode follows them).
+                    with unset_fake_temporarily():
+                        _fully_shard(stage, parallel, mesh["dp"])
             costs = _run_role(stages, num_stages, parallel, mesh, m, mb, seq_len, loss_fn,
-                              optimizer, foreach)
+                              optimizer, foreach, piped)
     return costs, real
 
 
 def _run_role(stages: dict[int, nn.Module], num_stages: int, parallel: ParallelConfig,
               mesh: Any, m: int, mb: int, seq_len: int, loss_fn: LossFn | None,
-              optimizer: Any, foreach: bool | None) -> RoleCosts:
+              optimizer: Any, foreach: bool | None, piped: bool) -> RoleCosts:
     import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    # torch's pipeline stage drives FSDP2 itself: no gradient sync and no resharding in each
+    # micro-batch's backward, one reduction after the last (PipelineStage.perform_reduce_grad).
+    fsdp = [st for st in stages.values() if piped and isinstance(st, FSDPModule)]
 
     seen: dict[int, nn.Parameter] = {}
     for stage in stages.values():
@@ -349,6 +358,10 @@ def _run_role(stages: dict[int, nn.Module], num_stages: int, parallel: ParallelC
             for s in reversed(order):
                 a = tracker.event_stamp
                 out, x, loss = cache.pop((s, i))
+                if stages[s] in fsdp:
+                    stages[s].set_is_last_backward(False)
+                    stages[s].set_reshard_after_backward(False)
+                    stages[s].set_requires_gradient_sync(False)
                 if loss is not None:
                     loss.backward()
                 elif s + 1 in stages:
@@ -361,6 +374,8 @@ def _run_role(stages: dict[int, nn.Module], num_stages: int, parallel: ParallelC
                 del out, x, loss, grad_in
                 marks["B", s, i] = (a, tracker.event_stamp)
         a = tracker.event_stamp
+        for st in fsdp:
+            _fsdp_reduce(st)
         for p in params:  # the schedule's scaling by the micro-batch count, in place
             if p.grad is not None:
                 p.grad.div_(m)
@@ -396,6 +411,21 @@ def _run_role(stages: dict[int, nn.Module], num_stages: int, parallel: ParallelC
         gradient_bytes=grad_bytes,
         optimizer_state_bytes=state_bytes,
     )
+
+
+def _fsdp_reduce(module: Any) -> None:
+    """What ``PipelineStage.perform_reduce_grad`` does for an FSDP2 stage after its last
+    backward: reduce-scatter the accumulated gradients and reshard."""
+    from torch.distributed.fsdp import fully_shard
+
+    module.set_is_last_backward(True)
+    module.set_reshard_after_backward(True)
+    module.set_requires_gradient_sync(True)
+    state = fully_shard.state(module)
+    for st in state._state_ctx.all_states:
+        for group in st._fsdp_param_groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()
 
 
 def _extrapolate(one: RoleCosts, two: RoleCosts, real: dict[int, int]) -> RoleCosts:
