@@ -130,7 +130,8 @@ def check_layout(
 
     Args:
         model: The whole model (a Hugging Face Llama or GPT-2 causal LM for tensor or pipeline
-            parallelism; any model for data parallelism alone).
+            parallelism; any model for data parallelism alone), or only its HF config with
+            ``num_blocks`` given.
         parallel: The degrees and their settings.
         batch_size: The global batch (samples per step over all replicas), when known.
         world_size: The processes launched, when known (default: the process group's, if one
