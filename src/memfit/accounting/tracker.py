@@ -505,6 +505,12 @@ class MemoryTracker(TorchDispatchMode):
         return ev.intervals[ev.open_forward[-1]][0] if ev.open_forward else None
 
     @property
+    def event_stamp(self) -> int:
+        """The allocation/free event counter now: marks a moment in the run, to read live
+        bytes between two moments off :meth:`trace` (its births and deaths share it)."""
+        return self._seq
+
+    @property
     def live_bytes(self) -> int:
         """Bytes of live storages on the compute device right now."""
         return self._total

@@ -341,7 +341,8 @@ class Pipeline:
 
 def build_pipeline(model: nn.Module, config: PipelineConfig, *,
                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                   group: Any = None, device: torch.device | str | None = None) -> Pipeline:
+                   group: Any = None, device: torch.device | str | None = None,
+                   prepare: Callable[[StageModule], Any] | None = None) -> Pipeline:
     """Build this rank's stages of ``model`` and the schedule that runs them.
 
     Every rank of ``group`` calls this with the same model (same seed or weights) and config.
@@ -354,6 +355,9 @@ def build_pipeline(model: nn.Module, config: PipelineConfig, *,
             :func:`causal_lm_loss`; an ``nn.Sequential`` must name its own.
         group: The pipeline's process group (default: the whole world).
         device: Where the stages run (default: the model's device).
+        prepare: Called on each stage module before torch's ``PipelineStage`` wraps it, to
+            change it in place (tensor parallelism, FSDP2 sharding: what
+            :mod:`memfit.distributed.layout` applies per stage).
 
     Raises:
         PipelineError: for a model memfit cannot split, settings that cannot work or a group
@@ -378,6 +382,9 @@ def build_pipeline(model: nn.Module, config: PipelineConfig, *,
     device = torch.device(device)
     indices = config.stage_indices(rank)
     stages = [build_stage(model, config, s) for s in indices]
+    if prepare is not None:
+        for stage in stages:
+            prepare(stage)
     torch_stages = [pipelining.PipelineStage(m, s, config.num_stages, device, group=group)
                     for m, s in zip(stages, indices, strict=True)]
     cls = getattr(pipelining, SCHEDULES[config.schedule])
@@ -459,7 +466,7 @@ def run_pipeline_step(pipeline: Pipeline, inputs: torch.Tensor | None = None,
     pipeline.schedule.step(*args, **kwargs)
     _sum_tied_grads(pipeline)
     device = next((p.device for p in pipeline.parameters()), torch.device("cpu"))
-    loss = (torch.stack([x.detach().float() for x in losses]).mean() if losses
+    loss = (torch.stack([_plain(x).float() for x in losses]).mean() if losses
             else torch.zeros((), device=device))
     last_rank = pipeline.config.rank_of_stage(pipeline.config.num_stages - 1)
     src = dist.get_global_rank(pipeline.group, last_rank) if pipeline.group is not None \
@@ -468,11 +475,23 @@ def run_pipeline_step(pipeline: Pipeline, inputs: torch.Tensor | None = None,
     return loss
 
 
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A detached plain tensor: a DTensor (a loss under tensor parallelism, replicated) whole."""
+    t = t.detach()
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The rank's own shard of a DTensor (sharing its storage), or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _sum_tied_grads(pipeline: Pipeline) -> None:
     for params, group in pipeline.ties:
         grads = [p.grad for p in params if p.grad is not None]
         total = torch.stack(grads).sum(0) if grads else torch.zeros_like(params[0])
         if group is not None:
-            dist.all_reduce(total, group=group)
+            # Under tensor parallelism each copy's shard is reduced with the same shard's.
+            dist.all_reduce(_local(total), group=group)
         for p in params:
             p.grad = total.clone() if len(params) > 1 else total

@@ -43,6 +43,7 @@ __all__ = [
     "TensorParallelConfig",
     "apply_tensor_parallel",
     "check_tensor_parallel",
+    "shifted_cross_entropy",
     "supported_models",
     "tp_plan_for",
 ]
@@ -111,6 +112,11 @@ def supported_models() -> tuple[str, ...]:
 
 
 def _family(model: nn.Module) -> str | None:
+    from .pipeline import StageModule
+
+    if isinstance(model, StageModule):
+        # A pipeline stage keeps its model's module names, so the model's plan fits it.
+        return model.family if model.family in _LOCAL_ATTRS else None
     for cls in type(model).__mro__:
         fam = _FAMILIES.get(cls.__name__)
         if fam is not None:
@@ -386,7 +392,12 @@ _PLANS: dict[str, Callable[[bool, bool], dict[str, Any]]] = {
 
 # --------------------------------------------------------------------------- checks
 def _config_of(model_or_config: Any) -> Any:
-    return getattr(model_or_config, "config", model_or_config)
+    # A pipeline stage carries its model's HF config as ``hf_config``.
+    for name in ("config", "hf_config"):
+        cfg = getattr(model_or_config, name, None)
+        if cfg is not None:
+            return cfg
+    return model_or_config
 
 
 def _split_sizes(cfg: Any) -> dict[str, int]:
@@ -472,7 +483,7 @@ def _convert_gpt2(model: nn.Module, degree: int) -> dict[str, Callable[[torch.Te
     """Replace GPT-2's ``Conv1D`` layers in the blocks by ``nn.Linear``; return, per converted
     parameter name, how to turn a full tensor back into the original layout."""
     restore: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
-    width = model.config.hidden_size
+    width = _config_of(model).hidden_size
     for name, mod in list(model.named_modules()):
         if type(mod).__name__ != "Conv1D":
             continue
@@ -529,11 +540,8 @@ class TensorParallel:
             labels: ``batch x sequence`` token ids (usually the input ids).
             ignore_index: Label value that does not count.
         """
-        target = F.pad(labels, (0, 1), value=ignore_index)[..., 1:].reshape(-1)
-        flat = logits.flatten(0, 1)
         with self.loss_context():
-            # In fp32 as HF's loss (a no-op for fp32 logits; a shard's copy when sharded).
-            return F.cross_entropy(flat.float(), target, ignore_index=ignore_index)
+            return shifted_cross_entropy(logits, labels, ignore_index)
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` inside :meth:`loss_context`."""
@@ -560,6 +568,22 @@ class TensorParallel:
         """Every parameter's gradient whole, as :meth:`full_state_dict` lays out parameters
         (parameters without a gradient are left out). A collective, like it."""
         return self._full((n, p.grad) for n, p in self.model.named_parameters())
+
+
+def shifted_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100
+) -> torch.Tensor:
+    """The causal LM's next-token cross-entropy (mean over tokens not ignored), shifting the
+    labels rather than the logits, so that vocabulary-sharded logits are never copied whole.
+
+    On sharded logits it must run, and its backward too, inside
+    :func:`~torch.distributed.tensor.parallel.loss_parallel` (:meth:`TensorParallel.
+    loss_context`); :meth:`TensorParallel.causal_lm_loss` opens it, a pipeline's last stage
+    runs under it for the whole schedule (:mod:`memfit.distributed.layout`).
+    """
+    target = F.pad(labels, (0, 1), value=ignore_index)[..., 1:].reshape(-1)
+    # In fp32 as HF's loss (a no-op for fp32 logits; a shard's copy when sharded).
+    return F.cross_entropy(logits.flatten(0, 1).float(), target, ignore_index=ignore_index)
 
 
 def _is_dtensor(t: Any) -> bool:

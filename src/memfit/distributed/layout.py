@@ -1,0 +1,417 @@
+"""3-D parallelism: tensor x pipeline x data parallelism composed at run time,
+:func:`build_layout`.
+
+Every rank of a world of ``pipeline x data x tensor`` processes calls :func:`build_layout` with
+the same model (same seed) and the same :class:`~memfit.distributed.config.ParallelConfig`.
+The ranks form a :class:`~torch.distributed.device_mesh.DeviceMesh` with dimensions
+``("pp", "dp", "tp")``, tensor parallelism innermost, so that a tensor-parallel group is
+consecutive ranks (one node, the fast link its per-block all-reduces want)::
+
+    rank = (pp_index * data + dp_index) * tensor + tp_index
+
+Each rank then holds:
+
+* its pipeline stage(s) of the model, cut on the ``pp`` dimension's process group by
+  :func:`~memfit.distributed.pipeline.build_pipeline` (a stage keeps the model's own module
+  names);
+* each stage split over the ``tp`` dimension by
+  :func:`~memfit.distributed.tensor.apply_tensor_parallel` (the model's built-in plan, less
+  the entries for modules the stage lacks). The last stage's logits stay sharded over the
+  vocabulary and the loss, and its backward, run under ``loss_parallel``: full-vocabulary
+  logits never exist on one rank;
+* with ``data > 1``, gradients reduced over the ``dp`` dimension: ``zero_stage`` 0 all-reduces
+  (and averages) every gradient after the schedule, in place (no memory beyond the gradients);
+  2 and 3 shard each stage with FSDP2 (``fully_shard`` on ``mesh["dp"]``, every block then the
+  stage), which torch's pipeline schedules drive themselves (gradient reduce-scatter after the
+  last micro-batch's backward).
+
+With ``pipeline == 1`` the "stage" is the whole model and a step runs its ``microbatches``
+(default 1) as gradient accumulation; with ``tensor == 1`` nothing is split by tensor.
+
+:func:`check_layout` refuses, before any process group work, settings that cannot work, one
+sentence each naming what would. :func:`memfit.estimate.layout.predict_layout` predicts every
+rank's peak without launching.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .config import ParallelConfig
+from .pipeline import (
+    Pipeline,
+    PipelineConfig,
+    StageModule,
+    build_pipeline,
+    causal_lm_loss,
+    model_blocks,
+    run_pipeline_step,
+)
+from .tensor import (
+    TensorParallel,
+    TensorParallelConfig,
+    apply_tensor_parallel,
+    check_tensor_parallel,
+    shifted_cross_entropy,
+    supported_models,
+)
+
+__all__ = [
+    "MESH_DIMS",
+    "Layout",
+    "LayoutError",
+    "build_layout",
+    "check_layout",
+    "layout_coords",
+    "layout_microbatches",
+    "pipeline_config",
+]
+
+#: The device mesh's dimension names, outermost first.
+MESH_DIMS = ("pp", "dp", "tp")
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class LayoutError(ValueError):
+    """A parallel layout that cannot work; the message says what would."""
+
+
+# --------------------------------------------------------------------------- arithmetic
+def layout_coords(rank: int, parallel: ParallelConfig) -> dict[str, int]:
+    """Where ``rank`` sits in the ``("pp", "dp", "tp")`` mesh: its pipeline stage index (rank
+    in the pipeline), data-parallel replica and tensor-parallel rank.
+
+    ``rank = (pp * data + dp) * tensor + tp``, tensor parallelism innermost.
+    """
+    tp = rank % parallel.tensor
+    dp = rank // parallel.tensor % parallel.data
+    pp = rank // (parallel.tensor * parallel.data)
+    return {"pp": pp, "dp": dp, "tp": tp}
+
+
+def layout_microbatches(parallel: ParallelConfig) -> int:
+    """Micro-batches per step: the pipeline's (default ``2 x pipeline``) or, without a
+    pipeline, the gradient-accumulation count (default 1)."""
+    if parallel.pipeline > 1:
+        return pipeline_config(parallel).num_microbatches
+    return parallel.microbatches or 1
+
+
+def pipeline_config(parallel: ParallelConfig, cuts: tuple[int, ...] | None = None) -> PipelineConfig:
+    """The :class:`~memfit.distributed.pipeline.PipelineConfig` of ``parallel`` (its
+    ``pipeline`` degree, ``schedule`` and ``microbatches``; even cuts unless given)."""
+    return PipelineConfig(parallel.pipeline, parallel.schedule, parallel.microbatches, cuts)
+
+
+def check_layout(
+    model: nn.Module,
+    parallel: ParallelConfig,
+    *,
+    batch_size: int | None = None,
+    world_size: int | None = None,
+    num_blocks: int | None = None,
+) -> None:
+    """Refuse a layout that cannot work, before any process group is touched.
+
+    Checks, one sentence each naming what would work: the settings themselves; the degrees'
+    product against the world; the heads, key-value heads, MLP width and vocabulary against the
+    tensor degree (:func:`~memfit.distributed.tensor.check_tensor_parallel`); the blocks
+    against the pipeline stages and the micro-batches against the schedule
+    (:meth:`~memfit.distributed.pipeline.PipelineConfig.problems`); the batch against ``data x
+    microbatches``; ZeRO stage 1, which memfit does not compose with the other dimensions.
+
+    Args:
+        model: The whole model (a Hugging Face Llama or GPT-2 causal LM for tensor or pipeline
+            parallelism; any model for data parallelism alone), or only its HF config with
+            ``num_blocks`` given.
+        parallel: The degrees and their settings.
+        batch_size: The global batch (samples per step over all replicas), when known.
+        world_size: The processes launched, when known (default: the process group's, if one
+            is open).
+        num_blocks: The model's block count, when ``model`` is only its HF config (a
+            prediction that builds no whole model).
+
+    Raises:
+        LayoutError: naming every problem found.
+    """
+    problems = list(parallel.problems())
+    if problems:
+        raise LayoutError("; ".join(problems))
+    if world_size is None and dist.is_available() and dist.is_initialized():
+        world_size = dist.get_world_size()
+    d, t, p = parallel.data, parallel.tensor, parallel.pipeline
+    if world_size is not None and world_size != parallel.world_size:
+        problems.append(
+            f"the layout data {d} x tensor {t} x pipeline {p} needs {parallel.world_size} "
+            f"processes but {world_size} were launched; choose degrees whose product is "
+            f"{world_size}")
+    if parallel.zero_stage == 1:
+        problems.append(
+            "zero_stage 1 (ZeroRedundancyOptimizer) is not composed with tensor or pipeline "
+            "parallelism; use zero_stage 0 (gradients all-reduced) or 2 or 3 (FSDP2)")
+    if t > 1:
+        known = (*supported_models(), "LlamaConfig", "GPT2Config")
+        if type(model).__name__ not in known and not isinstance(model, StageModule):
+            problems.append(
+                f"memfit has no tensor-parallel plan for {type(model).__name__}; tensor "
+                f"parallelism in a layout takes {', '.join(supported_models())}")
+        else:
+            try:
+                check_tensor_parallel(model, t)
+            except ValueError as e:
+                problems.append(str(e).rstrip("."))
+    if p > 1:
+        if num_blocks is None:
+            try:
+                num_blocks = len(model_blocks(model))
+            except ValueError as e:
+                problems.append(str(e).rstrip("."))
+        if num_blocks is not None:
+            problems.extend(pipeline_config(parallel).problems(num_blocks))
+    if batch_size is not None:
+        m = layout_microbatches(parallel) if not problems else (parallel.microbatches or 1)
+        per = d * m
+        if batch_size % per or batch_size < per:
+            problems.append(
+                f"a batch of {batch_size} does not split into data {d} x microbatches {m} = "
+                f"{per} equal micro-batches; use a batch that is a multiple of {per}, or "
+                f"degrees and micro-batches whose product divides {batch_size}")
+    if problems:
+        raise LayoutError("; ".join(problems))
+
+
+# --------------------------------------------------------------------------- the layout
+@dataclass
+class Layout:
+    """This rank's share of a 3-D layout, and how to train it.
+
+    Attributes:
+        parallel: The settings.
+        mesh: The ``("pp", "dp", "tp")`` device mesh of the whole world.
+        coords: This rank's place in it (:func:`layout_coords`).
+        modules: The modules this rank trains: its pipeline stage(s), or the whole model
+            without a pipeline. Their parameters (DTensors under tensor parallelism or FSDP2)
+            are :meth:`parameters`.
+        pipeline: The pipeline (its schedule), ``None`` when ``parallel.pipeline == 1``.
+        tensor: The tensor-parallel handle of each module (empty when ``tensor == 1``).
+        loss_fn: ``loss_fn(output, labels)``, a mean over the micro-batch, on the last stage.
+    """
+
+    parallel: ParallelConfig
+    mesh: Any
+    coords: dict[str, int]
+    modules: list[nn.Module]
+    pipeline: Pipeline | None
+    tensor: list[TensorParallel] = field(default_factory=list)
+    loss_fn: LossFn = causal_lm_loss
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches per step (:func:`layout_microbatches`)."""
+        return layout_microbatches(self.parallel)
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's parameters, each once: what its optimizer steps."""
+        seen: dict[int, nn.Parameter] = {}
+        for module in self.modules:
+            for p in module.parameters():
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    def loss_context(self) -> contextlib.AbstractContextManager[Any]:
+        """``loss_parallel()`` when the logits are vocabulary-sharded (tensor > 1), else a no-op:
+        the loss and its backward run inside it."""
+        if self.parallel.tensor > 1:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
+
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """One training step's forwards and backwards: gradients in ``.grad``, reduced over
+        the data-parallel replicas. Zero the gradients before, step the optimizer after.
+
+        Args:
+            inputs: This replica's batch of input ids (``global batch / data`` samples; the
+                same on every rank of the replica). Ranks without the first stage ignore it.
+            labels: Its labels (usually the input ids; ``-100`` marks tokens that do not
+                count). Ranks without the last stage ignore them.
+
+        Returns:
+            The step's loss (mean over micro-batches and replicas), on every rank.
+        """
+        m = self.microbatches
+        if inputs.shape[0] % m or inputs.shape[0] < m:
+            raise LayoutError(
+                f"a replica's batch of {inputs.shape[0]} does not split into {m} equal "
+                f"micro-batches; give each replica a multiple of {m} samples")
+        with self.loss_context():
+            if self.pipeline is not None:
+                loss = run_pipeline_step(self.pipeline, inputs, labels)
+            else:
+                loss = self._accumulate(inputs, labels, m)
+        if self.parallel.data > 1:
+            loss = self._reduce_data_parallel(loss)
+        return loss
+
+    def _accumulate(self, inputs: torch.Tensor, labels: torch.Tensor, m: int) -> torch.Tensor:
+        model = self.modules[0]
+        total = torch.zeros(())
+        for x, y in zip(inputs.chunk(m), labels.chunk(m), strict=True):
+            out = model(x)
+            loss = self.loss_fn(getattr(out, "logits", out), y) / m
+            loss.backward()
+            loss = loss.detach()
+            total = total + (loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
+        return total
+
+    def _reduce_data_parallel(self, loss: torch.Tensor) -> torch.Tensor:
+        group = self.mesh["dp"].get_group()
+        d = self.parallel.data
+        if not self.parallel.sharded:
+            # FSDP2 reduces its own gradients; here each gradient is averaged in place.
+            for p in self.parameters():
+                if p.grad is not None:
+                    g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                    dist.all_reduce(g, group=group)
+                    g.div_(d)
+        loss = loss.clone()
+        dist.all_reduce(loss, group=group)
+        return loss / d
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """This rank's modules' gradients whole, under the model's parameter names (a
+        collective over the tensor-parallel group: each of its ranks must call it)."""
+        out: dict[str, torch.Tensor] = {}
+        for i, module in enumerate(self.modules):
+            tied = getattr(module, "tied", {})
+            if self.tensor:
+                grads = self.tensor[i].full_grads()
+            else:
+                grads = {n: p.grad.detach() for n, p in module.named_parameters()
+                         if p.grad is not None}
+            for name, g in grads.items():
+                if hasattr(g, "full_tensor"):  # FSDP2's shards over the data dimension
+                    g = g.full_tensor()
+                out[tied.get(name, name)] = g
+        return out
+
+
+def _make_mesh(parallel: ParallelConfig, device: torch.device) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = (parallel.pipeline, parallel.data, parallel.tensor)
+    return init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
+
+
+def build_layout(
+    model: nn.Module,
+    parallel: ParallelConfig,
+    *,
+    loss_fn: LossFn | None = None,
+    device: torch.device | str | None = None,
+    batch_size: int | None = None,
+    cuts: tuple[int, ...] | None = None,
+) -> Layout:
+    """Build this rank's share of ``model`` under a tensor x pipeline x data layout.
+
+    Every rank of the default process group (``parallel.world_size`` of them) calls this with
+    the same model (same weights: seed alike) and settings. Create the optimizer afterwards over
+    :meth:`Layout.parameters`, then per step: zero the gradients, :meth:`Layout.step`, step
+    the optimizer. Drop ``model`` afterwards: a rank keeps only its stages' modules.
+
+    Memory per rank: its stages' parameters, gradients and optimizer state, divided by
+    ``tensor`` (the blocks, embedding and head; norms are replicated) and, under ZeRO 2/3, by
+    ``data``; plus the activations of the micro-batches its schedule keeps in flight
+    (:func:`~memfit.distributed.pipeline.microbatches_in_flight`), divided by ``tensor`` for the
+    attention and MLP, and the last stage's logits at ``vocab / tensor`` per token.
+    :func:`memfit.estimate.layout.predict_layout` predicts it per rank.
+
+    Args:
+        model: A Hugging Face Llama-layout or GPT-2 causal LM (any model :func:`~memfit.
+            distributed.pipeline.build_stage` can cut and :func:`~memfit.distributed.tensor.
+            tp_plan_for` has a plan for; with ``tensor == 1`` an ``nn.Sequential`` works too).
+        parallel: The degrees (``data x tensor x pipeline`` must be the world size), the
+            pipeline ``schedule`` and ``microbatches``, the ZeRO stage (0, 2 or 3).
+        loss_fn: ``loss_fn(output, labels)`` on the last stage, a mean over the micro-batch.
+            Default: the causal LM's shifted cross-entropy, computed on vocabulary-sharded
+            logits when ``tensor > 1``. A custom one runs inside ``loss_parallel`` then, on
+            logits that are a DTensor sharded on the last dimension.
+        device: Where this rank computes (default: CPU with gloo; ``cuda:<local rank>`` on GPUs).
+        batch_size: The global batch, to check it splits into ``data x microbatches``.
+        cuts: The pipeline's cut points (default: an even split; see
+            :attr:`~memfit.distributed.pipeline.PipelineConfig.cuts`).
+
+    Returns:
+        This rank's :class:`Layout`.
+
+    Raises:
+        LayoutError: when the layout cannot work (see :func:`check_layout`), or when no
+            process group is open.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise LayoutError(
+            f"a layout of {parallel.world_size} processes needs a process group: launch with "
+            f"`torchrun --nproc-per-node {parallel.world_size}` (or init_process_group first)")
+    check_layout(model, parallel, batch_size=batch_size)
+    if parallel.pipeline > 1 and cuts is not None:
+        problems = pipeline_config(parallel, cuts).problems(len(model_blocks(model)))
+        if problems:
+            raise LayoutError("; ".join(problems))
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    mesh = _make_mesh(parallel, device)
+    rank = dist.get_rank()
+    coords = layout_coords(rank, parallel)
+    if loss_fn is None:
+        loss_fn = shifted_cross_entropy if parallel.tensor > 1 else causal_lm_loss
+    handles: list[TensorParallel] = []
+
+    def prepare(module: nn.Module) -> None:
+        if parallel.tensor > 1:
+            handles.append(apply_tensor_parallel(module, TensorParallelConfig(parallel.tensor),
+                                                 mesh["tp"]))
+        if parallel.data > 1 and parallel.sharded:
+            _fully_shard(module, parallel, mesh["dp"])
+
+    pipeline = None
+    if parallel.pipeline > 1:
+        pipeline = build_pipeline(model, pipeline_config(parallel, cuts), loss_fn=loss_fn,
+                                  group=mesh["pp"].get_group(), device=device, prepare=prepare)
+        modules: list[nn.Module] = list(pipeline.stages)
+    else:
+        model.to(device)
+        prepare(model)
+        modules = [model]
+    return Layout(parallel, mesh, coords, modules, pipeline, handles, loss_fn)
+
+
+def _fully_shard(module: nn.Module, parallel: ParallelConfig, dp_mesh: Any) -> None:
+    """FSDP2 over the data dimension: every block, then the module (ZeRO 2 keeps a block's
+    gathered parameters until its backward, ZeRO 3 frees them after its forward, as
+    ``reshard_after_forward`` says)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from .data import _report_fsdp_resizes
+
+    _report_fsdp_resizes()  # FSDP2 frees and re-gathers by resizing storages: tell the tracker
+    reshard = parallel.zero_stage == 3 and parallel.reshard_after_forward
+    blocks = module.blocks() if isinstance(module, StageModule) else [
+        b for _, b in _blocks_or_empty(module)]
+    for block in blocks:
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
+    fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard)
+
+
+def _blocks_or_empty(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    try:
+        return model_blocks(model)
+    except ValueError:
+        return []

@@ -1,0 +1,575 @@
+"""Every rank's peak under a tensor x pipeline x data layout, predicted without launching:
+:func:`predict_layout`.
+
+For each distinct role (a pipeline rank: its stages; the ranks of a tensor-parallel group are
+symmetric, so tensor rank 0 stands for all, whose vocabulary shard is the largest, and so do
+the data-parallel replicas) the rank's own program runs on fake tensors inside a fake process
+group (:func:`~memfit.estimate.distributed.fake_process_group`) in which this process is that
+rank, as torchtitan's memory estimator does:
+
+1. the ``("pp", "dp", "tp")`` device mesh is built as :func:`~memfit.distributed.layout.
+   build_layout` builds it; the rank's stages are built with
+   :func:`~memfit.distributed.pipeline.build_stage` and split by
+   :func:`~memfit.distributed.tensor.apply_tensor_parallel` on ``mesh["tp"]`` (DTensors whose
+   shards are fake tensors), then the optimizer's state is made by one step;
+2. under memfit's tracker, two micro-batches go through the rank's stages (forward, the last
+   stage's loss under ``loss_parallel``, backward from a received gradient), as torch's
+   pipeline stage runs them (inputs received into per-micro-batch buffers, output gradients
+   likewise), then gradient scaling, the data-parallel all-reduce and the optimizer step;
+3. each event's cost is read off the trace: what a forward keeps (its activations), the
+   transient above the start of each forward and backward (the first backward, which creates
+   the gradients, apart from the later ones, which accumulate), and the optimizer step's;
+4. torch's own schedule order for the rank (built in a fake process group,
+   :func:`~memfit.estimate.pipeline._schedule_orders`) is replayed with those costs: the peak
+   of that replay is the rank's.
+
+Nothing is allocated and no whole model is built: a stage with more than two blocks is run at
+one and two blocks and its costs extrapolated linearly in the block count (identical blocks add
+identical activations, gradients and states; the transients are either independent of depth
+or linear in it). The other stages are one block each, so building costs little.
+
+Accuracy, against memfit's tracker on four real processes (tests/distributed/test_layout.py):
+within 1% for tensor x pipeline and data x pipeline with ZeRO 0, and for data x tensor. FSDP2
+(ZeRO 2/3) is followed as torch's pipeline stage drives it, but is less exact: 5% over for data
+2 x tensor 2 under ZeRO 3, and 24% over for data 2 x pipeline 2 under ZeRO 2 (the emulated
+unsharded-gradient accumulation holds more than the real run does; not yet understood).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..accounting import track
+from ..distributed.config import ParallelConfig
+from ..distributed.layout import (
+    MESH_DIMS,
+    LayoutError,
+    _fully_shard,
+    check_layout,
+    layout_coords,
+    layout_microbatches,
+    pipeline_config,
+)
+from ..distributed.pipeline import PipelineConfig, build_stage, causal_lm_loss
+from ..distributed.tensor import TensorParallelConfig, apply_tensor_parallel, shifted_cross_entropy
+from ..workload import Workload, load_workload
+from .distributed import fake_process_group
+from .pipeline import _fake, _schedule_orders
+
+__all__ = ["LayoutPrediction", "RoleCosts", "predict_layout"]
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+#: Stages of at most this many blocks are run whole; deeper ones at one and two blocks.
+EXACT_BLOCKS = 2
+
+_DEPTH_KEYS = ("num_hidden_layers", "n_layer")
+
+
+@dataclass(frozen=True)
+class RoleCosts:
+    """One pipeline rank's measured costs, per event of its schedule (bytes).
+
+    Attributes:
+        static: Live at the step's start: parameters, optimizer state, the pipeline's receive
+            buffers, the batch.
+        forward_kept: Per local stage: what a micro-batch's forward keeps until its backward.
+        forward_over: Per local stage: the forward's transient peak above its start.
+        backward_over: Per local stage: ``(first, later)`` backward transient peaks above their
+            start (the first creates the gradients, the later ones accumulate).
+        backward_delta: Per local stage: ``(first, later)`` change in live bytes over a
+            backward (``gradients - forward_kept`` for the first, ``-forward_kept`` after).
+        optimizer_over: The gradient reduction and optimizer step's transient above their start.
+        parameter_bytes: This rank's parameter shards.
+        gradient_bytes: Its gradients.
+        optimizer_state_bytes: Its optimizer state.
+    """
+
+    static: int
+    forward_kept: dict[int, int]
+    forward_over: dict[int, int]
+    backward_over: dict[int, tuple[int, int]]
+    backward_delta: dict[int, tuple[int, int]]
+    optimizer_over: int
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_state_bytes: int
+
+
+@dataclass
+class LayoutPrediction:
+    """Every rank's predicted peak under a layout.
+
+    Attributes:
+        parallel: The layout.
+        peak_bytes: Predicted peak per rank, in rank order (``parallel.world_size`` of them).
+        roles: Each pipeline rank's costs (:class:`RoleCosts`), by pipeline index.
+        in_flight: Each pipeline rank's most micro-batches in flight (chunks, with several
+            stages per rank), by pipeline index.
+        microbatch_size: Samples per micro-batch on a rank.
+    """
+
+    parallel: ParallelConfig
+    peak_bytes: list[int]
+    roles: dict[int, RoleCosts] = field(default_factory=dict)
+    in_flight: dict[int, int] = field(default_factory=dict)
+    microbatch_size: int = 0
+
+    @property
+    def max_peak_bytes(self) -> int:
+        """The largest rank's peak: what must fit the per-rank budget."""
+        return max(self.peak_bytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: ``predicted_peak_bytes`` per rank, the largest, the in-flight counts."""
+        return {
+            "predicted_peak_bytes": list(self.peak_bytes),
+            "predicted_max_rank_peak_bytes": self.max_peak_bytes,
+            "microbatch_size": self.microbatch_size,
+            "in_flight_by_pipeline_rank": dict(self.in_flight),
+        }
+
+
+# --------------------------------------------------------------------------- the model
+@dataclass(frozen=True)
+class _Source:
+    """How to build the model at any depth on fake tensors."""
+
+    build: Callable[[int], nn.Module]  # depth -> model (inside the open fake mode)
+    config: Any  # the HF config (for checks)
+    num_blocks: int
+
+
+def _source(model_or_workload: Any, batch_size: int | None,
+            seq_len: int | None) -> tuple[_Source, int, int]:
+    if isinstance(model_or_workload, str):
+        model_or_workload = load_workload(model_or_workload, batch_size or 8, seq_len or 128)
+    if isinstance(model_or_workload, Workload):
+        w = model_or_workload
+        if not w.scalable:
+            raise LayoutError(f"workload {w.name!r} cannot be rebuilt at another depth; "
+                              "predict_layout takes a preset, an HF config or the model")
+        with _fake():
+            config = w.with_depth(1).build_model().config
+        return (_Source(lambda n: w.with_depth(n).build_model(), config, int(w.depth or 0)),
+                batch_size or w.batch_size, seq_len or w.seq_len)
+    config = getattr(model_or_workload, "config", None)
+    key = next((k for k in _DEPTH_KEYS if isinstance(getattr(config, k, None), int)), None)
+    if not isinstance(model_or_workload, nn.Module) or key is None:
+        raise LayoutError(
+            f"predict_layout takes a Hugging Face causal LM (Llama or GPT-2 layout), a Workload "
+            f"or a preset name, got {type(model_or_workload).__name__}")
+    if batch_size is None or seq_len is None:
+        raise LayoutError("predict_layout needs batch_size and seq_len with a model")
+    cls = type(model_or_workload)
+
+    def build(n: int) -> nn.Module:
+        cfg = copy.deepcopy(config)
+        setattr(cfg, key, n)
+        return _hf_model(cls, cfg)
+
+    return _Source(build, config, int(getattr(config, key))), batch_size, seq_len
+
+
+def _hf_model(cls: type, config: Any) -> nn.Module:
+    """``cls(config)`` without weight initialisation (fake tensors have no values)."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # older transformers
+        from transformers.modeling_utils import no_init_weights  # type: ignore[no-redef]
+    with no_init_weights():
+        model = cls(config)
+    tie = getattr(model, "tie_weights", None)
+    if callable(tie):
+        tie()
+    return model.train()
+
+
+def _shallow(parallel: ParallelConfig, num_blocks: int, mine: tuple[int, ...],
+             depth: int | None) -> tuple[PipelineConfig, int, dict[int, int]]:
+    """A pipeline config for a model in which this rank's stages hold ``depth`` blocks each
+    (their real count when ``None``) and every other stage one: its cuts, the model's depth,
+    and the real block count of each of this rank's stages."""
+    full = pipeline_config(parallel)
+    real = {s: len(full.stage_blocks(num_blocks, s)) for s in range(full.num_stages)}
+    sizes = [(real[s] if depth is None else min(depth, real[s])) if s in mine else 1
+             for s in range(full.num_stages)]
+    cuts, at = [], 0
+    for n in sizes[:-1]:
+        at += n
+        cuts.append(at)
+    cfg = PipelineConfig(full.degree, full.schedule, full.microbatches, tuple(cuts),
+                         full.stages_per_rank)
+    return cfg, sum(sizes), {s: real[s] for s in mine}
+
+
+# --------------------------------------------------------------------------- one role
+def _make_optimizer(name: str | Callable[..., Any], params: list[nn.Parameter],
+                    foreach: bool | None) -> Any:
+    if callable(name):
+        return name(params)
+    if name == "adamw":
+        return torch.optim.AdamW(params, foreach=foreach)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=foreach)
+    raise LayoutError(f"predict_layout knows the optimizers adamw and sgd (or takes a "
+                      f"callable params -> optimizer), got {name!r}")
+
+
+def _curve(tracker: Any) -> list[int]:
+    """Live device bytes after each event stamp of ``tracker``'s run."""
+    t = tracker.trace()
+    delta = [0] * (t.num_events + 2)
+    for nb, born, died, tier in zip(t.nbytes, t.birth, t.death, t.tier, strict=True):
+        if tier:
+            continue
+        delta[born] += nb
+        if died >= 0:
+            delta[died] -= nb
+    out, live = [], 0
+    for d in delta:
+        live += d
+        out.append(live)
+    return out
+
+
+def _nbytes(ts: Any) -> int:
+    total = 0
+    for t in ts:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        total += local.numel() * local.element_size()
+    return total
+
+
+def _role_costs(src: _Source, parallel: ParallelConfig, pipe_rank: int, depth: int | None,
+                mb: int, seq_len: int, loss_fn: LossFn | None, optimizer: Any,
+                foreach: bool | None) -> tuple[RoleCosts, dict[int, int]]:
+    """Run pipeline rank ``pipe_rank``'s program for two micro-batches on fake tensors and
+    read its event costs; also return its stages' real block counts."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = parallel.world_size
+    rank = pipe_rank * parallel.data * parallel.tensor  # dp 0, tp 0
+    m = layout_microbatches(parallel)
+    piped = parallel.pipeline > 1
+    mine = pipeline_config(parallel).stage_indices(pipe_rank) if piped else (0,)
+    with fake_process_group(world, rank):
+        mesh = init_device_mesh("cpu", (parallel.pipeline, parallel.data, parallel.tensor),
+                                mesh_dim_names=MESH_DIMS)
+        with _fake():
+            if piped:
+                cfg, total, real = _shallow(parallel, src.num_blocks, mine, depth)
+                model = src.build(total)
+                stages = {s: build_stage(model, cfg, s) for s in mine}
+                num_stages = cfg.num_stages
+            else:
+                n = src.num_blocks if depth is None else min(depth, src.num_blocks)
+                model = src.build(n)
+                stages, real, num_stages = {0: model}, {0: src.num_blocks}, 1
+            del model
+            for stage in stages.values():
+                if parallel.tensor > 1:
+                    apply_tensor_parallel(stage, TensorParallelConfig(parallel.tensor),
+                                          mesh["tp"])
+                if parallel.data > 1 and parallel.sharded:
+                    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+                    # FSDP2 computes the rank's mesh coordinates with tensor ops, which must be
+                    # real; the parameters stay fake (their own mode follows them).
+                    with unset_fake_temporarily():
+                        _fully_shard(stage, parallel, mesh["dp"])
+            costs = _run_role(stages, num_stages, parallel, mesh, m, mb, seq_len, loss_fn,
+                              optimizer, foreach, piped)
+    return costs, real
+
+
+def _run_role(stages: dict[int, nn.Module], num_stages: int, parallel: ParallelConfig,
+              mesh: Any, m: int, mb: int, seq_len: int, loss_fn: LossFn | None,
+              optimizer: Any, foreach: bool | None, piped: bool) -> RoleCosts:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    # torch's pipeline stage drives FSDP2 itself: no gradient sync and no resharding in each
+    # micro-batch's backward, one reduction after the last (PipelineStage.perform_reduce_grad).
+    fsdp = [st for st in stages.values() if piped and isinstance(st, FSDPModule)]
+
+    seen: dict[int, nn.Parameter] = {}
+    for stage in stages.values():
+        for p in stage.parameters():
+            seen.setdefault(id(p), p)
+    params = list(seen.values())
+    opt = _make_optimizer(optimizer, params, foreach)
+    # The step before: the optimizer's state exists, the gradients were set to None.
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    state_bytes = _nbytes(t for s in opt.state.values() for t in s.values()
+                          if isinstance(t, torch.Tensor))
+    if loss_fn is None:
+        loss_fn = shifted_cross_entropy if parallel.tensor > 1 else causal_lm_loss
+    dtype = next((p.dtype for p in params if p.is_floating_point()), torch.float32)
+    hf = next(iter(stages.values()))
+    hidden = getattr(getattr(hf, "hf_config", None) or getattr(hf, "config", None),
+                     "hidden_size", None)
+    first, last = min(stages) == 0, max(stages) == num_stages - 1
+    local_batch = mb * m
+    ctx = contextlib.nullcontext()
+    if parallel.tensor > 1:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        ctx = loss_parallel()
+    marks: dict[Any, tuple[int, int]] = {}
+    with track(None, opt) as tracker, ctx:
+        tracker.label(params, "parameters")
+        # The batch: input ids on the first stage, labels on the last (one tensor each).
+        ids = torch.empty((local_batch, seq_len), dtype=torch.long) if first else None
+        labels = torch.empty((local_batch, seq_len), dtype=torch.long) if last else None
+        tracker.add_inputs((ids, labels))
+        # torch's PipelineStage receives each micro-batch's input, and each output gradient,
+        # into its own buffer, allocated once and kept.
+        recv: dict[tuple[int, int], torch.Tensor] = {}
+        grad_recv: dict[tuple[int, int], torch.Tensor] = {}
+        for s in stages:
+            for i in range(m):
+                if s > 0:
+                    recv[s, i] = torch.empty((mb, seq_len, hidden), dtype=dtype,
+                                             requires_grad=True)
+                if s < num_stages - 1:
+                    grad_recv[s, i] = torch.empty((mb, seq_len, hidden), dtype=dtype)
+        tracker.label((list(recv.values()), list(grad_recv.values())), "other")
+        static = tracker.live_bytes
+        cache: dict[tuple[int, int], Any] = {}
+        order = sorted(stages)
+        for i in range(min(m, 2)):
+            for s in order:
+                a = tracker.event_stamp
+                x = ids[i * mb:(i + 1) * mb] if s == 0 else recv[s, i]
+                if s > 0 and s - 1 in stages:
+                    x = cache[s - 1, i][0]  # the same rank's previous stage feeds it directly
+                out = stages[s](x)
+                out = getattr(out, "logits", out)
+                loss = None
+                if s == num_stages - 1:
+                    loss = loss_fn(out, labels[i * mb:(i + 1) * mb])
+                cache[s, i] = (out, x, loss)
+                marks["F", s, i] = (a, tracker.event_stamp)
+            for s in reversed(order):
+                a = tracker.event_stamp
+                out, x, loss = cache.pop((s, i))
+                if stages[s] in fsdp:
+                    stages[s].set_is_last_backward(False)
+                    stages[s].set_reshard_after_backward(False)
+                    stages[s].set_requires_gradient_sync(False)
+                if loss is not None:
+                    loss.backward()
+                elif s + 1 in stages:
+                    pass  # run with the next stage's backward, as one graph
+                else:
+                    torch.autograd.backward(out, grad_recv[s, i])
+                grad_in = x.grad if x.requires_grad else None
+                if x.requires_grad and x.is_leaf:
+                    x.grad = None  # sent to the previous stage, then freed
+                del out, x, loss, grad_in
+                marks["B", s, i] = (a, tracker.event_stamp)
+        a = tracker.event_stamp
+        for st in fsdp:
+            _fsdp_reduce(st)
+        for p in params:  # the schedule's scaling by the micro-batch count, in place
+            if p.grad is not None:
+                p.grad.div_(m)
+        if parallel.data > 1 and not parallel.sharded:
+            group = mesh["dp"].get_group()
+            for p in params:
+                if p.grad is not None:
+                    g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                    dist.all_reduce(g, group=group)
+                    g.div_(parallel.data)
+        grad_bytes = _nbytes(p.grad for p in params if p.grad is not None)
+        opt.step()
+        marks["O"] = (a, tracker.event_stamp)
+    live = _curve(tracker)
+
+    def over(key: Any) -> int:
+        a, b = marks[key]
+        return max(live[a:b + 1]) - live[a]
+
+    def delta(key: Any) -> int:
+        a, b = marks[key]
+        return live[b] - live[a]
+
+    later = 1 if m > 1 else 0
+    return RoleCosts(
+        static=static,
+        forward_kept={s: delta(("F", s, 0)) for s in stages},
+        forward_over={s: over(("F", s, 0)) for s in stages},
+        backward_over={s: (over(("B", s, 0)), over(("B", s, later))) for s in stages},
+        backward_delta={s: (delta(("B", s, 0)), delta(("B", s, later))) for s in stages},
+        optimizer_over=over("O"),
+        parameter_bytes=_nbytes(params),
+        gradient_bytes=grad_bytes,
+        optimizer_state_bytes=state_bytes,
+    )
+
+
+def _fsdp_reduce(module: Any) -> None:
+    """What ``PipelineStage.perform_reduce_grad`` does for an FSDP2 stage after its last
+    backward: reduce-scatter the accumulated gradients and reshard."""
+    from torch.distributed.fsdp import fully_shard
+
+    module.set_is_last_backward(True)
+    module.set_reshard_after_backward(True)
+    module.set_requires_gradient_sync(True)
+    state = fully_shard.state(module)
+    for st in state._state_ctx.all_states:
+        for group in st._fsdp_param_groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()
+
+
+def _extrapolate(one: RoleCosts, two: RoleCosts, real: dict[int, int]) -> RoleCosts:
+    """Costs at the stages' real block counts from runs at one and two blocks per stage: each
+    per-stage figure linear in its stage's blocks, each rank figure in all its blocks."""
+    extra = {s: n - 1 for s, n in real.items()}
+    n_stages = len(real)
+
+    def rank_level(a: int, b: int) -> int:
+        return round(a + (b - a) * sum(extra.values()) / n_stages)
+
+    def per(a: dict[int, Any], b: dict[int, Any]) -> dict[int, Any]:
+        out = {}
+        for s in a:
+            if isinstance(a[s], tuple):
+                out[s] = tuple(x + (y - x) * extra[s] for x, y in zip(a[s], b[s], strict=True))
+            else:
+                out[s] = a[s] + (b[s] - a[s]) * extra[s]
+        return out
+
+    return RoleCosts(
+        static=rank_level(one.static, two.static),
+        forward_kept=per(one.forward_kept, two.forward_kept),
+        forward_over=per(one.forward_over, two.forward_over),
+        backward_over=per(one.backward_over, two.backward_over),
+        backward_delta=per(one.backward_delta, two.backward_delta),
+        optimizer_over=rank_level(one.optimizer_over, two.optimizer_over),
+        parameter_bytes=rank_level(one.parameter_bytes, two.parameter_bytes),
+        gradient_bytes=rank_level(one.gradient_bytes, two.gradient_bytes),
+        optimizer_state_bytes=rank_level(one.optimizer_state_bytes, two.optimizer_state_bytes),
+    )
+
+
+def _replay(costs: RoleCosts, actions: list[tuple[str, int]]) -> tuple[int, int]:
+    """The rank's peak over its schedule's actions, and its most chunks in flight."""
+    live = peak = costs.static
+    started: set[int] = set()
+    flight = most = 0
+    for kind, s in actions:
+        if kind == "F":
+            peak = max(peak, live + costs.forward_over[s])
+            live += costs.forward_kept[s]
+            flight += 1
+            most = max(most, flight)
+        elif kind == "B":
+            k = 1 if s in started else 0
+            peak = max(peak, live + costs.backward_over[s][k])
+            live += costs.backward_delta[s][k]
+            started.add(s)
+            flight -= 1
+    return max(peak, live + costs.optimizer_over), most
+
+
+def _actions(parallel: ParallelConfig, orders: dict[int, list[Any]] | None,
+             pipe_rank: int) -> list[tuple[str, int]]:
+    """The rank's forwards and backwards in order: torch's schedule's, or without a pipeline
+    one micro-batch after another (gradient accumulation)."""
+    if orders is None:
+        m = layout_microbatches(parallel)
+        return [a for _ in range(m) for a in (("F", 0), ("B", 0))]
+    out = []
+    for action in orders[pipe_rank]:
+        if action is None:
+            continue
+        kind = str(action.computation_type).rsplit(".", 1)[-1]
+        if kind in ("FORWARD", "F"):
+            out.append(("F", action.stage_index))
+        elif kind in ("FULL_BACKWARD", "B", "BACKWARD_INPUT", "I"):
+            out.append(("B", action.stage_index))
+    return out
+
+
+# --------------------------------------------------------------------------- the API
+def predict_layout(
+    model_or_workload: nn.Module | Workload | str,
+    parallel: ParallelConfig,
+    *,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    optimizer: str | Callable[[list[nn.Parameter]], Any] = "adamw",
+    loss_fn: LossFn | None = None,
+    foreach: bool | None = None,
+) -> LayoutPrediction:
+    """Predict every rank's peak bytes for one training step under ``parallel``'s layout,
+    without launching: each pipeline rank's real program on fake tensors in a fake process
+    group (see the module docstring).
+
+    The step predicted is a warm one, as :func:`~memfit.distributed.layout.build_layout`'s
+    :meth:`~memfit.distributed.layout.Layout.step` runs it after the first: gradients set to
+    ``None`` before it, the optimizer's state already made; forwards and backwards in the
+    schedule's order, the gradient reduction, the optimizer step.
+
+    Args:
+        model_or_workload: A Hugging Face causal LM of the Llama or GPT-2 layout (real, meta or
+            fake: only its class and config are used), a :class:`~memfit.workload.Workload`
+            or a preset name (``llama-70b``).
+        parallel: The layout: ``data``, ``tensor``, ``pipeline`` degrees, ``schedule``,
+            ``microbatches`` and ``zero_stage`` (0, 2 or 3).
+        batch_size: The global batch (over all replicas); a workload's by default.
+        seq_len: Tokens per sample; a workload's by default.
+        optimizer: ``"adamw"`` (two fp32 moments per parameter), ``"sgd"`` (momentum), or a
+            callable making the optimizer from the parameters.
+        loss_fn: The last stage's loss, as given to ``build_layout`` (default: the causal LM's).
+        foreach: The optimizer's ``foreach`` (``None``: torch's default for CPU tensors, the
+            per-tensor loop; pass ``True`` for a CUDA target's default).
+
+    Returns:
+        A :class:`LayoutPrediction`: ``peak_bytes`` per rank in rank order.
+
+    Raises:
+        LayoutError: for a layout that cannot work (:func:`~memfit.distributed.layout.
+            check_layout`), or a model it cannot build at another depth.
+        RuntimeError: inside a real process group (predict from a single process).
+    """
+    src, batch_size, seq_len = _source(model_or_workload, batch_size, seq_len)
+    check_layout(src.config, parallel, batch_size=batch_size, world_size=parallel.world_size,
+                 num_blocks=src.num_blocks)
+    m = layout_microbatches(parallel)
+    mb = batch_size // (parallel.data * m)
+    orders = _schedule_orders(pipeline_config(parallel)) if parallel.pipeline > 1 else None
+    roles: dict[int, RoleCosts] = {}
+    flights: dict[int, int] = {}
+    peaks: dict[int, int] = {}
+    for r in range(parallel.pipeline):
+        costs, real = _role_costs(src, parallel, r, None if _exact(parallel, src, r) else 1,
+                                  mb, seq_len, loss_fn, optimizer, foreach)
+        if not _exact(parallel, src, r):
+            two, _ = _role_costs(src, parallel, r, 2, mb, seq_len, loss_fn, optimizer, foreach)
+            costs = _extrapolate(costs, two, real)
+        roles[r] = costs
+        peaks[r], flights[r] = _replay(costs, _actions(parallel, orders, r))
+    per_rank = [peaks[layout_coords(g, parallel)["pp"]] for g in range(parallel.world_size)]
+    return LayoutPrediction(parallel, per_rank, roles, flights, mb)
+
+
+def _exact(parallel: ParallelConfig, src: _Source, pipe_rank: int) -> bool:
+    if parallel.pipeline == 1:
+        return src.num_blocks <= EXACT_BLOCKS
+    cfg = pipeline_config(parallel)
+    return all(len(cfg.stage_blocks(src.num_blocks, s)) <= EXACT_BLOCKS
+               for s in cfg.stage_indices(pipe_rank))

@@ -1,0 +1,205 @@
+"""Tensor x pipeline (x data) parallelism in four real processes (gloo, CPU), and every rank's
+peak predicted without launching.
+
+One spawn of four ranks builds a tiny Llama (fp32, no dropout) under three layouts: 2-way
+tensor x 2-stage pipeline with the 1F1B and the GPipe schedule, and 2-way data x 2-stage
+pipeline; each runs a step whose loss and gradients are compared with the unsplit model's, then
+a warm step (forward, backward, optimizer step) measured by memfit's tracker, compared with
+:func:`~memfit.estimate.layout.predict_layout`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from memfit.distributed.config import ParallelConfig
+from memfit.distributed.layout import LayoutError, build_layout, check_layout, layout_coords
+from memfit.estimate.layout import predict_layout
+
+from .harness import run_ranks
+
+WORLD = 4
+BATCH, SEQ, VOCAB = 4, 16, 256
+LAYOUTS = {
+    "tp2 x pp2, 1f1b": ParallelConfig(tensor=2, pipeline=2, schedule="1f1b", microbatches=2),
+    "tp2 x pp2, gpipe": ParallelConfig(tensor=2, pipeline=2, schedule="gpipe", microbatches=2),
+    "dp2 x pp2, 1f1b": ParallelConfig(data=2, pipeline=2, schedule="1f1b", microbatches=2),
+}
+#: Gradients gathered whole against the unsplit model's: only the order of the sums differs.
+RTOL = 1e-5
+
+
+def _model(layers: int = 4) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=SEQ, attention_dropout=0.0)
+    return LlamaForCausalLM(config).train()
+
+
+def _batch() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def _ranks(rank: int, world: int) -> dict:
+    import memfit
+
+    ids = _batch()
+    out = {}
+    for name, parallel in LAYOUTS.items():
+        layout = build_layout(_model(), parallel, batch_size=BATCH)
+        d = layout.coords["dp"]
+        share = BATCH // parallel.data
+        local = ids[d * share:(d + 1) * share]  # this replica's samples
+        opt = torch.optim.AdamW(layout.parameters(), lr=1e-3)
+        loss = layout.step(local, local)
+        grads = layout.full_grads()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        # The warm step (the first inferred the shapes between stages and made the state).
+        with memfit.track(optimizer=opt) as tracker:
+            tracker.label(layout.parameters(), "parameters")
+            tracker.add_inputs((local,))
+            layout.step(local, local)
+            opt.step()
+        out[name] = {"loss": float(loss), "grads": grads, "coords": layout.coords,
+                     "peak": tracker.report().peak_bytes}
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_ranks(_ranks, WORLD, timeout=400)
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[float, dict[str, torch.Tensor]]:
+    model = _model()
+    ids = _batch()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return float(loss), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_equals_unsplit_model(results, reference, name):
+    """The loss (mean over micro-batches and replicas) and every gradient, gathered whole
+    over the tensor-parallel ranks and collected from the stages, equal the unsplit model's on
+    the whole batch to 1e-5 (relative to each gradient's largest entry)."""
+    want_loss, want = reference
+    got: dict[str, torch.Tensor] = {}
+    for r, rank_out in enumerate(results):
+        out = rank_out[name]
+        assert out["coords"] == layout_coords(r, LAYOUTS[name])
+        assert out["loss"] == pytest.approx(want_loss, rel=RTOL)
+        got.update(out["grads"])
+    assert set(got) == set(want)
+    for n, g in want.items():
+        torch.testing.assert_close(got[n], g, rtol=RTOL, atol=RTOL * float(g.abs().max()),
+                                   msg=n)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_prediction_matches_each_rank_s_measured_peak(results, name):
+    """Each rank's peak over a warm step (measured by memfit's tracker: parameters, optimizer
+    state, the pipeline's buffers, in-flight activations, gradients) is within 5% of
+    predict_layout's figure for that rank, computed here without any process group."""
+    predicted = predict_layout(_model(), LAYOUTS[name], batch_size=BATCH, seq_len=SEQ)
+    measured = [rank_out[name]["peak"] for rank_out in results]
+    rows = "; ".join(f"rank {r}: measured {m} B, predicted {p} B ({(p - m) / m:+.2%})"
+                     for r, (m, p) in enumerate(zip(measured, predicted.peak_bytes, strict=True)))
+    for m, p in zip(measured, predicted.peak_bytes, strict=True):
+        assert p == pytest.approx(m, rel=0.05), f"{name}: {rows}"
+
+
+# --------------------------------------------------------------------------- one process
+def test_gpipe_keeps_more_in_flight_than_1f1b_and_tensor_halves_the_blocks():
+    """Predicted on fake tensors: with 4 micro-batches over 2 stages the first stage keeps 4
+    in flight under GPipe and 2 under 1F1B, so its peak is higher by more than one
+    micro-batch's activations (two, less the gradients that 1F1B's peak, in its steady state,
+    already holds and GPipe's, in its first backward, does not); 2-way tensor parallelism halves a stage's parameters (blocks, embedding and
+    head split; only the norms' few weights replicated)."""
+    kw = dict(batch_size=8, seq_len=SEQ)
+    gpipe = predict_layout(_model(), ParallelConfig(tensor=2, pipeline=2, schedule="gpipe",
+                                                    microbatches=4), **kw)
+    one_f = predict_layout(_model(), ParallelConfig(tensor=2, pipeline=2, schedule="1f1b",
+                                                    microbatches=4), **kw)
+    assert (gpipe.in_flight[0], one_f.in_flight[0]) == (4, 2)
+    kept = gpipe.roles[0].forward_kept[0]
+    grads = gpipe.roles[0].gradient_bytes
+    assert kept < gpipe.peak_bytes[0] - one_f.peak_bytes[0] <= 2 * kept - grads + kept // 10
+    whole = predict_layout(_model(), ParallelConfig(pipeline=2, microbatches=4), **kw)
+    for stage in (0, 1):
+        ratio = one_f.roles[stage].parameter_bytes / whole.roles[stage].parameter_bytes
+        assert 0.5 <= ratio < 0.51, (stage, ratio)
+    # Ranks in rank order: the two tensor-parallel ranks of a stage predict alike.
+    assert one_f.peak_bytes[0] == one_f.peak_bytes[1] and one_f.peak_bytes[2] == one_f.peak_bytes[3]
+
+
+def test_deep_stages_extrapolate_from_one_and_two_blocks():
+    """A stage of six blocks predicted from runs at one and two blocks equals the run of all
+    six (identical blocks add identical bytes), within 1%."""
+    import memfit.estimate.layout as est
+
+    parallel = ParallelConfig(tensor=2, pipeline=2, schedule="1f1b", microbatches=2)
+    kw = dict(batch_size=BATCH, seq_len=SEQ)
+    composed = predict_layout(_model(12), parallel, **kw)
+    saved, est.EXACT_BLOCKS = est.EXACT_BLOCKS, 100
+    try:
+        whole = predict_layout(_model(12), parallel, **kw)
+    finally:
+        est.EXACT_BLOCKS = saved
+    for c, w in zip(composed.peak_bytes, whole.peak_bytes, strict=True):
+        assert c == pytest.approx(w, rel=0.01)
+
+
+@pytest.mark.slow
+def test_llama_70b_predicts_in_seconds():
+    """llama-70b (80 layers, hidden 8192) over tensor 8 x pipeline 4 x data 2: 64 ranks
+    predicted on fake tensors, no memory, in well under 30 s."""
+    start = time.perf_counter()
+    parallel = ParallelConfig(tensor=8, pipeline=4, data=2, schedule="1f1b", microbatches=8)
+    prediction = predict_layout("llama-70b", parallel, batch_size=16, seq_len=2048)
+    assert time.perf_counter() - start < 30
+    assert len(prediction.peak_bytes) == 64
+    # 1F1B: the first stage keeps the most micro-batches in flight, the last one.
+    assert [prediction.in_flight[r] for r in range(4)] == [4, 3, 2, 1]
+    # Each rank holds about 1/32 of the 70.6B parameters (fp32) plus its share of the head
+    # or embedding; with AdamW's two moments, three copies at least.
+    share = 70.6e9 * 4 / 32
+    for role in prediction.roles.values():
+        assert 0.9 * share < role.parameter_bytes < 1.15 * share
+    assert min(prediction.peak_bytes) > 3 * 0.9 * share
+
+
+@pytest.mark.parametrize(("parallel", "world", "batch", "match"), [
+    (ParallelConfig(tensor=2, pipeline=2), 8, None,
+     "needs 4 processes but 8 were launched"),
+    (ParallelConfig(tensor=3), None, None,
+     "tensor-parallel degree 3 does not divide the 4 attention heads and the 2 key-value"),
+    (ParallelConfig(pipeline=8, schedule="gpipe"), None, None,
+     "4 blocks cannot fill 8 pipeline stages"),
+    (ParallelConfig(pipeline=2, schedule="1f1b", microbatches=1), None, None,
+     r"use microbatches >= 2 or the gpipe schedule"),
+    (ParallelConfig(data=2, pipeline=2, microbatches=4), None, 4,
+     "a batch of 4 does not split into data 2 x microbatches 4 = 8 equal micro-batches"),
+    (ParallelConfig(data=2, tensor=2, zero_stage=1), None, None,
+     "zero_stage 1 .* use zero_stage 0"),
+])
+def test_layouts_that_cannot_work_are_refused_before_launch(parallel, world, batch, match):
+    with pytest.raises(LayoutError, match=match):
+        check_layout(_model(), parallel, batch_size=batch, world_size=world)
+
+
+def test_build_layout_without_a_process_group_says_how_to_launch():
+    with pytest.raises(LayoutError, match="torchrun --nproc-per-node 4"):
+        build_layout(_model(), ParallelConfig(tensor=2, pipeline=2))
