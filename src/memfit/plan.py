@@ -292,11 +292,10 @@ class Plan:
                 "which replace gradient accumulation; leave micro_batch_size unset and "
                 "grad_accum_steps 1"
             )
-        if par.pipeline > 1 and par.zero_stage >= 2:
+        if (par.tensor > 1 or par.pipeline > 1) and par.zero_stage == 1:
             raise PlanError(
-                f"ZeRO stage {par.zero_stage} cannot be combined with pipeline parallelism "
-                "(FSDP2 would gather and reduce a stage's parameters once per micro-batch); "
-                "use zero_stage 0 or 1"
+                "zero_stage 1 (ZeroRedundancyOptimizer) is not composed with tensor or pipeline "
+                "parallelism; use zero_stage 0 (gradients all-reduced) or 2 or 3 (FSDP2)"
             )
         if par.world_size == 1 and par.zero_stage == 0:
             return

@@ -203,3 +203,24 @@ def test_layouts_that_cannot_work_are_refused_before_launch(parallel, world, bat
 def test_build_layout_without_a_process_group_says_how_to_launch():
     with pytest.raises(LayoutError, match="torchrun --nproc-per-node 4"):
         build_layout(_model(), ParallelConfig(tensor=2, pipeline=2))
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tp2 x pp2, 1f1b", "tp2 x pp2, gpipe"])
+def test_the_planner_s_rank_peaks_match_the_measured_ones(results, name, tmp_path):
+    """What ``memfit plan --world-size 4 --gpus-per-node 4`` answers for this layout (the plan
+    naming its degrees) lists each rank's peak within 5% of the rank's measured peak."""
+    from memfit.plan import Plan
+    from memfit.planner.layout import plan_layout
+    from memfit.workload import load_workload
+
+    _model().config.to_json_file(tmp_path / "config.json")
+    workload = load_workload(str(tmp_path / "config.json"), BATCH, SEQ)
+    result = plan_layout(workload, "1GiB", WORLD, WORLD, base=Plan(parallel=LAYOUTS[name]))
+    par = result.plan.parallel
+    assert (par.data, par.tensor, par.pipeline, par.schedule) == (1, 2, 2, LAYOUTS[name].schedule)
+    assert "every rank dry-run in its own program" in result.explanation
+    measured = [rank_out[name]["peak"] for rank_out in results]
+    for rank, (m, p) in enumerate(zip(measured, result.rank_peak_bytes, strict=True)):
+        assert p == pytest.approx(m, rel=0.05), f"rank {rank}: measured {m}, planned {p}"

@@ -509,8 +509,9 @@ def _settings(d: int, t: int, p: int, batch_size: int, base: ParallelConfig,
     micro-batch count, when it gives them, are kept."""
     if batch_size % d:
         return
-    # ZeRO stages 2 and 3 (FSDP2) would gather and reduce a stage once per micro-batch.
-    stages = ((0, 1, 2, 3) if p == 1 else (0, 1)) if d > 1 else (0,)
+    # With a tensor or pipeline split, replicas shard through FSDP2 (stages 2 and 3) or
+    # all-reduce (stage 0); ZeroRedundancyOptimizer is not composed with them.
+    stages = ((0, 1, 2, 3) if t == 1 and p == 1 else (0, 2, 3)) if d > 1 else (0,)
     schedules: tuple[str, ...] = (
         ("1f1b", "interleaved-1f1b", "zero-bubble", "gpipe") if p > 1 else ("1f1b",)
     )
@@ -626,7 +627,9 @@ def plan_layout(
             f"no layout of {world_size} processes can split {workload.name} at a batch of "
             f"{workload.batch_size}: " + "; ".join(refused[:3])
         )
-    candidates.sort(key=lambda c: (c.step_seconds, c.max_peak_bytes))
+    # Equal times go to the lower ZeRO stage (it moves no more data), then the smaller peak.
+    candidates.sort(key=lambda c: (round(c.step_seconds, 12), c.parallel.zero_stage,
+                                   c.max_peak_bytes))
     fitting = [c for c in candidates if c.fits]
     result_of = functools.partial(_result, workload=workload, base=base, budget=budget_bytes,
                                   target=target, candidates=candidates)
@@ -665,18 +668,28 @@ def _layout_key(c: LayoutCandidate) -> tuple[int, int, int]:
 
 def _confirm(workload: Workload, plan: Plan, target: Any,
              say: Callable[[str], None]) -> list[int] | None:
-    """Each rank's peak from dry runs of its own program, when memfit can run them."""
-    try:
-        from ..estimate.layout import predict_layout  # type: ignore[attr-defined]
-    except ImportError:
+    """Each rank's peak from dry runs of its own program in a fake process group
+    (:func:`memfit.estimate.layout.predict_layout`), for what those dry runs model: a
+    tensor or pipeline split in fp32, without checkpointing, with AdamW or SGD, replicas
+    all-reducing (stage 0). ``None`` otherwise (the layout model's figures stand)."""
+    from ..estimate.layout import predict_layout
+
+    par = plan.parallel
+    if (
+        (par.tensor == 1 and par.pipeline == 1)
+        or par.zero_stage != 0
+        or plan.precision.mode != "fp32"
+        or plan.checkpointing.mode != "none"
+        or plan.optimizer.name not in ("adamw", "sgd")
+    ):
         return None
     say(f"predicting every rank of {plan.summary()}")
     try:
-        pred = predict_layout(workload, plan, device=target)
-    except (NotImplementedError, ValueError):
+        pred = predict_layout(workload, par, optimizer=plan.optimizer.name,
+                              foreach=True if target.is_cuda else None)
+    except ValueError:
         return None
-    peaks = getattr(pred, "peak_bytes", pred)
-    return [int(x) for x in peaks]
+    return [int(x) for x in pred.peak_bytes]
 
 
 def _result(cand: LayoutCandidate, *, fits: bool, explanation: str, workload: Workload,
