@@ -342,16 +342,9 @@ class LayoutCandidate:
     def describe(self) -> str:
         """The layout in words."""
         par = self.parallel
-        bits = [f"data {par.data}", f"tensor {par.tensor}", f"pipeline {par.pipeline}"]
-        if par.pipeline > 1:
-            bits.append(f"{par.schedule} x {self.microbatches} micro-batches")
-        elif self.microbatches > 1:
-            bits.append(f"accumulation {self.microbatches}")
-        if par.data > 1:
-            bits.append(f"ZeRO {par.zero_stage}")
-        if self.checkpointing:
-            bits.append("checkpointing")
-        return ", ".join(bits)
+        degrees = f"data {par.data}, tensor {par.tensor}, pipeline {par.pipeline}"
+        rest = self.settings().replace(f" x{self.microbatches}", f" x {self.microbatches} micro-batches")
+        return degrees + (", " + rest if rest else "")
 
 
 def _rank_of(stage: int, replica: int, shard: int, par: ParallelConfig) -> int:
