@@ -21,6 +21,7 @@ import typer
 
 from ..workload import WorkloadError
 from .config import ConfigError, TrainConfig, field_help
+from .layout_run import check_layout_run, is_layout_plan
 from .run import TrainRun, prepare_run
 from .trainer import TrainingDiverged
 
@@ -79,8 +80,13 @@ def train(
         flags["nproc_per_node"] = world  # started by torchrun directly
     try:
         settings = build_config(config, {k: v for k, v in flags.items() if v is not None})
+        _check_plan_degree(settings)  # before any process starts (and again in each, harmless)
+        if plot is not None and is_layout_plan(settings.load_plan()):
+            raise ValueError(
+                "--plot draws the single-model memory report, which a tensor or pipeline plan's "
+                "run does not make; leave it out (--json has every process's peak)"
+            )
         if settings.nproc_per_node > 1 and not under_launcher():
-            _check_plan_degree(settings)  # before any process starts
             failed = launch(settings.nproc_per_node, _argv(locals()))
             if failed is not None:
                 fail(failed, code=1)
@@ -94,6 +100,10 @@ def train(
         fail(str(e))
     if world > 1:
         given = settings.load_plan()
+        if is_layout_plan(given):
+            assert given is not None
+            _work_layout(settings, given, world, json_path=json_path, out=out, err=err)
+            return
         rank = init_worker(given.parallel.backend if given is not None else None)[0]
         try:
             _work(settings, rank, world, plot=plot, json_path=json_path, out=out, err=err)
@@ -146,23 +156,90 @@ def _check_plan_degree(settings: TrainConfig) -> None:
     if plan is None:
         return
     par = plan.parallel
-    if par.tensor > 1 or par.pipeline > 1:
+    if is_layout_plan(plan):
         if par.world_size != n:
             raise ValueError(
                 f"the plan's data {par.data} x tensor {par.tensor} x pipeline {par.pipeline} is "
                 f"{par.world_size} processes but --nproc-per-node is {n}; give "
                 f"--nproc-per-node {par.world_size} or degrees whose product is {n}"
             )
-        raise ValueError(
-            f"memfit train runs data-parallel plans; this plan's tensor {par.tensor} x pipeline "
-            f"{par.pipeline} split runs in your own loop through "
-            "memfit.distributed.layout.build_layout (see the README's 'Many processes')"
-        )
-    elif par.data not in (1, n):
+        check_layout_run(settings, plan)
+    elif n > 1 and par.data not in (1, n):
         raise ValueError(
             f"the plan trains on {par.data} processes but --nproc-per-node is {n}; "
             f"give --nproc-per-node {par.data} or a plan for {n}"
         )
+
+
+def _work_layout(
+    settings: TrainConfig, plan: Any, world: int, *, json_path: Path | None, out: Any, err: Any
+) -> None:
+    """Train a tensor/pipeline plan in this process (one of ``world``) through
+    :mod:`memfit.train.layout_run`; join and leave the process group here."""
+    import os
+
+    from ..console import fail
+    from ..distributed.launch import finish_worker, init_worker
+    from .layout_run import predict_rank_peaks, train_layout
+
+    rank = int(os.environ.get("RANK", "0"))
+    if rank != 0:
+        out, err = _quiet(out), _quiet(err)
+    try:
+        # world_size=1: the plan is used with its own degrees (not widened to data parallelism).
+        run = prepare_run(settings, world_size=1)
+        # Before the process group: the prediction runs in a fake one, which a real one forbids.
+        predicted = predict_rank_peaks(run, plan) if rank == 0 else None
+    except (WorkloadError, ValueError) as e:
+        fail(str(e))
+    par = plan.parallel
+    out.print(
+        f"[bold]{run.workload.name}[/]: {run.workload.description}; batch "
+        f"{run.workload.batch_size}, length {run.workload.seq_len}; data: {run.data_name}; "
+        f"plan: [bold]{plan.summary()}[/] over {world} processes (data {par.data} x tensor "
+        f"{par.tensor} x pipeline {par.pipeline})",
+        highlight=False,
+    )
+    init_worker(par.backend)
+    try:
+        try:
+            result = train_layout(run, plan, console=err, progress=rank == 0)
+        except (torch.OutOfMemoryError, TrainingDiverged) as e:
+            fail(str(e), code=1)
+        except (WorkloadError, ValueError) as e:
+            fail(str(e))
+    except BaseException:
+        finish_worker(ok=False)
+        raise
+    finish_worker()
+    out.print(
+        f"loss {result.first_loss:.4f} -> {result.final_loss:.4f} in {result.steps} steps "
+        f"({result.seconds:.1f} s, {result.tokens_per_second:,.0f} tokens/s); per-process "
+        "peaks: " + ", ".join(_fmt(p) for p in result.per_rank_peak_bytes)
+        + (" (predicted " + ", ".join(_fmt(p) for p in predicted) + ")" if predicted else ""),
+        highlight=False,
+    )
+    if json_path is not None and rank == 0:
+        cfg = run.config
+        data = result.to_dict()
+        data.update(
+            world_size=world,
+            budget_bytes=run.budget_bytes,
+            fits_budget=max(result.per_rank_peak_bytes) <= run.budget_bytes,
+            planner="given",
+            model=run.workload.name,
+            batch_size=run.workload.batch_size,
+            seq_len=cfg.seq_len,
+            seed=cfg.seed,
+            lr=float(cfg.lr if cfg.lr is not None else plan.optimizer.lr),
+            data=run.data_name,
+            tokenizer=repr(run.tokenizer),
+            config=cfg.to_dict(),
+        )
+        if predicted is not None:
+            data["predicted_rank_peak_bytes"] = predicted
+        json_path.write_text(json.dumps(data, indent=2) + "\n")
+        out.print(f"wrote {json_path}")
 
 
 #: Options passed on to the launched processes: parameter name -> flag.

@@ -1,0 +1,337 @@
+"""``memfit train`` for a plan with tensor or pipeline parallelism: :func:`train_layout`.
+
+A plan whose ``parallel.tensor`` or ``parallel.pipeline`` is above 1 does not run through the
+:class:`~memfit.train.Trainer` (whose plan machinery is one model per process) but through
+:func:`memfit.distributed.layout.build_layout`, in every process of the launched world:
+
+* the model, the text and the batches are the ones :func:`~memfit.train.run.prepare_run`
+  builds for a single process, the model seeded alike on every rank (the weights agree before
+  the layout cuts and splits them);
+* every rank draws the same global batch from the same seeded
+  :class:`~memfit.train.data.BatchStream` and its data-parallel replica takes its slice
+  (:func:`~memfit.distributed.data.local_batch`), as the data-parallel path splits batches;
+* the plan's optimizer (torch's AdamW, Adam or SGD) over :meth:`Layout.parameters`, with the
+  run's learning-rate schedule (:func:`~memfit.train.schedule.build_scheduler`);
+* memory measured by memfit's tracker on the steps :class:`~memfit.train.callbacks.memory.
+  TrackWindow` picks (the first two, then every ``track_every``-th), each rank its own peak.
+
+What this path does not do is refused before launch by :func:`check_layout_run`, one sentence
+each: checkpoints and resume, evaluation, a virtual cap, and plan techniques the layout does
+not apply (activation checkpointing, mixed precision, offload, compile, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..plan import Plan
+from .config import DEFAULT_BATCH_SIZE, TrainConfig
+from .run import TrainRun
+
+__all__ = [
+    "LAYOUT_OPTIMIZERS",
+    "LayoutRunError",
+    "LayoutRunResult",
+    "check_layout_run",
+    "is_layout_plan",
+    "predict_rank_peaks",
+    "train_layout",
+]
+
+#: The optimizers the layout path builds (torch's own: they step DTensor shards elementwise).
+LAYOUT_OPTIMIZERS = ("adamw", "adam", "sgd")
+
+
+class LayoutRunError(ValueError):
+    """A run setting or plan technique the tensor/pipeline path does not do."""
+
+
+def is_layout_plan(plan: Plan | None) -> bool:
+    """Whether ``plan`` splits the model by tensor or pipeline (so trains through a layout)."""
+    return plan is not None and (plan.parallel.tensor > 1 or plan.parallel.pipeline > 1)
+
+
+def check_layout_run(config: TrainConfig, plan: Plan) -> None:
+    """Refuse, before any process starts, what the tensor/pipeline path does not do.
+
+    Raises:
+        LayoutRunError: naming each setting, one sentence each, and what to use instead.
+    """
+    par = plan.parallel
+    what = f"a tensor {par.tensor} x pipeline {par.pipeline} plan"
+    problems = []
+    if config.checkpoint_dir is not None or config.resume or config.checkpoint_every is not None:
+        problems.append(
+            f"{what} trains without checkpoints (--checkpoint-dir, --save-every and --resume "
+            "are for data-parallel and single-process plans); leave them out")
+    if config.cap is not None:
+        problems.append(
+            f"{what} has no out-of-memory step-down, so --cap is not applied; leave it out and "
+            "compare the per-process peaks with the budget")
+    if config.eval_every is not None:
+        problems.append(f"{what} does not evaluate during training; leave eval_every unset")
+    if plan.optimizer.name not in LAYOUT_OPTIMIZERS:
+        problems.append(
+            f"{what} builds torch's {', '.join(LAYOUT_OPTIMIZERS)} over the ranks' shards, not "
+            f"optimizer {plan.optimizer.name!r}; use one of those")
+    ignored = _ignored_techniques(plan)
+    if ignored:
+        problems.append(
+            f"{what} trains in fp32 with the layout alone and would ignore the plan's "
+            f"{', '.join(ignored)}; remove {'it' if len(ignored) == 1 else 'them'} from the plan")
+    if problems:
+        raise LayoutRunError("; ".join(problems))
+    from ..distributed.layout import check_layout
+
+    # The model's heads, widths, vocabulary and blocks against the degrees, and the batch
+    # against the replicas and micro-batches: built on the meta device, nothing allocated.
+    check_layout(_meta_model(config), par, batch_size=config.batch_size or DEFAULT_BATCH_SIZE,
+                 world_size=par.world_size)
+
+
+def _meta_model(config: TrainConfig) -> torch.nn.Module:
+    """The run's model on the meta device (its class and config; no memory)."""
+    from .run import text_workload
+    from .tokenizer import load_tokenizer
+
+    batch = config.batch_size or DEFAULT_BATCH_SIZE
+    workload = text_workload(config.model, load_tokenizer(config.tokenizer), batch,
+                             config.seq_len)
+    with torch.device("meta"):
+        return workload.build_model()
+
+
+def _ignored_techniques(plan: Plan) -> list[str]:
+    """The plan's techniques that :func:`build_layout` does not apply, as the plan names them."""
+    out = []
+    if plan.checkpointing.mode != "none":
+        out.append(f"checkpointing {plan.checkpointing.mode!r}")
+    if plan.precision.mode != "fp32":
+        out.append(f"precision {plan.precision.mode!r}")
+    if plan.micro_batch_size is not None or plan.grad_accum_steps > 1:
+        out.append("micro_batch_size / grad_accum_steps (parallel microbatches does this)")
+    if plan.optimizer_in_backward:
+        out.append("optimizer_in_backward")
+    if plan.max_grad_norm is not None:
+        out.append("max_grad_norm")
+    if plan.freeze:
+        out.append("freeze")
+    if plan.max_seq_len is not None:
+        out.append("max_seq_len")
+    if plan.offload is not None:
+        out.append("offload")
+    if plan.fused_pointwise:
+        out.append("fused_pointwise")
+    if plan.fused_loss is not None:
+        out.append("fused_loss")
+    if plan.compile:
+        out.append("compile")
+    if plan.grad_buffer:
+        out.append("grad_buffer")
+    if plan.loss_normalization != "mean":
+        out.append(f"loss_normalization {plan.loss_normalization!r}")
+    return out
+
+
+def predict_rank_peaks(run: TrainRun, plan: Plan) -> list[int] | None:
+    """Every rank's predicted peak (:func:`~memfit.estimate.layout.predict_layout`), or
+    ``None`` when it cannot predict this run. Call it before joining the process group: the
+    prediction runs in a fake one."""
+    try:
+        from ..estimate.layout import predict_layout
+
+        name = "sgd" if plan.optimizer.name == "sgd" else "adamw"  # Adam's state is AdamW's
+        w = run.workload
+        with torch.device("meta"):  # only its class and config are used
+            model = w.build_model()
+        prediction = predict_layout(model, plan.parallel, batch_size=w.batch_size,
+                                    seq_len=w.seq_len, optimizer=name,
+                                    foreach=plan.optimizer.foreach)
+        return [int(p) for p in prediction.peak_bytes]
+    except Exception:  # a figure for the report only: the run does not depend on it
+        return None
+
+
+@dataclass
+class LayoutRunResult:
+    """What a tensor/pipeline run did, as every rank knows it.
+
+    Attributes:
+        first_loss: The first step's loss (mean over the whole global batch).
+        final_loss: The last step's.
+        losses: Every step's.
+        steps: Steps run.
+        peak_bytes: This rank's measured peak (memfit's tracker, over the tracked steps).
+        per_rank_peak_bytes: Every rank's, in rank order.
+        coords: This rank's place in the mesh (``pp``, ``dp``, ``tp``).
+        tokens: Tokens trained on (the global batches').
+        seconds: Wall time of the steps.
+        plan: The plan, as plain data.
+    """
+
+    first_loss: float
+    final_loss: float
+    losses: list[float]
+    steps: int
+    peak_bytes: int
+    per_rank_peak_bytes: list[int]
+    coords: dict[str, int]
+    tokens: int
+    seconds: float
+    plan: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Training throughput over the whole world."""
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for JSON (the data-parallel run's keys where they mean the same)."""
+        return {
+            "first_loss": self.first_loss,
+            "final_loss": self.final_loss,
+            "steps": self.steps,
+            "peak_bytes": max(self.per_rank_peak_bytes),
+            "per_rank_peak_bytes": list(self.per_rank_peak_bytes),
+            "losses": list(self.losses),
+            "plan": self.plan,
+            "tokens": self.tokens,
+            "seconds": self.seconds,
+            "tokens_per_second": self.tokens_per_second,
+        }
+
+
+def _device() -> torch.device:
+    from .. import device as dev
+
+    if dev.cuda_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def train_layout(
+    run: TrainRun, plan: Plan, *, console: Any = None, progress: bool = True
+) -> LayoutRunResult:
+    """Train ``run`` under ``plan``'s tensor x pipeline x data layout in this process, one of
+    the ``plan.parallel.world_size`` processes of the open process group (each calls this).
+
+    Args:
+        run: The run, as :func:`~memfit.train.run.prepare_run` builds it for one process
+            (``world_size=1``: the plan's own degrees are used, not widened).
+        plan: The plan (checked by :func:`check_layout_run`).
+        console: A rich console for the progress bar (default: stderr).
+        progress: Show the progress bar (rank 0 only).
+
+    Returns:
+        The :class:`LayoutRunResult`, with every rank's peak (gathered: a collective).
+
+    Raises:
+        LayoutError: when the layout cannot work for this model or batch.
+        TrainingDiverged: when the loss becomes NaN or infinite.
+    """
+    import torch.distributed as dist
+
+    from ..accounting import track
+    from ..distributed.data import local_batch
+    from ..distributed.layout import build_layout
+    from .callbacks.memory import TrackWindow
+    from .data import BatchStream
+    from .schedule import build_scheduler
+    from .streams import count_tokens
+    from .trainer import TrainingDiverged
+
+    cfg, par = run.config, plan.parallel
+    device = _device()
+    batch_size = run.workload.batch_size
+    # The same seeded model on every rank, built as the Trainer builds it.
+    torch.manual_seed(cfg.seed)
+    model, _ = run.workload.build(seed=cfg.seed)
+    layout = build_layout(model, par, device=device, batch_size=batch_size)
+    del model  # a rank keeps only its stages' modules
+    opt_cfg = plan.optimizer
+    if cfg.lr is not None:  # the run's learning rate, as the Trainer applies it
+        opt_cfg = dataclasses.replace(opt_cfg, lr=float(cfg.lr))
+    optimizer = opt_cfg.build(layout.parameters())
+    scheduler = build_scheduler(optimizer, cfg.schedule, warmup_steps=cfg.warmup_steps,
+                                max_steps=cfg.max_steps)
+    stream = BatchStream(run.train, batch_size, collate_fn=run.collate, seed=cfg.seed,
+                         group_by_length=plan.sequence.group_by_length)
+    window = TrackWindow(cfg.track_every)
+    replica = layout.coords["dp"]
+    losses: list[float] = []
+    peak, tokens = 0, 0
+    bar = _Progress(cfg.max_steps, console) if progress else None
+    t0 = time.perf_counter()
+    try:
+        for step in range(cfg.max_steps):
+            _, batch = stream.next_batch()
+            tokens += count_tokens(batch)
+            share = local_batch(batch, replica, par.data)
+            ids = share["input_ids"].to(device)
+            labels = share.get("labels", share["input_ids"]).to(device)
+            tracked = window.records(step)
+            with (track(optimizer=optimizer, device=device) if tracked else _nothing()) as tracker:
+                if tracker is not None:
+                    tracker.label(layout.parameters(), "parameters")
+                    tracker.add_inputs((ids, labels))
+                loss = float(layout.step(ids, labels))
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            if tracker is not None:
+                peak = max(peak, int(tracker.report().peak_bytes))
+            window.step_done()
+            scheduler.step()
+            if not math.isfinite(loss):
+                raise TrainingDiverged(
+                    f"the loss is {loss} at step {step + 1} and there is no loss scaler to skip "
+                    "the step, so training stopped; no checkpoint was written")
+            losses.append(loss)
+            if bar is not None:
+                bar.advance(loss)
+    finally:
+        if bar is not None:
+            bar.close()
+    seconds = time.perf_counter() - t0
+    peaks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, peak)
+    return LayoutRunResult(
+        first_loss=losses[0], final_loss=losses[-1], losses=losses, steps=len(losses),
+        peak_bytes=peak, per_rank_peak_bytes=[int(p) for p in peaks],
+        coords=dict(layout.coords), tokens=tokens, seconds=seconds, plan=plan.to_dict(),
+    )
+
+
+class _nothing:
+    """A context that yields ``None`` (an untracked step)."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class _Progress:
+    """A rich progress bar over the steps, with the last loss."""
+
+    def __init__(self, total: int, console: Any) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+        self._bar = Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(),
+                             TextColumn("loss {task.fields[loss]}"), console=console,
+                             transient=True)
+        self._task = self._bar.add_task("train", total=total, loss="-")
+        self._bar.start()
+
+    def advance(self, loss: float) -> None:
+        self._bar.update(self._task, advance=1, loss=f"{loss:.4f}")
+
+    def close(self) -> None:
+        self._bar.stop()
