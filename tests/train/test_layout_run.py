@@ -44,6 +44,8 @@ def workdir(tmp_path_factory) -> Path:
     Plan(parallel=TP2_PP2).to_json(d / "tp2pp2.json")
     Plan(parallel=DP2_PP2).to_json(d / "dp2pp2.json")
     Plan().to_json(d / "one.json")
+    Plan(parallel=TP2_PP2, precision="bf16-mixed").to_json(d / "tp2pp2_bf16.json")
+    Plan(precision="bf16-mixed").to_json(d / "one_bf16.json")
     return d
 
 
@@ -65,18 +67,26 @@ def one_process(workdir: Path) -> dict:
     return json.loads((workdir / "one_out.json").read_text())
 
 
+def _run(workdir: Path, name: str, *args: str) -> dict:
+    run = _memfit(workdir, *args, "--json", f"{name}_out.json")
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads((workdir / f"{name}_out.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def tp2pp2(workdir: Path) -> dict:
+    return _run(workdir, "tp2pp2", "--nproc-per-node", "4", "--plan", "tp2pp2.json")
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_tensor_x_pipeline_trains_like_one_process(workdir: Path, one_process: dict):
+def test_tensor_x_pipeline_trains_like_one_process(tp2pp2: dict, one_process: dict):
     """``--nproc-per-node 4`` with a tensor 2 x pipeline 2 plan: exit 0; every step's loss
     equals one process's on the same seed, data and plan without the split, within 1e-4 (the
     same weights, batches and AdamW updates: only the order of sums differs); four measured
     peaks, each within 10% of predict_layout's figure for its rank (the prediction is a warm
     step; the measurement also covers the first, which makes the optimizer state)."""
-    run = _memfit(workdir, "--nproc-per-node", "4", "--plan", "tp2pp2.json",
-                  "--json", "tp2pp2_out.json")
-    assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads((workdir / "tp2pp2_out.json").read_text())
+    got = tp2pp2
     assert got["world_size"] == 4 and got["steps"] == int(STEPS)
     assert got["plan"]["parallel"]["tensor"] == 2 and got["plan"]["parallel"]["pipeline"] == 2
     assert got["losses"] == pytest.approx(one_process["losses"], abs=TOL)
@@ -111,6 +121,21 @@ def test_torchrun_with_data_replicas_trains_like_one_process(workdir: Path, one_
         assert p == pytest.approx(m, rel=0.10), f"rank {rank}: measured {m}, predicted {p}"
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_bf16_mixed_runs_the_schedule_under_autocast(workdir: Path, tp2pp2: dict):
+    """A bf16-mixed tensor 2 x pipeline 2 plan: the losses equal one bf16-mixed process's
+    within 1e-3 (bf16 matmul outputs keep 8 bits, rounded differently in split sums), and
+    every rank's peak is below its fp32 peak (activations kept in bf16)."""
+    got = _run(workdir, "tp2pp2_bf16", "--nproc-per-node", "4", "--plan", "tp2pp2_bf16.json")
+    one = _run(workdir, "one_bf16", "--plan", "one_bf16.json")
+    assert got["losses"] == pytest.approx(one["losses"], abs=1e-3)
+    assert "predicted_rank_peak_bytes" not in got  # predict_layout models fp32 only
+    for bf16, fp32 in zip(got["per_rank_peak_bytes"], tp2pp2["per_rank_peak_bytes"],
+                          strict=True):
+        assert bf16 < fp32
+
+
 def test_checkpoints_with_a_tensor_x_pipeline_plan_are_refused_before_launch(workdir: Path):
     run = _memfit(workdir, "--nproc-per-node", "4", "--plan", "tp2pp2.json",
                   "--checkpoint-dir", "ck", timeout=60)
@@ -135,8 +160,8 @@ def test_is_layout_plan():
     (Plan(parallel=TP2_PP2), {"cap": "1GiB"}, "--cap is not applied"),
     (Plan(parallel=TP2_PP2), {"eval_every": 5}, "does not evaluate"),
     (Plan(parallel=TP2_PP2, optimizer="adamw8bit"), {}, "not optimizer 'adamw8bit'"),
-    (Plan(parallel=TP2_PP2, checkpointing="full", precision="bf16-mixed"), {},
-     "ignore the plan's checkpointing 'full', precision 'bf16-mixed'; remove them"),
+    (Plan(parallel=TP2_PP2, checkpointing="full", precision="fp16-mixed"), {},
+     "ignore the plan's checkpointing 'full', precision 'fp16-mixed'; remove them"),
     (Plan(parallel={"tensor": 4}), {}, "tensor-parallel degree 4 does not divide"),
     (Plan(parallel={"data": 2, "tensor": 2, "microbatches": 3}), {},
      "a batch of 8 does not split into data 2 x microbatches 3"),

@@ -13,11 +13,12 @@ A plan whose ``parallel.tensor`` or ``parallel.pipeline`` is above 1 does not ru
 * the plan's optimizer (torch's AdamW, Adam or SGD) over :meth:`Layout.parameters`, with the
   run's learning-rate schedule (:func:`~memfit.train.schedule.build_scheduler`);
 * memory measured by memfit's tracker on the steps :class:`~memfit.train.callbacks.memory.
-  TrackWindow` picks (the first two, then every ``track_every``-th), each rank its own peak.
+  TrackWindow` picks (the first two, then every ``track_every``-th), each rank its own peak;
+* ``bf16-mixed``: the whole schedule (its forwards and backwards interleave) under autocast.
 
 What this path does not do is refused before launch by :func:`check_layout_run`, one sentence
 each: checkpoints and resume, evaluation, a virtual cap, and plan techniques the layout does
-not apply (activation checkpointing, mixed precision, offload, compile, ...).
+not apply (activation checkpointing, fp16 or bf16-pure precision, offload, compile, ...).
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ def check_layout_run(config: TrainConfig, plan: Plan) -> None:
     ignored = _ignored_techniques(plan)
     if ignored:
         problems.append(
-            f"{what} trains in fp32 with the layout alone and would ignore the plan's "
+            f"{what} trains with the layout and the plan's precision (fp32 or bf16-mixed) alone "
+            f"and would ignore the plan's "
             f"{', '.join(ignored)}; remove {'it' if len(ignored) == 1 else 'them'} from the plan")
     if problems:
         raise LayoutRunError("; ".join(problems))
@@ -113,7 +115,7 @@ def _ignored_techniques(plan: Plan) -> list[str]:
     out = []
     if plan.checkpointing.mode != "none":
         out.append(f"checkpointing {plan.checkpointing.mode!r}")
-    if plan.precision.mode != "fp32":
+    if plan.precision.mode not in ("fp32", "bf16-mixed"):
         out.append(f"precision {plan.precision.mode!r}")
     if plan.micro_batch_size is not None or plan.grad_accum_steps > 1:
         out.append("micro_batch_size / grad_accum_steps (parallel microbatches does this)")
@@ -143,7 +145,9 @@ def _ignored_techniques(plan: Plan) -> list[str]:
 def predict_rank_peaks(run: TrainRun, plan: Plan) -> list[int] | None:
     """Every rank's predicted peak (:func:`~memfit.estimate.layout.predict_layout`), or
     ``None`` when it cannot predict this run. Call it before joining the process group: the
-    prediction runs in a fake one."""
+    prediction runs in a fake one. ``None`` for bf16-mixed too: predict_layout models fp32."""
+    if plan.precision.mode != "fp32":
+        return None
     try:
         from ..estimate.layout import predict_layout
 
@@ -264,6 +268,7 @@ def train_layout(
     stream = BatchStream(run.train, batch_size, collate_fn=run.collate, seed=cfg.seed,
                          group_by_length=plan.sequence.group_by_length)
     window = TrackWindow(cfg.track_every)
+    autocast = _autocast(plan, device)
     replica = layout.coords["dp"]
     losses: list[float] = []
     peak, tokens = 0, 0
@@ -281,7 +286,8 @@ def train_layout(
                 if tracker is not None:
                     tracker.label(layout.parameters(), "parameters")
                     tracker.add_inputs((ids, labels))
-                loss = float(layout.step(ids, labels))
+                with autocast():
+                    loss = float(layout.step(ids, labels))
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             if tracker is not None:
@@ -306,6 +312,14 @@ def train_layout(
         peak_bytes=peak, per_rank_peak_bytes=[int(p) for p in peaks],
         coords=dict(layout.coords), tokens=tokens, seconds=seconds, plan=plan.to_dict(),
     )
+
+
+def _autocast(plan: Plan, device: torch.device) -> Any:
+    """The plan's autocast, around the whole schedule (its forwards and backwards interleave;
+    torch's own pipelined training does the same): bf16-mixed, else a no-op."""
+    if plan.precision.mode == "bf16-mixed":
+        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+    return _nothing
 
 
 class _nothing:
