@@ -115,6 +115,16 @@ class ParallelConfig:
         """Processes the plan runs on: ``data x tensor x pipeline``."""
         return self.data * self.tensor * self.pipeline
 
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Where ``rank`` sits: its pipeline ``stage``, data-parallel ``replica`` and
+        tensor-parallel ``shard``. Tensor parallelism is innermost (its ranks consecutive, so
+        within a node): ``rank = (stage x data + replica) x tensor + shard``."""
+        return {
+            "stage": rank // (self.tensor * self.data),
+            "replica": rank // self.tensor % self.data,
+            "shard": rank % self.tensor,
+        }
+
     @property
     def sharded(self) -> bool:
         """Whether FSDP2 shards the model (stages 2 and 3)."""

@@ -91,10 +91,8 @@ def layout_coords(rank: int, parallel: ParallelConfig) -> dict[str, int]:
 
     ``rank = (pp * data + dp) * tensor + tp``, tensor parallelism innermost.
     """
-    tp = rank % parallel.tensor
-    dp = rank // parallel.tensor % parallel.data
-    pp = rank // (parallel.tensor * parallel.data)
-    return {"pp": pp, "dp": dp, "tp": tp}
+    where = parallel.coordinates(rank)
+    return {"pp": where["stage"], "dp": where["replica"], "tp": where["shard"]}
 
 
 def layout_microbatches(parallel: ParallelConfig) -> int:

@@ -131,9 +131,7 @@ class PlanResult:
     def _rank_entry(self, rank: int, peak: int) -> dict[str, Any]:
         entry: dict[str, Any] = {"rank": rank, "predicted_peak_bytes": peak}
         if self.layout is not None:
-            from .layout import rank_coordinates
-
-            where = rank_coordinates(rank, self.plan.parallel)
+            where = self.plan.parallel.coordinates(rank)
             entry.update(where)
             entry["predicted_step_seconds"] = self.layout["step_seconds"]
             entry["predicted_busy_seconds"] = self.layout["stage_busy_seconds"][where["stage"]]

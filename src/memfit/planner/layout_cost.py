@@ -1,0 +1,434 @@
+"""How the 3-D planner prices a layout: each rank's peak and the step time.
+
+How a layout is priced, per rank:
+
+* **Memory.** One micro-batch through a one-block model of the rank's *local* shapes (for the
+  Llama layout: the heads, key-value heads, MLP width and vocabulary divided by the tensor
+  degree, exactly the per-rank matrices of Megatron's split) is dry-run on fake tensors
+  (:func:`memfit.estimate.pipeline.profile_blocks`): the bytes a block's forward keeps for
+  backward, the embeddings' and the head's with the loss, the parameters and the FLOPs, at the
+  target's kernels. A stage's ranks then hold their parameters, gradients and optimizer state
+  (sharded over ``data`` by the ZeRO stage: :func:`~memfit.estimate.distributed.
+  zero_model_state_bytes`), the activations of the micro-batches the schedule keeps in flight
+  (:func:`~memfit.distributed.pipeline_plan.microbatches_in_flight`; with checkpointing only
+  each block's input), and one block's backward working set.
+* **Time.** The stage's FLOPs at the device's rate (its efficiency falls for small
+  micro-batches), times the pipeline's bubble (``(M + p - 1) / M``, less for interleaved and
+  zero-bubble schedules), plus tensor parallelism's four all-reduces per block per
+  micro-batch, the point-to-point activations between stages, and the data-parallel gradient
+  reduction that backward does not hide (stage 3 gathers the parameters twice more).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+from ..distributed.config import ParallelConfig
+from ..workload import Workload, WorkloadError
+
+__all__ = [
+    "LayoutCandidate",
+    "ModelShape",
+    "estimate_layout",
+    "layout_problems",
+    "model_shape",
+    "rank_coordinates",
+]
+
+#: Share of backward the data-parallel gradient reduction overlaps with.
+_DP_OVERLAP = 0.8
+#: Optimizer state bytes per parameter by optimizer name (fp32 AdamW: two moments).
+_STATE_BYTES = {"adamw": 8, "adam": 8, "adamw8bit": 2, "sgd": 0, "lion": 4, "adafactor": 0.1}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes a layout must divide, read from the model's config.
+
+    Attributes:
+        family: ``llama`` (Llama, Mistral, Qwen2 layout), ``gpt2``, or another HF model type.
+        layers: Transformer blocks.
+        hidden: Hidden width.
+        heads: Attention heads.
+        kv_heads: Key-value heads.
+        mlp: MLP width.
+        vocab: Vocabulary rows.
+        config: The HF config itself.
+    """
+
+    family: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    mlp: int
+    vocab: int
+    config: Any = dataclasses.field(compare=False, repr=False)
+
+
+def model_shape(workload: Workload) -> ModelShape:
+    """The shapes of ``workload``'s model, from a one-block copy built on the meta device.
+
+    Raises:
+        WorkloadError: for a model that is not a Hugging Face transformer with a depth.
+    """
+    import torch
+
+    if workload.with_depth is None or workload.depth is None:
+        raise WorkloadError(
+            f"the 3-D planner splits transformer blocks, and {workload.name!r} is not a "
+            "Hugging Face transformer with a known depth; use a preset or a config "
+            "(--world-size without --gpus-per-node plans data parallelism for any model)"
+        )
+    with torch.device("meta"):
+        model = workload.with_depth(1).build_model()
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        raise WorkloadError(f"{workload.name!r} has no Hugging Face config to read shapes from")
+    from ..distributed.tensor import _split_sizes
+
+    sizes = _split_sizes(cfg)
+    hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None)
+    model_type = str(getattr(cfg, "model_type", ""))
+    family = "llama" if model_type in ("llama", "mistral", "qwen2") else model_type
+    if family not in ("llama", "gpt2"):
+        raise WorkloadError(
+            f"the 3-D planner splits causal LMs of the Llama and GPT-2 layouts, not "
+            f"{workload.name!r} ({model_type}); plan data parallelism for it with --world-size "
+            "alone"
+        )
+    return ModelShape(
+        family=family,
+        layers=int(workload.depth),
+        hidden=int(hidden),
+        heads=sizes["attention heads"],
+        kv_heads=sizes.get("key-value heads", sizes["attention heads"]),
+        mlp=sizes.get("MLP width", 4 * int(hidden)),
+        vocab=int(cfg.vocab_size),
+        config=cfg,
+    )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layout_problems(shape: ModelShape, parallel: ParallelConfig, batch_size: int,
+                    gpus_per_node: int | None = None) -> list[str]:
+    """What stops ``parallel`` from training ``shape`` at ``batch_size``, one sentence each
+    naming what would work (empty when it can run).
+
+    Checks: tensor parallelism within a node and dividing the heads, key-value heads and MLP
+    width; the pipeline's stages no more than the blocks, dividing them evenly; the batch
+    split evenly over the replicas and the micro-batches; the schedule's micro-batch count.
+    """
+    from ..distributed.pipeline_plan import PipelineConfig
+
+    out: list[str] = []
+    t, p, d = parallel.tensor, parallel.pipeline, parallel.data
+    if gpus_per_node is not None and t > gpus_per_node:
+        out.append(
+            f"tensor parallelism of {t} does not fit in a node of {gpus_per_node} devices "
+            f"(its all-reduces need the node's links); use tensor <= {gpus_per_node}"
+        )
+    sizes = {"attention heads": shape.heads, "key-value heads": shape.kv_heads,
+             "MLP width": shape.mlp}
+    bad = [f"the {v} {k}" for k, v in sizes.items() if v % t]
+    if bad:
+        works = [x for x in _divisors(min(sizes.values())) if all(v % x == 0 for v in sizes.values())]
+        out.append(
+            f"tensor parallelism of {t} does not divide {' and '.join(bad)}; use tensor "
+            f"{', '.join(map(str, works))}"
+        )
+    if p > 1:
+        if shape.layers % p:
+            works = [x for x in _divisors(shape.layers) if x > 1]
+            out.append(
+                f"a pipeline of {p} stages does not divide the {shape.layers} layers evenly; "
+                f"use pipeline {', '.join(map(str, works))}"
+            )
+        else:
+            cfg = PipelineConfig(p, parallel.schedule, _microbatches(parallel))
+            out.extend(cfg.problems(shape.layers))
+    m = _microbatches(parallel)
+    if batch_size % (d * m):
+        out.append(
+            f"a batch of {batch_size} samples does not split into {d} replicas x {m} "
+            f"micro-batches; use a batch size that is a multiple of {d * m}"
+        )
+    return out
+
+
+def _microbatches(parallel: ParallelConfig) -> int:
+    if parallel.microbatches is not None:
+        return parallel.microbatches
+    return 2 * parallel.pipeline if parallel.pipeline > 1 else 1
+
+
+# ------------------------------------------------------------------------------- profiling
+@dataclass(frozen=True)
+class _Profile:
+    """One micro-batch of one sample through one tensor-parallel rank's shapes."""
+
+    block_params: int  # elements
+    first_params: int
+    last_params: int
+    block_acts: int  # bytes kept for backward by one block
+    first_acts: int
+    last_acts: int
+    block_flops: float  # forward + backward
+    first_flops: float
+    last_flops: float
+
+
+def _local_config(shape: ModelShape, tensor: int) -> Any:
+    """The HF config whose one block holds one tensor-parallel rank's matrices (Llama
+    layout; other models keep their shapes and are scaled in :func:`_scale_other`)."""
+    cfg = shape.config
+    if shape.family != "llama" or tensor == 1:
+        return cfg.__class__(**{**cfg.to_dict(), "num_hidden_layers": 1})
+    head_dim = getattr(cfg, "head_dim", None) or shape.hidden // shape.heads
+    return cfg.__class__(**{
+        **cfg.to_dict(),
+        "num_hidden_layers": 1,
+        "num_attention_heads": shape.heads // tensor,
+        "num_key_value_heads": shape.kv_heads // tensor,
+        "intermediate_size": shape.mlp // tensor,
+        "vocab_size": -(-shape.vocab // tensor),
+        "head_dim": head_dim,
+        "tie_word_embeddings": False,
+    })
+
+
+@functools.lru_cache(maxsize=64)
+def _profile(shape: ModelShape, tensor: int, seq_len: int, dtype: str, device: str) -> _Profile:
+    """Dry-run one sample through a one-block model of one rank's shapes (fake tensors; the
+    weights are never written, so they take address space, not memory)."""
+    import torch
+
+    from ..estimate.pipeline import profile_blocks
+    from ..targets import emulate, get_device
+    from ..workload import _hf_model_from_config_impl
+
+    cfg = _local_config(shape, tensor)
+    with torch.device("meta"):
+        model = _hf_model_from_config_impl(cfg, None)
+    model = model.to_empty(device="cpu")
+    ids = torch.zeros(1, seq_len, dtype=torch.long)
+    autocast = (
+        torch.autocast("cpu", dtype=getattr(torch, dtype))
+        if dtype in ("bfloat16", "float16")
+        else _null()
+    )
+    with emulate(get_device(device)), autocast:
+        prof = profile_blocks(model, ids, ids)
+    block = prof.blocks[0]
+    out = _Profile(
+        block_params=block.state_bytes // 4,
+        first_params=prof.first.state_bytes // 4,
+        last_params=prof.last.state_bytes // 4,
+        block_acts=block.activation_bytes,
+        first_acts=prof.first.activation_bytes,
+        last_acts=prof.last.activation_bytes,
+        block_flops=block.compute,
+        first_flops=prof.first.compute,
+        last_flops=prof.last.compute,
+    )
+    if shape.family != "llama" and tensor > 1:
+        out = _scale_other(out, tensor)
+    return out
+
+
+def _scale_other(prof: _Profile, t: int) -> _Profile:
+    """Another model's rank under Megatron's split, from its unsplit profile: the block's
+    matrices, FLOPs, head and embeddings divided by ``t``; of its activations, the share
+    inside attention and the MLP (24 of Korthikanti et al.'s 34 per token and width)."""
+    return dataclasses.replace(
+        prof,
+        block_params=prof.block_params // t,
+        first_params=prof.first_params // t,
+        last_params=prof.last_params // t,
+        block_acts=round(prof.block_acts * (10 + 24 / t) / 34),
+        last_acts=prof.last_acts // t,
+        block_flops=prof.block_flops / t,
+        first_flops=prof.first_flops / t,
+        last_flops=prof.last_flops / t,
+    )
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+# ------------------------------------------------------------------------------ estimating
+@dataclass
+class LayoutCandidate:
+    """One layout with its settings, priced.
+
+    Attributes:
+        parallel: The degrees, ZeRO stage, schedule and micro-batches.
+        checkpointing: Whether every block is checkpointed.
+        rank_peak_bytes: Predicted peak per rank, in rank order.
+        step_seconds: Predicted seconds per step.
+        parts: The step's seconds by part (``compute``, ``bubble``, ``tensor``, ``pipeline``,
+            ``data``).
+        fits: Whether every rank fits the budget.
+        microbatches: Micro-batches per step (the pipeline's, or accumulation's).
+        by_category: The largest rank's peak by category.
+        stages: Each pipeline stage's ranks' peak by category.
+        stage_busy_seconds: Each stage's compute seconds per step (the rest of the step it
+            waits: the bubble, and the slowest stage).
+    """
+
+    parallel: ParallelConfig
+    checkpointing: bool
+    rank_peak_bytes: list[int]
+    step_seconds: float
+    parts: dict[str, float]
+    fits: bool = False
+    microbatches: int = 1
+    by_category: dict[str, int] = dataclasses.field(default_factory=dict)
+    stages: list[dict[str, int]] = dataclasses.field(default_factory=list)
+    stage_busy_seconds: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def max_peak_bytes(self) -> int:
+        """The largest rank's peak."""
+        return max(self.rank_peak_bytes)
+
+    def settings(self) -> str:
+        """The settings besides the degrees, in short."""
+        par = self.parallel
+        bits = []
+        if par.pipeline > 1:
+            bits.append(f"{par.schedule} x{self.microbatches}")
+        elif self.microbatches > 1:
+            bits.append(f"accumulation {self.microbatches}")
+        if par.data > 1:
+            bits.append(f"ZeRO {par.zero_stage}")
+        if self.checkpointing:
+            bits.append("checkpointing")
+        return ", ".join(bits)
+
+    def describe(self) -> str:
+        """The layout in words."""
+        par = self.parallel
+        degrees = f"data {par.data}, tensor {par.tensor}, pipeline {par.pipeline}"
+        rest = self.settings().replace(f" x{self.microbatches}", f" x {self.microbatches} micro-batches")
+        return degrees + (", " + rest if rest else "")
+
+
+def _rank_of(stage: int, replica: int, shard: int, par: ParallelConfig) -> int:
+    return (stage * par.data + replica) * par.tensor + shard
+
+
+def rank_coordinates(rank: int, parallel: ParallelConfig) -> dict[str, int]:
+    """Where ``rank`` sits: :meth:`ParallelConfig.coordinates`."""
+    return parallel.coordinates(rank)
+
+
+def estimate_layout(shape: ModelShape, parallel: ParallelConfig, *, batch_size: int,
+                    seq_len: int, checkpointing: bool, device: Any, precision: str,
+                    optimizer: str, gpus_per_node: int,
+                    microbatches: int | None = None) -> LayoutCandidate:
+    """Price one layout (see the module docstring): every rank's peak and the step time.
+
+    ``microbatches``: with one stage, the gradient-accumulation steps per step (default 1);
+    with a pipeline, its ``parallel.microbatches``.
+    """
+    from ..distributed.pipeline_plan import microbatches_in_flight
+    from ..estimate.distributed import zero_model_state_bytes
+
+    t, p, d = parallel.tensor, parallel.pipeline, parallel.data
+    m = _microbatches(parallel) if p > 1 else (microbatches or 1)
+    mb = batch_size // (d * m)  # samples per micro-batch
+    dtype = {"bf16-mixed": "bfloat16", "fp16-mixed": "float16"}.get(precision, "float32")
+    prof = _profile(shape, t, seq_len, dtype, device.name)
+    act_bytes = 2 if dtype != "float32" else 4
+    per_stage = shape.layers // p
+    state = _STATE_BYTES.get(optimizer, 8)
+    v = 1 if parallel.schedule in ("gpipe", "1f1b") else 2
+    block_input = mb * seq_len * shape.hidden * act_bytes
+
+    peaks_by_stage: list[int] = []
+    cats_by_stage: list[dict[str, int]] = []
+    stage_flops = []
+    for s in range(p):
+        first, last = s == 0, s == p - 1
+        if v == 2:  # two chunks per rank: the first chunk's rank also holds the last
+            first, last = s == 0, s == 0
+        params = per_stage * prof.block_params
+        params += prof.first_params if first else 0
+        params += prof.last_params if last else 0
+        states = zero_model_state_bytes(params, d, parallel.zero_stage, state_bytes=state)
+        if parallel.zero_stage == 3:  # two blocks' parameters gathered at a time
+            states += 2 * 4 * prof.block_params * (1 - 1 / d)
+        if parallel.zero_stage == 2:  # whole between a block's forward and its backward
+            states += 4 * params * (1 - 1 / d)
+        per_block = block_input if checkpointing else prof.block_acts * mb
+        acts = per_stage * per_block
+        acts += prof.first_acts * mb if first else 0
+        acts += prof.last_acts * mb if last else 0
+        n = microbatches_in_flight(parallel.schedule, p, m, s, v if v > 1 else None) if p > 1 else 1
+        kept = n * acts / v
+        # One block's backward: its saved tensors again as gradients (recomputed first when
+        # checkpointed), and on the last stage the logits' gradient in fp32.
+        work = prof.block_acts * mb * (2 if checkpointing else 1)
+        if last:
+            work = max(work, 2 * 4 * mb * seq_len * (-(-shape.vocab // t)))
+        peaks_by_stage.append(int(states + kept + work))
+        grads = zero_model_state_bytes(params, d, parallel.zero_stage, param_bytes=0,
+                                       grad_bytes=4, state_bytes=0)
+        opt = zero_model_state_bytes(params, d, parallel.zero_stage, param_bytes=0,
+                                     grad_bytes=0, state_bytes=state)
+        cats_by_stage.append({
+            "parameters": int(states - grads - opt), "gradients": int(grads),
+            "optimizer_state": int(opt), "activations": int(kept), "temporaries": int(work),
+        })
+        flops = per_stage * prof.block_flops * (4 / 3 if checkpointing else 1)
+        flops += (prof.first_flops if first else 0) + (prof.last_flops if last else 0)
+        stage_flops.append(flops * mb * m)
+
+    rate = device.flops.get("bf16" if dtype == "bfloat16" else "fp16" if dtype == "float16" else "fp32")
+    tokens = mb * seq_len
+    eff = device.matmul_efficiency * tokens / (tokens + device.half_tokens)
+    busy = [f / (rate * eff) for f in stage_flops]
+    compute = max(busy)
+    bubble = {"gpipe": (p - 1) / m, "1f1b": (p - 1) / m, "interleaved-1f1b": (p - 1) / (2 * m),
+              "zero-bubble": (p - 1) / (6 * m)}[parallel.schedule] if p > 1 else 0.0
+    node = device.node_link_bandwidth
+    net = device.cross_node_bandwidth
+    g = gpus_per_node
+    # Tensor parallelism: 2 all-reduces forward, 2 backward (3 forward with recomputation)
+    # of a block's output per micro-batch, each moving 2 (t - 1) / t of it per rank.
+    per_allreduce = block_input * 2 * (t - 1) / t / node if t > 1 else 0.0
+    tp = (6 if checkpointing else 4) * per_allreduce * per_stage * m
+    # Pipeline: each micro-batch's hidden state forward and its gradient back, per boundary.
+    pp_bw = node if t * d < g else net
+    pp = 2 * block_input * m / pp_bw if p > 1 else 0.0
+    # Data parallelism: the gradients (fp32) reduced once per step; stage 3 also gathers the
+    # parameters in forward and in backward.
+    local_params = max(per_stage * prof.block_params + prof.first_params, 1)
+    dp_bw = node if t * d <= g else net
+    volume = 4 * local_params * 2 * (d - 1) / d * (1.5 if parallel.zero_stage == 3 else 1)
+    dp_total = volume / dp_bw if d > 1 else 0.0
+    dp = max(0.0, dp_total - _DP_OVERLAP * compute * 2 / 3)
+    step = compute * (1 + bubble) + tp + pp + dp
+    parts = {"compute": compute, "bubble": compute * bubble, "tensor": tp, "pipeline": pp,
+             "data": dp}
+    peaks = [0] * parallel.world_size
+    for s in range(p):
+        for r in range(d):
+            for k in range(t):
+                peaks[_rank_of(s, r, k, parallel)] = peaks_by_stage[s]
+    top = max(range(p), key=lambda i: peaks_by_stage[i])
+    return LayoutCandidate(parallel, checkpointing, peaks, step, parts, microbatches=m,
+                           by_category=cats_by_stage[top], stages=cats_by_stage,
+                           stage_busy_seconds=busy)
