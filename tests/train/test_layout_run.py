@@ -46,6 +46,7 @@ def workdir(tmp_path_factory) -> Path:
     Plan().to_json(d / "one.json")
     Plan(parallel=TP2_PP2, precision="bf16-mixed").to_json(d / "tp2pp2_bf16.json")
     Plan(precision="bf16-mixed").to_json(d / "one_bf16.json")
+    Plan(parallel=TP2_PP2, checkpointing="full").to_json(d / "tp2pp2_ckpt.json")
     return d
 
 
@@ -136,6 +137,21 @@ def test_bf16_mixed_runs_the_schedule_under_autocast(workdir: Path, tp2pp2: dict
         assert bf16 < fp32
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_activation_checkpointing_applies_to_every_stage(workdir: Path, tp2pp2: dict,
+                                                          one_process: dict):
+    """A tensor 2 x pipeline 2 plan with full checkpointing: the same losses as one process
+    (recomputation changes no value: dropout is off), and every rank's activations at its
+    peak below the plain split run's (a stage's blocks keep their inputs only)."""
+    got = _run(workdir, "tp2pp2_ckpt", "--nproc-per-node", "4", "--plan", "tp2pp2_ckpt.json")
+    assert got["losses"] == pytest.approx(one_process["losses"], abs=TOL)
+    assert "predicted_rank_peak_bytes" not in got  # predict_layout models no checkpointing
+    for ckpt, plain in zip(got["per_rank_peak_bytes"], tp2pp2["per_rank_peak_bytes"],
+                           strict=True):
+        assert ckpt < plain
+
+
 def test_checkpoints_with_a_tensor_x_pipeline_plan_are_refused_before_launch(workdir: Path):
     run = _memfit(workdir, "--nproc-per-node", "4", "--plan", "tp2pp2.json",
                   "--checkpoint-dir", "ck", timeout=60)
@@ -160,8 +176,8 @@ def test_is_layout_plan():
     (Plan(parallel=TP2_PP2), {"cap": "1GiB"}, "--cap is not applied"),
     (Plan(parallel=TP2_PP2), {"eval_every": 5}, "does not evaluate"),
     (Plan(parallel=TP2_PP2, optimizer="adamw8bit"), {}, "not optimizer 'adamw8bit'"),
-    (Plan(parallel=TP2_PP2, checkpointing="full", precision="fp16-mixed"), {},
-     "ignore the plan's checkpointing 'full', precision 'fp16-mixed'; remove them"),
+    (Plan(parallel=TP2_PP2, checkpointing="sqrt", precision="fp16-mixed"), {},
+     "ignore the plan's checkpointing 'sqrt', precision 'fp16-mixed'; remove them"),
     (Plan(parallel={"tensor": 4}), {}, "tensor-parallel degree 4 does not divide"),
     (Plan(parallel={"data": 2, "tensor": 2, "microbatches": 3}), {},
      "a batch of 8 does not split into data 2 x microbatches 3"),

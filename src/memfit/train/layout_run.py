@@ -85,7 +85,8 @@ def check_layout_run(config: TrainConfig, plan: Plan) -> None:
     ignored = _ignored_techniques(plan)
     if ignored:
         problems.append(
-            f"{what} trains with the layout and the plan's precision (fp32 or bf16-mixed) alone "
+            f"{what} trains with the layout, the plan's precision (fp32 or bf16-mixed) and its "
+            f"checkpointing (full or selective) alone "
             f"and would ignore the plan's "
             f"{', '.join(ignored)}; remove {'it' if len(ignored) == 1 else 'them'} from the plan")
     if problems:
@@ -113,7 +114,7 @@ def _meta_model(config: TrainConfig) -> torch.nn.Module:
 def _ignored_techniques(plan: Plan) -> list[str]:
     """The plan's techniques that :func:`build_layout` does not apply, as the plan names them."""
     out = []
-    if plan.checkpointing.mode != "none":
+    if plan.checkpointing.mode not in ("none", "full", "selective"):
         out.append(f"checkpointing {plan.checkpointing.mode!r}")
     if plan.precision.mode not in ("fp32", "bf16-mixed"):
         out.append(f"precision {plan.precision.mode!r}")
@@ -145,8 +146,9 @@ def _ignored_techniques(plan: Plan) -> list[str]:
 def predict_rank_peaks(run: TrainRun, plan: Plan) -> list[int] | None:
     """Every rank's predicted peak (:func:`~memfit.estimate.layout.predict_layout`), or
     ``None`` when it cannot predict this run. Call it before joining the process group: the
-    prediction runs in a fake one. ``None`` for bf16-mixed too: predict_layout models fp32."""
-    if plan.precision.mode != "fp32":
+    prediction runs in a fake one. ``None`` for bf16-mixed and checkpointing too: predict_layout
+    models fp32 without them."""
+    if plan.precision.mode != "fp32" or plan.checkpointing.mode != "none":
         return None
     try:
         from ..estimate.layout import predict_layout
@@ -259,6 +261,14 @@ def train_layout(
     model, _ = run.workload.build(seed=cfg.seed)
     layout = build_layout(model, par, device=device, batch_size=batch_size)
     del model  # a rank keeps only its stages' modules
+    if plan.checkpointing.mode != "none":
+        # A stage keeps the model's own block names, so memfit's checkpointing finds its
+        # blocks as it finds the whole model's (a block recomputes its forward in backward).
+        from ..strategies.checkpointing import apply_checkpointing
+
+        for module in layout.modules:
+            blocks = tuple(getattr(module, "block_names", ())) or plan.checkpointing.blocks
+            apply_checkpointing(module, dataclasses.replace(plan.checkpointing, blocks=blocks))
     opt_cfg = plan.optimizer
     if cfg.lr is not None:  # the run's learning rate, as the Trainer applies it
         opt_cfg = dataclasses.replace(opt_cfg, lr=float(cfg.lr))
