@@ -139,3 +139,24 @@ def test_profile_names_the_dry_run_policies_it_applied(tmp_path):
     assert res.exit_code == 0, res.output
     text = " ".join(res.output.split())
     assert "dry-run policy: routing in model.layers.0.mlp.gate: expert_load=2 expert choice" in text
+
+
+def test_profile_dry_runs_every_rank_of_a_tensor_pipeline_plan(tmp_path):
+    """``memfit profile --dry-run --world-size 4`` with a tensor 2 x pipeline 2 plan: each
+    rank's peak is predict_layout's; a world size other than the plan's degrees is refused."""
+    from memfit.distributed.config import ParallelConfig
+    from memfit.estimate.layout import predict_layout
+    from memfit.plan import Plan
+    from memfit.workload import load_workload
+
+    par = ParallelConfig(tensor=2, pipeline=2, microbatches=2)
+    Plan(parallel=par).to_json(tmp_path / "plan.json")
+    args = ["profile", "--model", "llama-tiny", "--batch-size", "4", "--seq-len", "16",
+            "--dry-run", "--plan", str(tmp_path / "plan.json")]
+    result = runner.invoke(app, [*args, "--world-size", "4", "--json", str(tmp_path / "o.json")])
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "o.json").read_text())
+    expected = predict_layout(load_workload("llama-tiny", 4, 16), par).peak_bytes
+    assert data["predicted_rank_peak_bytes"] == list(expected) and len(expected) == 4
+    bad = runner.invoke(app, [*args, "--world-size", "2"])
+    assert bad.exit_code == 2 and "is 4 processes but --world-size is 2" in bad.output

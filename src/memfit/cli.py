@@ -200,6 +200,9 @@ def _profile_ranks(
     if isinstance(world, bool) or world < 1:
         _fail(f"--world-size must be a whole number >= 1, got {world}")
     plan = plan or Plan()
+    if plan.parallel.tensor > 1 or plan.parallel.pipeline > 1:
+        _profile_layout(workload, plan, world, json_path)
+        return
     if plan.parallel.data == 1:
         plan = plan.replace(parallel=dataclasses.replace(plan.parallel, data=world))
     elif plan.parallel.data != world:
@@ -218,6 +221,48 @@ def _profile_ranks(
     if json_path is not None:
         data = {"model": workload.name, "plan": plan.to_dict(), "world_size": world, **pred.to_dict()}
         data["reports"] = {str(r): rep.to_dict(max_points=200) for r, rep in pred.reports.items()}
+        json_path.write_text(json.dumps(data, indent=2) + "\n")
+        out.print(f"wrote {json_path}")
+
+
+def _profile_layout(workload: Any, plan: Any, world: int, json_path: Any) -> None:
+    """``memfit profile --dry-run --world-size N`` for a tensor/pipeline plan: each rank's
+    predicted peak from dry runs of its own program (:func:`memfit.estimate.layout.
+    predict_layout`)."""
+    import json
+
+    from rich.table import Table
+
+    from .estimate.layout import predict_layout
+    from .units import format_bytes
+
+    par = plan.parallel
+    if par.world_size != world:
+        _fail(
+            f"the plan's data {par.data} x tensor {par.tensor} x pipeline {par.pipeline} is "
+            f"{par.world_size} processes but --world-size is {world}; give --world-size "
+            f"{par.world_size}"
+        )
+    if (plan.precision.mode != "fp32" or plan.checkpointing.mode != "none"
+            or plan.optimizer.name not in ("adamw", "sgd")):
+        _fail(
+            "a tensor/pipeline plan's ranks are dry-run in fp32 without checkpointing, with "
+            "adamw or sgd; for other plans, memfit plan --world-size N --gpus-per-node G with "
+            "--plan gives the layout model's per-rank figures"
+        )
+    with err.status(f"dry-running the {par.pipeline} pipeline stages of {workload.name}"):
+        pred = _run_guarded(predict_layout, workload, par, optimizer=plan.optimizer.name)
+    table = Table(title=f"{workload.name}: {plan.summary()} (predicted per rank)")
+    for col in ("rank", "stage", "replica", "shard", "peak"):
+        table.add_column(col, justify="right")
+    for r, peak in enumerate(pred.peak_bytes):
+        where = par.coordinates(r)
+        table.add_row(str(r), *(str(where[k]) for k in ("stage", "replica", "shard")),
+                      format_bytes(peak))
+    out.print(table)
+    if json_path is not None:
+        data = {"model": workload.name, "plan": plan.to_dict(), "world_size": world,
+                **pred.to_dict(), "predicted_rank_peak_bytes": list(pred.peak_bytes)}
         json_path.write_text(json.dumps(data, indent=2) + "\n")
         out.print(f"wrote {json_path}")
 
