@@ -21,6 +21,7 @@ How a layout is priced, per rank:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from dataclasses import dataclass
@@ -221,7 +222,7 @@ def _profile(shape: ModelShape, tensor: int, seq_len: int, dtype: str, device: s
     autocast = (
         torch.autocast("cpu", dtype=getattr(torch, dtype))
         if dtype in ("bfloat16", "float16")
-        else _null()
+        else contextlib.nullcontext()
     )
     with emulate(get_device(device)), autocast:
         prof = profile_blocks(model, ids, ids)
@@ -257,14 +258,6 @@ def _scale_other(prof: _Profile, t: int) -> _Profile:
         first_flops=prof.first_flops / t,
         last_flops=prof.last_flops / t,
     )
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 # ------------------------------------------------------------------------------ estimating
