@@ -4,12 +4,9 @@ variant trains like the plain plan)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -17,24 +14,19 @@ import torch
 
 from memfit import device
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_offload.py"
+from .scripts import load_script, run_script
+
 TINY = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 32,
         "n_layer": 2, "n_head": 2, "vocab_size": 128, "n_positions": 32}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def go() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpu_offload", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gpu_offload")
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, check=False
-    )
+    return run_script("gpu_offload", *args)
 
 
 @pytest.mark.skipif(device.cuda_available(), reason="this machine has a GPU: the harness runs")

@@ -3,11 +3,8 @@ real-run path (exercised on the CPU here) follows memfit.measure's procedure exa
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -16,22 +13,16 @@ import memfit
 from memfit import device
 from memfit.units import GiB
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_validate.py"
+from .scripts import load_script, run_script
 
 
 @pytest.fixture(scope="module")
 def gv() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpu_validate", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gpu_validate")
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, check=False
-    )
+    return run_script("gpu_validate", *args)
 
 
 @pytest.mark.skipif(device.cuda_available(), reason="this machine has a GPU: the harness runs")

@@ -1,0 +1,28 @@
+"""Load and run a benchmark script (``benchmarks/NAME.py``) from the GPU harnesses' tests."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def load_script(name: str) -> ModuleType:
+    """``benchmarks/<name>.py`` imported as a module (its functions, without running it)."""
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_script(name: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``python benchmarks/<name>.py <args>``, its output captured."""
+    return subprocess.run(
+        [sys.executable, str(BENCHMARKS / f"{name}.py"), *args], capture_output=True, text=True,
+        check=False,
+    )
