@@ -123,6 +123,9 @@ class MemoryTracker(TorchDispatchMode):
         self._pack_fn = self._pack  # one bound method, to recognise our hook on the stack
         #: Qualified name of the innermost module whose forward raised, if one did.
         self.failed_module: str | None = None
+        #: Stretches of events recorded for replay in dry runs (see :mod:`.replay`).
+        self.replays: dict[Any, Any] = {}
+        self._birth_funcs: list[Any] | None = None  # the op of each birth, while recording
 
     # ------------------------------------------------------------------ storage records
     def _register(self, t: torch.Tensor, cat: int, promote: bool = True) -> int | None:
@@ -163,7 +166,8 @@ class MemoryTracker(TorchDispatchMode):
         return self._record(st, key, st.nbytes(), cat, tier)
 
     def _record(self, st: Any, key: int, nbytes: int, cat: int, tier: int) -> int:
-        """Append a record for a storage born now."""
+        """Append a record for a storage born now (``st`` is ``None`` for a replayed one,
+        which :meth:`_end` ends)."""
         idx = len(self._nbytes)
         self._seq += 1
         self._nbytes.append(nbytes)
@@ -172,10 +176,13 @@ class MemoryTracker(TorchDispatchMode):
         self._cat.append(cat)
         self._tier.append(tier)
         self._key.append(key)
-        self._live[key] = idx
-        ref = weakref.ref(st, self._on_free)
-        self._refs[ref] = idx
-        self._ref_of[key] = ref
+        if st is not None:
+            self._live[key] = idx
+            ref = weakref.ref(st, self._on_free)
+            self._refs[ref] = idx
+            self._ref_of[key] = ref
+        if self._birth_funcs is not None:
+            self._birth_funcs.append(self._func)
         if tier == 0:
             self._total += nbytes
             if self._total > self._peak:
@@ -198,6 +205,13 @@ class MemoryTracker(TorchDispatchMode):
         if self._live.get(key) == idx:
             del self._live[key]
             self._ref_of.pop(key, None)
+        if self._tier[idx] == 0:
+            self._total -= self._nbytes[idx]
+
+    def _end(self, idx: int) -> None:
+        """End record ``idx`` now (a replayed storage's death, see :mod:`.replay`)."""
+        self._seq += 1
+        self._death[idx] = self._seq
         if self._tier[idx] == 0:
             self._total -= self._nbytes[idx]
 
@@ -236,7 +250,9 @@ class MemoryTracker(TorchDispatchMode):
         offload) reports them here, and the report's ``peak_by_tier["disk"]`` is their peak.
         """
         if category not in CATEGORIES:
-            raise ValueError(f"category {category!r} is not known; use one of {', '.join(CATEGORIES)}")
+            raise ValueError(
+                f"category {category!r} is not known; use one of {', '.join(CATEGORIES)}"
+            )
         self._disk[category] = self._disk.get(category, 0) + int(nbytes)
         total = sum(self._disk.values())
         if total > self._disk_peak:

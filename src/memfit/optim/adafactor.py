@@ -11,6 +11,7 @@ from torch import Tensor
 
 from ..device import is_fake
 from ._base import MemfitOptimizer, compute_dtype, dense_grad, work_copy, write_back
+from ._dry import next_step, run_update
 from .rounding import stochastic_round_to_bf16
 from .sharding import all_reduce_sum_, is_sharded, local_tensor, norms
 
@@ -180,9 +181,7 @@ class Adafactor(MemfitOptimizer):
             The closure's loss, if a closure was given.
         """
         loss = self._run_closure(closure)
-        for group in self.param_groups:
-            eps1, eps2 = group["eps"]
-            beta1 = group["beta1"]
+        for index, group in enumerate(self.param_groups):
             for param in group["params"]:
                 if param.grad is None:
                     continue
@@ -191,56 +190,77 @@ class Adafactor(MemfitOptimizer):
                 state = self.state[param]
                 if not state:
                     self._init_state(local, state, group)
-                # The whole parameter's size: every rank of a sharded one takes the same path
-                # (and so runs the same collectives).
-                if param.dim() == 2 and param.numel() > self.chunk_size:
-                    self._chunked_factored_step(param, grad, state, group)
-                    continue
-                work = work_copy(local)
-                grad = grad.to(work.dtype)
-
-                state["step"] += 1
-                step = state["step"]
-                rms = self._rms(work, param)
-                state["RMS"].copy_(rms)
-                # A tensor when it depends on the parameter RMS: using it in place avoids a
-                # host sync (and works under fake tensors) where float(rms) would not.
-                lr: Tensor | float = self._relative_step_size(group, step)
-                if group["scale_parameter"]:
-                    lr = rms.clamp(min=eps2) * lr
-
-                beta2t = 1.0 - math.pow(step, group["decay_rate"])
-                sq_grad = grad.square()
-                if "exp_avg_sq_row" in state:
-                    row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
-                    # eps1 is added to the (small) means rather than to every squared gradient:
-                    # the same value up to rounding, one full pass fewer.
-                    row_mean = _mean(sq_grad, -1, param, -1).add_(eps1)
-                    col_mean = _mean(sq_grad, -2, param, -2).add_(eps1)
-                    del sq_grad
-                    row.mul_(beta2t).add_(row_mean, alpha=1.0 - beta2t)
-                    col.mul_(beta2t).add_(col_mean, alpha=1.0 - beta2t)
-                    update = _factored_rsqrt(row, col, param).mul_(grad)
-                else:
-                    exp_avg_sq = state["exp_avg_sq"]
-                    exp_avg_sq.mul_(beta2t).add_(sq_grad.add_(eps1), alpha=1.0 - beta2t)
-                    del sq_grad
-                    update = exp_avg_sq.rsqrt().mul_(grad)
-
-                # Clipping and the step size folded into one scalar: one pass over the update.
-                scale = lr / (self._rms(update, param) / group["clip_threshold"]).clamp_(min=1.0)
-                if beta1 is not None:
-                    exp_avg = state["exp_avg"]
-                    exp_avg.mul_(beta1).add_(update.mul_(scale), alpha=1.0 - beta1)
-                    update, scale = exp_avg, None
-                if group["weight_decay"] != 0.0:
-                    work.mul_(1.0 - group["weight_decay"] * lr)
-                if scale is None:
-                    work.sub_(update)
-                else:
-                    work.addcmul_(update, scale, value=-1.0)
-                self._write(local, work)
+                run_update(
+                    self,
+                    (index, tuple(param.shape), self.chunk_size, self.stochastic_rounding),
+                    (local, grad),
+                    state,
+                    self._update,
+                    (param, grad, local, state, group),
+                    on_replay=next_step,
+                )
         return loss
+
+    def _update(
+        self,
+        param: Tensor,
+        grad: Tensor,
+        local: Tensor,
+        state: dict[str, Any],
+        group: dict[str, Any],
+    ) -> None:
+        """One parameter's update (its state exists)."""
+        eps1, eps2 = group["eps"]
+        beta1 = group["beta1"]
+        # The whole parameter's size: every rank of a sharded one takes the same path
+        # (and so runs the same collectives).
+        if param.dim() == 2 and param.numel() > self.chunk_size:
+            self._chunked_factored_step(param, grad, state, group)
+            return
+        work = work_copy(local)
+        grad = grad.to(work.dtype)
+
+        state["step"] += 1
+        step = state["step"]
+        rms = self._rms(work, param)
+        state["RMS"].copy_(rms)
+        # A tensor when it depends on the parameter RMS: using it in place avoids a
+        # host sync (and works under fake tensors) where float(rms) would not.
+        lr: Tensor | float = self._relative_step_size(group, step)
+        if group["scale_parameter"]:
+            lr = rms.clamp(min=eps2) * lr
+
+        beta2t = 1.0 - math.pow(step, group["decay_rate"])
+        sq_grad = grad.square()
+        if "exp_avg_sq_row" in state:
+            row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
+            # eps1 is added to the (small) means rather than to every squared gradient:
+            # the same value up to rounding, one full pass fewer.
+            row_mean = _mean(sq_grad, -1, param, -1).add_(eps1)
+            col_mean = _mean(sq_grad, -2, param, -2).add_(eps1)
+            del sq_grad
+            row.mul_(beta2t).add_(row_mean, alpha=1.0 - beta2t)
+            col.mul_(beta2t).add_(col_mean, alpha=1.0 - beta2t)
+            update = _factored_rsqrt(row, col, param).mul_(grad)
+        else:
+            exp_avg_sq = state["exp_avg_sq"]
+            exp_avg_sq.mul_(beta2t).add_(sq_grad.add_(eps1), alpha=1.0 - beta2t)
+            del sq_grad
+            update = exp_avg_sq.rsqrt().mul_(grad)
+
+        # Clipping and the step size folded into one scalar: one pass over the update.
+        scale = lr / (self._rms(update, param) / group["clip_threshold"]).clamp_(min=1.0)
+        if beta1 is not None:
+            exp_avg = state["exp_avg"]
+            exp_avg.mul_(beta1).add_(update.mul_(scale), alpha=1.0 - beta1)
+            update, scale = exp_avg, None
+        if group["weight_decay"] != 0.0:
+            work.mul_(1.0 - group["weight_decay"] * lr)
+        if scale is None:
+            work.sub_(update)
+        else:
+            work.addcmul_(update, scale, value=-1.0)
+        self._write(local, work)
 
     def _write(self, param: Tensor, work: Tensor) -> None:
         """Write fp32 ``work`` into ``param``: rounded stochastically to bf16 when asked."""

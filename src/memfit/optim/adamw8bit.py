@@ -14,6 +14,7 @@ from torch.nn import functional as F
 from ..device import is_fake
 from . import _fused8bit
 from ._base import MemfitOptimizer, compute_dtype, dense_grad, work_copy, write_back
+from ._dry import run_update
 from .quantization import SIGNED_MAP, UNSIGNED_MAP, dequantize_blocks, quantize_blocks_
 from .sharding import local_tensor
 
@@ -191,7 +192,7 @@ class AdamW8bit(MemfitOptimizer):
             The closure's loss, if a closure was given.
         """
         loss = self._run_closure(closure)
-        for group in self.param_groups:
+        for group_index, group in enumerate(self.param_groups):
             beta1, beta2 = group["betas"]
             for index, param in enumerate(group["params"]):
                 if param.grad is None:
@@ -213,23 +214,37 @@ class AdamW8bit(MemfitOptimizer):
                     step_size=group["lr"] / (1.0 - beta1**step),
                     bias_correction2_sqrt=math.sqrt(1.0 - beta2**step),
                 )
-                if "exp_avg_codes" in state:
-                    done = 0
-                    if self._use_compiled(local, grad, group["block_size"]):
-                        if self._scratch is None:
-                            rows = _fused8bit.COMPILED_CHUNK // _fused8bit.BLOCK_SIZE
-                            self._scratch = torch.empty(2, rows, _fused8bit.BLOCK_SIZE)
-                        done = _update_8bit_compiled(local, grad, state, hyper, self._scratch)
-                    _update_8bit(
-                        local, grad, state, hyper, group["block_size"], _chunk(group), start=done
-                    )
-                else:
-                    work = work_copy(local)
-                    adamw_math(
-                        work, grad.to(work.dtype), state["exp_avg"], state["exp_avg_sq"], hyper
-                    )
-                    write_back(local, work)
+                run_update(
+                    self,
+                    (group_index, tuple(param.shape), group["block_size"], _chunk(group)),
+                    (local, grad),
+                    state,
+                    self._update,
+                    (local, grad, state, group, hyper),
+                )
         return loss
+
+    def _update(
+        self,
+        local: Tensor,
+        grad: Tensor,
+        state: dict[str, Any],
+        group: dict[str, Any],
+        hyper: _Hyper,
+    ) -> None:
+        """One parameter's update (its state exists, its step counted)."""
+        if "exp_avg_codes" in state:
+            done = 0
+            if self._use_compiled(local, grad, group["block_size"]):
+                if self._scratch is None:
+                    rows = _fused8bit.COMPILED_CHUNK // _fused8bit.BLOCK_SIZE
+                    self._scratch = torch.empty(2, rows, _fused8bit.BLOCK_SIZE)
+                done = _update_8bit_compiled(local, grad, state, hyper, self._scratch)
+            _update_8bit(local, grad, state, hyper, group["block_size"], _chunk(group), start=done)
+        else:
+            work = work_copy(local)
+            adamw_math(work, grad.to(work.dtype), state["exp_avg"], state["exp_avg_sq"], hyper)
+            write_back(local, work)
 
     def _use_compiled(self, local: Tensor, grad: Tensor, block_size: int) -> bool:
         """Whether this parameter's 8-bit update runs the compiled kernel (see ``compiled``)."""
