@@ -208,11 +208,10 @@ def _disk_tier_estimate(report: MemoryReport, optimizer: Any, plan: Plan) -> Non
 @contextlib.contextmanager
 def _fake_mode() -> Any:
     """Fake tensors, with the fake kernels that follow the real ones (:mod:`.fake_kernels`)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     from .fake_kernels import real_kernel_rules
+    from .fast_fake import DryFakeTensorMode
 
-    with real_kernel_rules(), FakeTensorMode(allow_non_fake_inputs=True):
+    with real_kernel_rules(), DryFakeTensorMode(allow_non_fake_inputs=True):
         yield
 
 

@@ -109,8 +109,8 @@ def dry_tensors(
 ) -> Iterator[DryRunValues]:
     """Fake tensors as every dry run uses them: the fake kernels above and the values and
     data-dependent policies of :mod:`memfit.estimate.values`."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from .fast_fake import DryFakeTensorMode
 
     values = DryRunValues(expert_load=expert_load, where=where)
-    with real_kernel_rules(), FakeTensorMode(allow_non_fake_inputs=True), values:
+    with real_kernel_rules(), DryFakeTensorMode(allow_non_fake_inputs=True), values:
         yield values

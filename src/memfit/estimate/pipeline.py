@@ -73,12 +73,11 @@ class PipelineProfile:
 def _fake() -> Iterator[Any]:
     """A fake-tensor mode as memfit's dry runs open it: the real kernels' rules, and the value
     shadows that let transformers take the real run's path (SDPA's ``is_causal``, no mask)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     from .fake_kernels import real_kernel_rules
+    from .fast_fake import DryFakeTensorMode
     from .values import DryRunValues
 
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    mode = DryFakeTensorMode(allow_non_fake_inputs=True)
     with real_kernel_rules(), mode, DryRunValues():
         yield mode
 

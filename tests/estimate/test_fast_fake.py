@@ -1,0 +1,77 @@
+"""The dry runs' fake-tensor mode builds exactly the cache keys torch's own code builds."""
+
+from __future__ import annotations
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from memfit.estimate import fast_fake
+from memfit.estimate.fast_fake import DryFakeTensorMode
+
+
+def test_fast_keys_equal_torchs_keys_over_a_training_step(monkeypatch):
+    checked = {"fast": 0, "fallback": 0}
+    fast = DryFakeTensorMode._prep_args_for_hash
+
+    def both(self, result, args, state, ids):
+        mine: list[object] = []
+        fast(self, mine, args, state, ids)
+        theirs: list[object] = []
+        FakeTensorMode._prep_args_for_hash(self, theirs, args, state, [])
+        assert mine == theirs, (args, mine, theirs)
+        assert [type(x) for x in mine] == [type(x) for x in theirs]  # 1 and 1.0, True and 1
+        result.extend(mine)
+        checked["fast" if not _slow(self, args) else "fallback"] += 1
+
+    def _slow(self, args):
+        try:
+            self._fast_args([], args) if type(args) is not dict else None
+        except fast_fake._Slow:
+            return True
+        return False
+
+    monkeypatch.setattr(DryFakeTensorMode, "_prep_args_for_hash", both)
+    with DryFakeTensorMode(allow_non_fake_inputs=True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Embedding(50, 16),
+            torch.nn.LayerNorm(16),
+            torch.nn.Linear(16, 32),
+            torch.nn.GELU(),
+            torch.nn.Dropout(0.1),
+            torch.nn.Linear(32, 50),
+        )
+        opt = torch.optim.AdamW(model.parameters(), foreach=True)
+        ids = torch.randint(0, 50, (4, 8))
+        for _ in range(2):
+            logits = model(ids).transpose(1, 2).contiguous(memory_format=torch.contiguous_format)
+            loss = torch.nn.functional.cross_entropy(logits, ids, reduction="mean")
+            scores = torch.nn.functional.scaled_dot_product_attention(
+                *(torch.randn(2, 2, 8, 16, requires_grad=True) for _ in range(3)), is_causal=True
+            )
+            (loss + scores.sum()).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    assert checked["fast"] > 100
+
+
+def test_fallback_for_what_the_fast_key_does_not_handle():
+    mode = DryFakeTensorMode()
+    with mode:
+        x = torch.empty(3, 4)
+    out: list[object] = []
+    try:
+        mode._fast_args(out, (x, lambda: None))
+    except fast_fake._Slow:
+        pass
+    else:  # pragma: no cover
+        raise AssertionError("a function argument must take torch's own path")
+    other = FakeTensorMode()
+    with other:
+        y = torch.empty(2)
+    try:
+        mode._fast_args([], (y,))  # another mode's tensor
+    except fast_fake._Slow:
+        pass
+    else:  # pragma: no cover
+        raise AssertionError("another mode's fake tensor must take torch's own path")
