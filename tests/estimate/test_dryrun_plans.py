@@ -65,3 +65,38 @@ def test_dry_run_equals_real_run_with_8bit_adamw():
     real_cats, dry_cats = dict(real.peak_by_category), dict(dry.peak_by_category)
     assert real_cats.pop("other") <= 4096 and dry_cats.pop("other") <= 4096
     assert real_cats == dry_cats
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        Plan(optimizer="adafactor", grad_accum_steps=2),
+        Plan(optimizer="adamw8bit", precision="bf16-mixed"),
+        Plan(precision="bf16-pure", optimizer="adafactor", optimizer_in_backward=True),
+    ],
+    ids=["adafactor-accum", "adamw8bit-bf16-mixed", "adafactor-fused-step"],
+)
+def test_replayed_optimizer_updates_leave_the_report_as_dispatching_them(plan, monkeypatch):
+    # memfit.accounting.replay: a dry run replays repeated parameter updates instead of
+    # dispatching them; every figure of the report, the GPU allocator's reserved peak included,
+    # is what dispatching them all gives.
+    from memfit.accounting import replay
+
+    done: list[bool] = []
+    real_replay = replay.Recording.replay
+
+    def counting(self):
+        done.append(real_replay(self))
+        return done[-1]
+
+    monkeypatch.setattr(replay.Recording, "replay", counting)
+    replayed = memfit.dry_run("gpt2-tiny", plan, batch_size=4, seq_len=32, device="h100")
+    assert sum(done) > 0  # some updates were replayed
+    monkeypatch.setattr(replay, "begin", lambda key: None)
+    dispatched = memfit.dry_run("gpt2-tiny", plan, batch_size=4, seq_len=32, device="h100")
+    assert replayed.peak_reserved_bytes == dispatched.peak_reserved_bytes
+    assert replayed.peak_by_category == dispatched.peak_by_category
+    assert replayed.phase_peaks == dispatched.phase_peaks
+    assert replayed.num_ops == dispatched.num_ops
+    assert replayed.timeline == dispatched.timeline
+    assert replayed.by_module == dispatched.by_module

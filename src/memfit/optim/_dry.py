@@ -26,14 +26,26 @@ def next_step(state: dict[str, Any]) -> None:
 
 def _meta(t: Any) -> Hashable:
     if isinstance(t, Tensor):
-        return (type(t).__name__, t.dtype, tuple(t.shape), t.stride(), t.storage_offset(), t.device)
+        # What an update's allocations can depend on: copies follow dtype, size and layout.
+        return (type(t).__name__, t.dtype, tuple(t.shape), t.is_contiguous(), t.device.type)
     if isinstance(t, (int, float, bool, str, type(None))):
         return t
     return type(t).__name__
 
 
+def _group_key(group: dict[str, Any]) -> Hashable:
+    return tuple(
+        sorted(
+            (k, tuple(_meta(x) for x in v) if isinstance(v, (tuple, list)) else _meta(v))
+            for k, v in group.items()
+            if k != "params"
+        )
+    )
+
+
 def run_update(
     optimizer: Any,
+    group: dict[str, Any],
     key: Hashable,
     tensors: tuple[Tensor, ...],
     state: dict[str, Any],
@@ -44,8 +56,10 @@ def run_update(
     """Run ``update`` (one parameter's update), or replay an identical one in a dry run.
 
     Args:
-        optimizer: The optimizer (its identity is part of the key).
-        key: What else the update's allocations depend on (its parameter group, settings).
+        optimizer: The optimizer (its type is part of the key).
+        group: The parameter's group (its settings are part of the key: an optimizer per
+            parameter, as the fused step makes, still shares its updates' recordings).
+        key: What else the update's allocations depend on (the optimizer's own settings).
         tensors: The tensors it reads (parameter, gradient, ...): their shapes, dtypes and
             strides are part of the key. Replay applies only when the first is fake.
         state: The parameter's state before the update (tensors by shape, scalars by value).
@@ -57,7 +71,15 @@ def run_update(
     rec = None
     if tensors and is_fake(tensors[0]):
         state_key = tuple(sorted((k, _meta(v)) for k, v in state.items()))
-        rec = replay.begin((id(optimizer), key, tuple(_meta(t) for t in tensors), state_key))
+        rec = replay.begin(
+            (
+                type(optimizer).__name__,
+                _group_key(group),
+                key,
+                tuple(_meta(t) for t in tensors),
+                state_key,
+            )
+        )
     if rec is None:
         update(*args)
         return

@@ -181,7 +181,7 @@ class Adafactor(MemfitOptimizer):
             The closure's loss, if a closure was given.
         """
         loss = self._run_closure(closure)
-        for index, group in enumerate(self.param_groups):
+        for group in self.param_groups:
             for param in group["params"]:
                 if param.grad is None:
                     continue
@@ -192,7 +192,8 @@ class Adafactor(MemfitOptimizer):
                     self._init_state(local, state, group)
                 run_update(
                     self,
-                    (index, tuple(param.shape), self.chunk_size, self.stochastic_rounding),
+                    group,
+                    (tuple(param.shape), self.chunk_size, self.stochastic_rounding),
                     (local, grad),
                     state,
                     self._update,

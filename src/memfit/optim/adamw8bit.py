@@ -192,7 +192,7 @@ class AdamW8bit(MemfitOptimizer):
             The closure's loss, if a closure was given.
         """
         loss = self._run_closure(closure)
-        for group_index, group in enumerate(self.param_groups):
+        for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for index, param in enumerate(group["params"]):
                 if param.grad is None:
@@ -216,7 +216,8 @@ class AdamW8bit(MemfitOptimizer):
                 )
                 run_update(
                     self,
-                    (group_index, tuple(param.shape), group["block_size"], _chunk(group)),
+                    group,
+                    (tuple(param.shape), _chunk(group)),
                     (local, grad),
                     state,
                     self._update,
