@@ -366,15 +366,6 @@ def plan_command(
             "micro-batches.",
         ),
     ] = None,
-    jobs: Annotated[
-        int | None,
-        typer.Option(
-            "--jobs",
-            "-j",
-            help="Processes for the dry runs (default: 2 where there are 2 cores): a second "
-            "one runs half of each prediction's shallow dry runs. Same answer either way.",
-        ),
-    ] = None,
 ) -> None:
     """Find the fastest plan whose peak memory fits a budget."""
     _quiet_libraries()
@@ -389,16 +380,10 @@ def plan_command(
     from .workload import load_workload
 
     _check_sizes(batch_size, seq_len)
-    if jobs is not None and jobs < 1:
-        _fail(f"--jobs must be a whole number >= 1, got {jobs}")
     check_outputs(json=json_path, save=save)
     base_plan = _run_guarded(Plan.load, base) if base is not None else None
     workload = _run_guarded(load_workload, model, batch_size, seq_len)
     from rich.status import Status
-
-    search: dict[str, Any] = {}
-    if world_size is None:  # the data-parallel and 3-D searches run their own dry runs
-        search["jobs"] = jobs if jobs is not None else min(2, os.cpu_count() or 1)
 
     with Status("planning...", console=err) as status:
         try:
@@ -415,7 +400,6 @@ def plan_command(
                 disk_dir=None if disk_dir is None else str(disk_dir),
                 world_size=world_size,
                 gpus_per_node=gpus_per_node,
-                **search,
             )
         except NothingFits as e:
             status.stop()

@@ -373,17 +373,11 @@ def load_workload(spec: str, batch_size: int = 8, seq_len: int = 128) -> Workloa
     if not isinstance(seq_len, int) or seq_len < 1:
         raise WorkloadError(f"sequence length must be a whole number >= 1, got {seq_len!r}")
     if spec in PRESETS:
-        workload = _preset_workload(spec, batch_size, seq_len)
-    elif spec.endswith(".json") or os.path.isdir(spec) or os.path.exists(spec):
-        workload = _config_workload(spec, batch_size, seq_len)
-    elif ":" in spec:
-        workload = _function_workload(spec, batch_size, seq_len)
-    else:
-        workload = None
-    if workload is not None:
-        # Made from its SPEC alone: another process can make it again (estimate.pool).
-        workload.__dict__["_from_spec"] = spec
-        return workload
+        return _preset_workload(spec, batch_size, seq_len)
+    if spec.endswith(".json") or os.path.isdir(spec) or os.path.exists(spec):
+        return _config_workload(spec, batch_size, seq_len)
+    if ":" in spec:
+        return _function_workload(spec, batch_size, seq_len)
     raise WorkloadError(
         f"model {spec!r} names nothing memfit knows; use a preset ({', '.join(PRESETS)}), "
         "a path to a Hugging Face config.json, or package.module:function"

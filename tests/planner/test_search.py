@@ -247,25 +247,3 @@ def test_composition_goes_one_deeper_when_the_shallowest_run_peaks_elsewhere():
     assert composed.method == "composed"
     assert composed.by_category == full.by_category
     assert composed.peak_bytes == full.peak_bytes
-
-
-def test_a_worker_process_changes_nothing_but_the_time(workload, monkeypatch):
-    from memfit.estimate.pool import DryRunPool
-
-    answered = []
-    real = DryRunPool.result
-    monkeypatch.setattr(
-        DryRunPool, "result", lambda self: answered.append(1) or real(self)
-    )  # fmt: skip
-    plain = memfit.dry_run(workload, memfit.Plan()).peak_bytes
-    budget = int(plain * 0.6)
-    alone = plan(workload, budget, device=A100_SPEED, forbid=FORBID)
-    shared = plan(workload, budget, device=A100_SPEED, forbid=FORBID, jobs=2)
-    assert answered  # the worker took part
-    assert shared.plan == alone.plan
-    assert shared.predicted_peak_by_category == alone.predicted_peak_by_category
-    assert [(c.plan, c.peak_bytes) for c in shared.candidates] == [
-        (c.plan, c.peak_bytes) for c in alone.candidates
-    ]
-    with pytest.raises(ValueError, match="jobs must be a whole number"):
-        plan(workload, budget, device=A100_SPEED, jobs=0)

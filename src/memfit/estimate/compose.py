@@ -32,24 +32,14 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from ..accounting import CATEGORIES, PHASES
 from ..plan import Plan
 from ..targets import DeviceProfile, get_device
 from ..workload import Workload
 from .depth import compose_pattern, layer_pattern, profile_depths
 from .dryrun import dry_run
-from .pool import DryRunPool
 
-__all__ = [
-    "Prediction",
-    "block_pattern",
-    "composes",
-    "predict_peak",
-    "rebuildable",
-    "shallow_summary",
-]
+__all__ = ["Prediction", "block_pattern", "predict_peak"]
 
 
 @dataclass
@@ -110,18 +100,6 @@ def block_pattern(workload: Workload) -> list[int] | None:
 _UNKNOWN = object()
 
 
-def composes(workload: Workload) -> bool:
-    """Whether predictions of ``workload`` are composed from shallow dry runs (a plan whose
-    memory is not linear in depth is still dry-run whole)."""
-    return workload.scalable and (workload.depth or 0) > 3
-
-
-def rebuildable(workload: Workload) -> bool:
-    """Whether a worker process can make ``workload`` again: it came from
-    :func:`~memfit.workload.load_workload` unchanged (its SPEC is its name)."""
-    return workload.__dict__.get("_from_spec") == workload.name
-
-
 def _reduced(workload: Workload, plan: Plan) -> tuple[Workload, Plan, float]:
     """The smallest run with the plan's memory behaviour: two micro-batches at most."""
     batch = workload.batch_size
@@ -131,17 +109,6 @@ def _reduced(workload: Workload, plan: Plan) -> tuple[Workload, Plan, float]:
     small_batch = micro * accum
     reduced_plan = plan.replace(micro_batch_size=micro, grad_accum_steps=accum)
     return workload.replace(batch_size=small_batch), reduced_plan, batch / small_batch
-
-
-def shallow_summary(report: Any, input_scale: float) -> tuple[Any, ...]:
-    """What a composed prediction keeps of a shallow run: each phase's categories (inputs
-    scaled to the full batch), the reserved and tensor peaks, the host tier's peak."""
-    return (
-        _by_phase(report, input_scale),
-        report.peak_reserved_bytes or report.peak_bytes,
-        report.peak_bytes,
-        report.peak_by_tier.get("host", 0),
-    )
 
 
 def _by_phase(report: Any, input_scale: float) -> dict[str, dict[str, float]]:
@@ -161,9 +128,7 @@ def _depth_choices(depths: list[int] | None, pattern: list[int]) -> list[list[in
         return []
     out = [depths]
     deeper = [d + 1 for d in depths]
-    if deeper[-1] < len(pattern) and set(pattern[deeper[-1] :]) <= set(
-        pattern[deeper[0] : deeper[-1]]
-    ):
+    if deeper[-1] < len(pattern) and set(pattern[deeper[-1]:]) <= set(pattern[deeper[0]:deeper[-1]]):
         out.append(deeper)
     return out
 
@@ -193,7 +158,6 @@ def predict_peak(
     *,
     compose: bool = True,
     device: str | DeviceProfile | None = "cpu",
-    pool: DryRunPool | None = None,
 ) -> Prediction:
     """Predict the peak of training ``workload`` under ``plan`` on ``device``.
 
@@ -204,8 +168,6 @@ def predict_peak(
             impossible) dry-run at full size.
         device: The target whose kernels and allocator the dry runs model (default: the CPU,
             as measured here).
-        pool: A worker process for one of the shallow runs (:mod:`.pool`): the same answer,
-            sooner on a machine with a core to spare.
     """
     plan = plan or Plan()
     target = get_device(device)
@@ -216,7 +178,7 @@ def predict_peak(
     phases: dict[str, dict[str, int]] = {}
     method = "dry-run"
     host = 0
-    if compose and linear and composes(workload):
+    if compose and workload.scalable and linear and (workload.depth or 0) > 3:
         assert workload.with_depth is not None and workload.depth is not None
         n = workload.depth
         pattern = block_pattern(workload) or [0] * n
@@ -231,45 +193,20 @@ def predict_peak(
                     steps=2,
                     device=target,
                 )
-                runs[d] = shallow_summary(report, scale)
+                runs[d] = (
+                    _by_phase(report, scale),
+                    report.peak_reserved_bytes or report.peak_bytes,
+                    report.peak_bytes,
+                    report.peak_by_tier.get("host", 0),
+                )
             return runs[d]
-
-        def shallow_runs(
-            depths: list[int],
-        ) -> list[tuple[dict[str, dict[str, float]], int, int, int]]:
-            # The first depth not yet run goes to the pool's worker while this process runs
-            # the rest; the worker's answer is the summary this process would have made.
-            todo = [d for d in depths if d not in runs]
-            sent = None
-            if pool is not None and len(todo) > 1 and rebuildable(workload):
-                sent = todo[0]
-                job = {
-                    "spec": workload.name,
-                    "batch_size": small_wl.batch_size,
-                    "seq_len": workload.seq_len,
-                    "depth": sent,
-                    "plan": small_plan,
-                    "device": target,
-                    "scale": scale,
-                    "threads": torch.get_num_threads(),
-                }
-                if not pool.submit(job):
-                    sent = None
-            for d in todo:
-                if d != sent:
-                    shallow_run(d)
-            if sent is not None:
-                answer = pool.result()
-                if answer is not None:
-                    runs[sent] = answer
-            return [shallow_run(d) for d in depths]
 
         # A phase's peak may fall at another moment in the shallowest run (with the step in
         # backward, depth 2's optimizer phase peaks at the embedding's step, deeper ones while
         # the last blocks' activations live): then the same depths, one deeper, are tried
         # before the full-depth run.
         for tried in _depth_choices(depths, pattern):
-            shallow = shallow_runs(tried)
+            shallow = [shallow_run(d) for d in tried]
             phases = _compose_phases(tried, [s[0] for s in shallow], pattern)
             if phases:
                 reserved = [s[1] for s in shallow]

@@ -8,7 +8,6 @@ returned. Both compare with the budget through :func:`fits`, the planner's one b
 from __future__ import annotations
 
 from ..estimate.compose import Prediction, predict_peak
-from ..estimate.pool import DryRunPool
 from ..targets import DeviceProfile
 from ..workload import Workload
 from .result import Candidate
@@ -48,12 +47,9 @@ def predict(
     device: DeviceProfile,
     budget_bytes: int,
     host_budget: int | None = None,
-    *,
-    pool: DryRunPool | None = None,
 ) -> bool:
-    """Predict ``candidate``'s memory (composed from shallow dry runs where possible; with a
-    ``pool``, one of them in its worker)."""
-    prediction = predict_peak(workload, candidate.plan, device=device, pool=pool)
+    """Predict ``candidate``'s memory (composed from shallow dry runs where possible)."""
+    prediction = predict_peak(workload, candidate.plan, device=device)
     candidate.note = f"{prediction.method}, peak in {prediction.peak_phase}"
     return record(candidate, prediction, budget_bytes, host_budget)
 
@@ -69,6 +65,7 @@ def confirm(
     prediction = predict_peak(workload, candidate.plan, compose=False, device=device)
     ok = record(candidate, prediction, budget_bytes, host_budget)
     candidate.note = (
-        candidate.note + "; " if candidate.note else ""
-    ) + f"confirmed by a full-depth dry run: {prediction.device_total_bytes} bytes"
+        (candidate.note + "; " if candidate.note else "")
+        + f"confirmed by a full-depth dry run: {prediction.device_total_bytes} bytes"
+    )
     return ok

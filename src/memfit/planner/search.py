@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
 
 from ..plan import Plan
 from ..targets import DeviceProfile
@@ -50,7 +49,6 @@ from .result import Candidate, NothingFits, PlanResult
 
 __all__ = ["ALLOW", "FORBID", "Candidate", "NothingFits", "PlanResult", "plan", "search"]
 
-
 def plan(
     workload: Workload | str,
     budget: int | str,
@@ -65,7 +63,6 @@ def plan(
     progress: Callable[[str], None] | None = None,
     host_budget: int | str | None = None,
     disk_dir: str | None = None,
-    jobs: int = 1,
 ) -> PlanResult:
     """Find the fastest plan whose peak fits ``budget``.
 
@@ -88,10 +85,6 @@ def plan(
             not checked): a plan whose predicted host-tier peak exceeds it does not fit.
         disk_dir: With ``offload`` allowed, a directory for the ``disk`` tier: the search then
             includes the optimizer state on disk (which needs little host memory).
-        jobs: Processes for the dry runs: with 2 or more, a worker process runs one of each
-            prediction's two shallow dry runs while this one runs the other
-            (:mod:`memfit.estimate.pool`); the answer is the same. A prediction has two
-            shallow runs, so more than 2 gives nothing more.
 
     Returns:
         The :class:`PlanResult`.
@@ -100,6 +93,7 @@ def plan(
         ValueError: for a malformed budget or an unknown allow/forbid value.
         NothingFits: when no allowed plan fits; ``.result`` holds the closest plan.
     """
+    from ..estimate.cost import profile_workload
     from ..targets import get_device, parse_budget
 
     started = time.perf_counter()
@@ -118,63 +112,9 @@ def plan(
         if "offload" not in allow:
             raise ValueError("--disk-dir is where offload puts state on disk: add --allow offload")
         if not os.path.isdir(disk_dir):
-            raise ValueError(
-                f"--disk-dir {disk_dir!r} is not an existing directory; create it first"
-            )
-    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
-        raise ValueError(f"jobs must be a whole number >= 1, got {jobs!r}")
+            raise ValueError(f"--disk-dir {disk_dir!r} is not an existing directory; create it first")
     target = get_device(device) if device else (budget_device or get_device(None))
     base = _base_for(base or Plan(), target)
-    with _pool_for(workload, jobs, target) as pool:
-        return _search(
-            workload, base, target, budget_bytes, host_bytes, allow, forbid, disk_dir,
-            max_predictions, say, started, pool,
-        )  # fmt: skip
-
-
-def _pool_for(workload: Workload, jobs: int, target: DeviceProfile) -> Any:
-    """A worker for the shallow dry runs when ``jobs`` asks for one and predictions compose.
-    It starts now, and warms up on a small dry run of the workload's model while this process
-    profiles the workload."""
-    import contextlib
-
-    import torch
-
-    from ..estimate.compose import composes, rebuildable
-
-    if jobs < 2 or not composes(workload) or not rebuildable(workload):
-        return contextlib.nullcontext()
-    from ..estimate.pool import DryRunPool
-
-    warmup = {
-        "spec": workload.name,
-        "batch_size": 1,
-        "seq_len": workload.seq_len,
-        "depth": 2,
-        "plan": Plan(),
-        "device": target,
-        "scale": 1.0,
-        "threads": torch.get_num_threads(),
-    }
-    return DryRunPool(warmup=warmup)
-
-
-def _search(
-    workload: Workload,
-    base: Plan,
-    target: DeviceProfile,
-    budget_bytes: int,
-    host_bytes: int | None,
-    allow: tuple[str, ...],
-    forbid: tuple[str, ...],
-    disk_dir: str | None,
-    max_predictions: int,
-    say: Callable[[str], None],
-    started: float,
-    pool: Any,
-) -> PlanResult:
-    """The search itself (:func:`plan` after checking its arguments)."""
-    from ..estimate.cost import profile_workload
 
     # 1. Candidates.
     space = options(workload, base, allow, forbid, target, disk_dir=disk_dir)
@@ -198,15 +138,13 @@ def _search(
     # 3. and 4. Prediction and confirmation, in search order.
     def predict_one(c: Candidate) -> bool:
         say(f"predicting memory: {c.plan.summary()}")
-        return predict(c, workload, target, budget_bytes, host_bytes, pool=pool)
+        return predict(c, workload, target, budget_bytes, host_bytes)
 
     def confirm_one(c: Candidate) -> bool:
         say(f"confirming at full size: {c.plan.summary()}")
         return confirm(c, workload, target, budget_bytes, host_bytes)
 
-    winner, predicted = search(
-        candidates, predict_one, confirm_one, max_predictions=max_predictions
-    )
+    winner, predicted = search(candidates, predict_one, confirm_one, max_predictions=max_predictions)
     predicted.sort(key=lambda c: c.step_time)
     seconds = time.perf_counter() - started
     if winner is None:
@@ -334,3 +272,5 @@ def _result(
         predicted_device_total_bytes=int(chosen.device_total_bytes or 0),
         predicted_host_bytes=int(chosen.host_bytes or 0),
     )
+
+
