@@ -62,3 +62,14 @@ def test_a_stretch_that_keeps_what_it_made_is_not_replayed():
 def test_no_replay_under_two_trackers():
     with FakeTensorMode(), memfit.track(), memfit.track():
         assert replay.begin("k") is None
+
+
+def test_a_stretch_that_relabels_older_storage_is_not_replayed():
+    def relabel(x: torch.Tensor) -> None:
+        x.square()
+        memfit.accounting.tracker.label_open(x, "optimizer_state")  # an older storage's role
+
+    dispatched, _ = _run(False, relabel)
+    replayed, n = _run(True, relabel)
+    assert n == 0
+    assert replayed.peak_by_category == dispatched.peak_by_category

@@ -15,8 +15,8 @@ op's output metadata, but still runs every op through Python; nothing in torch s
 sequence of ops.
 
 A stretch is replayable only when it is self-contained: everything it allocates dies within
-it, it frees nothing older, and it opens no module, writes no disk bytes and hides no saved
-tensors. Anything else (state created lazily, a tensor stored for later) is dispatched for
+it, it frees nothing older and changes no older storage's category, and it opens no module,
+writes no disk bytes and hides no saved tensors. Anything else (state created lazily, a tensor stored for later) is dispatched for
 real every time. The caller vouches that two updates with the same key allocate the same:
 the key names every shape, dtype and setting the update's allocations depend on.
 """
@@ -69,7 +69,7 @@ class Recording:
                 len(tr.timeline_seq),
                 len(tr._events.intervals),
                 len(tr._hidden),
-                sum(tr._disk.values()),
+                tr._changes,
             )
             tr._birth_funcs = []
             return False
@@ -109,12 +109,12 @@ def begin(key: Hashable) -> Recording | None:
 
 
 def _stretch(tr: Any, mark: tuple[int, ...], funcs: list[Any]) -> Stretch | None:
-    first, seq0, ops0, intervals, hidden, disk = mark
+    first, seq0, ops0, intervals, hidden, changes = mark
     n = len(tr._nbytes) - first
     if (
         len(tr._events.intervals) != intervals
         or len(tr._hidden) != hidden
-        or sum(tr._disk.values()) != disk
+        or tr._changes != changes  # it promoted a storage it did not make, or wrote to disk
         or tr._seq - seq0 != 2 * n  # every event in it is a birth or a death of its own
         or len(funcs) != n
     ):

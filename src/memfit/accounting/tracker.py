@@ -126,6 +126,7 @@ class MemoryTracker(TorchDispatchMode):
         #: Stretches of events recorded for replay in dry runs (see :mod:`.replay`).
         self.replays: dict[Any, Any] = {}
         self._birth_funcs: list[Any] | None = None  # the op of each birth, while recording
+        self._changes = 0  # promotions of known storages and disk writes (see .replay)
 
     # ------------------------------------------------------------------ storage records
     def _register(self, t: torch.Tensor, cat: int, promote: bool = True) -> int | None:
@@ -153,6 +154,7 @@ class MemoryTracker(TorchDispatchMode):
         if idx is not None:
             if promote and cat < self._cat[idx]:
                 self._cat[idx] = cat
+                self._changes += 1
             return idx
         if t.is_meta:
             return None  # a real meta tensor holds no memory (fake tensors report is_meta False)
@@ -254,6 +256,7 @@ class MemoryTracker(TorchDispatchMode):
                 f"category {category!r} is not known; use one of {', '.join(CATEGORIES)}"
             )
         self._disk[category] = self._disk.get(category, 0) + int(nbytes)
+        self._changes += 1
         total = sum(self._disk.values())
         if total > self._disk_peak:
             self._disk_peak = total
