@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from .tiers import DEVICE, HOST, HOST_PINNED, in_host_tier, is_marked_host, marked_category
@@ -277,7 +278,12 @@ class MemoryTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         if func in _METADATA_OPS:
             # Tensor subclasses (fake tensors) answer .device and friends through dispatch; these
-            # allocate nothing and may be called from inside the tracker itself.
+            # allocate nothing and may be called from inside the tracker itself. A fake
+            # tensor's device is answered here as FakeTensor itself answers it (autograd asks
+            # for it several times per op: re-dispatching would cost a dry run ~5%).
+            if func is _PRIM_DEVICE and type(args[0]) is FakeTensor:
+                t = args[0]
+                return _META if t.fake_mode.in_kernel_invocation else t.fake_device
             return func(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
         self._op += 1
@@ -659,7 +665,9 @@ def label_open(tensors: Any, category: str) -> None:
 
 _top_saved_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 
-_METADATA_OPS = frozenset({torch.ops.prim.device.default, torch.ops.prim.layout.default})
+_PRIM_DEVICE = torch.ops.prim.device.default
+_METADATA_OPS = frozenset({_PRIM_DEVICE, torch.ops.prim.layout.default})
+_META = torch.device("meta")
 
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:
