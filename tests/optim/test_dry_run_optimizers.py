@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import pytest
 import torch
@@ -12,20 +13,27 @@ import memfit
 from memfit.optim import Adafactor, AdamW8bit
 
 
-def _peak(make_opt, fake: bool) -> dict[str, int]:
+def _report(make_opt, fake: bool, widths=(256, 512, 64), batch: int = 16):
+    """Two steps of a stack of linear layers of ``widths``, tracked (on fake tensors or real)."""
     mode = FakeTensorMode() if fake else contextlib.nullcontext()
     with mode:
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 64))
+        model = torch.nn.Sequential(
+            *[torch.nn.Linear(a, b) for a, b in itertools.pairwise(widths)]
+        )
         opt = make_opt(model.parameters())
-        x = torch.randn(16, 256)
+        x = torch.randn(batch, widths[0])
         with memfit.track(model, opt) as tr:
             tr.add_inputs(x)
             for _ in range(2):
                 model(x).square().mean().backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-    return tr.report().peak_by_category
+    return tr.report()
+
+
+def _peak(make_opt, fake: bool) -> dict[str, int]:
+    return _report(make_opt, fake).peak_by_category
 
 
 @pytest.mark.parametrize(
@@ -73,19 +81,7 @@ def test_dry_run_replays_repeated_updates_and_still_equals_the_real_run(make_opt
     monkeypatch.setattr(replay.Recording, "replay", counting)
 
     def run(fake: bool):
-        mode = FakeTensorMode() if fake else contextlib.nullcontext()
-        with mode:
-            torch.manual_seed(0)
-            model = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(8)])
-            opt = make_opt(model.parameters())
-            x = torch.randn(16, 128)
-            with memfit.track(model, opt) as tr:
-                tr.add_inputs(x)
-                for _ in range(2):
-                    model(x).square().mean().backward()
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-        return tr.report()
+        return _report(make_opt, fake, widths=(128,) * 9)
 
     run(False)  # builds the 8-bit code maps' tables once per process
     real = run(False)
