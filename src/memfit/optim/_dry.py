@@ -29,18 +29,14 @@ def _meta(t: Any) -> Hashable:
         # What an update's allocations can depend on: copies follow dtype, size and layout.
         return (type(t).__name__, t.dtype, tuple(t.shape), t.is_contiguous(), t.device.type)
     if isinstance(t, (int, float, bool, str, type(None))):
-        return t
-    return type(t).__name__
+        return (type(t).__name__, t)
+    if isinstance(t, (tuple, list)):
+        return tuple(_meta(x) for x in t)
+    return ("object", id(t))  # anything else matches only itself
 
 
 def _group_key(group: dict[str, Any]) -> Hashable:
-    return tuple(
-        sorted(
-            (k, tuple(_meta(x) for x in v) if isinstance(v, (tuple, list)) else _meta(v))
-            for k, v in group.items()
-            if k != "params"
-        )
-    )
+    return tuple(sorted((k, _meta(v)) for k, v in group.items() if k != "params"))
 
 
 def run_update(
@@ -61,7 +57,7 @@ def run_update(
             parameter, as the fused step makes, still shares its updates' recordings).
         key: What else the update's allocations depend on (the optimizer's own settings).
         tensors: The tensors it reads (parameter, gradient, ...): their shapes, dtypes and
-            strides are part of the key. Replay applies only when the first is fake.
+            contiguity are part of the key. Replay applies only when the first is fake.
         state: The parameter's state before the update (tensors by shape, scalars by value).
         update: Dispatches the update, called with ``args``.
         args: ``update``'s arguments.
