@@ -147,7 +147,9 @@ class DryRunValues(TorchFunctionMode):
         if not (isinstance(expert_load, (int, float)) and math.isfinite(expert_load)) or (
             expert_load < 1
         ):
-            raise ValueError(f"expert_load must be a number >= 1 (1: balanced), got {expert_load!r}")
+            raise ValueError(
+                f"expert_load must be a number >= 1 (1: balanced), got {expert_load!r}"
+            )
         self.expert_load = float(expert_load)
         self.where = where or (lambda: None)
         self.shadows: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -188,14 +190,16 @@ class DryRunValues(TorchFunctionMode):
             if shadow is not None:
                 return _real(func, (shadow, *args[1:]), kwargs)
             return func(*args, **kwargs)
-        flat, spec = tree_flatten((args, kwargs))
-        tensors = [x for x in flat if isinstance(x, _Tensor)]
+        tensors = _flat_tensors(args, kwargs)
+        if tensors is None:  # nested arguments: pytree finds them
+            tensors = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, _Tensor)]
         real_in: list[Any] | None = None
         if func in _FACTORIES and not tensors:
-            real_in = flat
+            real_in = tree_flatten((args, kwargs))[0]
         elif func in _LIKE and all(t.numel() <= SHADOW_LIMIT for t in tensors):
-            real_in = [self._stand_in(x) for x in flat]
+            real_in = [self._stand_in(x) for x in tree_flatten((args, kwargs))[0]]
         elif tensors and all(t in self.shadows for t in tensors):
+            flat = tree_flatten((args, kwargs))[0]
             real_in = [self.shadows[x] if isinstance(x, _Tensor) else x for x in flat]
         if real_in is None:
             self._forget_mutated(func, args, kwargs)
@@ -203,6 +207,7 @@ class DryRunValues(TorchFunctionMode):
             if func in _ROUTERS:
                 self._route(func, args, kwargs, out)
             return out
+        spec = tree_flatten((args, kwargs))[1]
         real_args, real_kwargs = tree_unflatten([_host(x) for x in real_in], spec)
         real_out: Any = _nothing
         self._constant_calls += 1
@@ -275,7 +280,9 @@ class DryRunValues(TorchFunctionMode):
         if inplace and args:
             first = args[0]
             targets += list(first) if isinstance(first, (list, tuple)) else [first]  # _foreach_*_
-        targets += tree_flatten(kwargs.get("out"))[0]
+        out = kwargs.get("out")
+        if out is not None:
+            targets += tree_flatten(out)[0]
         for t in targets:
             if not isinstance(t, _Tensor):
                 continue
@@ -375,7 +382,10 @@ class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
         if _is_dynamic(func):
             meta = tree_flatten(out)[0]
             self.pending.records.append(
-                (func.name(), [(tuple(t.shape), t.dtype) if isinstance(t, _Tensor) else t for t in meta])
+                (
+                    func.name(),
+                    [(tuple(t.shape), t.dtype) if isinstance(t, _Tensor) else t for t in meta],
+                )
             )
         return out
 
@@ -460,7 +470,9 @@ def _build(fake_mode: Any, args: Any, meta: list[Any]) -> Any:
     with in_kernel_invocation_manager(fake_mode):
         for m in meta:
             if isinstance(m, tuple) and len(m) == 2 and isinstance(m[1], torch.dtype):
-                outs.append(FakeTensor(fake_mode, torch.empty(m[0], dtype=m[1], device="meta"), device))
+                outs.append(
+                    FakeTensor(fake_mode, torch.empty(m[0], dtype=m[1], device="meta"), device)
+                )
             else:
                 outs.append(m)  # a Python scalar (a value read)
     return outs[0] if len(outs) == 1 else tuple(outs)
@@ -476,7 +488,7 @@ def _no_modes() -> Iterator[None]:
 
 
 def _real(func: Any, args: Any, kwargs: Any, recorder: _Recorder | None = None) -> Any:
-    with _no_modes(), (recorder or contextlib.nullcontext()):
+    with _no_modes(), recorder or contextlib.nullcontext():
         return func(*args, **kwargs)
 
 
@@ -485,6 +497,24 @@ def _host(x: Any) -> Any:
     if isinstance(x, torch.device) or (isinstance(x, str) and x.startswith(("cuda", "meta"))):
         return torch.device("cpu")
     return x
+
+
+_PLAIN = frozenset(
+    {int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format}
+)
+
+
+def _flat_tensors(args: Any, kwargs: Any) -> list[Any] | None:
+    """The tensors among ``args`` and ``kwargs``' values when every other one is a plain
+    scalar (the common call: found without pytree); ``None`` when anything else is there
+    (a container, or an object pytree may open, such as a cache)."""
+    tensors = []
+    for x in (*args, *kwargs.values()):
+        if isinstance(x, _Tensor):
+            tensors.append(x)
+        elif type(x) not in _PLAIN:
+            return None
+    return tensors
 
 
 def _storage_key(t: Any) -> int | None:
