@@ -255,13 +255,26 @@ class Adafactor(MemfitOptimizer):
             exp_avg = state["exp_avg"]
             exp_avg.mul_(beta1).add_(update.mul_(scale), alpha=1.0 - beta1)
             update, scale = exp_avg, None
+        self._step_into(local, work, update, scale, group, lr)
+
+    def _step_into(
+        self,
+        target: Tensor,
+        work: Tensor,
+        update: Tensor,
+        scale: Tensor | float | None,
+        group: dict[str, Any],
+        lr: Tensor | float,
+    ) -> None:
+        """Weight decay and the step (``update`` times ``scale``; ``None``: already scaled)
+        on ``work``, written into ``target``: the last part of every update."""
         if group["weight_decay"] != 0.0:
             work.mul_(1.0 - group["weight_decay"] * lr)
         if scale is None:
             work.sub_(update)
         else:
             work.addcmul_(update, scale, value=-1.0)
-        self._write(local, work)
+        self._write(target, work)
 
     def _write(self, param: Tensor, work: Tensor) -> None:
         """Write fp32 ``work`` into ``param``: rounded stochastically to bf16 when asked."""
@@ -353,13 +366,7 @@ class Adafactor(MemfitOptimizer):
                 update, step_scale = exp_avg, None
             part = local[lo:hi]
             work = work_copy(part)
-            if group["weight_decay"] != 0.0:
-                work.mul_(1.0 - group["weight_decay"] * lr)
-            if step_scale is None:
-                work.sub_(update)
-            else:
-                work.addcmul_(update, step_scale, value=-1.0)
-            self._write(part, work)
+            self._step_into(part, work, update, step_scale, group, lr)
             del update, work
 
 
