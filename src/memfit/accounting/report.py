@@ -63,6 +63,9 @@ class MemoryReport:
             peaks at its own moment.
         peak_by_tier_category: For each tier, the categories at that tier's peak.
         host_pinned_peak_bytes: Peak of page-locked host memory alone (part of ``host``).
+        trace: The allocation trace the report was built from, where the caller kept it (dry
+            runs do: :mod:`memfit.accounting.extend` builds deeper traces from shallow ones);
+            not exported.
     """
 
     peak_bytes: int
@@ -84,6 +87,7 @@ class MemoryReport:
     peak_by_tier: dict[str, int] = field(default_factory=dict)
     peak_by_tier_category: dict[str, dict[str, int]] = field(default_factory=dict)
     host_pinned_peak_bytes: int = 0
+    trace: AllocationTrace | None = field(default=None, repr=False, compare=False)
 
     @property
     def device_total_bytes(self) -> int:

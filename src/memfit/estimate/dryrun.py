@@ -156,6 +156,7 @@ def measure(
     )
     if dry:
         report.meta["data_dependent"] = values.summary()
+        report.trace = tracker.trace()
     from .target import add_device_memory
 
     add_device_memory(report, tracker, target)
