@@ -25,6 +25,10 @@ return ``None``, and the caller dry-runs the full depth instead.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+import numpy as np
+
 from .trace import AllocationTrace
 
 __all__ = ["extend_trace"]
@@ -35,21 +39,25 @@ MAX_TRIES = 2000
 _BIRTH, _DEATH, _OP, _STEP = range(4)
 
 
-def extend_trace(at_two: AllocationTrace, at_three: AllocationTrace, depth: int) -> AllocationTrace | None:
-    """The allocation trace of ``depth`` blocks, from the traces of 2 and 3 blocks.
+def extend_trace(at: Mapping[int, AllocationTrace], depth: int) -> AllocationTrace | None:
+    """The allocation trace of ``depth`` blocks, from the traces of two consecutive depths.
 
     Args:
-        at_two: The trace of a training run of the model with 2 blocks.
-        at_three: The same run with 3 blocks.
-        depth: The depth wanted (``>= 2``).
+        at: The traces of one training run at depths ``d`` and ``d + 1`` (``d >= 2``: with
+            one block, the first and the last block are the same).
+        depth: The depth wanted (``>= d``).
 
     Returns:
         The trace at ``depth``, with no module intervals and no operation names; ``None`` when
         the two traces are not one word with stretches repeated once per block, or when they
         hold what the event stream does not carry (bytes on disk).
     """
-    if depth < 2:
-        raise ValueError(f"depth must be >= 2, got {depth}")
+    depths = sorted(at)
+    if len(depths) != 2 or depths[1] != depths[0] + 1 or depths[0] < 2:
+        raise ValueError(f"extend_trace needs two consecutive depths >= 2, got {depths}")
+    if depth < depths[0]:
+        raise ValueError(f"depth must be >= {depths[0]}, got {depth}")
+    at_two, at_three = at[depths[0]], at[depths[1]]
     if at_two.disk_peak_bytes or at_three.disk_peak_bytes:
         return None
     table: dict[tuple[int, ...], int] = {}
@@ -63,11 +71,12 @@ def extend_trace(at_two: AllocationTrace, at_three: AllocationTrace, depth: int)
     start = 0
     for at, chunk in inserts:
         out.extend(two[start:at])
-        out.extend(chunk * (depth - 2))
+        out.extend(chunk * (depth - depths[0]))
         start = at
     out.extend(two[start:])
     tokens = {v: k for k, v in table.items()}
-    return _trace([tokens[t] for t in out], at_two.device)
+    trace = _trace([tokens[t] for t in out], at_two.device)
+    return trace if trace is not None and _phase_peaks_at_allocations(trace) else None
 
 
 def _stream(trace: AllocationTrace, table: dict[tuple[int, ...], int]) -> list[int] | None:
@@ -155,6 +164,49 @@ def _insertions(two: list[int], three: list[int]) -> list[tuple[int, list[int]]]
             size = -neg
             stack.append((i + size, j, j, [*done, (j, three[i : i + size])]))
     return None
+
+
+def _phase_peaks_at_allocations(trace: AllocationTrace) -> bool:
+    """Whether each phase's peak, as a report finds it, is a value the stream fixes.
+
+    Frees at one instant (between two operations) are put in a fixed order in the stream,
+    because their order varies from run to run; no value a report reads depends on it, except
+    a phase whose highest point is the first of such frees (the phase starts with them): its
+    value then depends on which is first, unless they are all alike. If not, the caller
+    dry-runs instead.
+    """
+    n = trace.num_events + 1
+    delta = np.zeros(n, dtype=np.int64)
+    freed = np.full(n, -1, dtype=np.int64)  # the record each free ends
+    nb = np.asarray(trace.nbytes, dtype=np.int64)
+    birth = np.asarray(trace.birth, dtype=np.int64)
+    death = np.asarray(trace.death, dtype=np.int64)
+    dev = np.asarray(trace.tier, dtype=np.int64) == 0
+    ended = death > 0
+    np.add.at(delta, birth[dev], nb[dev])
+    np.add.at(delta, death[dev & ended], -nb[dev & ended])
+    freed[death[ended]] = np.flatnonzero(ended)
+    total = np.cumsum(delta)
+    op_seq = np.asarray(trace.op_end_event, dtype=np.int64)
+    seq_op = np.minimum(np.searchsorted(op_seq, np.arange(n), side="left"), len(op_seq) - 1)
+    phase = np.asarray(trace.op_phase, dtype=np.int64)[seq_op]
+
+    def kind(r: int) -> tuple[int, int, int]:
+        return trace.nbytes[r], trace.tier[r], trace.category[r]
+
+    for p in range(3):
+        idx = np.flatnonzero(phase == p)
+        if not len(idx):
+            continue
+        at = int(idx[np.argmax(total[idx])])
+        if freed[at] < 0:
+            continue
+        end = at
+        while end + 1 < n and freed[end + 1] >= 0 and seq_op[end + 1] == seq_op[at]:
+            end += 1
+        if len({kind(int(r)) for r in freed[at : end + 1]}) > 1:
+            return False
+    return True
 
 
 def _trace(tokens: list[tuple[int, ...]], device: str) -> AllocationTrace | None:

@@ -39,7 +39,7 @@ from ..workload import Workload
 from .depth import compose_pattern, layer_pattern, profile_depths
 from .dryrun import dry_run
 
-__all__ = ["Prediction", "block_pattern", "predict_peak"]
+__all__ = ["Prediction", "block_pattern", "confirm_peak", "predict_peak"]
 
 
 @dataclass
@@ -51,7 +51,10 @@ class Prediction:
         by_category: Bytes per category at that peak.
         phase_peaks: Predicted peak of each phase.
         peak_phase: The phase holding the peak.
-        method: ``composed`` (depth 2 and 3 extrapolated) or ``dry-run`` (full size).
+        method: ``composed`` (depth 2 and 3 extrapolated), ``extended`` (the full depth's
+            trace built from theirs, see :func:`confirm_peak`) or ``dry-run`` (full size).
+        extra: ``traces``: a composed prediction's shallow allocation traces by depth, kept
+            for :func:`confirm_peak` (only for models of like blocks).
         host_bytes: Predicted peak of the host tier (offload's masters, state, gradients and
             activations), composed over depth like the device categories.
         reserved_bytes: Predicted peak the target's caching allocator reserves (``peak_bytes``
@@ -178,12 +181,14 @@ def predict_peak(
     phases: dict[str, dict[str, int]] = {}
     method = "dry-run"
     host = 0
+    extra: dict[str, Any] = {}
     if compose and workload.scalable and linear and (workload.depth or 0) > 3:
         assert workload.with_depth is not None and workload.depth is not None
         n = workload.depth
         pattern = block_pattern(workload) or [0] * n
         depths = profile_depths(pattern)
         runs: dict[int, tuple[dict[str, dict[str, float]], int, int, int]] = {}
+        traces: dict[int, Any] = {}
 
         def shallow_run(d: int) -> tuple[dict[str, dict[str, float]], int, int, int]:
             if d not in runs:
@@ -199,6 +204,7 @@ def predict_peak(
                     report.peak_bytes,
                     report.peak_by_tier.get("host", 0),
                 )
+                traces[d] = report.trace
             return runs[d]
 
         # A phase's peak may fall at another moment in the shallowest run (with the step in
@@ -214,6 +220,8 @@ def predict_peak(
                 at_host = {d: r[3] for d, r in zip(tried, shallow, strict=True)}
                 host = round(compose_pattern(at_host, pattern))
                 method = "composed"
+                if len(set(pattern)) == 1 and len(tried) == 2:
+                    extra["traces"] = {d: traces[d] for d in tried}
                 break
     if phases:
         # The allocator's slack (reserved minus tensors) is not linear in depth: it depends on
@@ -242,4 +250,61 @@ def predict_peak(
         overhead_bytes=target.overhead_bytes if target.is_cuda else 0,
         target_device=target.name,
         host_bytes=host,
+        extra=extra,
     )
+
+
+def confirm_peak(
+    workload: Workload,
+    plan: Plan,
+    composed: Prediction | None = None,
+    *,
+    device: str | DeviceProfile | None = "cpu",
+) -> Prediction:
+    """The peak of training ``workload`` under ``plan`` at its full depth: what a full-size
+    dry run reports.
+
+    When ``composed`` (a :func:`predict_peak` of the same workload and plan) kept its shallow
+    runs' allocation traces, the full-depth trace is built from them event by event
+    (:func:`memfit.accounting.extend.extend_trace`), which gives the dry run's figures without
+    running it. That needs a model of like blocks, a target without a caching allocator (whose
+    layout depends on which allocation each free releases, which the traces do not carry)
+    and a plan whose report is the trace's alone (no compiled saving, no disk-tier estimate).
+    Otherwise, or when the two traces are not one run with a stretch per block, the full depth
+    is dry-run.
+    """
+    from ..accounting.extend import extend_trace
+    from ..accounting.report import build_report
+
+    target = get_device(device)
+    traces = composed.extra.get("traces") if composed is not None else None
+    offload = plan.offload
+    if (
+        traces
+        and workload.depth is not None
+        and not target.is_cuda
+        and plan.compile_backend is None
+        and not (offload is not None and offload.optimizer == "disk")
+    ):
+        trace = extend_trace(traces, workload.depth)
+        if trace is not None:
+            _, _, scale = _reduced(workload, plan)
+            report = build_report(trace)
+            phases = {
+                k: {c: round(v) for c, v in cats.items()}
+                for k, cats in _by_phase(report, scale).items()
+                if cats
+            }
+            phase_peaks = {k: sum(v.values()) for k, v in phases.items()}
+            peak_phase = max(phase_peaks, key=lambda k: phase_peaks[k])
+            return Prediction(
+                peak_bytes=phase_peaks[peak_phase],
+                by_category=phases[peak_phase],
+                phase_peaks=phase_peaks,
+                peak_phase=peak_phase,
+                method="extended",
+                reserved_bytes=phase_peaks[peak_phase],
+                target_device=target.name,
+                host_bytes=report.peak_by_tier.get("host", 0),
+            )
+    return predict_peak(workload, plan, compose=False, device=target)

@@ -7,7 +7,7 @@ returned. Both compare with the budget through :func:`fits`, the planner's one b
 
 from __future__ import annotations
 
-from ..estimate.compose import Prediction, predict_peak
+from ..estimate.compose import Prediction, confirm_peak, predict_peak
 from ..targets import DeviceProfile
 from ..workload import Workload
 from .result import Candidate
@@ -51,7 +51,10 @@ def predict(
     """Predict ``candidate``'s memory (composed from shallow dry runs where possible)."""
     prediction = predict_peak(workload, candidate.plan, device=device)
     candidate.note = f"{prediction.method}, peak in {prediction.peak_phase}"
-    return record(candidate, prediction, budget_bytes, host_budget)
+    ok = record(candidate, prediction, budget_bytes, host_budget)
+    # Only a candidate that fits is confirmed: its shallow runs' traces may spare that run.
+    candidate.composed = prediction if ok else None
+    return ok
 
 
 def confirm(
@@ -61,11 +64,19 @@ def confirm(
     budget_bytes: int,
     host_budget: int | None = None,
 ) -> bool:
-    """Dry-run ``candidate`` at full depth; its figures become the confirmed ones."""
-    prediction = predict_peak(workload, candidate.plan, compose=False, device=device)
+    """``candidate``'s figures at full depth (:func:`~memfit.estimate.compose.confirm_peak`:
+    its full-depth trace, built from its prediction's shallow runs where it can be, else a
+    full-depth dry run); they become the confirmed ones."""
+    prediction = confirm_peak(workload, candidate.plan, candidate.composed, device=device)
+    candidate.composed = None
     ok = record(candidate, prediction, budget_bytes, host_budget)
+    how = (
+        "the full-depth trace built from the depth-2 and depth-3 runs"
+        if prediction.method == "extended"
+        else "a full-depth dry run"
+    )
     candidate.note = (
         (candidate.note + "; " if candidate.note else "")
-        + f"confirmed by a full-depth dry run: {prediction.device_total_bytes} bytes"
+        + f"confirmed by {how}: {prediction.device_total_bytes} bytes"
     )
     return ok

@@ -34,6 +34,8 @@ class Candidate:
         host_bytes: Predicted host-tier peak (offload), compared with a host budget if given.
         host_misfit: Whether it fits the device but not the host budget (such a misfit rules
             out no other candidate: offloading less would use less host memory).
+        composed: The prediction of a candidate that fits, kept until it is confirmed (its
+            shallow runs' traces may spare the full-depth run); not exported.
     """
 
     plan: Plan
@@ -49,6 +51,7 @@ class Candidate:
     device_total_bytes: int | None = None
     host_bytes: int | None = None
     host_misfit: bool = False
+    composed: Any = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready summary."""

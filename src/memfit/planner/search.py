@@ -145,6 +145,8 @@ def plan(
         return confirm(c, workload, target, budget_bytes, host_bytes)
 
     winner, predicted = search(candidates, predict_one, confirm_one, max_predictions=max_predictions)
+    for c in predicted:
+        c.composed = None  # the shallow traces are not part of the answer
     predicted.sort(key=lambda c: c.step_time)
     seconds = time.perf_counter() - started
     if winner is None:
