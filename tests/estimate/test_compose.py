@@ -1,0 +1,55 @@
+"""Confirmation at full depth: built from the shallow runs' traces where it can be, and equal
+to the full-depth dry run."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+import memfit
+from memfit.estimate.compose import confirm_peak, predict_peak
+
+
+def _figures(p):
+    return (p.peak_bytes, p.by_category, p.phase_peaks, p.peak_phase, p.host_bytes,
+            p.device_total_bytes)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def workload():
+    return memfit.load_workload("gpt2-tiny", 8, 32).with_depth(6)
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        memfit.Plan(micro_batch_size=2, checkpointing="selective", optimizer="adafactor"),
+        memfit.Plan(precision="bf16-mixed", optimizer="adamw8bit", offload={"activations": True}),
+    ],
+    ids=["accumulation", "activation offload"],
+)
+def test_confirmation_built_from_the_shallow_traces_equals_the_full_dry_run(workload, plan):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        composed = predict_peak(workload, plan)
+        confirmed = confirm_peak(workload, plan, composed)
+        full = predict_peak(workload, plan, compose=False)
+    assert set(composed.extra["traces"]) == {2, 3}
+    assert confirmed.method == "extended"
+    assert full.method == "dry-run"
+    assert _figures(confirmed) == _figures(full)
+
+
+def test_a_caching_allocator_target_is_confirmed_by_a_dry_run(workload):
+    # Which allocation each free releases decides the allocator's layout; traces built from
+    # shallow ones do not carry it.
+    plan = memfit.Plan(micro_batch_size=2)
+    composed = predict_peak(workload, plan, device="h100")
+    confirmed = confirm_peak(workload, plan, composed, device="h100")
+    assert confirmed.method == "dry-run"
+    assert _figures(confirmed) == _figures(predict_peak(workload, plan, compose=False, device="h100"))
+
+
+def test_without_a_composed_prediction_the_full_depth_is_dry_run(workload):
+    assert confirm_peak(workload, memfit.Plan()).method == "dry-run"
