@@ -36,10 +36,10 @@ from ..accounting import CATEGORIES, PHASES
 from ..plan import Plan
 from ..targets import DeviceProfile, get_device
 from ..workload import Workload
-from .depth import compose_pattern, layer_pattern, profile_depths
+from .depth import SHALLOW_DEPTHS, compose_pattern, layer_pattern, profile_depths
 from .dryrun import dry_run
 
-__all__ = ["Prediction", "block_pattern", "confirm_peak", "predict_peak"]
+__all__ = ["Prediction", "block_pattern", "confirm_peak", "first_forward_peak", "predict_peak"]
 
 
 @dataclass
@@ -252,6 +252,57 @@ def predict_peak(
         host_bytes=host,
         extra=extra,
     )
+
+
+def first_forward_peak(
+    workload: Workload, plan: Plan, *, device: str | DeviceProfile | None = "cpu"
+) -> dict[str, int] | None:
+    """The highest live bytes of the full-depth run up to the end of its first forward, as
+    the full-depth dry run records them (a floor under the plan's peak: what a budget must
+    hold before the first backward even starts), with the inputs of the full batch.
+
+    Built from the first forwards of the depth-2 and depth-3 runs
+    (:func:`memfit.accounting.extend.extend_trace`), which cost a few blocks' forward: a
+    plan whose floor is over the budget is ruled out at a fraction of a prediction's cost.
+    Returns the bytes per category at that highest point, or ``None`` when it cannot be
+    built (a model of unlike blocks, no depth knob, a plan not linear in depth, or traces
+    that do not extend).
+    """
+    from ..accounting.extend import extend_trace
+    from ..accounting.report import build_report
+
+    n = workload.depth or 0
+    if (
+        not workload.scalable
+        or n <= 3
+        or plan.checkpointing.mode in ("sqrt", "budget")
+        or plan.compile_backend is not None
+    ):
+        return None
+    assert workload.with_depth is not None
+    pattern = block_pattern(workload) or [0] * n
+    if len(set(pattern)) != 1:
+        return None
+    target = get_device(device)
+    small_wl, small_plan, scale = _reduced(workload, plan)
+    traces = {
+        d: dry_run(
+            workload.with_depth(d).replace(batch_size=small_wl.batch_size),
+            small_plan,
+            steps=1,
+            device=target,
+            stop="forward",
+        ).trace
+        for d in SHALLOW_DEPTHS
+    }
+    trace = extend_trace(traces, n)
+    if trace is None:
+        return None
+    phases = [c for c in _by_phase(build_report(trace), scale).values() if c]
+    if not phases:
+        return None
+    top = max(phases, key=lambda c: sum(c.values()))
+    return {c: round(v) for c, v in top.items()}
 
 
 def confirm_peak(

@@ -55,6 +55,7 @@ def measure(
     device: str | DeviceProfile | None = None,
     progress: Progress | None = None,
     expert_load: float = 1.0,
+    stop: str | None = None,
 ) -> MemoryReport:
     """Run ``steps`` full training steps of ``workload`` under ``plan`` and report memory.
 
@@ -86,6 +87,10 @@ def measure(
             choice depends on trained weights a dry run lacks. ``1.0``: evenly; ``c > 1``:
             expert 0 takes ``c`` times its share (a worst case). See
             :mod:`memfit.estimate.values` for this and the other data-dependent policies.
+        stop: ``"forward"``: stop as the model's first forward returns (the report covers the
+            run up to there: parameters, inputs and one micro-batch's forward; the planner
+            uses it to rule out plans that pass the budget that early). ``None``: run every
+            step.
 
     Returns:
         The :class:`MemoryReport`, with ``meta`` holding ``num_parameters``, ``dry_run``,
@@ -106,6 +111,8 @@ def measure(
         workload = load_workload(workload, batch_size, seq_len)
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a whole number >= 1, got {steps!r}")
+    if stop not in (None, "forward"):
+        raise ValueError(f"stop must be 'forward' or None, got {stop!r}")
     target = get_device(device)
     plan = plan_for_target(plan or Plan(), target)
     losses: list[float | None] = []
@@ -124,11 +131,14 @@ def measure(
             raise limitation from e
         num_parameters = sum(p.numel() for p in model.parameters())
         setup = apply_plan(model, plan, loss_fn=workload.loss_fn)
+        stopper = model.register_forward_hook(_stop_here) if stop == "forward" else None
         with track(model, setup.optimizer, cap=cap) as tracker, emulation:
             tracker.add_inputs(batch)
             for i in range(steps):
                 try:
                     loss = setup.step(batch)
+                except _Stopped:
+                    break
                 except (WorkloadError, torch.OutOfMemoryError):
                     raise
                 except Exception as e:
@@ -141,6 +151,8 @@ def measure(
                 del loss
                 if progress is not None:
                     progress(i + 1, steps)
+    if stopper is not None:
+        stopper.remove()
     report = tracker.report()
     report.meta.update(
         model=workload.name,
@@ -154,6 +166,8 @@ def measure(
         target_device=target.name,
         attention_backends=dict(getattr(emulation, "backends", {})),
     )
+    if stop is not None:
+        report.meta["stopped"] = stop
     if dry:
         report.meta["data_dependent"] = values.summary()
         report.trace = tracker.trace()
@@ -167,6 +181,14 @@ def measure(
         # runs the model eagerly) sees compiled code: both apply the saving measured for real.
         _apply_compiled_saving(report, workload, plan, seed)
     return report
+
+
+class _Stopped(Exception):
+    """Raised where a run asked to stop early (``stop="forward"``) reaches that point."""
+
+
+def _stop_here(*args: Any) -> None:
+    raise _Stopped
 
 
 def _disk_tier_estimate(report: MemoryReport, optimizer: Any, plan: Plan) -> None:

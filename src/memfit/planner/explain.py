@@ -46,7 +46,7 @@ def explain_table(result: PlanResult, limit: int = 15) -> Any:
         table.add_row(
             ("★ " if winner else "") + c.plan.summary(),
             f"{c.ratio:.2f}x",
-            format_bytes(c.peak_bytes or 0),
+            ("≥ " if c.at_least else "") + format_bytes(c.peak_bytes or 0),
             *(format_bytes(cats.get(k, 0)) for k in _SHORT),
             format_bytes(other),
             "yes" if c.fits else "no",
@@ -72,6 +72,7 @@ def why_it_won(
         why = (
             f"{len(faster_misfits)} faster candidate(s) were predicted over the budget (the "
             f"smallest of them, {smallest.plan.summary()}, needs "
+            f"{'at least ' if smallest.at_least else ''}"
             f"{format_bytes(smallest.device_total_bytes or 0)}); this is the fastest predicted "
             f"plan that fits, confirmed at {total} of {format_bytes(budget_bytes)}."
         )

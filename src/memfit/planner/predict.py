@@ -7,12 +7,12 @@ returned. Both compare with the budget through :func:`fits`, the planner's one b
 
 from __future__ import annotations
 
-from ..estimate.compose import Prediction, confirm_peak, predict_peak
+from ..estimate.compose import Prediction, confirm_peak, first_forward_peak, predict_peak
 from ..targets import DeviceProfile
 from ..workload import Workload
 from .result import Candidate
 
-__all__ = ["confirm", "fits", "predict", "record"]
+__all__ = ["confirm", "fits", "predict", "probe", "record"]
 
 
 def fits(prediction: Prediction, budget_bytes: int, host_budget: int | None = None) -> bool:
@@ -80,3 +80,31 @@ def confirm(
         + f"confirmed by {how}: {prediction.device_total_bytes} bytes"
     )
     return ok
+
+
+def probe(
+    candidate: Candidate, workload: Workload, device: DeviceProfile, budget_bytes: int
+) -> bool:
+    """Rule ``candidate`` out cheaply if it can be: whether the full-depth run already holds
+    more than ``budget_bytes`` by the end of its first forward
+    (:func:`~memfit.estimate.compose.first_forward_peak`, a few blocks' forward instead of a
+    prediction's two training runs). If so, the candidate's fields hold that floor (marked
+    ``at_least``) and its verdict; if not (or when the floor cannot be built), nothing is
+    decided and the candidate is left to :func:`predict`."""
+    floor = first_forward_peak(workload, candidate.plan, device=device)
+    if floor is None:
+        return False
+    peak = sum(floor.values())
+    total = peak + (device.overhead_bytes if device.is_cuda else 0)
+    if total <= budget_bytes:
+        return False
+    candidate.peak_bytes = peak
+    candidate.by_category = floor
+    candidate.device_total_bytes = total
+    candidate.fits = False
+    candidate.at_least = True
+    candidate.note = (
+        f"over the budget by the end of the first forward: at least {total} bytes (built "
+        "from the depth-2 and depth-3 first forwards)"
+    )
+    return True

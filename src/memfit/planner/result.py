@@ -36,6 +36,9 @@ class Candidate:
             out no other candidate: offloading less would use less host memory).
         composed: The prediction of a candidate that fits, kept until it is confirmed (its
             shallow runs' traces may spare the full-depth run); not exported.
+        at_least: Whether the figures are a floor rather than the peak: the candidate was
+            ruled out by what its run holds at the end of the first forward (see
+            :func:`memfit.planner.predict.probe`).
     """
 
     plan: Plan
@@ -52,6 +55,7 @@ class Candidate:
     host_bytes: int | None = None
     host_misfit: bool = False
     composed: Any = field(default=None, repr=False, compare=False)
+    at_least: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready summary."""
@@ -64,6 +68,7 @@ class Candidate:
             "predicted_peak_reserved_bytes": self.reserved_bytes,
             "predicted_device_total_bytes": self.device_total_bytes,
             "predicted_host_bytes": self.host_bytes,
+            "peak_is_lower_bound": self.at_least,
             "fits": self.fits,
             "note": self.note,
         }

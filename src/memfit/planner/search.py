@@ -11,13 +11,17 @@ The search runs in four stages, each in its own module:
 4. confirmation: the first candidate predicted to fit is dry-run at full depth before it is
    returned.
 
-Two rules keep the number of memory predictions small (:func:`search`):
+Three rules keep the number of memory predictions small (:func:`search`):
 
 * the most frugal candidates (those no other candidate dominates) are predicted first: if
   none of them fits, nothing does, and the answer says how far off the closest is;
 * dominance: a candidate that keeps at least as much memory as a known misfit in every
   dimension (larger micro-batch, less checkpointing, wider precision, bigger optimizer state,
-  ...) cannot fit and is skipped without a prediction.
+  ...) cannot fit and is skipped without a prediction;
+* a floor first: before a candidate is predicted, the first forward of its full-depth run is
+  built from its depth-2 and depth-3 first forwards (a few blocks' forward, see
+  :func:`memfit.planner.predict.probe`); if that alone passes the budget, the candidate is
+  out and its figures say "at least".
 
 What must fit is what the target device would hold (:func:`memfit.planner.predict.fits`).
 """
@@ -44,7 +48,7 @@ from .candidates import (
 )
 from .costing import cost_candidates
 from .explain import nothing_fits_message, why_it_won
-from .predict import confirm, predict
+from .predict import confirm, predict, probe
 from .result import Candidate, NothingFits, PlanResult
 
 __all__ = ["ALLOW", "FORBID", "Candidate", "NothingFits", "PlanResult", "plan", "search"]
@@ -144,14 +148,21 @@ def plan(
         say(f"confirming at full size: {c.plan.summary()}")
         return confirm(c, workload, target, budget_bytes, host_bytes)
 
-    winner, predicted = search(candidates, predict_one, confirm_one, max_predictions=max_predictions)
+    def probe_one(c: Candidate) -> bool:
+        say(f"checking the first forward: {c.plan.summary()}")
+        return probe(c, workload, target, budget_bytes)
+
+    winner, predicted = search(
+        candidates, predict_one, confirm_one, max_predictions=max_predictions, probe=probe_one
+    )
     for c in predicted:
         c.composed = None  # the shallow traces are not part of the answer
     predicted.sort(key=lambda c: c.step_time)
     seconds = time.perf_counter() - started
     if winner is None:
         closest = min(
-            (c for c in predicted if c.device_total_bytes is not None),
+            # (A candidate ruled out by its first forward has a floor, not its peak.)
+            (c for c in predicted if c.device_total_bytes is not None and not c.at_least),
             key=lambda c: c.device_total_bytes or 0,
         )
         result = _result(closest, False, budget_bytes, predicted, [], target, seconds)
@@ -179,6 +190,7 @@ def search(
     confirm: Callable[[Candidate], bool],
     *,
     max_predictions: int = 60,
+    probe: Callable[[Candidate], bool] | None = None,
 ) -> tuple[Candidate | None, list[Candidate]]:
     """The fastest candidate that fits, with as few memory predictions as dominance allows.
 
@@ -188,6 +200,9 @@ def search(
         confirm: Checks a candidate predicted to fit at full size; says whether it fits.
         max_predictions: Most calls of ``predict``; then the fastest candidate predicted to
             fit so far is confirmed and returned.
+        probe: Tried on each candidate but the most frugal ones before ``predict``: says
+            (having filled its fields) when it proved the candidate does not fit, more
+            cheaply than a prediction; ``False`` leaves it to ``predict``.
 
     Returns:
         The winner (``None`` when nothing fits) and every candidate predicted, in the order
@@ -196,7 +211,11 @@ def search(
     predicted: list[Candidate] = []
     misfits: list[tuple[int, ...]] = []
 
-    def predict_and_note(c: Candidate) -> bool:
+    def predict_and_note(c: Candidate, first_probe: bool = False) -> bool:
+        if first_probe and probe is not None and probe(c):
+            predicted.append(c)
+            misfits.append(c.rank)
+            return False
         ok = predict(c)
         predicted.append(c)
         if not ok and not c.host_misfit:
@@ -225,7 +244,7 @@ def search(
                 continue
             if len(predicted) >= max_predictions:
                 break
-            if not predict_and_note(c):
+            if not predict_and_note(c, first_probe=True):
                 continue
         if c.fits and confirm_and_note(c):
             return c, predicted
