@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import sys
 import traceback
@@ -614,6 +615,12 @@ def main() -> None:
     except KeyboardInterrupt:
         err.print("interrupted")
         sys.exit(130)
+    finally:
+        # The command is done. Python's last garbage collections at exit would walk every
+        # object a dry run left behind (about a second after a plan) to free memory the
+        # process gives back anyway; frozen objects are skipped. Finalizers and atexit
+        # handlers still run.
+        gc.freeze()
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ What must fit is what the target device would hold (:func:`memfit.planner.predic
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -36,6 +37,7 @@ from ..plan import Plan
 from ..targets import DeviceProfile
 from ..units import format_bytes
 from ..workload import Workload
+from .ahead import Ahead, start
 from .candidates import (
     ALLOW,
     FORBID,
@@ -67,6 +69,7 @@ def plan(
     progress: Callable[[str], None] | None = None,
     host_budget: int | str | None = None,
     disk_dir: str | None = None,
+    jobs: int = 2,
 ) -> PlanResult:
     """Find the fastest plan whose peak fits ``budget``.
 
@@ -89,6 +92,9 @@ def plan(
             not checked): a plan whose predicted host-tier peak exceeds it does not fit.
         disk_dir: With ``offload`` allowed, a directory for the ``disk`` tier: the search then
             includes the optimizer state on disk (which needs little host memory).
+        jobs: Processes the search may use: with 2 (the default) and a second core, a
+            forked worker predicts the most frugal candidates and the next in line while the
+            search goes on (:mod:`memfit.planner.ahead`; same answer); 1: this process only.
 
     Returns:
         The :class:`PlanResult`.
@@ -102,6 +108,8 @@ def plan(
 
     started = time.perf_counter()
     say = progress or (lambda msg: None)
+    if not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"jobs must be a whole number >= 1, got {jobs!r}")
     if isinstance(workload, str):
         from ..workload import load_workload
 
@@ -152,9 +160,22 @@ def plan(
         say(f"checking the first forward: {c.plan.summary()}")
         return probe(c, workload, target, budget_bytes)
 
-    winner, predicted = search(
-        candidates, predict_one, confirm_one, max_predictions=max_predictions, probe=probe_one
-    )
+    def work(c: Candidate, first_probe: bool) -> None:  # in the worker: says nothing
+        if not (first_probe and probe(c, workload, target, budget_bytes)):
+            predict(c, workload, target, budget_bytes, host_bytes)
+
+    with contextlib.ExitStack() as stack:
+        ahead = start(candidates, work) if jobs > 1 else None
+        if ahead is not None:
+            stack.enter_context(ahead)
+        winner, predicted = search(
+            candidates,
+            predict_one,
+            confirm_one,
+            max_predictions=max_predictions,
+            probe=probe_one,
+            ahead=ahead,
+        )
     for c in predicted:
         c.composed = None  # the shallow traces are not part of the answer
     predicted.sort(key=lambda c: c.step_time)
@@ -191,6 +212,7 @@ def search(
     *,
     max_predictions: int = 60,
     probe: Callable[[Candidate], bool] | None = None,
+    ahead: Ahead | None = None,
 ) -> tuple[Candidate | None, list[Candidate]]:
     """The fastest candidate that fits, with as few memory predictions as dominance allows.
 
@@ -203,6 +225,10 @@ def search(
         probe: Tried on each candidate but the most frugal ones before ``predict``: says
             (having filled its fields) when it proved the candidate does not fit, more
             cheaply than a prediction; ``False`` leaves it to ``predict``.
+        ahead: A worker that predicts candidates in the background (:mod:`.ahead`; it must
+            probe and predict as ``probe`` and ``predict`` do). The most frugal candidates go
+            to it first, instead of being predicted before the search starts, then the
+            candidate after the one being predicted. The answer is the same as without it.
 
     Returns:
         The winner (``None`` when nothing fits) and every candidate predicted, in the order
@@ -211,16 +237,19 @@ def search(
     predicted: list[Candidate] = []
     misfits: list[tuple[int, ...]] = []
 
-    def predict_and_note(c: Candidate, first_probe: bool = False) -> bool:
-        if first_probe and probe is not None and probe(c):
-            predicted.append(c)
-            misfits.append(c.rank)
-            return False
-        ok = predict(c)
+    def note(c: Candidate) -> bool:
         predicted.append(c)
-        if not ok and not c.host_misfit:
+        if not c.fits and (c.at_least or not c.host_misfit):
             misfits.append(c.rank)
-        return ok
+        return bool(c.fits)
+
+    def predict_and_note(c: Candidate, first_probe: bool = False) -> bool:
+        if ahead is not None and ahead.has(c) and ahead.take(c):
+            return note(c)
+        if first_probe and probe is not None and probe(c):
+            return note(c)
+        predict(c)
+        return note(c)
 
     def confirm_and_note(c: Candidate) -> bool:
         if confirm(c):
@@ -232,27 +261,103 @@ def search(
     # Every candidate is dominated by a most frugal one: if none of those fits, none fits.
     # They are tried until one fits (one usually does: the others are then left to the search).
     seeds = [candidates[i] for i in maximal([c.rank for c in candidates])]
-    if not any(predict_and_note(s) for s in seeds if not dominated(s.rank, misfits)) and not any(
-        s.host_misfit for s in seeds
-    ):
+    seed_ids = {id(s) for s in seeds}
+
+    def seeds_rule_out_all() -> bool:
         # (A seed that only misses the host budget proves nothing: a plan that offloads less
         # uses less host memory, so the search goes on.)
-        return None, predicted
-    for c in candidates:
+        return not any(s.fits or s.host_misfit for s in seeds)
+
+    if ahead is None:
+        tried = [s for s in seeds if not dominated(s.rank, misfits)]
+        if not any(predict_and_note(s) for s in tried) and seeds_rule_out_all():
+            return None, predicted
+    i = 0
+    while i < len(candidates):
+        c = candidates[i]
+        if ahead is not None:
+            # The seeds go to the worker one at a time, until one fits; a seed's verdict,
+            # once here, is taken at once: if every seed misfits, nothing fits.
+            for s in seeds:
+                if s.fits is None and ahead.ready(s) and ahead.take(s):
+                    note(s)
+            untried = [s for s in seeds if s.fits is None and not dominated(s.rank, misfits)]
+            if not untried and seeds_rule_out_all():
+                return None, predicted
+            if not any(s.fits for s in seeds) and not any(ahead.has(s) for s in untried):
+                ahead.offer(untried[0], probe=False)
+            if c.fits is None and ahead.ready(c) and ahead.take(c):
+                note(c)
         if c.fits is None:
             if dominated(c.rank, misfits):
+                i += 1
                 continue
             if len(predicted) >= max_predictions:
                 break
-            if not predict_and_note(c, first_probe=True):
+            if ahead is not None and ahead.running(c):
+                # The worker has it under way: meanwhile this process takes the next one the
+                # search needs if it misfits, and waits only when there is none.
+                d = _next_needed(candidates, i, misfits, ahead)
+                if d is not None:
+                    predict_and_note(d, first_probe=id(d) not in seed_ids)
+                    continue
+                if ahead.take(c):
+                    note(c)
+            if c.fits is None:
+                if ahead is not None:
+                    _offer_next(ahead, candidates, i, misfits)
+                predict_and_note(c, first_probe=id(c) not in seed_ids)
+            if not c.fits:
+                i += 1
                 continue
         if c.fits and confirm_and_note(c):
             return c, predicted
+        i += 1
+    if ahead is not None:
+        for s in seeds:
+            if s.fits is None and not dominated(s.rank, misfits):
+                predict_and_note(s)
+        if seeds_rule_out_all():
+            return None, predicted
     # Out of predictions: the fastest predicted to fit (a seed fits, so there is one).
     for c in sorted(predicted, key=lambda c: c.step_time):
         if c.fits and confirm_and_note(c):
             return c, predicted
     return None, predicted
+
+
+def _next_needed(
+    candidates: Sequence[Candidate], i: int, misfits: list[tuple[int, ...]], ahead: Ahead
+) -> Candidate | None:
+    """The first candidate after position ``i`` the search needs if the one at ``i``
+    misfits, and that the worker was not asked for; ``None`` if there is none."""
+    assumed = [*misfits, candidates[i].rank]
+    for c in candidates[i + 1 :]:
+        if c.fits is None and not dominated(c.rank, assumed) and not ahead.has(c):
+            return c
+    return None
+
+
+#: Candidates after the current one the worker is asked for (so that it has the next at hand
+#: when it finishes one early).
+LOOKAHEAD = 2
+
+
+def _offer_next(
+    ahead: Ahead, candidates: Sequence[Candidate], i: int, misfits: list[tuple[int, ...]]
+) -> None:
+    """Ask the worker for the next :data:`LOOKAHEAD` candidates after position ``i`` the
+    search may need. They are needed only if the one at ``i`` misfits (and each offered one
+    before them), so those count as misfits: what they would rule out is not asked for."""
+    assumed = [*misfits, candidates[i].rank]
+    n = 0
+    for c in candidates[i + 1 :]:
+        if n >= LOOKAHEAD:
+            return
+        if c.fits is None and not dominated(c.rank, assumed):
+            ahead.offer(c, probe=True)
+            assumed.append(c.rank)
+            n += 1
 
 
 def _base_for(base: Plan, target: DeviceProfile) -> Plan:

@@ -1,0 +1,203 @@
+"""Predictions worked out ahead, in a second process, while the search goes on.
+
+A search predicts one candidate at a time, and the next prediction often depends on the last
+verdict (a misfit rules out what it dominates). Two kinds of work do not wait for it: the most
+frugal candidates' predictions (needed only to tell that nothing fits, or when every faster
+candidate misfits) and the next candidate in line (needed when the current one misfits). On a
+machine with a second core, :class:`Ahead` runs them there: a worker process forked from the
+planner (so it imports nothing and builds nothing again) takes one candidate at a time and
+sends back the fields its prediction filled in. The search takes a result when it reaches the
+candidate, waits for one under way, and does the work itself for one not started yet, so the
+answer is the one the search gives alone. What :mod:`multiprocessing` lacks for this is a
+queue the parent can still withdraw from; this module keeps that queue in the parent and hands
+the worker one candidate at a time.
+
+Fork is required (the worker shares the planner's imports, workload and candidates): where it
+is unavailable, or on one core, :func:`start` gives ``None`` and the search runs alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .result import Candidate
+
+__all__ = ["FIELDS", "Ahead", "start"]
+
+#: The candidate fields a prediction or a probe fills in, sent back from the worker.
+FIELDS: tuple[str, ...] = (
+    "peak_bytes",
+    "by_category",
+    "fits",
+    "note",
+    "reserved_bytes",
+    "device_total_bytes",
+    "host_bytes",
+    "host_misfit",
+    "composed",
+    "at_least",
+)
+
+#: Work on one candidate in the worker: fills the candidate's fields (a prediction, after a
+#: probe when the flag says so).
+Work = Callable[[Candidate, bool], Any]
+
+
+def start(candidates: Sequence[Candidate], work: Work) -> Ahead | None:
+    """A worker for ``candidates`` (by position), or ``None`` where one cannot help: no
+    ``fork`` start method, or a single usable core."""
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return None
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    if cores < 2:
+        return None
+    return Ahead(candidates, work)
+
+
+class Ahead:
+    """A forked worker that predicts candidates on request (see the module docstring).
+
+    A thread of this process waits for the worker's results and hands it the next candidate
+    as soon as it is free, so the worker never idles while the search is busy.
+
+    Args:
+        candidates: Every candidate of the search; the worker knows them by position (it is
+            forked after they exist).
+        work: Fills one candidate's fields, in the worker.
+    """
+
+    def __init__(self, candidates: Sequence[Candidate], work: Work) -> None:
+        self._index = {id(c): i for i, c in enumerate(candidates)}
+        self._candidates = list(candidates)
+        ctx = multiprocessing.get_context("fork")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve, args=(child, self._candidates, work), daemon=True)
+        self._proc.start()
+        child.close()
+        self._queue: list[int] = []  # asked for, not yet sent
+        self._probe: dict[int, bool] = {}  # whether to probe first, by position
+        self._busy: int | None = None  # sent, result not yet received
+        self._done: dict[int, dict[str, Any] | None] = {}  # received (None: the worker failed)
+        self._dead = False
+        self._cond = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def offer(self, c: Candidate, probe: bool = True) -> None:
+        """Ask for ``c``'s prediction, after a probe if ``probe`` (ignored if already asked
+        for)."""
+        i = self._index[id(c)]
+        with self._cond:
+            if i not in self._queue and i != self._busy and i not in self._done:
+                self._queue.append(i)
+                self._probe[i] = probe
+                self._send_next()
+
+    def has(self, c: Candidate) -> bool:
+        """Whether ``c`` was asked for and not yet taken."""
+        i = self._index[id(c)]
+        with self._cond:
+            return i in self._queue or i == self._busy or i in self._done
+
+    def running(self, c: Candidate) -> bool:
+        """Whether the worker is working on ``c`` now."""
+        with self._cond:
+            return self._busy == self._index[id(c)]
+
+    def ready(self, c: Candidate) -> bool:
+        """Whether ``c``'s result is here (without waiting)."""
+        with self._cond:
+            return self._index[id(c)] in self._done
+
+    def take(self, c: Candidate) -> bool:
+        """Fill ``c``'s fields from the worker's result: waits for it if it is under way.
+
+        Returns ``False`` (nothing filled) if the worker had not started it (it is withdrawn:
+        the caller does the work) or failed on it.
+        """
+        i = self._index[id(c)]
+        with self._cond:
+            if i in self._queue:
+                self._queue.remove(i)
+                return False
+            while i == self._busy:
+                self._cond.wait()
+            fields = self._done.pop(i, None)
+        if fields is None:
+            return False
+        for name, value in fields.items():
+            setattr(c, name, value)
+        return True
+
+    def close(self) -> None:
+        """Stop the worker (whatever it is doing is no longer needed)."""
+        if self._proc.is_alive():
+            self._proc.kill()
+        self._proc.join()
+        with contextlib.suppress(OSError):
+            self._conn.close()
+        self._reader.join(timeout=1.0)
+
+    def _send_next(self) -> None:
+        # Called with the lock held.
+        if self._busy is None and self._queue and not self._dead:
+            self._busy = self._queue.pop(0)
+            try:
+                self._conn.send((self._busy, self._probe[self._busy]))
+            except OSError:
+                self._died()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                i, fields = self._conn.recv()
+            except (EOFError, OSError, TypeError):
+                with self._cond:
+                    self._died()
+                return
+            with self._cond:
+                self._done[i] = fields
+                self._busy = None
+                self._send_next()
+                self._cond.notify_all()
+
+    def _died(self) -> None:
+        # Called with the lock held. The worker is gone: what it held or was asked for is
+        # done by the search instead.
+        self._dead = True
+        self._queue.clear()
+        self._busy = None
+        self._cond.notify_all()
+
+    def __enter__(self) -> Ahead:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _serve(conn: Any, candidates: list[Candidate], work: Work) -> None:
+    """The worker's loop: a candidate's position in, its filled fields out."""
+    import torch
+
+    torch.set_num_threads(1)  # dry runs compute nothing; threads forked mid-life may hang
+    while True:
+        try:
+            i, probe = conn.recv()
+        except (EOFError, OSError):
+            return
+        c = candidates[i]
+        try:
+            work(c, probe)
+            fields: dict[str, Any] | None = {name: getattr(c, name) for name in FIELDS}
+        except Exception:  # the search does this one itself, and meets the error there
+            fields = None
+        conn.send((i, fields))
