@@ -199,7 +199,8 @@ def test_fp32_is_not_pruned_by_a_misfitting_autocast_plan():
     result = plan(workload, budget, forbid=forbid, device=A100_SPEED)
     assert result.plan.precision.mode == "fp32" and result.plan.optimizer_in_backward
     # The autocast plan (faster) was predicted too, and found over the budget.
+    # (With the planner's worker predicting ahead, a second autocast plan may be too.)
     autocast = [c for c in result.candidates if c.plan.precision.mode == "bf16-mixed"]
-    assert [c.fits for c in autocast] == [False]
+    assert autocast and all(c.fits is False for c in autocast)
     winner = next(c for c in result.candidates if c.plan == result.plan)
-    assert autocast[0].step_time < winner.step_time
+    assert min(c.step_time for c in autocast) < winner.step_time

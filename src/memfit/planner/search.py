@@ -284,7 +284,7 @@ def search(
             untried = [s for s in seeds if s.fits is None and not dominated(s.rank, misfits)]
             if not untried and seeds_rule_out_all():
                 return None, predicted
-            if not any(s.fits for s in seeds) and not any(ahead.has(s) for s in untried):
+            if untried and not any(s.fits for s in seeds) and not any(map(ahead.has, untried)):
                 ahead.offer(untried[0], probe=False)
             if c.fits is None and ahead.ready(c) and ahead.take(c):
                 note(c)

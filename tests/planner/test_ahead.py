@@ -1,0 +1,167 @@
+"""A search with a worker predicting ahead gives the answer the search gives alone."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memfit.plan import Plan
+from memfit.planner import ahead as ahead_module
+from memfit.planner.ahead import Ahead, start
+from memfit.planner.result import Candidate
+from memfit.planner.search import search
+
+
+def _candidates(ranks: list[tuple[int, ...]]) -> list[Candidate]:
+    # Fastest first; memory falls as the rank rises in any dimension (as the planner's ranks
+    # promise), so dominance never rules out a plan that fits.
+    return [
+        Candidate(plan=Plan(grad_accum_steps=i + 1), rank=r, step_time=1.0 + i)
+        for i, r in enumerate(ranks)
+    ]
+
+
+def _memory(c: Candidate) -> int:
+    return 100 - 7 * sum(c.rank)
+
+
+def _searcher(budget: int, delay: float = 0.0):
+    def predict(c: Candidate) -> bool:
+        time.sleep(delay)
+        c.device_total_bytes = c.peak_bytes = _memory(c)
+        c.fits = c.device_total_bytes <= budget
+        return c.fits
+
+    def probe(c: Candidate) -> bool:
+        # A floor of half the memory: rules out only the plans far over the budget.
+        if _memory(c) // 2 <= budget:
+            return False
+        c.device_total_bytes = c.peak_bytes = _memory(c) // 2
+        c.fits, c.at_least = False, True
+        return True
+
+    def work(c: Candidate, first_probe: bool) -> None:
+        if not (first_probe and probe(c)):
+            predict(c)
+
+    return predict, probe, work
+
+
+def _search(ranks, budget, jobs: int, delay: float = 0.0):
+    candidates = _candidates(ranks)
+    predict, probe, work = _searcher(budget, delay)
+    ahead = Ahead(candidates, work) if jobs > 1 else None
+    try:
+        winner, predicted = search(
+            candidates, predict, lambda c: bool(c.fits), probe=probe, ahead=ahead
+        )
+    finally:
+        if ahead is not None:
+            ahead.close()
+    return (None if winner is None else winner.plan.grad_accum_steps), predicted
+
+
+def _brute_force(ranks, budget):
+    fits = [c for c in _candidates(ranks) if _memory(c) <= budget]
+    return min(fits, key=lambda c: c.step_time).plan.grad_accum_steps if fits else None
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    ranks=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 2)), min_size=1, max_size=9),
+    budget=st.integers(70, 105),
+)
+def test_the_answer_is_the_search_alone_and_the_brute_force_one(ranks, budget):
+    alone, _ = _search(ranks, budget, jobs=1)
+    together, _ = _search(ranks, budget, jobs=2, delay=0.002)
+    assert together == alone == _brute_force(ranks, budget)
+
+
+def test_the_worker_takes_what_the_search_has_not_reached():
+    ranks = [(0, 0), (0, 1), (1, 0), (1, 1), (2, 1), (1, 2), (2, 2)]
+    winner, predicted = _search(ranks, budget=75, jobs=2, delay=0.05)
+    assert winner == _brute_force(ranks, budget=75)
+    # Every prediction was made exactly once, wherever it was made.
+    seen = [c.plan.grad_accum_steps for c in predicted]
+    assert len(seen) == len(set(seen))
+
+
+def test_nothing_fits_with_a_worker():
+    ranks = [(0, 0), (1, 0), (0, 1)]
+    assert _search(ranks, budget=10, jobs=2, delay=0.01)[0] is None
+
+
+def test_a_failing_worker_leaves_the_work_to_the_search():
+    candidates = _candidates([(0, 0), (1, 1), (2, 2)])
+    predict, probe, _ = _searcher(budget=90)
+
+    def broken(c, first_probe):
+        raise RuntimeError("worker failure")
+
+    with Ahead(candidates, broken) as ahead:
+        winner, _ = search(candidates, predict, lambda c: bool(c.fits), probe=probe, ahead=ahead)
+    assert winner is not None and winner.plan.grad_accum_steps == _brute_force(
+        [(0, 0), (1, 1), (2, 2)], 90
+    )
+
+
+def test_a_killed_worker_leaves_the_work_to_the_search():
+    ranks = [(0, 0), (0, 1), (1, 1), (2, 2)]
+    candidates = _candidates(ranks)
+    predict, probe, work = _searcher(budget=80, delay=0.02)
+    with Ahead(candidates, work) as ahead:
+        ahead._proc.kill()
+        ahead._proc.join()
+        winner, _ = search(candidates, predict, lambda c: bool(c.fits), probe=probe, ahead=ahead)
+    assert winner is not None and winner.plan.grad_accum_steps == _brute_force(ranks, 80)
+
+
+def test_withdrawn_before_it_starts():
+    candidates = _candidates([(0, 0), (1, 1), (2, 2)])
+    _, _, work = _searcher(budget=90, delay=0.3)
+    with Ahead(candidates, work) as ahead:
+        ahead.offer(candidates[0])
+        ahead.offer(candidates[1])  # queued behind the first
+        assert ahead.has(candidates[1])
+        assert not ahead.take(candidates[1])  # withdrawn: the caller does it
+        assert not ahead.has(candidates[1])
+        assert ahead.take(candidates[0])  # waits for the one under way
+        assert candidates[0].fits is not None
+
+
+def test_no_worker_on_one_core(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert start(_candidates([(0,)]), lambda c, p: None) is None
+
+
+def test_fields_cover_what_a_prediction_fills():
+    # Whatever predict and probe write into a candidate must travel back from the worker.
+    fields = {f for f in Candidate.__dataclass_fields__ if f not in ("plan", "rank", "step_time")}
+    assert fields - {"ratio", "cost_terms"} <= set(ahead_module.FIELDS)
+
+
+@pytest.mark.parametrize("jobs", [0, -1, 1.5])
+def test_jobs_is_checked(jobs):
+    from memfit.planner import plan
+
+    with pytest.raises(ValueError, match="jobs must be"):
+        plan("gpt2-tiny", "1GiB", jobs=jobs)
+
+
+def test_lookahead_skips_what_a_misfit_would_rule_out():
+    from memfit.planner.search import _offer_next
+
+    offered = []
+
+    class Recorder:
+        def offer(self, c, probe=True):
+            offered.append(c.rank)
+
+    candidates = _candidates([(0, 0), (0, 0), (1, 0), (0, 1), (1, 1)])
+    _offer_next(Recorder(), candidates, 0, [])
+    # (0, 0) again is needed only if (0, 0) fits, which ends the search: skipped.
+    assert offered == [(1, 0), (0, 1)]
