@@ -53,3 +53,37 @@ def test_a_caching_allocator_target_is_confirmed_by_a_dry_run(workload):
 
 def test_without_a_composed_prediction_the_full_depth_is_dry_run(workload):
     assert confirm_peak(workload, memfit.Plan()).method == "dry-run"
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        memfit.Plan(micro_batch_size=2, checkpointing="selective", optimizer="adafactor"),
+        memfit.Plan(precision="bf16-mixed", optimizer_in_backward=True),
+    ],
+    ids=["accumulation", "step in backward"],
+)
+def test_first_forward_floor_is_the_full_depth_run_up_to_its_first_forward(workload, plan):
+    from memfit.estimate.compose import _by_phase, _reduced, first_forward_peak
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        floor = first_forward_peak(workload, plan)
+        small, small_plan, scale = _reduced(workload, plan)
+        stopped = memfit.dry_run(small, small_plan, stop="forward")
+        full = predict_peak(workload, plan, compose=False)
+    forward = _by_phase(stopped, scale)["forward"]
+    assert floor == {c: round(v) for c, v in forward.items()}
+    assert sum(floor.values()) <= full.peak_bytes
+
+
+def test_a_stopped_run_ends_with_the_first_forward():
+    workload = memfit.load_workload("gpt2-tiny", 2, 16)
+    full = memfit.dry_run(workload, memfit.Plan())
+    stopped = memfit.dry_run(workload, memfit.Plan(), stop="forward")
+    assert stopped.meta["stopped"] == "forward"
+    assert 0 < stopped.num_ops < full.num_ops
+    assert stopped.phase_peaks["forward"] > 0
+    assert stopped.phase_peaks["backward"] == stopped.phase_peaks["optimizer"] == 0
+    with pytest.raises(ValueError, match="stop must be"):
+        memfit.dry_run(workload, memfit.Plan(), stop="backward")

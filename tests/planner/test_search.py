@@ -247,3 +247,23 @@ def test_composition_goes_one_deeper_when_the_shallowest_run_peaks_elsewhere():
     assert composed.method == "composed"
     assert composed.by_category == full.by_category
     assert composed.peak_bytes == full.peak_bytes
+
+
+def test_a_candidate_over_the_budget_by_its_first_forward_is_ruled_out_with_a_floor():
+    from memfit.planner.predict import predict as predict_candidate
+    from memfit.planner.predict import probe
+    from memfit.planner.result import Candidate
+
+    workload = memfit.load_workload("gpt2-tiny", 8, 32).with_depth(6)
+    p = memfit.Plan(precision="bf16-mixed")
+    target = memfit.targets.get_device("cpu")
+    full = Candidate(plan=p, rank=(0,), step_time=1.0)
+    predict_candidate(full, workload, target, budget_bytes=2**40)
+    floored = Candidate(plan=p, rank=(0,), step_time=1.0)
+    assert probe(floored, workload, target, budget_bytes=1024)
+    assert floored.at_least and floored.fits is False
+    assert 0 < floored.device_total_bytes <= full.device_total_bytes
+    # A budget the first forward does not pass decides nothing.
+    undecided = Candidate(plan=p, rank=(0,), step_time=1.0)
+    assert not probe(undecided, workload, target, budget_bytes=floored.device_total_bytes)
+    assert undecided.fits is None and not undecided.at_least
