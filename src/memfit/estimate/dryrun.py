@@ -9,6 +9,7 @@ same operations, so a dry run's peak is the real run's peak, not an estimate.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +20,15 @@ from ..plan import Plan, PlanError
 from ..targets import DeviceProfile, emulate, get_device
 from ..workload import Workload, load_workload
 
-__all__ = ["DryRunLimitation", "dry_run", "measure", "model_error", "plan_for_target"]
+__all__ = [
+    "Cancelled",
+    "DryRunLimitation",
+    "cancel_when",
+    "dry_run",
+    "measure",
+    "model_error",
+    "plan_for_target",
+]
 
 #: Called after each step with (steps done, steps in all).
 Progress = Callable[[int, int], None]
@@ -33,6 +42,45 @@ class DryRunLimitation(ModelError):
     """A dry run cannot follow an operator that a real run handles (fake tensors have shapes,
     not values: a data-dependent output shape or a value read); the message names the operator
     and the module and says what to do instead."""
+
+
+class Cancelled(Exception):
+    """A run stopped because the one who started it no longer needs it (:func:`cancel_when`)."""
+
+
+#: Conditions under which the runs now starting are no longer needed (see :func:`cancel_when`).
+_CANCEL: list[Callable[[], bool]] = []
+
+
+@contextlib.contextmanager
+def cancel_when(done: Callable[[], bool]) -> Any:
+    """Runs started inside this context raise :class:`Cancelled` soon after ``done()`` turns
+    true: it is checked as modules' forwards start (recomputation included), at most every
+    few milliseconds. The planner uses it to drop work another process made pointless."""
+    _CANCEL.append(done)
+    try:
+        yield
+    finally:
+        _CANCEL.remove(done)
+
+
+def _cancel_hook() -> Any:
+    """A global module hook that raises :class:`Cancelled` once a condition of
+    :data:`_CANCEL` holds (``None`` when there is none)."""
+    if not _CANCEL:
+        return None
+    conditions = list(_CANCEL)
+    last = [0.0]
+
+    def check(module: Any, args: Any) -> None:
+        now = time.monotonic()
+        if now - last[0] < 0.005:
+            return
+        last[0] = now
+        if any(done() for done in conditions):
+            raise Cancelled
+
+    return torch.nn.modules.module.register_module_forward_pre_hook(check)
 
 
 def model_error(exc: BaseException) -> ModelError:
@@ -131,8 +179,13 @@ def measure(
             raise limitation from e
         num_parameters = sum(p.numel() for p in model.parameters())
         setup = apply_plan(model, plan, loss_fn=workload.loss_fn)
-        stopper = model.register_forward_hook(_stop_here) if stop == "forward" else None
-        with track(model, setup.optimizer, cap=cap) as tracker, emulation:
+        hooks = contextlib.ExitStack()
+        if stop == "forward":
+            hooks.callback(model.register_forward_hook(_stop_here).remove)
+        canceller = _cancel_hook()
+        if canceller is not None:
+            hooks.callback(canceller.remove)
+        with hooks, track(model, setup.optimizer, cap=cap) as tracker, emulation:
             tracker.add_inputs(batch)
             for i in range(steps):
                 try:
@@ -142,6 +195,8 @@ def measure(
                 except (WorkloadError, torch.OutOfMemoryError):
                     raise
                 except Exception as e:
+                    if _cancelled(e):
+                        raise Cancelled from None
                     where = tracker.failed_module or tracker.current_module
                     limitation = _dry_limitation(
                         e, f"inside module {where!r}" if where else "in the training step"
@@ -151,8 +206,6 @@ def measure(
                 del loss
                 if progress is not None:
                     progress(i + 1, steps)
-    if stopper is not None:
-        stopper.remove()
     report = tracker.report()
     report.meta.update(
         model=workload.name,
@@ -181,6 +234,16 @@ def measure(
         # runs the model eagerly) sees compiled code: both apply the saving measured for real.
         _apply_compiled_saving(report, workload, plan, seed)
     return report
+
+
+def _cancelled(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is, or was caused by, :class:`Cancelled` (autograd may wrap an error
+    raised during a recomputation in backward)."""
+    while exc is not None:
+        if isinstance(exc, Cancelled):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 class _Stopped(Exception):

@@ -84,6 +84,7 @@ class Ahead:
         child.close()
         self._queue: list[int] = []  # asked for, not yet sent
         self._probe: dict[int, bool] = {}  # whether to probe first, by position
+        self._spare: set[int] = set()  # requests worked on only when nothing else is asked
         self._busy: int | None = None  # sent, result not yet received
         self._done: dict[int, dict[str, Any] | None] = {}  # received (None: the worker failed)
         self._dead = False
@@ -91,14 +92,20 @@ class Ahead:
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
-    def offer(self, c: Candidate, probe: bool = True) -> None:
+    def offer(self, c: Candidate, probe: bool = True, *, spare: bool = False) -> None:
         """Ask for ``c``'s prediction, after a probe if ``probe`` (ignored if already asked
-        for)."""
+        for). A ``spare`` request is worked on only when nothing else is asked for."""
         i = self._index[id(c)]
         with self._cond:
             if i not in self._queue and i != self._busy and i not in self._done:
-                self._queue.append(i)
                 self._probe[i] = probe
+                if spare:
+                    self._queue.append(i)
+                    self._spare.add(i)
+                else:
+                    # Before the spare requests, after the other ones.
+                    at = next((k for k, j in enumerate(self._queue) if j in self._spare), None)
+                    self._queue.insert(len(self._queue) if at is None else at, i)
                 self._send_next()
 
     def has(self, c: Candidate) -> bool:
@@ -111,6 +118,12 @@ class Ahead:
         """Whether the worker is working on ``c`` now."""
         with self._cond:
             return self._busy == self._index[id(c)]
+
+    def fits(self, c: Candidate) -> bool:
+        """Whether ``c``'s result is here and says it fits (without waiting)."""
+        with self._cond:
+            fields = self._done.get(self._index[id(c)])
+            return bool(fields and fields.get("fits"))
 
     def ready(self, c: Candidate) -> bool:
         """Whether ``c``'s result is here (without waiting)."""

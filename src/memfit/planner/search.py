@@ -33,6 +33,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterable, Sequence
 
+from ..estimate.dryrun import Cancelled, cancel_when
 from ..plan import Plan
 from ..targets import DeviceProfile
 from ..units import format_bytes
@@ -284,8 +285,6 @@ def search(
             untried = [s for s in seeds if s.fits is None and not dominated(s.rank, misfits)]
             if not untried and seeds_rule_out_all():
                 return None, predicted
-            if untried and not any(s.fits for s in seeds) and not any(map(ahead.has, untried)):
-                ahead.offer(untried[0], probe=False)
             if c.fits is None and ahead.ready(c) and ahead.take(c):
                 note(c)
         if c.fits is None:
@@ -294,18 +293,23 @@ def search(
                 continue
             if len(predicted) >= max_predictions:
                 break
+            if ahead is not None:
+                # The candidates needed next go first; a seed only when the worker is free.
+                _offer_next(ahead, candidates, i, misfits)
+                if not any(s.fits for s in seeds) and not any(map(ahead.has, untried)):
+                    ahead.offer(untried[0], probe=False, spare=True)
             if ahead is not None and ahead.running(c):
                 # The worker has it under way: meanwhile this process takes the next one the
                 # search needs if it misfits, and waits only when there is none.
                 d = _next_needed(candidates, i, misfits, ahead)
                 if d is not None:
-                    predict_and_note(d, first_probe=id(d) not in seed_ids)
+                    # ...dropped if the worker's verdict says it fits: the search ends there.
+                    with contextlib.suppress(Cancelled), cancel_when(lambda c=c: ahead.fits(c)):
+                        predict_and_note(d, first_probe=id(d) not in seed_ids)
                     continue
                 if ahead.take(c):
                     note(c)
             if c.fits is None:
-                if ahead is not None:
-                    _offer_next(ahead, candidates, i, misfits)
                 predict_and_note(c, first_probe=id(c) not in seed_ids)
             if not c.fits:
                 i += 1

@@ -233,8 +233,16 @@ DEVICES: dict[str, DeviceProfile] = {
 
 
 def _time(fn: Any, repeat: int = 3) -> float:
+    """The best of ``repeat`` timed calls after a warm-up; a call as slow as 50 ms is timed
+    once more only (fp16 matmuls on a CPU without fp16 units: the rate is plain to see, and
+    three more calls would add half a second to every plan)."""
+    t0 = time.perf_counter()
     fn()
-    best = float("inf")
+    best = time.perf_counter() - t0
+    if best > 0.05:
+        repeat = 1
+    else:
+        best = float("inf")
     for _ in range(repeat):
         t0 = time.perf_counter()
         fn()
