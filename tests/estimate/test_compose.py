@@ -87,3 +87,33 @@ def test_a_stopped_run_ends_with_the_first_forward():
     assert stopped.phase_peaks["backward"] == stopped.phase_peaks["optimizer"] == 0
     with pytest.raises(ValueError, match="stop must be"):
         memfit.dry_run(workload, memfit.Plan(), stop="backward")
+
+
+def test_a_run_over_the_budget_stops_at_the_first_forward_that_shows_it(workload):
+    from memfit.estimate.compose import _by_phase, _reduced
+
+    plan = memfit.Plan(micro_batch_size=2, optimizer="adafactor")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        full = predict_peak(workload, plan)
+        small, small_plan, scale = _reduced(workload, plan)
+
+        def full_depth_until(k):  # the full-depth run stopped at its k-th forward's end
+            seen = []
+            report = memfit.dry_run(
+                small, small_plan, at_forward_end=lambda t: seen.append(1) or len(seen) > k
+            )
+            return max(sum(c.values()) for c in _by_phase(report, scale).values() if c)
+
+        prefixes = [full_depth_until(k) for k in range(4)]
+        budget = (prefixes[0] + prefixes[-1]) // 2  # passed after the first forward
+        floor = predict_peak(workload, plan, budget_bytes=budget)
+    assert floor.method == "at-least"
+    first_over = next(p for p in prefixes if p > budget)
+    assert abs(floor.peak_bytes - first_over) <= 8  # each category rounded
+    assert budget < floor.peak_bytes <= full.peak_bytes
+    # A budget the run never passes changes nothing.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        same = predict_peak(workload, plan, budget_bytes=full.peak_bytes)
+    assert same.method == "composed" and _figures(same) == _figures(full)

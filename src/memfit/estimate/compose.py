@@ -52,7 +52,9 @@ class Prediction:
         phase_peaks: Predicted peak of each phase.
         peak_phase: The phase holding the peak.
         method: ``composed`` (depth 2 and 3 extrapolated), ``extended`` (the full depth's
-            trace built from theirs, see :func:`confirm_peak`) or ``dry-run`` (full size).
+            trace built from theirs, see :func:`confirm_peak`), ``dry-run`` (full size) or
+            ``at-least`` (a floor over the budget, see :func:`predict_peak`'s
+            ``budget_bytes``: ``peak_bytes`` and ``by_category`` are that floor's).
         extra: ``traces``: a composed prediction's shallow allocation traces by depth, kept
             for :func:`confirm_peak` (only for models of like blocks).
         host_bytes: Predicted peak of the host tier (offload's masters, state, gradients and
@@ -155,12 +157,79 @@ def _compose_phases(
     return phases
 
 
+class _OverBudget(Exception):
+    """The deeper shallow run stopped: the full depth is known to exceed the budget."""
+
+
+class _Watch:
+    """Watches the depth-3 run against the budget at each forward's end: the full depth's
+    run up to that point is built from the two runs' traces there (the depth-2 run's taken at
+    the same points) and, once it passes ``limit`` bytes, the depth-3 run stops."""
+
+    def __init__(self, depth: int, scale: float, limit: int) -> None:
+        self.depth, self.scale, self.limit = depth, scale, limit
+        self.marks: list[Any] = []  # the depth-2 run's trace at each forward's end
+        self.checked = 0  # forwards of the depth-3 run seen so far
+        self.floor: dict[str, int] | None = None
+
+    def at(self, d: int) -> Any:
+        """The hook for the run of depth ``d`` (``None``: not watched)."""
+        return {2: self._mark, 3: self._check}.get(d)
+
+    def _mark(self, tracker: Any) -> bool:
+        self.marks.append(tracker.trace())
+        return False
+
+    def _check(self, tracker: Any) -> bool:
+        k = self.checked
+        self.checked += 1
+        if k >= len(self.marks):
+            return False
+        floor = _extended_peak({2: self.marks[k], 3: tracker.trace()}, self.depth, self.scale)
+        if floor is not None and sum(floor.values()) > self.limit:
+            self.floor = floor
+            return True
+        return False
+
+
+def _extended_peak(at: dict[int, Any], depth: int, scale: float) -> dict[str, int] | None:
+    """The categories at the highest point (forward, backward or step) of the full depth's
+    trace built from ``at`` (:func:`~memfit.accounting.extend.extend_trace`), with the full
+    batch's inputs; ``None`` when it cannot be built."""
+    from ..accounting.extend import extend_trace
+    from ..accounting.report import build_report
+
+    trace = extend_trace(at, depth)
+    if trace is None:
+        return None
+    phases = [c for c in _by_phase(build_report(trace), scale).values() if c]
+    if not phases:
+        return None
+    top = max(phases, key=lambda c: sum(c.values()))
+    return {c: round(v) for c, v in top.items()}
+
+
+def _floor_prediction(floor: dict[str, int], target: DeviceProfile) -> Prediction:
+    peak = sum(floor.values())
+    return Prediction(
+        peak_bytes=peak,
+        by_category=dict(floor),
+        phase_peaks={},
+        peak_phase="",
+        method="at-least",
+        reserved_bytes=peak,
+        overhead_bytes=target.overhead_bytes if target.is_cuda else 0,
+        target_device=target.name,
+    )
+
+
 def predict_peak(
     workload: Workload,
     plan: Plan | None = None,
     *,
     compose: bool = True,
     device: str | DeviceProfile | None = "cpu",
+    budget_bytes: int | None = None,
 ) -> Prediction:
     """Predict the peak of training ``workload`` under ``plan`` on ``device``.
 
@@ -171,6 +240,10 @@ def predict_peak(
             impossible) dry-run at full size.
         device: The target whose kernels and allocator the dry runs model (default: the CPU,
             as measured here).
+        budget_bytes: A device budget: composing from a model of like blocks, the depth-3
+            run stops as soon as the full depth's run, built from the two runs' traces up to
+            a forward's end, passes it; the prediction is then that floor (``method``
+            ``"at-least"``), not the peak.
     """
     plan = plan or Plan()
     target = get_device(device)
@@ -189,6 +262,11 @@ def predict_peak(
         depths = profile_depths(pattern)
         runs: dict[int, tuple[dict[str, dict[str, float]], int, int, int]] = {}
         traces: dict[int, Any] = {}
+        watch = (
+            _Watch(n, scale, budget_bytes - (target.overhead_bytes if target.is_cuda else 0))
+            if budget_bytes is not None and len(set(pattern)) == 1 and depths == [2, 3]
+            else None
+        )
 
         def shallow_run(d: int) -> tuple[dict[str, dict[str, float]], int, int, int]:
             if d not in runs:
@@ -197,7 +275,10 @@ def predict_peak(
                     small_plan,
                     steps=2,
                     device=target,
+                    at_forward_end=None if watch is None else watch.at(d),
                 )
+                if watch is not None and watch.floor is not None:
+                    raise _OverBudget
                 runs[d] = (
                     _by_phase(report, scale),
                     report.peak_reserved_bytes or report.peak_bytes,
@@ -212,7 +293,11 @@ def predict_peak(
         # the last blocks' activations live): then the same depths, one deeper, are tried
         # before the full-depth run.
         for tried in _depth_choices(depths, pattern):
-            shallow = [shallow_run(d) for d in tried]
+            try:
+                shallow = [shallow_run(d) for d in tried]
+            except _OverBudget:
+                assert watch is not None and watch.floor is not None
+                return _floor_prediction(watch.floor, target)
             phases = _compose_phases(tried, [s[0] for s in shallow], pattern)
             if phases:
                 reserved = [s[1] for s in shallow]
@@ -268,9 +353,6 @@ def first_forward_peak(
     built (a model of unlike blocks, no depth knob, a plan not linear in depth, or traces
     that do not extend).
     """
-    from ..accounting.extend import extend_trace
-    from ..accounting.report import build_report
-
     n = workload.depth or 0
     if (
         not workload.scalable
@@ -295,14 +377,7 @@ def first_forward_peak(
         ).trace
         for d in SHALLOW_DEPTHS
     }
-    trace = extend_trace(traces, n)
-    if trace is None:
-        return None
-    phases = [c for c in _by_phase(build_report(trace), scale).values() if c]
-    if not phases:
-        return None
-    top = max(phases, key=lambda c: sum(c.values()))
-    return {c: round(v) for c, v in top.items()}
+    return _extended_peak(traces, n, scale)
 
 
 def confirm_peak(

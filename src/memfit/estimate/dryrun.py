@@ -104,6 +104,7 @@ def measure(
     progress: Progress | None = None,
     expert_load: float = 1.0,
     stop: str | None = None,
+    at_forward_end: Callable[[Any], bool] | None = None,
 ) -> MemoryReport:
     """Run ``steps`` full training steps of ``workload`` under ``plan`` and report memory.
 
@@ -139,6 +140,8 @@ def measure(
             run up to there: parameters, inputs and one micro-batch's forward; the planner
             uses it to rule out plans that pass the budget that early). ``None``: run every
             step.
+        at_forward_end: Called with the tracker each time a forward of the model returns;
+            returning true stops the run there (as ``stop="forward"`` does at the first).
 
     Returns:
         The :class:`MemoryReport`, with ``meta`` holding ``num_parameters``, ``dry_run``,
@@ -166,6 +169,7 @@ def measure(
     losses: list[float | None] = []
     emulation = emulate(target)
     tracker = None
+    stopped = False
     values = _values(dry, expert_load, lambda: tracker and tracker.current_module)
     with _fake_mode() if dry else contextlib.nullcontext(), values:
         try:
@@ -180,8 +184,14 @@ def measure(
         num_parameters = sum(p.numel() for p in model.parameters())
         setup = apply_plan(model, plan, loss_fn=workload.loss_fn)
         hooks = contextlib.ExitStack()
-        if stop == "forward":
-            hooks.callback(model.register_forward_hook(_stop_here).remove)
+        watch = (lambda _: True) if stop == "forward" else at_forward_end
+        if watch is not None:
+
+            def at_end(*args: Any) -> None:
+                if watch(tracker):
+                    raise _Stopped
+
+            hooks.callback(model.register_forward_hook(at_end).remove)
         canceller = _cancel_hook()
         if canceller is not None:
             hooks.callback(canceller.remove)
@@ -191,6 +201,7 @@ def measure(
                 try:
                     loss = setup.step(batch)
                 except _Stopped:
+                    stopped = True
                     break
                 except (WorkloadError, torch.OutOfMemoryError):
                     raise
@@ -219,8 +230,8 @@ def measure(
         target_device=target.name,
         attention_backends=dict(getattr(emulation, "backends", {})),
     )
-    if stop is not None:
-        report.meta["stopped"] = stop
+    if stopped:
+        report.meta["stopped"] = stop or "at_forward_end"
     if dry:
         report.meta["data_dependent"] = values.summary()
         report.trace = tracker.trace()
@@ -248,10 +259,6 @@ def _cancelled(exc: BaseException | None) -> bool:
 
 class _Stopped(Exception):
     """Raised where a run asked to stop early (``stop="forward"``) reaches that point."""
-
-
-def _stop_here(*args: Any) -> None:
-    raise _Stopped
 
 
 def _disk_tier_estimate(report: MemoryReport, optimizer: Any, plan: Plan) -> None:

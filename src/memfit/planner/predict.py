@@ -49,8 +49,15 @@ def predict(
     host_budget: int | None = None,
 ) -> bool:
     """Predict ``candidate``'s memory (composed from shallow dry runs where possible)."""
-    prediction = predict_peak(workload, candidate.plan, device=device)
-    candidate.note = f"{prediction.method}, peak in {prediction.peak_phase}"
+    prediction = predict_peak(workload, candidate.plan, device=device, budget_bytes=budget_bytes)
+    if prediction.method == "at-least":
+        candidate.at_least = True
+        candidate.note = (
+            f"over the budget before the end of its run: at least {prediction.device_total_bytes} "
+            "bytes (the depth-3 run stopped there)"
+        )
+    else:
+        candidate.note = f"{prediction.method}, peak in {prediction.peak_phase}"
     ok = record(candidate, prediction, budget_bytes, host_budget)
     # Only a candidate that fits is confirmed: its shallow runs' traces may spare that run.
     candidate.composed = prediction if ok else None
