@@ -54,6 +54,7 @@ BAD: dict[str, dict[str, list[str] | None]] = {
         "--emit": ["deepspeed"],
         "--world-size": ["0", "3", "x"],
         "--gpus-per-node": ["0", "3", "x"],
+        "--jobs": ["0", "x"],
     },
     "train": {
         "--config": [MISSING],

@@ -342,6 +342,14 @@ def plan_command(
             help="With --allow offload: a directory for optimizer state on disk, searched too.",
         ),
     ] = None,
+    jobs: Annotated[
+        int,
+        typer.Option(
+            "--jobs",
+            help="Processes the search may use: 2 lets a worker on a second core predict "
+            "ahead (same answer, sooner); 1 keeps to this process.",
+        ),
+    ] = 2,
     emit: Annotated[
         str | None,
         typer.Option(
@@ -401,6 +409,7 @@ def plan_command(
                 disk_dir=None if disk_dir is None else str(disk_dir),
                 world_size=world_size,
                 gpus_per_node=gpus_per_node,
+                jobs=jobs,
             )
         except NothingFits as e:
             status.stop()

@@ -148,7 +148,7 @@ def test_fields_cover_what_a_prediction_fills():
 def test_jobs_is_checked(jobs):
     from memfit.planner import plan
 
-    with pytest.raises(ValueError, match="jobs must be"):
+    with pytest.raises(ValueError, match="--jobs must be"):
         plan("gpt2-tiny", "1GiB", jobs=jobs)
 
 

@@ -35,7 +35,7 @@ def plan(
             tensor parallelism stays within a node.
         **kwargs: The search's settings (``batch_size``, ``seq_len``, ``allow``, ``forbid``,
             ``base``, ``device``, ``max_predictions``, ``progress``, ``host_budget``,
-            ``disk_dir``): see :func:`memfit.planner.search.plan`.
+            ``disk_dir``, ``jobs``): see :func:`memfit.planner.search.plan`.
 
     Raises:
         ValueError: for a malformed budget, an unknown allow/forbid value or a world size that

@@ -110,7 +110,7 @@ def plan(
     started = time.perf_counter()
     say = progress or (lambda msg: None)
     if not isinstance(jobs, int) or jobs < 1:
-        raise ValueError(f"jobs must be a whole number >= 1, got {jobs!r}")
+        raise ValueError(f"--jobs must be a whole number >= 1, got {jobs!r}")
     if isinstance(workload, str):
         from ..workload import load_workload
 
