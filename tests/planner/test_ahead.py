@@ -165,3 +165,26 @@ def test_lookahead_skips_what_a_misfit_would_rule_out():
     _offer_next(Recorder(), candidates, 0, [])
     # (0, 0) again is needed only if (0, 0) fits, which ends the search: skipped.
     assert offered == [(1, 0), (0, 1)]
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_seeds_that_only_miss_the_host_budget_do_not_end_the_search(jobs):
+    # Such a seed proves nothing (offloading less needs less host memory): every candidate is
+    # still tried, with or without the worker, and with none left to try, nothing fits.
+    candidates = _candidates([(0, 0), (1, 0), (0, 1), (1, 1)])
+
+    def predict(c):
+        c.device_total_bytes, c.fits, c.host_misfit = 10, False, True
+        return False
+
+    def work(c, first_probe):
+        predict(c)
+
+    ahead = Ahead(candidates, work) if jobs > 1 else None
+    try:
+        winner, predicted = search(candidates, predict, lambda c: False, ahead=ahead)
+    finally:
+        if ahead is not None:
+            ahead.close()
+    assert winner is None
+    assert {c.plan.grad_accum_steps for c in predicted} == {1, 2, 3, 4}

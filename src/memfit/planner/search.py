@@ -296,7 +296,7 @@ def search(
             if ahead is not None:
                 # The candidates needed next go first; a seed only when the worker is free.
                 _offer_next(ahead, candidates, i, misfits)
-                if not any(s.fits for s in seeds) and not any(map(ahead.has, untried)):
+                if untried and not any(s.fits for s in seeds) and not any(map(ahead.has, untried)):
                     ahead.offer(untried[0], probe=False, spare=True)
             if ahead is not None and ahead.running(c):
                 # The worker has it under way: meanwhile this process takes the next one the
