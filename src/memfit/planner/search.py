@@ -33,6 +33,8 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterable, Sequence
 
+import torch
+
 from ..estimate.dryrun import Cancelled, cancel_when
 from ..plan import Plan
 from ..targets import DeviceProfile
@@ -169,6 +171,10 @@ def plan(
         ahead = start(candidates, work) if jobs > 1 else None
         if ahead is not None:
             stack.enter_context(ahead)
+            # Dry runs compute next to nothing: a second intra-op thread only spins, on the
+            # core the worker runs on.
+            stack.callback(torch.set_num_threads, torch.get_num_threads())
+            torch.set_num_threads(1)
         winner, predicted = search(
             candidates,
             predict_one,
