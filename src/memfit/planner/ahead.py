@@ -12,8 +12,8 @@ answer is the one the search gives alone. What :mod:`multiprocessing` lacks for 
 queue the parent can still withdraw from; this module keeps that queue in the parent and hands
 the worker one candidate at a time.
 
-Fork is required (the worker shares the planner's imports, workload and candidates): where it
-is unavailable, or on one core, :func:`start` gives ``None`` and the search runs alone.
+Fork is required (the worker shares the planner's imports, workload and candidates): off
+Linux, or on one core, :func:`start` gives ``None`` and the search runs alone.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -49,9 +50,10 @@ Work = Callable[[Candidate, bool], Any]
 
 
 def start(candidates: Sequence[Candidate], work: Work) -> Ahead | None:
-    """A worker for ``candidates`` (by position), or ``None`` where one cannot help: no
-    ``fork`` start method, or a single usable core."""
-    if "fork" not in multiprocessing.get_all_start_methods():
+    """A worker for ``candidates`` (by position), or ``None`` where one cannot help: not
+    Linux (elsewhere forking a process with threads, as torch's, is unsafe or unavailable),
+    or a single usable core."""
+    if not sys.platform.startswith("linux") or "fork" not in multiprocessing.get_all_start_methods():
         return None
     try:
         cores = len(os.sched_getaffinity(0))
