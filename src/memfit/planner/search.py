@@ -8,13 +8,18 @@ The search runs in four stages, each in its own module:
    on one measured profile), which orders the search, fastest first;
 3. prediction (:mod:`memfit.planner.predict`): a candidate's memory composed from two shallow
    dry runs (expensive, so done lazily, in order of speed);
-4. confirmation: the first candidate predicted to fit is dry-run at full depth before it is
-   returned.
+4. confirmation: the first candidate predicted to fit is checked at full depth before it is
+   returned (its full-depth trace built from the two shallow runs', or a full-depth dry run,
+   :func:`memfit.estimate.compose.confirm_peak`).
+
+With ``jobs=2`` a worker process forked from the planner predicts the candidates next in line
+while the search goes on (:mod:`memfit.planner.ahead`); the answer does not change.
 
 Three rules keep the number of memory predictions small (:func:`search`):
 
-* the most frugal candidates (those no other candidate dominates) are predicted first: if
-  none of them fits, nothing does, and the answer says how far off the closest is;
+* the most frugal candidates (those no other candidate dominates) are predicted first (with
+  the worker: when it is free): if none of them fits, nothing does, and the answer says how
+  far off the closest is;
 * dominance: a candidate that keeps at least as much memory as a known misfit in every
   dimension (larger micro-batch, less checkpointing, wider precision, bigger optimizer state,
   ...) cannot fit and is skipped without a prediction;
@@ -233,9 +238,11 @@ def search(
             (having filled its fields) when it proved the candidate does not fit, more
             cheaply than a prediction; ``False`` leaves it to ``predict``.
         ahead: A worker that predicts candidates in the background (:mod:`.ahead`; it must
-            probe and predict as ``probe`` and ``predict`` do). The most frugal candidates go
-            to it first, instead of being predicted before the search starts, then the
-            candidate after the one being predicted. The answer is the same as without it.
+            probe and predict as ``probe`` and ``predict`` do). It is given the next
+            candidates in line (those needed if the current one misfits) and, when it has
+            nothing else, the most frugal ones, which are then not predicted before the
+            search starts; while it works on the current candidate, this process takes the
+            next. Verdicts are taken in order, so the answer is the same as without it.
 
     Returns:
         The winner (``None`` when nothing fits) and every candidate predicted, in the order
