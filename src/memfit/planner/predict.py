@@ -47,9 +47,18 @@ def predict(
     device: DeviceProfile,
     budget_bytes: int,
     host_budget: int | None = None,
+    *,
+    floor: bool = True,
 ) -> bool:
-    """Predict ``candidate``'s memory (composed from shallow dry runs where possible)."""
-    prediction = predict_peak(workload, candidate.plan, device=device, budget_bytes=budget_bytes)
+    """Predict ``candidate``'s memory (composed from shallow dry runs where possible).
+
+    With ``floor``, a run that shows the budget passed stops there, and the candidate's
+    figures are that floor (``at_least``); without it (the most frugal candidates, whose
+    figures the answer quotes when nothing fits), the prediction is always the peak.
+    """
+    prediction = predict_peak(
+        workload, candidate.plan, device=device, budget_bytes=budget_bytes if floor else None
+    )
     if prediction.method == "at-least":
         candidate.at_least = True
         candidate.note = (

@@ -156,9 +156,13 @@ def plan(
     )
 
     # 3. and 4. Prediction and confirmation, in search order.
+    # The most frugal candidates get their peak, never a floor: when nothing fits, the answer
+    # quotes the closest one's.
+    frugal = {id(candidates[i]) for i in maximal([c.rank for c in candidates])}
+
     def predict_one(c: Candidate) -> bool:
         say(f"predicting memory: {c.plan.summary()}")
-        return predict(c, workload, target, budget_bytes, host_bytes)
+        return predict(c, workload, target, budget_bytes, host_bytes, floor=id(c) not in frugal)
 
     def confirm_one(c: Candidate) -> bool:
         say(f"confirming at full size: {c.plan.summary()}")
@@ -170,7 +174,7 @@ def plan(
 
     def work(c: Candidate, first_probe: bool) -> None:  # in the worker: says nothing
         if not (first_probe and probe(c, workload, target, budget_bytes)):
-            predict(c, workload, target, budget_bytes, host_bytes)
+            predict(c, workload, target, budget_bytes, host_bytes, floor=id(c) not in frugal)
 
     with contextlib.ExitStack() as stack:
         ahead = start(candidates, work) if jobs > 1 else None
@@ -193,11 +197,14 @@ def plan(
     predicted.sort(key=lambda c: c.step_time)
     seconds = time.perf_counter() - started
     if winner is None:
-        closest = min(
-            # (A candidate ruled out by its first forward has a floor, not its peak.)
-            (c for c in predicted if c.device_total_bytes is not None and not c.at_least),
-            key=lambda c: c.device_total_bytes or 0,
-        )
+        # (A candidate ruled out by a floor has no peak to quote; the most frugal ones do.)
+        full = [c for c in predicted if c.device_total_bytes is not None and not c.at_least]
+        if not full:  # a most frugal candidate was skipped: an equal-ranked floor ruled it out
+            seed = next(c for c in candidates if id(c) in frugal)
+            predict(seed, workload, target, budget_bytes, host_bytes, floor=False)
+            predicted.append(seed)
+            full = [seed]
+        closest = min(full, key=lambda c: c.device_total_bytes or 0)
         result = _result(closest, False, budget_bytes, predicted, [], target, seconds)
         message = nothing_fits_message(result, allow, target)
         held = [c for c in predicted if c.host_misfit]
