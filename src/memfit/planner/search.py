@@ -354,10 +354,11 @@ def _next_needed(
     candidates: Sequence[Candidate], i: int, misfits: list[tuple[int, ...]], ahead: Ahead
 ) -> Candidate | None:
     """The first candidate after position ``i`` the search needs if the one at ``i``
-    misfits, and that the worker was not asked for; ``None`` if there is none."""
+    misfits, and that the worker is not working on (one it was asked for but has not started
+    is withdrawn from it; one it finished is taken as is); ``None`` if there is none."""
     assumed = [*misfits, candidates[i].rank]
     for c in candidates[i + 1 :]:
-        if c.fits is None and not dominated(c.rank, assumed) and not ahead.has(c):
+        if c.fits is None and not dominated(c.rank, assumed) and not ahead.running(c):
             return c
     return None
 
