@@ -93,7 +93,9 @@ def same_answer(want: dict[str, Any], got: dict[str, Any]) -> bool:
 
     def full(answer: dict[str, Any]) -> dict[str, dict[str, Any]]:
         return {
-            c["summary"]: c for c in answer["candidates"] if not c.get("peak_is_lower_bound")
+            c["summary"]: {k: v for k, v in c.items() if k != "peak_is_lower_bound"}
+            for c in answer["candidates"]
+            if not c.get("peak_is_lower_bound")
         }
 
     a, b = full(want), full(got)

@@ -1,14 +1,13 @@
 """Predictions worked out ahead, in a second process, while the search goes on.
 
 A search predicts one candidate at a time, and the next prediction often depends on the last
-verdict (a misfit rules out what it dominates). Two kinds of work do not wait for it: the most
-frugal candidates' predictions (needed only to tell that nothing fits, or when every faster
-candidate misfits) and the next candidate in line (needed when the current one misfits). On a
-machine with a second core, :class:`Ahead` runs them there: a worker process forked from the
-planner (so it imports nothing and builds nothing again) takes one candidate at a time and
-sends back the fields its prediction filled in. The search takes a result when it reaches the
-candidate, waits for one under way, and does the work itself for one not started yet, so the
-answer is the one the search gives alone. What :mod:`multiprocessing` lacks for this is a
+verdict (a misfit rules out what it dominates). One kind of work need not wait for it: the
+next candidates in line, needed when the current one misfits. On a machine with a second
+core, :class:`Ahead` runs them there: a worker process forked from the planner (so it imports
+nothing and builds nothing again) takes one candidate at a time and sends back the fields its
+prediction filled in. The search takes a result when it reaches the candidate, waits for one
+under way (or meanwhile predicts the next itself), and does the work itself for one not
+started yet, so the answer is the one the search gives alone. What :mod:`multiprocessing` lacks for this is a
 queue the parent can still withdraw from; this module keeps that queue in the parent and hands
 the worker one candidate at a time.
 
@@ -86,7 +85,6 @@ class Ahead:
         child.close()
         self._queue: list[int] = []  # asked for, not yet sent
         self._probe: dict[int, bool] = {}  # whether to probe first, by position
-        self._spare: set[int] = set()  # requests worked on only when nothing else is asked
         self._busy: int | None = None  # sent, result not yet received
         self._done: dict[int, dict[str, Any] | None] = {}  # received (None: the worker failed)
         self._dead = False
@@ -94,20 +92,14 @@ class Ahead:
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
-    def offer(self, c: Candidate, probe: bool = True, *, spare: bool = False) -> None:
+    def offer(self, c: Candidate, probe: bool = True) -> None:
         """Ask for ``c``'s prediction, after a probe if ``probe`` (ignored if already asked
-        for). A ``spare`` request is worked on only when nothing else is asked for."""
+        for)."""
         i = self._index[id(c)]
         with self._cond:
             if i not in self._queue and i != self._busy and i not in self._done:
                 self._probe[i] = probe
-                if spare:
-                    self._queue.append(i)
-                    self._spare.add(i)
-                else:
-                    # Before the spare requests, after the other ones.
-                    at = next((k for k, j in enumerate(self._queue) if j in self._spare), None)
-                    self._queue.insert(len(self._queue) if at is None else at, i)
+                self._queue.append(i)
                 self._send_next()
 
     def has(self, c: Candidate) -> bool:

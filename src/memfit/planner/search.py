@@ -17,9 +17,8 @@ while the search goes on (:mod:`memfit.planner.ahead`); the answer does not chan
 
 Three rules keep the number of memory predictions small (:func:`search`):
 
-* the most frugal candidates (those no other candidate dominates) are predicted first (with
-  the worker: when it is free): if none of them fits, nothing does, and the answer says how
-  far off the closest is;
+* the most frugal candidates (those no other candidate dominates) are predicted first: if
+  none of them fits, nothing does, and the answer says how far off the closest is;
 * dominance: a candidate that keeps at least as much memory as a known misfit in every
   dimension (larger micro-batch, less checkpointing, wider precision, bigger optimizer state,
   ...) cannot fit and is skipped without a prediction;
@@ -246,10 +245,10 @@ def search(
             cheaply than a prediction; ``False`` leaves it to ``predict``.
         ahead: A worker that predicts candidates in the background (:mod:`.ahead`; it must
             probe and predict as ``probe`` and ``predict`` do). It is given the next
-            candidates in line (those needed if the current one misfits) and, when it has
-            nothing else, the most frugal ones, which are then not predicted before the
-            search starts; while it works on the current candidate, this process takes the
-            next. Verdicts are taken in order, so the answer is the same as without it.
+            candidates in line (those needed if the current one misfits), from the fastest
+            on while this process predicts the most frugal ones; while it works on the
+            current candidate, this process takes the next. Verdicts are taken in order, so
+            the answer is the same as without it.
 
     Returns:
         The winner (``None`` when nothing fits) and every candidate predicted, in the order
@@ -289,24 +288,17 @@ def search(
         # uses less host memory, so the search goes on.)
         return not any(s.fits or s.host_misfit for s in seeds)
 
-    if ahead is None:
-        tried = [s for s in seeds if not dominated(s.rank, misfits)]
-        if not any(predict_and_note(s) for s in tried) and seeds_rule_out_all():
-            return None, predicted
+    if ahead is not None:
+        # While this process predicts the seeds, the worker starts on the fastest candidates.
+        _offer_next(ahead, candidates, -1, misfits)
+    tried = [s for s in seeds if not dominated(s.rank, misfits)]
+    if not any(predict_and_note(s) for s in tried) and seeds_rule_out_all():
+        return None, predicted
     i = 0
     while i < len(candidates):
         c = candidates[i]
-        if ahead is not None:
-            # The seeds go to the worker one at a time, until one fits; a seed's verdict,
-            # once here, is taken at once: if every seed misfits, nothing fits.
-            for s in seeds:
-                if s.fits is None and ahead.ready(s) and ahead.take(s):
-                    note(s)
-            untried = [s for s in seeds if s.fits is None and not dominated(s.rank, misfits)]
-            if not untried and seeds_rule_out_all():
-                return None, predicted
-            if c.fits is None and ahead.ready(c) and ahead.take(c):
-                note(c)
+        if c.fits is None and ahead is not None and ahead.ready(c) and ahead.take(c):
+            note(c)
         if c.fits is None:
             if dominated(c.rank, misfits):
                 i += 1
@@ -314,10 +306,7 @@ def search(
             if len(predicted) >= max_predictions:
                 break
             if ahead is not None:
-                # The candidates needed next go first; a seed only when the worker is free.
                 _offer_next(ahead, candidates, i, misfits)
-                if untried and not any(s.fits for s in seeds) and not any(map(ahead.has, untried)):
-                    ahead.offer(untried[0], probe=False, spare=True)
             if ahead is not None and ahead.running(c):
                 # The worker has it under way: meanwhile this process takes the next one the
                 # search needs if it misfits, and waits only when there is none.
@@ -337,12 +326,6 @@ def search(
         if c.fits and confirm_and_note(c):
             return c, predicted
         i += 1
-    if ahead is not None:
-        for s in seeds:
-            if s.fits is None and not dominated(s.rank, misfits):
-                predict_and_note(s)
-        if seeds_rule_out_all():
-            return None, predicted
     # Out of predictions: the fastest predicted to fit (a seed fits, so there is one).
     for c in sorted(predicted, key=lambda c: c.step_time):
         if c.fits and confirm_and_note(c):
@@ -371,10 +354,11 @@ LOOKAHEAD = 2
 def _offer_next(
     ahead: Ahead, candidates: Sequence[Candidate], i: int, misfits: list[tuple[int, ...]]
 ) -> None:
-    """Ask the worker for the next :data:`LOOKAHEAD` candidates after position ``i`` the
-    search may need. They are needed only if the one at ``i`` misfits (and each offered one
-    before them), so those count as misfits: what they would rule out is not asked for."""
-    assumed = [*misfits, candidates[i].rank]
+    """Ask the worker for the next :data:`LOOKAHEAD` candidates after position ``i`` (``-1``:
+    from the first) the search may need. They are needed only if the one at ``i`` misfits
+    (and each offered one before them), so those count as misfits: what they would rule out
+    is not asked for."""
+    assumed = [*misfits] + ([candidates[i].rank] if i >= 0 else [])
     n = 0
     for c in candidates[i + 1 :]:
         if n >= LOOKAHEAD:
