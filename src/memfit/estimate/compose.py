@@ -252,7 +252,6 @@ def predict_peak(
     small_wl, small_plan, scale = _reduced(workload, plan)
     linear = plan.checkpointing.mode not in ("sqrt", "budget")
     phases: dict[str, dict[str, int]] = {}
-    method = "dry-run"
     host = 0
     extra: dict[str, Any] = {}
     if compose and workload.scalable and linear and (workload.depth or 0) > 3:
@@ -304,25 +303,15 @@ def predict_peak(
                 shallow_peaks = [s[2] for s in shallow]
                 at_host = {d: r[3] for d, r in zip(tried, shallow, strict=True)}
                 host = round(compose_pattern(at_host, pattern))
-                method = "composed"
                 if len(set(pattern)) == 1 and len(tried) == 2:
                     extra["traces"] = {d: traces[d] for d in tried}
                 break
-    if phases:
-        # The allocator's slack (reserved minus tensors) is not linear in depth: it depends on
-        # which cached blocks happen to fit. Take the larger slack of the two shallow runs.
-        slack = max(r - p for r, p in zip(reserved, shallow_peaks, strict=True))
-    else:
+    if not phases:
         report = dry_run(small_wl, small_plan, steps=2, device=target)
-        phases = {
-            k: {c: round(v) for c, v in cats.items()}
-            for k, cats in _by_phase(report, scale).items()
-            if cats
-        }
-        # The slack of the reduced run, on top of the peak with the full batch's inputs.
-        slack = (report.peak_reserved_bytes or report.peak_bytes) - report.peak_bytes
-        host = report.peak_by_tier.get("host", 0)
-        method = "dry-run"
+        return _from_report(report, scale, target, "dry-run")
+    # The allocator's slack (reserved minus tensors) is not linear in depth: it depends on
+    # which cached blocks happen to fit. Take the larger slack of the two shallow runs.
+    slack = max(r - p for r, p in zip(reserved, shallow_peaks, strict=True))
     phase_peaks = {k: sum(v.values()) for k, v in phases.items()}
     peak_phase = max(phase_peaks, key=lambda k: phase_peaks[k])
     return Prediction(
@@ -330,7 +319,7 @@ def predict_peak(
         by_category=phases[peak_phase],
         phase_peaks=phase_peaks,
         peak_phase=peak_phase,
-        method=method,
+        method="composed",
         reserved_bytes=phase_peaks[peak_phase] + max(slack, 0),
         overhead_bytes=target.overhead_bytes if target.is_cuda else 0,
         target_device=target.name,
@@ -415,22 +404,31 @@ def confirm_peak(
         trace = extend_trace(traces, workload.depth)
         if trace is not None:
             _, _, scale = _reduced(workload, plan)
-            report = build_report(trace)
-            phases = {
-                k: {c: round(v) for c, v in cats.items()}
-                for k, cats in _by_phase(report, scale).items()
-                if cats
-            }
-            phase_peaks = {k: sum(v.values()) for k, v in phases.items()}
-            peak_phase = max(phase_peaks, key=lambda k: phase_peaks[k])
-            return Prediction(
-                peak_bytes=phase_peaks[peak_phase],
-                by_category=phases[peak_phase],
-                phase_peaks=phase_peaks,
-                peak_phase=peak_phase,
-                method="extended",
-                reserved_bytes=phase_peaks[peak_phase],
-                target_device=target.name,
-                host_bytes=report.peak_by_tier.get("host", 0),
-            )
+            return _from_report(build_report(trace), scale, target, "extended")
     return predict_peak(workload, plan, compose=False, device=target)
+
+
+def _from_report(report: Any, scale: float, target: DeviceProfile, method: str) -> Prediction:
+    """The prediction a full-depth run's report gives (the batch's inputs scaled back from
+    the reduced run's): each phase's peak, the allocator's slack on top of the highest, the
+    host tier's peak."""
+    phases = {
+        k: {c: round(v) for c, v in cats.items()}
+        for k, cats in _by_phase(report, scale).items()
+        if cats
+    }
+    phase_peaks = {k: sum(v.values()) for k, v in phases.items()}
+    peak_phase = max(phase_peaks, key=lambda k: phase_peaks[k])
+    # The slack of the reduced run, on top of the peak with the full batch's inputs.
+    slack = (report.peak_reserved_bytes or report.peak_bytes) - report.peak_bytes
+    return Prediction(
+        peak_bytes=phase_peaks[peak_phase],
+        by_category=phases[peak_phase],
+        phase_peaks=phase_peaks,
+        peak_phase=peak_phase,
+        method=method,
+        reserved_bytes=phase_peaks[peak_phase] + max(slack, 0),
+        overhead_bytes=target.overhead_bytes if target.is_cuda else 0,
+        target_device=target.name,
+        host_bytes=report.peak_by_tier.get("host", 0),
+    )
