@@ -4,9 +4,10 @@ A model whose blocks are all alike dispatches the same operations for each of th
 stretch of a training step that walks the blocks (their forward, their backward, the
 optimizer's per-parameter updates, ``zero_grad``'s frees) is one stretch of events repeated
 once per block. The trace of depth ``d`` is then a fixed word with each such stretch repeated
-``d`` times, and the traces of depths 2 and 3 pin it down: the depth-3 trace is the depth-2
-trace with one more copy of each stretch inserted. :func:`extend_trace` finds those insertions
-and writes the trace at any depth with as many copies as that depth has blocks.
+about ``d`` times, and the traces of two consecutive depths (2 and 3) pin it down: the deeper
+trace is the shallower one with one more copy of each stretch inserted. :func:`extend_trace`
+finds those insertions and writes the trace at any depth with as many copies as that depth
+has blocks.
 
 What is compared is each event as a report reads it: allocation or free, bytes, tier and
 category, with the end of every operation and its phase, and the end of every training step.
@@ -17,10 +18,15 @@ free releases (a caching allocator's layout depends on it, so a CUDA target's re
 still need a full-depth dry run) and per-module intervals (module names hold block indices).
 
 Nothing is assumed about where the stretches are: an insertion is accepted only where the
-depth-2 trace already holds the inserted stretch twice in a row just before it, and the rest
-of the two traces matches event for event. Anything else (blocks that differ, stretches whose
-length grows with depth, such as buffers sized by the whole model) makes :func:`extend_trace`
-return ``None``, and the caller dry-runs the full depth instead.
+shallower trace holds the inserted stretch just before it, and the rest of the two traces
+matches event for event. Anything else (blocks that differ, stretches whose length grows with
+depth, such as buffers sized by the whole model) makes :func:`extend_trace` return ``None``,
+and the caller dry-runs the full depth instead.
+
+Frees at one instant (between two operations) come in an order that differs from run to run
+(the depth-2 and depth-3 runs release a batch of temporaries in different orders), so they
+are put in a fixed order in the streams. No value a report reads depends on that order but
+one, refused where it would: a phase whose highest point is the first of unlike frees.
 """
 
 from __future__ import annotations
@@ -126,9 +132,10 @@ def _insertions(two: list[int], three: list[int]) -> list[tuple[int, list[int]]]
     stretch)`` in order, or ``None`` when ``three`` is not ``two`` with such copies inserted.
 
     Where the two streams part, an insertion of ``L`` tokens at position ``j`` of ``two`` is a
-    candidate if the ``L`` tokens before ``j`` in ``two``, and the ``L`` before those, are the
-    same stretch (a depth-2 trace holds each repeated stretch twice, just before the point
-    where depth 3 adds its third copy), without reaching back past the previous insertion.
+    candidate if the ``L`` tokens before ``j`` in ``two`` are the same stretch (the shallower
+    trace holds a copy just before the point where the deeper one adds another: the last
+    block may differ from the others, as when only a next block keeps a block's output), and
+    if it does not reach back past the previous insertion.
     Several lengths may qualify (a run of equal tokens repeats with any short period), so the
     candidates are tried in order of how far ``three`` then matches ``two`` again, backtracking
     when a choice leads to a point where nothing qualifies; at most :data:`MAX_TRIES` choices.
