@@ -1,8 +1,11 @@
 """Prediction and confirmation: a candidate's memory on the target, and the budget check.
 
-:func:`predict` composes the candidate's peak from two shallow dry runs (cheap);
-:func:`confirm` dry-runs it at full depth (two micro-batches stand for all) before it is
-returned. Both compare with the budget through :func:`fits`, the planner's one budget check.
+:func:`probe` rules a candidate out by its full-depth first forward, when that alone passes
+the budget (cheapest); :func:`predict` composes the candidate's peak from two shallow dry
+runs, or a floor when the deeper run shows the budget passed (cheap); :func:`confirm` checks
+it at full depth before it is returned (its full-depth trace built from the shallow runs',
+else a full-depth dry run; two micro-batches stand for all). All compare with the budget as
+:func:`fits` does, the planner's one budget check.
 """
 
 from __future__ import annotations
@@ -87,7 +90,7 @@ def confirm(
     candidate.composed = None
     ok = record(candidate, prediction, budget_bytes, host_budget)
     how = (
-        "the full-depth trace built from the depth-2 and depth-3 runs"
+        "the full-depth trace built from the shallow runs'"
         if prediction.method == "extended"
         else "a full-depth dry run"
     )
