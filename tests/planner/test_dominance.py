@@ -146,10 +146,66 @@ def test_search_prunes_dominated_candidates_and_returns_the_fastest_that_fits():
     ]
     winner, calls = _run(memory, budget=70)
     assert winner is not None and winner.plan.grad_accum_steps == 3
-    # The seed (1, 1) fits; (0, 0) misfits; (1, 0) is predicted (it is not below (0, 0)).
-    assert calls == [4, 1, 2, 3]
+    # (0, 0) misfits; (1, 0) is predicted (it is not below (0, 0)) and misfits; after two
+    # misfits in line the seed (1, 1) is predicted, and fits; then (0, 1), which fits.
+    assert calls == [1, 2, 4, 3]
     winner, calls = _run(memory, budget=30)
-    assert winner is None and calls == [4]  # the only maximal candidate misfits: nothing fits
+    assert winner is None and calls == [1, 2, 4]  # the only seed misfits too: nothing fits
+    # A budget the first in line fits: no seed is predicted.
+    winner, calls = _run(memory, budget=100)
+    assert winner is not None and winner.plan.grad_accum_steps == 1 and calls == [1]
+
+
+def _run_with_floors(memory, budget):
+    """As :func:`_run`, with a probe whose floor is half the memory; returns the calls made."""
+    candidates = [
+        Candidate(plan=Plan(grad_accum_steps=i + 1), rank=r, step_time=t)
+        for i, (r, t, _) in enumerate(memory)
+    ]
+    mem = {i + 1: m for i, (_, _, m) in enumerate(memory)}
+    calls = []
+
+    def predict(c):
+        calls.append(("predict", c.plan.grad_accum_steps))
+        c.device_total_bytes = mem[c.plan.grad_accum_steps]
+        c.fits = c.device_total_bytes <= budget
+        return c.fits
+
+    def probe(c):
+        calls.append(("probe", c.plan.grad_accum_steps))
+        floor = mem[c.plan.grad_accum_steps] // 2
+        if floor <= budget:
+            return False
+        c.device_total_bytes, c.fits, c.at_least, c.probed = floor, False, True, True
+        return True
+
+    winner, predicted = search(candidates, predict, lambda c: bool(c.fits), probe=probe)
+    return winner, predicted, calls
+
+
+def test_the_seeds_floors_come_first_and_their_predictions_after_two_misfits_in_line():
+    memory = [((0, 0), 1.0, 100), ((1, 0), 1.1, 80), ((0, 1), 1.2, 70), ((1, 1), 1.3, 60)]
+    # Every floor is over the budget: the seed's floor settles the search.
+    winner, predicted, calls = _run_with_floors(memory, budget=20)
+    assert winner is None and calls == [("probe", 4)] and predicted[0].at_least
+    # Only (0, 0)'s floor is over it, which does not count as a misfit in line: (1, 0) and
+    # (0, 1) are predicted and misfit, then the seed, which misfits too.
+    winner, _, calls = _run_with_floors(memory, budget=45)
+    assert winner is None
+    assert calls == [("probe", 4), ("probe", 1), ("probe", 2), ("predict", 2), ("probe", 3),
+                     ("predict", 3), ("predict", 4)]
+    # The second in line fits: the seed's prediction is never needed.
+    winner, _, calls = _run_with_floors(memory, budget=85)
+    assert winner is not None and winner.plan.grad_accum_steps == 2
+    assert ("predict", 4) not in calls
+
+
+def test_the_seeds_are_predicted_once_and_only_until_one_fits():
+    memory = [((0, 0), 1.0, 100), ((1, 0), 1.1, 90), ((0, 1), 1.2, 95), ((2, 0), 1.3, 50),
+              ((0, 2), 1.4, 50)]
+    winner, calls = _run(memory, budget=60)
+    # After two misfits in line the first seed, (2, 0), fits: the other seed is left alone.
+    assert calls == [1, 2, 4, 3] and winner is not None and winner.plan.grad_accum_steps == 4
 
 
 def test_search_tries_every_maximal_candidate_before_nothing_fits():
@@ -163,7 +219,8 @@ def test_search_tries_every_maximal_candidate_before_nothing_fits():
 def test_search_out_of_predictions_returns_the_fastest_predicted_fit():
     memory = [((0,), 1.0, 100), ((1,), 2.0, 90), ((2,), 3.0, 80), ((3,), 4.0, 10)]
     winner, calls = _run(memory, budget=50, max_predictions=2)
-    assert calls == [4, 1] and winner is not None and winner.plan.grad_accum_steps == 4
+    # The last prediction left goes to the seed, so that a plan that fits is found.
+    assert calls == [1, 4] and winner is not None and winner.plan.grad_accum_steps == 4
 
 
 @pytest.mark.slow

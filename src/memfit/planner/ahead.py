@@ -41,6 +41,7 @@ FIELDS: tuple[str, ...] = (
     "host_misfit",
     "composed",
     "at_least",
+    "probed",
 )
 
 #: Work on one candidate in the worker: fills the candidate's fields (a prediction, after a

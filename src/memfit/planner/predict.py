@@ -121,7 +121,7 @@ def probe(
     candidate.by_category = floor
     candidate.device_total_bytes = total
     candidate.fits = False
-    candidate.at_least = True
+    candidate.at_least = candidate.probed = True
     candidate.note = (
         f"over the budget by the end of the first forward: at least {total} bytes (built "
         "from the depth-2 and depth-3 first forwards)"

@@ -39,6 +39,9 @@ class Candidate:
         at_least: Whether the figures are a floor rather than the peak: the candidate was
             ruled out by what its run holds at the end of the first forward (see
             :func:`memfit.planner.predict.probe`).
+        probed: Whether a probe alone ruled it out (its first forward over the budget), at a
+            fraction of a prediction's cost; the search counts only full predictions when it
+            decides to predict the most frugal candidates.
     """
 
     plan: Plan
@@ -56,6 +59,7 @@ class Candidate:
     host_misfit: bool = False
     composed: Any = field(default=None, repr=False, compare=False)
     at_least: bool = False
+    probed: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready summary."""

@@ -256,11 +256,20 @@ def search(
     """
     predicted: list[Candidate] = []
     misfits: list[tuple[int, ...]] = []
+    # Every candidate is dominated by a most frugal one (a seed): if none of those fits, none
+    # fits. Their floors come first (cheap); their predictions wait until the line has had
+    # SEEDS_AFTER full misfits, as one of the first candidates usually fits.
+    seeds = [candidates[i] for i in maximal([c.rank for c in candidates])]
+    seed_ids = {id(s) for s in seeds}
+    line_misfits = 0  # fully predicted misfits among the candidates in line
 
     def note(c: Candidate) -> bool:
+        nonlocal line_misfits
         predicted.append(c)
         if not c.fits and (c.at_least or not c.host_misfit):
             misfits.append(c.rank)
+        if not c.fits and not c.probed and id(c) not in seed_ids:
+            line_misfits += 1
         return bool(c.fits)
 
     def predict_and_note(c: Candidate, first_probe: bool = False) -> bool:
@@ -278,22 +287,24 @@ def search(
             misfits.append(c.rank)
         return False
 
-    # Every candidate is dominated by a most frugal one: if none of those fits, none fits.
-    # They are tried until one fits (one usually does: the others are then left to the search).
-    seeds = [candidates[i] for i in maximal([c.rank for c in candidates])]
-    seed_ids = {id(s) for s in seeds}
-
     def seeds_rule_out_all() -> bool:
         # (A seed that only misses the host budget proves nothing: a plan that offloads less
         # uses less host memory, so the search goes on.)
         return not any(s.fits or s.host_misfit for s in seeds)
 
+    def open_seeds() -> list[Candidate]:
+        return [s for s in seeds if s.fits is None and not dominated(s.rank, misfits)]
+
     if ahead is not None:
-        # While this process predicts the seeds, the worker starts on the fastest candidates.
+        # While this process looks at the seeds, the worker starts on the fastest candidates.
         _offer_next(ahead, candidates, -1, misfits)
-    tried = [s for s in seeds if not dominated(s.rank, misfits)]
-    if not any(predict_and_note(s) for s in tried) and seeds_rule_out_all():
-        return None, predicted
+    if probe is not None:
+        for s in seeds:
+            if not (ahead is not None and ahead.has(s)) and probe(s):
+                note(s)
+        if all(s.fits is False for s in seeds) and seeds_rule_out_all():
+            return None, predicted
+    seeds_tried = False
     i = 0
     while i < len(candidates):
         c = candidates[i]
@@ -302,6 +313,18 @@ def search(
         if c.fits is None:
             if dominated(c.rank, misfits):
                 i += 1
+                continue
+            seeds_open = [] if seeds_tried else open_seeds()
+            if seeds_open and (
+                line_misfits >= SEEDS_AFTER or max_predictions - len(predicted) <= len(seeds_open)
+            ):
+                # Time for the seeds (the worker goes on down the line meanwhile), until one
+                # fits: if none does, nothing does.
+                seeds_tried = True
+                if ahead is not None:
+                    _offer_next(ahead, candidates, i - 1, misfits)
+                if not any(predict_and_note(s) for s in seeds_open) and seeds_rule_out_all():
+                    return None, predicted
                 continue
             if len(predicted) >= max_predictions:
                 break
@@ -345,6 +368,12 @@ def _next_needed(
             return c
     return None
 
+
+#: Full predictions of candidates in line that misfit before the most frugal candidates are
+#: predicted (their floors come first). Predicted first, the seeds cost a prediction on the way
+#: to every answer, though one of the first candidates in line usually fits; predicted after
+#: two misfits, they still end a search where nothing fits after a few predictions.
+SEEDS_AFTER = 2
 
 #: Candidates after the current one the worker is asked for (so that it has the next at hand
 #: when it finishes one early).
