@@ -183,21 +183,26 @@ def _run_with_floors(memory, budget):
     return winner, predicted, calls
 
 
-def test_the_seeds_floors_come_first_and_their_predictions_after_two_misfits_in_line():
-    memory = [((0, 0), 1.0, 100), ((1, 0), 1.1, 80), ((0, 1), 1.2, 70), ((1, 1), 1.3, 60)]
-    # Every floor is over the budget: the seed's floor settles the search.
+def test_the_seeds_wait_for_four_floors_or_two_misfits_in_line():
+    memory = [((0, 0), 1.0, 100), ((1, 0), 1.1, 90), ((0, 1), 1.2, 90), ((2, 0), 1.3, 80),
+              ((0, 2), 1.4, 80), ((1, 1), 1.5, 70), ((2, 2), 1.6, 60)]
+    # Every floor (half the memory) is over the budget: after four in line, the seed's floor
+    # settles the search.
     winner, predicted, calls = _run_with_floors(memory, budget=20)
-    assert winner is None and calls == [("probe", 4)] and predicted[0].at_least
-    # Only (0, 0)'s floor is over it, which does not count as a misfit in line: (1, 0) and
-    # (0, 1) are predicted and misfit, then the seed, which misfits too.
+    assert winner is None and predicted[-1].at_least
+    assert calls == [("probe", 1), ("probe", 2), ("probe", 3), ("probe", 4), ("probe", 7)]
+    # Two misfits in line, the seed's floor, then its prediction: it misfits, nothing fits.
     winner, _, calls = _run_with_floors(memory, budget=45)
     assert winner is None
-    assert calls == [("probe", 4), ("probe", 1), ("probe", 2), ("predict", 2), ("probe", 3),
-                     ("predict", 3), ("predict", 4)]
-    # The second in line fits: the seed's prediction is never needed.
+    assert calls == [("probe", 1), ("probe", 2), ("predict", 2), ("probe", 3), ("predict", 3),
+                     ("probe", 7), ("predict", 7)]
+    # The seed fits: the line goes on to the fastest that fits.
     winner, _, calls = _run_with_floors(memory, budget=85)
+    assert winner is not None and winner.plan.grad_accum_steps == 4 and ("predict", 7) in calls
+    # The second in line fits: the seed is never looked at.
+    winner, _, calls = _run_with_floors(memory, budget=95)
     assert winner is not None and winner.plan.grad_accum_steps == 2
-    assert ("predict", 4) not in calls
+    assert calls == [("probe", 1), ("predict", 1), ("probe", 2), ("predict", 2)]
 
 
 def test_the_seeds_are_predicted_once_and_only_until_one_fits():

@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
+from ..estimate.compose import block_pattern
 from ..estimate.dryrun import Cancelled, cancel_when
 from ..plan import Plan
 from ..targets import DeviceProfile
@@ -176,6 +177,8 @@ def plan(
             predict(c, workload, target, budget_bytes, host_bytes, floor=id(c) not in frugal)
 
     with contextlib.ExitStack() as stack:
+        if jobs > 1 and workload.scalable and (workload.depth or 0) > 3:
+            block_pattern(workload)  # built once here, not again in each process
         ahead = start(candidates, work) if jobs > 1 else None
         if ahead is not None:
             stack.enter_context(ahead)
@@ -257,19 +260,24 @@ def search(
     predicted: list[Candidate] = []
     misfits: list[tuple[int, ...]] = []
     # Every candidate is dominated by a most frugal one (a seed): if none of those fits, none
-    # fits. Their floors come first (cheap); their predictions wait until the line has had
-    # SEEDS_AFTER full misfits, as one of the first candidates usually fits.
+    # fits. But one of the first candidates in line usually fits, so the seeds wait: their
+    # floors until SEED_FLOORS_AFTER candidates in line were ruled out by theirs, their
+    # predictions until SEEDS_AFTER were predicted and misfit.
     seeds = [candidates[i] for i in maximal([c.rank for c in candidates])]
     seed_ids = {id(s) for s in seeds}
-    line_misfits = 0  # fully predicted misfits among the candidates in line
+    line_misfits = 0  # candidates in line predicted in full that misfit...
+    line_floors = 0  # ...and ruled out by their floors
 
     def note(c: Candidate) -> bool:
-        nonlocal line_misfits
+        nonlocal line_misfits, line_floors
         predicted.append(c)
         if not c.fits and (c.at_least or not c.host_misfit):
             misfits.append(c.rank)
-        if not c.fits and not c.probed and id(c) not in seed_ids:
-            line_misfits += 1
+        if not c.fits and id(c) not in seed_ids:
+            if c.probed:
+                line_floors += 1
+            else:
+                line_misfits += 1
         return bool(c.fits)
 
     def predict_and_note(c: Candidate, first_probe: bool = False) -> bool:
@@ -296,15 +304,9 @@ def search(
         return [s for s in seeds if s.fits is None and not dominated(s.rank, misfits)]
 
     if ahead is not None:
-        # While this process looks at the seeds, the worker starts on the fastest candidates.
         _offer_next(ahead, candidates, -1, misfits)
-    if probe is not None:
-        for s in seeds:
-            if not (ahead is not None and ahead.has(s)) and probe(s):
-                note(s)
-        if all(s.fits is False for s in seeds) and seeds_rule_out_all():
-            return None, predicted
-    seeds_tried = False
+    floors_taken = probe is None  # the seeds' floors
+    seeds_tried = False  # the seeds' predictions
     i = 0
     while i < len(candidates):
         c = candidates[i]
@@ -315,11 +317,23 @@ def search(
                 i += 1
                 continue
             seeds_open = [] if seeds_tried else open_seeds()
-            if seeds_open and (
-                line_misfits >= SEEDS_AFTER or max_predictions - len(predicted) <= len(seeds_open)
-            ):
-                # Time for the seeds (the worker goes on down the line meanwhile), until one
-                # fits: if none does, nothing does.
+            last_chance = max_predictions - len(predicted) <= len(seeds_open)
+            due = line_misfits >= SEEDS_AFTER or last_chance
+            if seeds_open and not floors_taken and (due or line_floors >= SEED_FLOORS_AFTER):
+                # The seeds' turn (the worker goes on down the line meanwhile), floors first:
+                # if they all pass the budget, nothing fits.
+                floors_taken = True
+                assert probe is not None
+                if ahead is not None:
+                    _offer_next(ahead, candidates, i - 1, misfits)
+                for s in seeds_open:
+                    if not (ahead is not None and ahead.has(s)) and probe(s):
+                        note(s)
+                if all(s.fits is False for s in seeds) and seeds_rule_out_all():
+                    return None, predicted
+                continue
+            if seeds_open and due:
+                # Then their predictions, until one fits; if none does, nothing does.
                 seeds_tried = True
                 if ahead is not None:
                     _offer_next(ahead, candidates, i - 1, misfits)
@@ -374,6 +388,11 @@ def _next_needed(
 #: to every answer, though one of the first candidates in line usually fits; predicted after
 #: two misfits, they still end a search where nothing fits after a few predictions.
 SEEDS_AFTER = 2
+
+#: Candidates in line ruled out by their floors before the seeds' floors are taken: when the
+#: model is far too large for the budget, every floor passes it, the seeds' too, and those end
+#: the search.
+SEED_FLOORS_AFTER = 4
 
 #: Candidates after the current one the worker is asked for (so that it has the next at hand
 #: when it finishes one early).
