@@ -17,8 +17,11 @@ while the search goes on (:mod:`memfit.planner.ahead`); the answer does not chan
 
 Three rules keep the number of memory predictions small (:func:`search`):
 
-* the most frugal candidates (those no other candidate dominates) are predicted first: if
-  none of them fits, nothing does, and the answer says how far off the closest is;
+* the most frugal candidates (the seeds: those no other candidate dominates) settle a search
+  where nothing fits: if none of them fits, nothing does, and the answer says how far off the
+  closest is. They wait their turn, as one of the first candidates in line usually fits: their
+  floors come after four candidates in line were ruled out by theirs, their predictions after
+  two were predicted and misfit (:data:`SEED_FLOORS_AFTER`, :data:`SEEDS_AFTER`);
 * dominance: a candidate that keeps at least as much memory as a known misfit in every
   dimension (larger micro-batch, less checkpointing, wider precision, bigger optimizer state,
   ...) cannot fit and is skipped without a prediction;
@@ -101,7 +104,7 @@ def plan(
         disk_dir: With ``offload`` allowed, a directory for the ``disk`` tier: the search then
             includes the optimizer state on disk (which needs little host memory).
         jobs: Processes the search may use: with 2 (the default) and a second core, a
-            forked worker predicts the most frugal candidates and the next in line while the
+            forked worker predicts the next candidates in line while the
             search goes on (:mod:`memfit.planner.ahead`; same answer); 1: this process only.
 
     Returns:
@@ -243,14 +246,15 @@ def search(
         confirm: Checks a candidate predicted to fit at full size; says whether it fits.
         max_predictions: Most calls of ``predict``; then the fastest candidate predicted to
             fit so far is confirmed and returned.
-        probe: Tried on each candidate but the most frugal ones before ``predict``: says
-            (having filled its fields) when it proved the candidate does not fit, more
-            cheaply than a prediction; ``False`` leaves it to ``predict``.
+        probe: Tried on each candidate before ``predict`` (on the most frugal ones, when
+            their turn comes, before any of them is predicted): says (having filled its
+            fields) when it proved the candidate does not fit, more cheaply than a
+            prediction; ``False`` leaves it to ``predict``.
         ahead: A worker that predicts candidates in the background (:mod:`.ahead`; it must
             probe and predict as ``probe`` and ``predict`` do). It is given the next
             candidates in line (those needed if the current one misfits), from the fastest
-            on while this process predicts the most frugal ones; while it works on the
-            current candidate, this process takes the next. Verdicts are taken in order, so
+            on; while it works on the current candidate, this process takes the next, and
+            when the most frugal candidates' turn comes, it goes on down the line. Verdicts are taken in order, so
             the answer is the same as without it.
 
     Returns:
