@@ -126,6 +126,27 @@ def test_python_dash_m_entry_point_has_no_traceback():
     assert len([ln for ln in res.stderr.splitlines() if ln.strip()]) <= 3
 
 
+@pytest.mark.slow
+def test_plan_exits_at_once_with_its_output_written_and_its_exit_code(tmp_path):
+    # `memfit plan` ends the process without the interpreter's teardown: what it printed and
+    # wrote must be complete, and the exit code the command's (0; 2 when nothing fits).
+    out = tmp_path / "plan.json"
+    args = ["--model", "gpt2-tiny", "--batch-size", "2", "--seq-len", "16", "--jobs", "1"]
+    res = subprocess.run(
+        [sys.executable, "-m", "memfit", "plan", *args, "--budget", "1GiB", "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert "searched in" in res.stdout and f"wrote {out}" in " ".join(res.stdout.split())
+    assert json.loads(out.read_text())["fits"] is True
+    res = subprocess.run(
+        [sys.executable, "-m", "memfit", "plan", *args, "--budget", "1KiB", "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 2 and "Nothing fits" in res.stderr
+    assert json.loads(out.read_text())["fits"] is False
+
+
 def test_profile_names_the_dry_run_policies_it_applied(tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps({

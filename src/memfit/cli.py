@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import os
@@ -377,6 +378,8 @@ def plan_command(
     ] = None,
 ) -> None:
     """Find the fastest plan whose peak memory fits a budget."""
+    global _QUICK_EXIT
+    _QUICK_EXIT = True
     _quiet_libraries()
     import json
 
@@ -617,6 +620,13 @@ def _register_train() -> None:
 _register_train()
 
 
+#: Set by a command that leaves nothing to finish once it returns (``plan``): the process
+#: then exits without the interpreter's teardown, which after a search frees every object
+#: its dry runs left behind, module by module (about a quarter of a second), only for the
+#: operating system to take the memory back anyway.
+_QUICK_EXIT = False
+
+
 def main() -> None:
     """Entry point of the ``memfit`` command."""
     try:
@@ -624,12 +634,28 @@ def main() -> None:
     except KeyboardInterrupt:
         err.print("interrupted")
         sys.exit(130)
+    except SystemExit as e:
+        if _QUICK_EXIT:
+            _exit_now(e.code)
+        raise
     finally:
         # The command is done. Python's last garbage collections at exit would walk every
         # object a dry run left behind (about a second after a plan) to free memory the
         # process gives back anyway; frozen objects are skipped. Finalizers and atexit
         # handlers still run.
         gc.freeze()
+
+
+def _exit_now(code: Any) -> None:
+    """Flush the output and end the process with ``code`` at once (see :data:`_QUICK_EXIT`);
+    files were written and closed by the command itself."""
+    if isinstance(code, str):
+        sys.stderr.write(code + "\n")
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0 if code is None else int(code))
 
 
 if __name__ == "__main__":
