@@ -82,10 +82,11 @@ class Prediction:
         return max(self.reserved_bytes, self.peak_bytes) + self.overhead_bytes
 
 
-def block_pattern(workload: Workload) -> list[int] | None:
+def block_pattern(workload: Workload, model: Any = None) -> list[int] | None:
     """The type of each block of ``workload``'s model (:func:`~.depth.layer_pattern`), from the
-    full-depth model built on fake tensors (nothing allocated); ``None`` when unknown. Kept on
-    the workload object, so every candidate of one search shares it."""
+    full-depth model built on fake tensors (nothing allocated), or from ``model`` if given (such
+    a model, which a caller built for its own reasons); ``None`` when unknown. Kept on the
+    workload object, so every candidate of one search shares it."""
     assert workload.depth is not None
     cached = workload.__dict__.get("_block_pattern", _UNKNOWN)
     if cached is not _UNKNOWN:
@@ -93,8 +94,9 @@ def block_pattern(workload: Workload) -> list[int] | None:
     from .fake_kernels import dry_tensors
 
     try:
-        with dry_tensors():
-            model = workload.build_model()
+        if model is None:
+            with dry_tensors():
+                model = workload.build_model()
         pattern = layer_pattern(model, workload.depth)
     except Exception:  # the model cannot be built on fake tensors: compose as uniform
         pattern = None

@@ -286,12 +286,15 @@ def fused_loss_applies(workload: Workload) -> bool:
     tensors once per workload name, depth and sequence length."""
     key = (workload.name, workload.depth or 0, workload.seq_len)
     if key not in _APPLIES:
+        from ..estimate.compose import block_pattern
         from ..estimate.fake_kernels import dry_tensors
         from ..strategies.fused_loss import apply_fused_loss
 
         try:
             with dry_tensors():
                 model = workload.build_model()
+                if workload.scalable and workload.depth:
+                    block_pattern(workload, model)  # the search needs it too: one build
                 apply_fused_loss(model).remove()
             _APPLIES[key] = True
         except ValueError:
