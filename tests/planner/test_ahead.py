@@ -188,3 +188,63 @@ def test_seeds_that_only_miss_the_host_budget_do_not_end_the_search(jobs):
             ahead.close()
     assert winner is None
     assert {c.plan.grad_accum_steps for c in predicted} == {1, 2, 3, 4}
+
+
+def test_the_seeds_are_shared_with_the_worker_when_their_turn_comes():
+    # Three incomparable seeds, nothing fits: when the seeds are due (two misfits in line),
+    # the worker is asked for the second and third at the front of its queue, without a
+    # probe, while the search takes the first, then the others from the back.
+    class Idle:  # a worker that never starts anything: the search does all the work
+        def __init__(self):
+            self.queue, self.front = [], []
+
+        def offer(self, c, probe=True, *, first=False):
+            if first:
+                self.front.append((c.rank, probe))
+            self.queue.insert(0, c) if first else self.queue.append(c)
+
+        def has(self, c):
+            return any(q is c for q in self.queue)
+
+        def take(self, c):
+            self.withdraw(c)
+            return False
+
+        def withdraw(self, c):
+            self.queue = [q for q in self.queue if q is not c]
+
+        def ready(self, c):
+            return False
+
+        def running(self, c):
+            return False
+
+    ranks = [(0, 0), (1, 0), (0, 1), (2, 0), (1, 1), (0, 2)]
+    candidates = _candidates(ranks)
+    predict, _, _ = _searcher(budget=10)
+    idle = Idle()
+    winner, predicted = search(candidates, predict, lambda c: bool(c.fits), ahead=idle)
+    assert winner is None
+    assert idle.front == [((0, 2), False), ((1, 1), False)]
+    assert [c.rank for c in predicted][-3:] == [(2, 0), (0, 2), (1, 1)]
+
+
+def test_first_jumps_the_queue_and_withdraw_takes_back():
+    candidates = _candidates([(0, 0), (1, 1), (2, 2), (3, 3)])
+    _, _, work = _searcher(budget=90, delay=0.2)
+
+    def noting(c, first_probe):
+        work(c, first_probe)
+        c.note = str(time.monotonic())  # when the worker finished it
+
+    with Ahead(candidates, noting) as ahead:
+        ahead.offer(candidates[0])  # starts at once
+        ahead.offer(candidates[1])
+        ahead.offer(candidates[3])
+        ahead.offer(candidates[2], first=True)  # ahead of the other two
+        ahead.withdraw(candidates[3])
+        assert not ahead.has(candidates[3]) and ahead.has(candidates[1])
+        assert all(ahead.take(candidates[i]) for i in (0, 2, 1))  # each waited for
+    finished = [float(c.note) for c in candidates[:3]]
+    assert finished[0] < finished[2] < finished[1]
+    assert candidates[3].fits is None

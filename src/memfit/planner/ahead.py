@@ -100,15 +100,30 @@ class Ahead:
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
-    def offer(self, c: Candidate, probe: bool = True) -> None:
-        """Ask for ``c``'s prediction, after a probe if ``probe`` (ignored if already asked
-        for)."""
+    def offer(self, c: Candidate, probe: bool = True, *, first: bool = False) -> None:
+        """Ask for ``c``'s prediction, after a probe if ``probe`` (ignored if already under
+        way or done); ``first`` puts it at the front of the queue."""
         i = self._index[id(c)]
         with self._cond:
-            if i not in self._queue and i != self._busy and i not in self._done:
-                self._probe[i] = probe
+            if i == self._busy or i in self._done:
+                return
+            if i in self._queue:
+                if not first:
+                    return
+                self._queue.remove(i)
+            self._probe[i] = probe
+            if first:
+                self._queue.insert(0, i)
+            else:
                 self._queue.append(i)
-                self._send_next()
+            self._send_next()
+
+    def withdraw(self, c: Candidate) -> None:
+        """Take ``c`` back if the worker has not started it (no longer needed)."""
+        i = self._index[id(c)]
+        with self._cond:
+            if i in self._queue:
+                self._queue.remove(i)
 
     def has(self, c: Candidate) -> bool:
         """Whether ``c`` was asked for and not yet taken."""

@@ -307,6 +307,29 @@ def search(
     def open_seeds() -> list[Candidate]:
         return [s for s in seeds if s.fits is None and not dominated(s.rank, misfits)]
 
+    def predict_seeds(open_: list[Candidate]) -> bool:
+        """Predict ``open_`` until one fits (say whether one did). With the worker, it takes
+        the second and those after it from the front of its queue while this process takes
+        the first, then the others from the back: where nothing fits, every seed is needed."""
+        order = open_[:1] + open_[1:][::-1]
+        if ahead is not None:
+            for s in open_[:0:-1]:
+                ahead.offer(s, probe=False, first=True)
+        fit = False
+        for s in order:
+            if ahead is not None:  # a verdict already in saves a prediction
+                fit = any(
+                    r.fits is None and ahead.ready(r) and ahead.take(r) and note(r)
+                    for r in order
+                )
+            if fit or (s.fits is None and predict_and_note(s)):
+                fit = True
+                break
+        if fit and ahead is not None:
+            for s in order:  # the rest are not needed now
+                ahead.withdraw(s)
+        return fit
+
     if ahead is not None:
         _offer_next(ahead, candidates, -1, misfits)
     floors_taken = probe is None  # the seeds' floors
@@ -341,7 +364,7 @@ def search(
                 seeds_tried = True
                 if ahead is not None:
                     _offer_next(ahead, candidates, i - 1, misfits)
-                if not any(predict_and_note(s) for s in seeds_open) and seeds_rule_out_all():
+                if not predict_seeds(seeds_open) and seeds_rule_out_all():
                     return None, predicted
                 continue
             if len(predicted) >= max_predictions:
