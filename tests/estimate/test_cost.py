@@ -91,3 +91,23 @@ def test_exact_clipping_in_backward_costs_one_more_backward():
     assert cost.total == pytest.approx(
         cost.matmul + cost.pointwise + cost.launch + cost.optimizer + cost.extra_backward
     )
+
+
+def test_the_deeper_half_measured_elsewhere_gives_the_same_profile():
+    # The planner's worker measures the deeper shallow depth while the planner measures the
+    # other: the profile is the one measured in one process (and when the other process has
+    # nothing, this one measures both).
+    from memfit.estimate import cost
+    from memfit.workload import load_workload
+
+    workload = load_workload("gpt2-tiny", 2, 16).with_depth(6)
+    alone = cost._profile(workload, None)
+    asked = []
+
+    def deeper():
+        asked.append(True)
+        return cost.deeper_half(workload)
+
+    assert cost._profile(workload, deeper) == alone and asked
+    assert cost._profile(workload, lambda: None) == alone
+    assert cost.deeper_half(load_workload("gpt2-tiny", 2, 16).with_depth(2)) is None

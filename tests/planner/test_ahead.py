@@ -248,3 +248,25 @@ def test_first_jumps_the_queue_and_withdraw_takes_back():
     finished = [float(c.note) for c in candidates[:3]]
     assert finished[0] < finished[2] < finished[1]
     assert candidates[3].fits is None
+
+
+def test_a_task_runs_in_the_worker_ahead_of_the_candidates():
+    candidates = _candidates([(0, 0), (1, 1)])
+    _, _, work = _searcher(budget=90, delay=0.2)
+
+    def fails():
+        raise RuntimeError("task failure")
+
+    tasks = {"pid": os.getpid, "fails": fails}
+    with Ahead(candidates, work, tasks) as ahead:
+        ahead.run("pid")
+        assert ahead.result("pid") not in (None, os.getpid())  # it ran in the worker
+        ahead.run("fails")
+        assert ahead.result("fails") is None  # failed: the caller does it
+        ahead.offer(candidates[0])  # under way
+        ahead.offer(candidates[1])  # queued
+        ahead.run("pid")  # ahead of the queued candidate
+        assert ahead.take(candidates[0])
+        assert ahead.result("pid") not in (None, os.getpid()) and ahead.running(candidates[1])
+        ahead.run("pid")  # queued behind the candidate under way
+        assert ahead.result("pid") is None  # not started: withdrawn, the caller does it

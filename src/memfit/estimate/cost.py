@@ -26,6 +26,7 @@ planner can say why one plan is slower than another:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +35,14 @@ from ..targets import DeviceProfile
 from ..workload import Workload, call_model
 from .depth import SHALLOW_DEPTHS, extrapolate
 
-__all__ = ["StepCost", "WorkloadProfile", "profile_workload", "step_cost"]
+__all__ = [
+    "StepCost",
+    "WorkloadProfile",
+    "deeper_half",
+    "has_profile",
+    "profile_workload",
+    "step_cost",
+]
 
 # Bytes read + written per trainable parameter by one optimizer step, for fp32 parameters,
 # counted from each algorithm's update (a step is memory-bound: bytes / bandwidth is its time).
@@ -162,10 +170,24 @@ def _head_flops_hook(model: Any, out: list[float]) -> Any:
 _PROFILES: dict[tuple[str, int, int], WorkloadProfile] = {}
 
 
-def _profile(workload: Workload) -> WorkloadProfile:
+def deeper_half(workload: Workload) -> dict[str, float] | None:
+    """The deeper of the two shallow measurements :func:`profile_workload` takes (``None`` when
+    it takes one): picklable, so another process can take it meanwhile."""
+    if not (workload.scalable and (workload.depth or 0) > 3):
+        return None
+    assert workload.with_depth is not None
+    return _measure(workload.with_depth(SHALLOW_DEPTHS[-1]))
+
+
+def _profile(
+    workload: Workload, deeper: Callable[[], dict[str, float] | None] | None
+) -> WorkloadProfile:
     if workload.scalable and (workload.depth or 0) > 3:
         assert workload.with_depth is not None and workload.depth is not None
-        two, three = (_measure(workload.with_depth(d)) for d in SHALLOW_DEPTHS)
+        two = _measure(workload.with_depth(SHALLOW_DEPTHS[0]))
+        three = (deeper() if deeper is not None else None) or _measure(
+            workload.with_depth(SHALLOW_DEPTHS[-1])
+        )
         n = workload.depth
 
         def at(k: str) -> float:
@@ -192,11 +214,22 @@ def _profile(workload: Workload) -> WorkloadProfile:
     )
 
 
-def profile_workload(workload: Workload) -> WorkloadProfile:
-    """Measure (once per workload name, depth and sequence length) what the cost model needs."""
+def has_profile(workload: Workload) -> bool:
+    """Whether :func:`profile_workload` has ``workload``'s profile already (no measuring)."""
+    return (workload.name, workload.depth or 0, workload.seq_len) in _PROFILES
+
+
+def profile_workload(
+    workload: Workload, *, deeper: Callable[[], dict[str, float] | None] | None = None
+) -> WorkloadProfile:
+    """Measure (once per workload name, depth and sequence length) what the cost model needs.
+
+    ``deeper``, if given, returns :func:`deeper_half` measured elsewhere (``None``: measure it
+    here), after this process measured the other half.
+    """
     key = (workload.name, workload.depth or 0, workload.seq_len)
     if key not in _PROFILES:
-        _PROFILES[key] = _profile(workload)
+        _PROFILES[key] = _profile(workload, deeper)
     return _PROFILES[key]
 
 

@@ -23,7 +23,7 @@ import multiprocessing
 import os
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .result import Candidate
@@ -50,10 +50,14 @@ FIELDS: tuple[str, ...] = (
 Work = Callable[[Candidate, bool], Any]
 
 
-def start(candidates: Sequence[Candidate], work: Work) -> Ahead | None:
-    """A worker for ``candidates`` (by position), or ``None`` where one cannot help: not
-    Linux (elsewhere forking a process with threads, as torch's, is unsafe or unavailable),
-    or a single usable core."""
+def start(
+    candidates: Sequence[Candidate],
+    work: Work,
+    tasks: Mapping[str, Callable[[], Any]] | None = None,
+) -> Ahead | None:
+    """A worker for ``candidates`` (by position) and ``tasks`` (by name), or ``None`` where
+    one cannot help: not Linux (elsewhere forking a process with threads, as torch's, is
+    unsafe or unavailable), or a single usable core."""
     if not sys.platform.startswith("linux") or "fork" not in multiprocessing.get_all_start_methods():
         return None
     try:
@@ -62,7 +66,7 @@ def start(candidates: Sequence[Candidate], work: Work) -> Ahead | None:
         cores = os.cpu_count() or 1
     if cores < 2:
         return None
-    return Ahead(candidates, work)
+    return Ahead(candidates, work, tasks)
 
 
 class Ahead:
@@ -75,14 +79,24 @@ class Ahead:
         candidates: Every candidate of the search; the worker knows them by position (it is
             forked after they exist).
         work: Fills one candidate's fields, in the worker.
+        tasks: Other work the worker can do on request (:meth:`run`), by name: each returns
+            a picklable result (such as the deeper half of the workload's cost profile,
+            measured while the planner measures the other half).
     """
 
-    def __init__(self, candidates: Sequence[Candidate], work: Work) -> None:
+    def __init__(
+        self,
+        candidates: Sequence[Candidate],
+        work: Work,
+        tasks: Mapping[str, Callable[[], Any]] | None = None,
+    ) -> None:
         self._index = {id(c): i for i, c in enumerate(candidates)}
         self._candidates = list(candidates)
         ctx = multiprocessing.get_context("fork")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child, self._candidates, work), daemon=True)
+        self._proc = ctx.Process(
+            target=_serve, args=(child, self._candidates, work, dict(tasks or {})), daemon=True
+        )
         # Frozen, the objects both processes share are left out of their collections: a
         # collection would write to each of them, and every page it writes is copied (on this
         # VM the worker's copies cost it half a second of kernel time). Unless the caller froze
@@ -91,10 +105,11 @@ class Ahead:
         gc.freeze()
         self._proc.start()
         child.close()
-        self._queue: list[int] = []  # asked for, not yet sent
+        # Candidates by position, tasks by name.
+        self._queue: list[int | str] = []  # asked for, not yet sent
         self._probe: dict[int, bool] = {}  # whether to probe first, by position
-        self._busy: int | None = None  # sent, result not yet received
-        self._done: dict[int, dict[str, Any] | None] = {}  # received (None: the worker failed)
+        self._busy: int | str | None = None  # sent, result not yet received
+        self._done: dict[int | str, Any] = {}  # received (None: the worker failed)
         self._dead = False
         self._cond = threading.Condition()
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -117,6 +132,24 @@ class Ahead:
             else:
                 self._queue.append(i)
             self._send_next()
+
+    def run(self, name: str) -> None:
+        """Ask for the task ``name``, ahead of every candidate asked for."""
+        with self._cond:
+            if name != self._busy and name not in self._queue and name not in self._done:
+                self._queue.insert(0, name)
+                self._send_next()
+
+    def result(self, name: str) -> Any:
+        """The task ``name``'s result (waits for it if it is under way); ``None`` if it was
+        not started (it is withdrawn), failed, or the worker is gone: the caller does it."""
+        with self._cond:
+            if name in self._queue:
+                self._queue.remove(name)
+                return None
+            while name == self._busy:
+                self._cond.wait()
+            return self._done.pop(name, None)
 
     def withdraw(self, c: Candidate) -> None:
         """Take ``c`` back if the worker has not started it (no longer needed)."""
@@ -182,9 +215,9 @@ class Ahead:
     def _send_next(self) -> None:
         # Called with the lock held.
         if self._busy is None and self._queue and not self._dead:
-            self._busy = self._queue.pop(0)
+            self._busy = busy = self._queue.pop(0)
             try:
-                self._conn.send((self._busy, self._probe[self._busy]))
+                self._conn.send((busy, self._probe.get(busy, False) if isinstance(busy, int) else False))
             except OSError:
                 self._died()
 
@@ -217,8 +250,11 @@ class Ahead:
         self.close()
 
 
-def _serve(conn: Any, candidates: list[Candidate], work: Work) -> None:
-    """The worker's loop: a candidate's position in, its filled fields out."""
+def _serve(
+    conn: Any, candidates: list[Candidate], work: Work, tasks: dict[str, Callable[[], Any]]
+) -> None:
+    """The worker's loop: a candidate's position in, its filled fields out (or a task's name
+    in, its result out)."""
     import torch
 
     torch.set_num_threads(1)  # dry runs compute nothing; threads forked mid-life may hang
@@ -227,6 +263,13 @@ def _serve(conn: Any, candidates: list[Candidate], work: Work) -> None:
             i, probe = conn.recv()
         except (EOFError, OSError):
             return
+        if isinstance(i, str):
+            try:
+                result = tasks[i]()
+            except Exception:  # the caller does it itself, and meets the error there
+                result = None
+            conn.send((i, result))
+            continue
         c = candidates[i]
         try:
             work(c, probe)

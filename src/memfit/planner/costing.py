@@ -14,7 +14,7 @@ from ..plan import Plan
 from ..targets import DeviceProfile
 from .result import Candidate
 
-__all__ = ["TIE_BAND", "cost_candidates", "order"]
+__all__ = ["TIE_BAND", "cost_candidates", "cost_into", "order"]
 
 #: Step times within this factor of each other are a tie for the cost model. Its terms are
 #: peak-rate estimates (vendor peak FLOP/s and bandwidth, a fitted small-batch derating):
@@ -42,6 +42,27 @@ def cost_candidates(
         baseline: The unoptimised plan that ``ratio`` is relative to.
         trainable: Share of parameters that train under each freezing choice.
     """
+    return cost_into(
+        [Candidate(plan=p, rank=rank, step_time=0.0) for p, rank in pairs],
+        profile,
+        device,
+        batch_size=batch_size,
+        baseline=baseline,
+        trainable=trainable,
+    )
+
+
+def cost_into(
+    candidates: Sequence[Candidate],
+    profile: WorkloadProfile,
+    device: DeviceProfile,
+    *,
+    batch_size: int,
+    baseline: Plan,
+    trainable: Mapping[tuple[str, ...], float] | None = None,
+) -> list[Candidate]:
+    """:func:`cost_candidates` for candidates made already (their step time, ratio and cost
+    terms are set), in search order."""
     trainable = trainable or {}
 
     def cost(p: Plan) -> StepCost:
@@ -54,18 +75,11 @@ def cost_candidates(
         )
 
     base_time = cost(baseline).total
-    candidates = []
-    for p, rank in pairs:
-        c = cost(p)
-        candidates.append(
-            Candidate(
-                plan=p,
-                rank=rank,
-                step_time=c.total,
-                ratio=c.total / base_time,
-                cost_terms=c.to_dict(),
-            )
-        )
+    for candidate in candidates:
+        c = cost(candidate.plan)
+        candidate.step_time = c.total
+        candidate.ratio = c.total / base_time
+        candidate.cost_terms = c.to_dict()
     return order(candidates)
 
 

@@ -59,7 +59,7 @@ from .candidates import (
     options,
     trainable_fractions,
 )
-from .costing import cost_candidates
+from .costing import cost_into
 from .explain import nothing_fits_message, why_it_won
 from .predict import confirm, predict, probe
 from .result import Candidate, NothingFits, PlanResult
@@ -114,7 +114,7 @@ def plan(
         ValueError: for a malformed budget or an unknown allow/forbid value.
         NothingFits: when no allowed plan fits; ``.result`` holds the closest plan.
     """
-    from ..estimate.cost import profile_workload
+    from ..estimate.cost import deeper_half, has_profile, profile_workload
     from ..targets import get_device, parse_budget
 
     started = time.perf_counter()
@@ -147,18 +147,7 @@ def plan(
         usable = tuple(f for f in space.freezes if f in trainable or f == tuple(base.freeze))
         space = dataclasses.replace(space, freezes=usable)
     pairs = generate(workload, base, space, trainable, device=target)
-    # 2. Costing.
-    say("profiling the workload (FLOPs, activations) on fake tensors")
-    candidates = cost_candidates(
-        pairs,
-        profile_workload(workload),
-        target,
-        batch_size=workload.batch_size,
-        baseline=Plan(optimizer=base.optimizer),
-        trainable=trainable,
-    )
-
-    # 3. and 4. Prediction and confirmation, in search order.
+    candidates = [Candidate(plan=p, rank=r, step_time=0.0) for p, r in pairs]
     # The most frugal candidates get their peak, never a floor: when nothing fits, the answer
     # quotes the closest one's.
     frugal = {id(candidates[i]) for i in maximal([c.rank for c in candidates])}
@@ -180,15 +169,35 @@ def plan(
             predict(c, workload, target, budget_bytes, host_bytes, floor=id(c) not in frugal)
 
     with contextlib.ExitStack() as stack:
-        if jobs > 1 and workload.scalable and (workload.depth or 0) > 3:
-            block_pattern(workload)  # built once here, not again in each process
-        ahead = start(candidates, work) if jobs > 1 else None
+        ahead = None
+        if jobs > 1:
+            if workload.scalable and (workload.depth or 0) > 3:
+                block_pattern(workload)  # built once here, not again in each process
+            # Forked before costing, the worker measures the deeper half of the cost profile
+            # while this process measures the other.
+            ahead = start(candidates, work, {"profile": lambda: deeper_half(workload)})
         if ahead is not None:
             stack.enter_context(ahead)
+            if not has_profile(workload):
+                ahead.run("profile")
             # Dry runs compute next to nothing: a second intra-op thread only spins, on the
             # core the worker runs on.
             stack.callback(torch.set_num_threads, torch.get_num_threads())
             torch.set_num_threads(1)
+        # 2. Costing.
+        say("profiling the workload (FLOPs, activations) on fake tensors")
+        profile = profile_workload(
+            workload, deeper=None if ahead is None else lambda: ahead.result("profile")
+        )
+        candidates = cost_into(
+            candidates,
+            profile,
+            target,
+            batch_size=workload.batch_size,
+            baseline=Plan(optimizer=base.optimizer),
+            trainable=trainable,
+        )
+        # 3. and 4. Prediction and confirmation, in search order.
         winner, predicted = search(
             candidates,
             predict_one,
@@ -307,14 +316,16 @@ def search(
     def open_seeds() -> list[Candidate]:
         return [s for s in seeds if s.fits is None and not dominated(s.rank, misfits)]
 
-    def predict_seeds(open_: list[Candidate]) -> bool:
-        """Predict ``open_`` until one fits (say whether one did). With the worker, it takes
-        the second and those after it from the front of its queue while this process takes
-        the first, then the others from the back: where nothing fits, every seed is needed."""
+    def predict_seeds(open_: list[Candidate], probe_first: bool) -> bool:
+        """Predict ``open_`` (each after its floor if ``probe_first``) until one fits; say
+        whether one did. With the worker, it takes the second and those after it from the
+        front of its queue while this process takes the first, then the others from the
+        back: where nothing fits, every seed is needed."""
+        probe_first = probe_first and probe is not None
         order = open_[:1] + open_[1:][::-1]
         if ahead is not None:
             for s in open_[:0:-1]:
-                ahead.offer(s, probe=False, first=True)
+                ahead.offer(s, probe=probe_first, first=True)
         fit = False
         for s in order:
             if ahead is not None:  # a verdict already in saves a prediction
@@ -322,7 +333,7 @@ def search(
                     r.fits is None and ahead.ready(r) and ahead.take(r) and note(r)
                     for r in order
                 )
-            if fit or (s.fits is None and predict_and_note(s)):
+            if fit or (s.fits is None and predict_and_note(s, first_probe=probe_first)):
                 fit = True
                 break
         if fit and ahead is not None:
@@ -346,25 +357,25 @@ def search(
             seeds_open = [] if seeds_tried else open_seeds()
             last_chance = max_predictions - len(predicted) <= len(seeds_open)
             due = line_misfits >= SEEDS_AFTER or last_chance
-            if seeds_open and not floors_taken and (due or line_floors >= SEED_FLOORS_AFTER):
-                # The seeds' turn (the worker goes on down the line meanwhile), floors first:
-                # if they all pass the budget, nothing fits.
-                floors_taken = True
-                assert probe is not None
+            if seeds_open and due:
+                # The seeds' turn (the worker shares it, then goes on down the line), each
+                # seed's floor first unless all were taken: until one fits. If none does,
+                # nothing does.
+                seeds_tried = True
+                probe_first, floors_taken = not floors_taken, True
                 if ahead is not None:
                     _offer_next(ahead, candidates, i - 1, misfits)
+                if not predict_seeds(seeds_open, probe_first) and seeds_rule_out_all():
+                    return None, predicted
+                continue
+            if seeds_open and not floors_taken and line_floors >= SEED_FLOORS_AFTER:
+                # Floors only (cheap): when they all pass the budget, nothing fits.
+                floors_taken = True
+                assert probe is not None
                 for s in seeds_open:
                     if not (ahead is not None and ahead.has(s)) and probe(s):
                         note(s)
                 if all(s.fits is False for s in seeds) and seeds_rule_out_all():
-                    return None, predicted
-                continue
-            if seeds_open and due:
-                # Then their predictions, until one fits; if none does, nothing does.
-                seeds_tried = True
-                if ahead is not None:
-                    _offer_next(ahead, candidates, i - 1, misfits)
-                if not predict_seeds(seeds_open) and seeds_rule_out_all():
                     return None, predicted
                 continue
             if len(predicted) >= max_predictions:
