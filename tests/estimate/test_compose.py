@@ -117,3 +117,42 @@ def test_a_run_over_the_budget_stops_at_the_first_forward_that_shows_it(workload
         warnings.simplefilter("ignore")
         same = predict_peak(workload, plan, budget_bytes=full.peak_bytes)
     assert same.method == "composed" and _figures(same) == _figures(full)
+
+
+@pytest.mark.parametrize("device", ["cpu", "a100"])
+def test_a_shallow_run_made_elsewhere_gives_the_same_prediction(workload, device, monkeypatch):
+    # The planner's worker runs the depth-3 run while the planner runs depth 2: the prediction
+    # (and the confirmation built from its traces) is the one made in one process.
+    from memfit.estimate.compose import composes, shallow_report
+
+    plan = memfit.Plan(micro_batch_size=2, checkpointing="selective", optimizer="adafactor")
+    assert composes(workload, plan)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        alone = predict_peak(workload, plan, device=device)
+        asked = []
+        reports = {3: shallow_report(workload, plan, 3, device=device)}
+        from memfit.estimate import compose
+
+        here = []
+        run = compose.dry_run
+        monkeypatch.setattr(
+            compose, "dry_run", lambda wl, *a, **k: here.append(wl.depth) or run(wl, *a, **k)
+        )
+
+        def remote(d):
+            asked.append(d)
+            return reports.get(d)
+
+        helped = predict_peak(workload, plan, device=device, remote=remote)
+        assert here == [2]  # depth 3 came from elsewhere
+        monkeypatch.undo()
+        nothing = predict_peak(workload, plan, device=device, remote=lambda d: None)
+    assert asked == [2, 3]
+    assert _figures(helped) == _figures(alone) == _figures(nothing)
+    assert helped.reserved_bytes == alone.reserved_bytes
+    if device == "cpu":
+        assert _figures(confirm_peak(workload, plan, helped)) == _figures(
+            confirm_peak(workload, plan, alone)
+        )
+    assert not composes(workload, plan.replace(checkpointing="sqrt"))

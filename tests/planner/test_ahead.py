@@ -270,3 +270,55 @@ def test_a_task_runs_in_the_worker_ahead_of_the_candidates():
         assert ahead.result("pid") not in (None, os.getpid()) and ahead.running(candidates[1])
         ahead.run("pid")  # queued behind the candidate under way
         assert ahead.result("pid") is None  # not started: withdrawn, the caller does it
+
+
+def test_a_task_on_a_candidate_discard_and_poll():
+    candidates = _candidates([(0, 0), (1, 1), (2, 2)])
+    _, _, work = _searcher(budget=90)
+
+    def slow_rank(c):
+        time.sleep(0.3)
+        return c.rank
+
+    with Ahead(candidates, work, {"rank": slow_rank}) as ahead:
+        ahead.run("rank", candidates[1])
+        assert ahead.result("rank", candidates[1]) == (1, 1)  # the candidate's, in the worker
+        # Discarded while under way: the result is dropped when it comes.
+        ahead.run("rank", candidates[2])
+        ahead.discard("rank", candidates[2])
+        ahead.offer(candidates[0])  # queued behind it
+        deadline = time.monotonic() + 30
+        while not (ahead.running(candidates[0]) or ahead.ready(candidates[0])):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert ahead.take(candidates[0])
+        assert ahead.result("rank", candidates[2]) is None  # dropped
+        # A poll that raises stops the wait (the task goes on in the worker, unwanted).
+        ahead.run("rank", candidates[0])
+
+        def stop():
+            raise TimeoutError
+
+        with pytest.raises(TimeoutError):
+            ahead.result("rank", candidates[0], poll=stop)
+        ahead.discard("rank", candidates[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fraction", [0.45, 0.35])
+def test_the_planner_with_its_worker_answers_as_it_does_alone(fraction):
+    # For real: the worker forked before costing measures half the cost profile, predicts
+    # ahead, takes seeds and runs the depth-3 runs of what the planner predicts itself.
+    import memfit
+    from memfit.estimate import cost
+    from memfit.estimate.compose import predict_peak
+    from memfit.planner import plan
+
+    workload = memfit.load_workload("gpt2-tiny", 8, 32).with_depth(6)
+    budget = int(predict_peak(workload, memfit.Plan()).peak_bytes * fraction)
+    answers = []
+    for jobs in (1, 2):
+        cost._PROFILES.clear()
+        result = plan(workload, budget, allow=["8bit", "factored"], jobs=jobs)
+        answers.append((result.plan, result.predicted_peak_bytes, result.predicted_peak_by_category))
+    assert answers[0] == answers[1]

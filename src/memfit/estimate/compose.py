@@ -29,6 +29,7 @@ the target's fixed overhead (CUDA context, workspaces).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +40,15 @@ from ..workload import Workload
 from .depth import SHALLOW_DEPTHS, compose_pattern, layer_pattern, profile_depths
 from .dryrun import dry_run
 
-__all__ = ["Prediction", "block_pattern", "confirm_peak", "first_forward_peak", "predict_peak"]
+__all__ = [
+    "Prediction",
+    "block_pattern",
+    "composes",
+    "confirm_peak",
+    "first_forward_peak",
+    "predict_peak",
+    "shallow_report",
+]
 
 
 @dataclass
@@ -232,6 +241,7 @@ def predict_peak(
     compose: bool = True,
     device: str | DeviceProfile | None = "cpu",
     budget_bytes: int | None = None,
+    remote: Callable[[int], Any] | None = None,
 ) -> Prediction:
     """Predict the peak of training ``workload`` under ``plan`` on ``device``.
 
@@ -246,17 +256,20 @@ def predict_peak(
             run stops as soon as the full depth's run, built from the two runs' traces up to
             a forward's end, passes it; the prediction is then that floor (``method``
             ``"at-least"``), not the peak.
+        remote: Asked for each shallow depth's report before this process runs it: the
+            :func:`shallow_report` another process ran meanwhile (then that run is not
+            watched against the budget), or ``None`` (this process runs it). The prediction
+            is the same either way.
     """
     plan = plan or Plan()
     target = get_device(device)
     reserved: list[int] = []  # the shallow runs' reserved peaks...
     shallow_peaks: list[int] = []  # ...and their tensor peaks
     small_wl, small_plan, scale = _reduced(workload, plan)
-    linear = plan.checkpointing.mode not in ("sqrt", "budget")
     phases: dict[str, dict[str, int]] = {}
     host = 0
     extra: dict[str, Any] = {}
-    if compose and workload.scalable and linear and (workload.depth or 0) > 3:
+    if compose and composes(workload, plan):
         assert workload.with_depth is not None and workload.depth is not None
         n = workload.depth
         pattern = block_pattern(workload) or [0] * n
@@ -271,13 +284,15 @@ def predict_peak(
 
         def shallow_run(d: int) -> tuple[dict[str, dict[str, float]], int, int, int]:
             if d not in runs:
-                report = dry_run(
-                    workload.with_depth(d).replace(batch_size=small_wl.batch_size),
-                    small_plan,
-                    steps=2,
-                    device=target,
-                    at_forward_end=None if watch is None else watch.at(d),
-                )
+                report = None if remote is None else remote(d)
+                if report is None:
+                    report = dry_run(
+                        workload.with_depth(d).replace(batch_size=small_wl.batch_size),
+                        small_plan,
+                        steps=2,
+                        device=target,
+                        at_forward_end=None if watch is None else watch.at(d),
+                    )
                 if watch is not None and watch.floor is not None:
                     raise _OverBudget
                 runs[d] = (
@@ -327,6 +342,32 @@ def predict_peak(
         target_device=target.name,
         host_bytes=host,
         extra=extra,
+    )
+
+
+def composes(workload: Workload, plan: Plan) -> bool:
+    """Whether :func:`predict_peak` composes ``workload`` under ``plan`` from shallow runs
+    (depths 2 and 3 at least), rather than dry-running its full depth: a depth knob and
+    more than three blocks, and a plan whose memory is linear in depth."""
+    return (
+        workload.scalable
+        and (workload.depth or 0) > 3
+        and plan.checkpointing.mode not in ("sqrt", "budget")
+    )
+
+
+def shallow_report(
+    workload: Workload, plan: Plan, depth: int, *, device: str | DeviceProfile | None = "cpu"
+) -> Any:
+    """The report of :func:`predict_peak`'s run of ``workload`` at ``depth`` under ``plan``
+    (the reduced batch: two micro-batches at most), for ``predict_peak``'s ``remote``."""
+    assert workload.with_depth is not None
+    small_wl, small_plan, _ = _reduced(workload, plan)
+    return dry_run(
+        workload.with_depth(depth).replace(batch_size=small_wl.batch_size),
+        small_plan,
+        steps=2,
+        device=get_device(device),
     )
 
 

@@ -64,6 +64,13 @@ def cancel_when(done: Callable[[], bool]) -> Any:
         _CANCEL.remove(done)
 
 
+def raise_if_cancelled() -> None:
+    """Raise :class:`Cancelled` if a condition of an enclosing :func:`cancel_when` holds (for
+    a caller that waits rather than runs)."""
+    if any(done() for done in _CANCEL):
+        raise Cancelled
+
+
 def _cancel_hook() -> Any:
     """A global module hook that raises :class:`Cancelled` once a condition of
     :data:`_CANCEL` holds (``None`` when there is none)."""

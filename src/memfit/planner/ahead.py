@@ -49,11 +49,15 @@ FIELDS: tuple[str, ...] = (
 #: probe when the flag says so).
 Work = Callable[[Candidate, bool], Any]
 
+#: What the worker is asked for: a candidate (by position), a task (by name), or a task on a
+#: candidate.
+Key = int | str | tuple[str, int]
+
 
 def start(
     candidates: Sequence[Candidate],
     work: Work,
-    tasks: Mapping[str, Callable[[], Any]] | None = None,
+    tasks: Mapping[str, Callable[..., Any]] | None = None,
 ) -> Ahead | None:
     """A worker for ``candidates`` (by position) and ``tasks`` (by name), or ``None`` where
     one cannot help: not Linux (elsewhere forking a process with threads, as torch's, is
@@ -79,16 +83,17 @@ class Ahead:
         candidates: Every candidate of the search; the worker knows them by position (it is
             forked after they exist).
         work: Fills one candidate's fields, in the worker.
-        tasks: Other work the worker can do on request (:meth:`run`), by name: each returns
-            a picklable result (such as the deeper half of the workload's cost profile,
-            measured while the planner measures the other half).
+        tasks: Other work the worker can do on request (:meth:`run`), by name: each takes
+            nothing or a candidate and returns a picklable result (such as the deeper half of
+            the workload's cost profile, measured while the planner measures the other half,
+            or the depth-3 run of a candidate the planner predicts).
     """
 
     def __init__(
         self,
         candidates: Sequence[Candidate],
         work: Work,
-        tasks: Mapping[str, Callable[[], Any]] | None = None,
+        tasks: Mapping[str, Callable[..., Any]] | None = None,
     ) -> None:
         self._index = {id(c): i for i, c in enumerate(candidates)}
         self._candidates = list(candidates)
@@ -106,10 +111,11 @@ class Ahead:
         self._proc.start()
         child.close()
         # Candidates by position, tasks by name.
-        self._queue: list[int | str] = []  # asked for, not yet sent
+        self._queue: list[Key] = []  # asked for, not yet sent
         self._probe: dict[int, bool] = {}  # whether to probe first, by position
-        self._busy: int | str | None = None  # sent, result not yet received
-        self._done: dict[int | str, Any] = {}  # received (None: the worker failed)
+        self._busy: Key | None = None  # sent, result not yet received
+        self._done: dict[Key, Any] = {}  # received (None: the worker failed)
+        self._drop: set[Key] = set()  # under way, result not wanted
         self._dead = False
         self._cond = threading.Condition()
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -133,23 +139,46 @@ class Ahead:
                 self._queue.append(i)
             self._send_next()
 
-    def run(self, name: str) -> None:
-        """Ask for the task ``name``, ahead of every candidate asked for."""
+    def run(self, name: str, c: Candidate | None = None) -> None:
+        """Ask for the task ``name`` (on ``c``, if given), ahead of every candidate asked
+        for."""
+        key = self._key(name, c)
         with self._cond:
-            if name != self._busy and name not in self._queue and name not in self._done:
-                self._queue.insert(0, name)
+            if key != self._busy and key not in self._queue and key not in self._done:
+                self._queue.insert(0, key)
                 self._send_next()
 
-    def result(self, name: str) -> Any:
-        """The task ``name``'s result (waits for it if it is under way); ``None`` if it was
-        not started (it is withdrawn), failed, or the worker is gone: the caller does it."""
+    def result(
+        self, name: str, c: Candidate | None = None, *, poll: Callable[[], None] | None = None
+    ) -> Any:
+        """The task's result (waits for it if it is under way, calling ``poll`` every 50 ms
+        meanwhile: it may raise to stop waiting); ``None`` if it was not started (it is
+        withdrawn), failed, or the worker is gone: the caller does it."""
+        key = self._key(name, c)
         with self._cond:
-            if name in self._queue:
-                self._queue.remove(name)
+            if key in self._queue:
+                self._queue.remove(key)
                 return None
-            while name == self._busy:
-                self._cond.wait()
-            return self._done.pop(name, None)
+            while key == self._busy:
+                self._cond.wait(timeout=None if poll is None else 0.05)
+                if poll is not None:
+                    poll()
+            return self._done.pop(key, None)
+
+    def discard(self, name: str, c: Candidate | None = None) -> None:
+        """The task's result is no longer wanted: withdrawn if not started, dropped when it
+        comes (without waiting)."""
+        key = self._key(name, c)
+        with self._cond:
+            if key in self._queue:
+                self._queue.remove(key)
+            elif key == self._busy:
+                self._drop.add(key)
+            else:
+                self._done.pop(key, None)
+
+    def _key(self, name: str, c: Candidate | None) -> str | tuple[str, int]:
+        return name if c is None else (name, self._index[id(c)])
 
     def withdraw(self, c: Candidate) -> None:
         """Take ``c`` back if the worker has not started it (no longer needed)."""
@@ -230,7 +259,10 @@ class Ahead:
                     self._died()
                 return
             with self._cond:
-                self._done[i] = fields
+                if i in self._drop:
+                    self._drop.discard(i)
+                else:
+                    self._done[i] = fields
                 self._busy = None
                 self._send_next()
                 self._cond.notify_all()
@@ -251,7 +283,7 @@ class Ahead:
 
 
 def _serve(
-    conn: Any, candidates: list[Candidate], work: Work, tasks: dict[str, Callable[[], Any]]
+    conn: Any, candidates: list[Candidate], work: Work, tasks: dict[str, Callable[..., Any]]
 ) -> None:
     """The worker's loop: a candidate's position in, its filled fields out (or a task's name
     in, its result out)."""
@@ -263,9 +295,9 @@ def _serve(
             i, probe = conn.recv()
         except (EOFError, OSError):
             return
-        if isinstance(i, str):
+        if not isinstance(i, int):  # a task, by name (on a candidate)
             try:
-                result = tasks[i]()
+                result = tasks[i]() if isinstance(i, str) else tasks[i[0]](candidates[i[1]])
             except Exception:  # the caller does it itself, and meets the error there
                 result = None
             conn.send((i, result))

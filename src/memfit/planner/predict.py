@@ -10,6 +10,9 @@ else a full-depth dry run; two micro-batches stand for all). All compare with th
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from ..estimate.compose import Prediction, confirm_peak, first_forward_peak, predict_peak
 from ..targets import DeviceProfile
 from ..workload import Workload
@@ -52,15 +55,22 @@ def predict(
     host_budget: int | None = None,
     *,
     floor: bool = True,
+    remote: Callable[[int], Any] | None = None,
 ) -> bool:
     """Predict ``candidate``'s memory (composed from shallow dry runs where possible).
 
     With ``floor``, a run that shows the budget passed stops there, and the candidate's
     figures are that floor (``at_least``); without it (the most frugal candidates, whose
     figures the answer quotes when nothing fits), the prediction is always the peak.
+    ``remote`` is :func:`~memfit.estimate.compose.predict_peak`'s (a shallow run another
+    process ran meanwhile).
     """
     prediction = predict_peak(
-        workload, candidate.plan, device=device, budget_bytes=budget_bytes if floor else None
+        workload,
+        candidate.plan,
+        device=device,
+        budget_bytes=budget_bytes if floor else None,
+        remote=remote,
     )
     if prediction.method == "at-least":
         candidate.at_least = True

@@ -39,11 +39,12 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 
-from ..estimate.compose import block_pattern
-from ..estimate.dryrun import Cancelled, cancel_when
+from ..estimate.compose import block_pattern, composes, shallow_report
+from ..estimate.dryrun import Cancelled, cancel_when, raise_if_cancelled
 from ..plan import Plan
 from ..targets import DeviceProfile
 from ..units import format_bytes
@@ -154,7 +155,27 @@ def plan(
 
     def predict_one(c: Candidate) -> bool:
         say(f"predicting memory: {c.plan.summary()}")
-        return predict(c, workload, target, budget_bytes, host_bytes, floor=id(c) not in frugal)
+        # The worker runs the depth-3 run meanwhile if it is free first (see Ahead.run).
+        helped = ahead is not None and composes(workload, c.plan)
+        if helped:
+            ahead.run("depth3", c)
+
+        def remote(d: int) -> Any:
+            return ahead.result("depth3", c, poll=raise_if_cancelled) if d == 3 else None
+
+        try:
+            return predict(
+                c,
+                workload,
+                target,
+                budget_bytes,
+                host_bytes,
+                floor=id(c) not in frugal,
+                remote=remote if helped else None,
+            )
+        finally:
+            if helped:
+                ahead.discard("depth3", c)
 
     def confirm_one(c: Candidate) -> bool:
         say(f"confirming at full size: {c.plan.summary()}")
@@ -168,14 +189,21 @@ def plan(
         if not (first_probe and probe(c, workload, target, budget_bytes)):
             predict(c, workload, target, budget_bytes, host_bytes, floor=id(c) not in frugal)
 
+    ahead: Ahead | None = None
     with contextlib.ExitStack() as stack:
-        ahead = None
         if jobs > 1:
             if workload.scalable and (workload.depth or 0) > 3:
                 block_pattern(workload)  # built once here, not again in each process
             # Forked before costing, the worker measures the deeper half of the cost profile
             # while this process measures the other.
-            ahead = start(candidates, work, {"profile": lambda: deeper_half(workload)})
+            ahead = start(
+                candidates,
+                work,
+                {
+                    "profile": lambda: deeper_half(workload),
+                    "depth3": lambda c: shallow_report(workload, c.plan, 3, device=target),
+                },
+            )
         if ahead is not None:
             stack.enter_context(ahead)
             if not has_profile(workload):
