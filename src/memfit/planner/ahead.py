@@ -7,9 +7,15 @@ core, :class:`Ahead` runs them there: a worker process forked from the planner (
 nothing and builds nothing again) takes one candidate at a time and sends back the fields its
 prediction filled in. The search takes a result when it reaches the candidate, waits for one
 under way (or meanwhile predicts the next itself), and does the work itself for one not
-started yet, so the answer is the one the search gives alone. What :mod:`multiprocessing` lacks for this is a
-queue the parent can still withdraw from; this module keeps that queue in the parent and hands
-the worker one candidate at a time.
+started yet, so the answer is the one the search gives alone.
+
+The worker also takes named tasks (:meth:`Ahead.run`), ahead of any candidate: the deeper
+half of the workload's cost profile while the planner measures the other half, and the
+depth-3 run of a candidate the planner predicts itself, while it runs depth 2. A task not
+started when its result is wanted is withdrawn, and the caller does it.
+
+What :mod:`multiprocessing` lacks for this is a queue the parent can still withdraw from and
+reorder; this module keeps that queue in the parent and hands the worker one item at a time.
 
 Fork is required (the worker shares the planner's imports, workload and candidates): off
 Linux, or on one core, :func:`start` gives ``None`` and the search runs alone.

@@ -12,8 +12,11 @@ The search runs in four stages, each in its own module:
    returned (its full-depth trace built from the two shallow runs', or a full-depth dry run,
    :func:`memfit.estimate.compose.confirm_peak`).
 
-With ``jobs=2`` a worker process forked from the planner predicts the candidates next in line
-while the search goes on (:mod:`memfit.planner.ahead`); the answer does not change.
+With ``jobs=2`` a worker process forked from the planner (:mod:`memfit.planner.ahead`)
+measures half of the cost profile while the planner measures the other half, then predicts
+the candidates next in line while the search goes on, shares the seeds when their turn comes,
+and runs the depth-3 run of each prediction the planner makes itself when it is free first;
+the answer does not change.
 
 Three rules keep the number of memory predictions small (:func:`search`):
 
@@ -105,8 +108,8 @@ def plan(
         disk_dir: With ``offload`` allowed, a directory for the ``disk`` tier: the search then
             includes the optimizer state on disk (which needs little host memory).
         jobs: Processes the search may use: with 2 (the default) and a second core, a
-            forked worker predicts the next candidates in line while the
-            search goes on (:mod:`memfit.planner.ahead`; same answer); 1: this process only.
+            forked worker shares the work (see the module docstring; same answer); 1: this
+            process only.
 
     Returns:
         The :class:`PlanResult`.
