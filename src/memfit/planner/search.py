@@ -293,9 +293,9 @@ def search(
         ahead: A worker that predicts candidates in the background (:mod:`.ahead`; it must
             probe and predict as ``probe`` and ``predict`` do). It is given the next
             candidates in line (those needed if the current one misfits), from the fastest
-            on; while it works on the current candidate, this process takes the next, and
-            when the most frugal candidates' turn comes, it goes on down the line. Verdicts are taken in order, so
-            the answer is the same as without it.
+            on; while it works on the current candidate, this process takes the next. When
+            the most frugal candidates' turn comes, it takes some of them, then goes on down
+            the line. Verdicts are taken in order, so the answer is the same as without it.
 
     Returns:
         The winner (``None`` when nothing fits) and every candidate predicted, in the order
