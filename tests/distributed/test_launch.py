@@ -171,18 +171,20 @@ def test_sigterm_to_one_process_stops_all_at_the_same_step_with_a_checkpoint(wor
     Plan(parallel={"data": 2}).to_json(workdir / "plan_term.json")
     proc = subprocess.Popen(
         [sys.executable, "-m", "memfit", "train", "--config", "run.yaml", "--nproc-per-node",
-         "2", "--max-steps", "100000", "--checkpoint-dir", "ck-term", "--save-every", "1000",
+         "2", "--max-steps", "100000", "--checkpoint-dir", "ck-term", "--save-every", "5",
          "--plan", "plan_term.json", "--json", "term.json"],
         cwd=workdir, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
-        workers: list[int] = []
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and len(workers) < 2:
-            time.sleep(1)
-            workers = _workers(proc.pid)
+        # Into training, where the trainer stops on a signal (before, a process still
+        # importing or building dies of it): wait for the first periodic checkpoint, however
+        # long a loaded machine takes to get there.
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not any((workdir / "ck-term").glob("step-*")):
+            assert proc.poll() is None, "the run ended before its first checkpoint"
+            time.sleep(0.5)
+        workers = _workers(proc.pid)
         assert len(workers) == 2, "the launcher did not start two processes"
-        time.sleep(10)  # into training
         os.kill(workers[-1], signal.SIGTERM)  # one process only
         _, stderr = proc.communicate(timeout=120)
     finally:
