@@ -44,7 +44,7 @@ def _searcher(budget: int, delay: float = 0.0):
         c.fits, c.at_least = False, True
         return True
 
-    def work(c: Candidate, first_probe: bool, remote=None) -> None:
+    def work(c: Candidate, first_probe: bool) -> None:
         if not (first_probe and probe(c)):
             predict(c)
 
@@ -99,7 +99,7 @@ def test_a_failing_worker_leaves_the_work_to_the_search():
     candidates = _candidates([(0, 0), (1, 1), (2, 2)])
     predict, probe, _ = _searcher(budget=90)
 
-    def broken(c, first_probe, remote=None):
+    def broken(c, first_probe):
         raise RuntimeError("worker failure")
 
     with Ahead(candidates, broken) as ahead:
@@ -135,7 +135,7 @@ def test_withdrawn_before_it_starts():
 
 def test_no_worker_on_one_core(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
-    assert start(_candidates([(0,)]), lambda c, p, r: None) is None
+    assert start(_candidates([(0,)]), lambda c, p: None) is None
 
 
 def test_fields_cover_what_a_prediction_fills():
@@ -177,7 +177,7 @@ def test_seeds_that_only_miss_the_host_budget_do_not_end_the_search(jobs):
         c.device_total_bytes, c.fits, c.host_misfit = 10, False, True
         return False
 
-    def work(c, first_probe, remote=None):
+    def work(c, first_probe):
         predict(c)
 
     ahead = Ahead(candidates, work) if jobs > 1 else None
@@ -233,7 +233,7 @@ def test_first_jumps_the_queue_and_withdraw_takes_back():
     candidates = _candidates([(0, 0), (1, 1), (2, 2), (3, 3)])
     _, _, work = _searcher(budget=90, delay=0.2)
 
-    def noting(c, first_probe, remote=None):
+    def noting(c, first_probe):
         work(c, first_probe)
         c.note = str(time.monotonic())  # when the worker finished it
 
@@ -322,39 +322,3 @@ def test_the_planner_with_its_worker_answers_as_it_does_alone(fraction):
         result = plan(workload, budget, allow=["8bit", "factored"], jobs=jobs)
         answers.append((result.plan, result.predicted_peak_bytes, result.predicted_peak_by_category))
     assert answers[0] == answers[1]
-
-
-def test_the_planner_may_claim_the_depth_3_run_of_the_workers_candidate():
-    # The worker "runs depth 2" (a sleep), then asks for depth 3: it gets the report this
-    # process gave for a claimed run, else None (it runs depth 3 itself), and a run it asked
-    # for first can no longer be claimed.
-    candidates = _candidates([(0, 0), (1, 1), (2, 2)])
-
-    def work(c, first_probe, remote):
-        time.sleep(0.5)  # depth 2
-        c.note = repr(remote(3))
-        time.sleep(0.5)  # depth 3, or composing
-        c.fits = False
-
-    with Ahead(candidates, work) as ahead:
-        ahead.offer(candidates[0])
-        time.sleep(0.1)  # under way, in its depth 2
-        assert ahead.claim(candidates[0]) and not ahead.claim(candidates[0])  # once only
-        time.sleep(0.6)  # the worker waits for it meanwhile
-        ahead.give(candidates[0], "report")
-        assert ahead.take(candidates[0]) and candidates[0].note == "'report'"
-
-        ahead.offer(candidates[1])
-        time.sleep(0.1)
-        assert ahead.claim(candidates[1])
-        ahead.give(candidates[1], None)  # could not run it: the worker does
-        assert ahead.take(candidates[1]) and candidates[1].note == "None"
-
-        ahead.offer(candidates[2])
-        deadline = time.monotonic() + 30
-        while 2 not in ahead._own:  # until it asked: it runs depth 3 itself
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        assert not ahead.claim(candidates[2])
-        assert ahead.take(candidates[2]) and candidates[2].note == "None"
-        assert not ahead.claim(candidates[0])  # not the worker's now

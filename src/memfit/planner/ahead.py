@@ -52,16 +52,12 @@ FIELDS: tuple[str, ...] = (
 )
 
 #: Work on one candidate in the worker: fills the candidate's fields (a prediction, after a
-#: probe when the flag says so). The third argument is the prediction's ``remote`` (see
-#: :func:`memfit.estimate.compose.predict_peak`): the depth-3 run, if the planner ran it
-#: meanwhile (:meth:`Ahead.claim`).
-Work = Callable[[Candidate, bool, Callable[[int], Any]], Any]
+#: probe when the flag says so).
+Work = Callable[[Candidate, bool], Any]
 
 #: What the worker is asked for: a candidate (by position), a task (by name), or a task on a
 #: candidate.
 Key = int | str | tuple[str, int]
-
-_PENDING = object()  # a claimed depth-3 run still running
 
 
 def start(
@@ -126,11 +122,6 @@ class Ahead:
         self._busy: Key | None = None  # sent, result not yet received
         self._done: dict[Key, Any] = {}  # received (None: the worker failed)
         self._drop: set[Key] = set()  # under way, result not wanted
-        # Depth-3 runs of the candidate the worker predicts, run here instead (claim/give):
-        # position -> the report, or _PENDING while it runs.
-        self._claims: dict[int, Any] = {}
-        self._claimed: set[int] = set()  # claimed once: never again
-        self._own: set[int] = set()  # the worker asked first: it runs its depth 3 itself
         self._dead = False
         self._cond = threading.Condition()
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -194,27 +185,6 @@ class Ahead:
 
     def _key(self, name: str, c: Candidate | None) -> str | tuple[str, int]:
         return name if c is None else (name, self._index[id(c)])
-
-    def claim(self, c: Candidate) -> bool:
-        """Claim the depth-3 run of ``c``, which the worker is predicting, for this process:
-        ``True`` if the worker has not reached it (then :meth:`give` must follow, with the
-        report or ``None``; the worker waits for it instead of running it), ``False`` if it
-        has, or ``c`` is not the worker's now, or was claimed before."""
-        i = self._index[id(c)]
-        with self._cond:
-            if self._busy != i or i in self._own or i in self._claimed or self._dead:
-                return False
-            self._claimed.add(i)
-            self._claims[i] = _PENDING
-            return True
-
-    def give(self, c: Candidate, report: Any) -> None:
-        """The claimed depth-3 run's report (``None``: the worker runs it after all)."""
-        i = self._index[id(c)]
-        with self._cond:
-            if i in self._claims:
-                self._claims[i] = report
-                self._cond.notify_all()
 
     def withdraw(self, c: Candidate) -> None:
         """Take ``c`` back if the worker has not started it (no longer needed)."""
@@ -289,19 +259,12 @@ class Ahead:
     def _read(self) -> None:
         while True:
             try:
-                message = self._conn.recv()
+                i, fields = self._conn.recv()
             except (EOFError, OSError, TypeError):
                 with self._cond:
                     self._died()
                 return
-            if message[0] == "need":  # the worker reached its depth-3 run
-                self._answer(message[1])
-                continue
-            _, i, fields = message
             with self._cond:
-                if isinstance(i, int):
-                    self._claims.pop(i, None)
-                    self._own.discard(i)
                 if i in self._drop:
                     self._drop.discard(i)
                 else:
@@ -309,23 +272,6 @@ class Ahead:
                 self._busy = None
                 self._send_next()
                 self._cond.notify_all()
-
-    def _answer(self, i: int) -> None:
-        # The claimed run's report when this process ran it (waiting for it if it runs),
-        # else None: the worker runs it, and it can no longer be claimed.
-        with self._cond:
-            if i in self._claims:
-                while self._claims[i] is _PENDING and not self._dead:
-                    self._cond.wait()
-                report = self._claims.pop(i)
-                report = None if report is _PENDING else report
-            else:
-                self._own.add(i)
-                report = None
-            try:
-                self._conn.send(("d3", report))
-            except OSError:
-                self._died()
 
     def _died(self) -> None:
         # Called with the lock held. The worker is gone: what it held or was asked for is
@@ -360,21 +306,12 @@ def _serve(
                 result = tasks[i]() if isinstance(i, str) else tasks[i[0]](candidates[i[1]])
             except Exception:  # the caller does it itself, and meets the error there
                 result = None
-            conn.send(("done", i, result))
+            conn.send((i, result))
             continue
-
-        def remote(d: int, i: int = i) -> Any:
-            # The depth-3 run, if the planner claimed it (it answers at once otherwise).
-            if d != 3:
-                return None
-            conn.send(("need", i))
-            _, report = conn.recv()
-            return report
-
         c = candidates[i]
         try:
-            work(c, probe, remote)
+            work(c, probe)
             fields: dict[str, Any] | None = {name: getattr(c, name) for name in FIELDS}
         except Exception:  # the search does this one itself, and meets the error there
             fields = None
-        conn.send(("done", i, fields))
+        conn.send((i, fields))

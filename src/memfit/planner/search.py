@@ -188,26 +188,9 @@ def plan(
         say(f"checking the first forward: {c.plan.summary()}")
         return probe(c, workload, target, budget_bytes)
 
-    def work(c: Candidate, first_probe: bool, remote: Callable[[int], Any]) -> None:
-        # In the worker: says nothing.
+    def work(c: Candidate, first_probe: bool) -> None:  # in the worker: says nothing
         if not (first_probe and probe(c, workload, target, budget_bytes)):
-            floor = id(c) not in frugal
-            predict(c, workload, target, budget_bytes, host_bytes, floor=floor, remote=remote)
-
-    def assist(c: Candidate) -> bool:
-        # The depth-3 run of the worker's candidate, here, if the worker has not reached it.
-        if ahead is None or not composes(workload, c.plan) or not ahead.claim(c):
-            return False
-        report = None
-        try:
-            # (Dropped if the worker's floor rules the candidate out meanwhile.)
-            with cancel_when(lambda: ahead.ready(c)):
-                report = shallow_report(workload, c.plan, 3, device=target)
-        except Exception:  # cancelled, or the model's error: the worker runs it (and meets it)
-            report = None
-        finally:
-            ahead.give(c, report)
-        return True
+            predict(c, workload, target, budget_bytes, host_bytes, floor=id(c) not in frugal)
 
     ahead: Ahead | None = None
     with contextlib.ExitStack() as stack:
@@ -253,7 +236,6 @@ def plan(
             max_predictions=max_predictions,
             probe=probe_one,
             ahead=ahead,
-            assist=assist,
         )
     for c in predicted:
         c.composed = None  # the shallow traces are not part of the answer
@@ -295,7 +277,6 @@ def search(
     max_predictions: int = 60,
     probe: Callable[[Candidate], bool] | None = None,
     ahead: Ahead | None = None,
-    assist: Callable[[Candidate], bool] | None = None,
 ) -> tuple[Candidate | None, list[Candidate]]:
     """The fastest candidate that fits, with as few memory predictions as dominance allows.
 
@@ -315,9 +296,6 @@ def search(
             on; while it works on the current candidate, this process takes the next. When
             the most frugal candidates' turn comes, it takes some of them, then goes on down
             the line. Verdicts are taken in order, so the answer is the same as without it.
-        assist: Helps the worker with the candidate it is predicting, which the search waits
-            for (its depth-3 run, see :meth:`.ahead.Ahead.claim`); says whether it did. Tried
-            before this process takes the next candidate instead.
 
     Returns:
         The winner (``None`` when nothing fits) and every candidate predicted, in the order
@@ -436,8 +414,6 @@ def search(
             if ahead is not None:
                 _offer_next(ahead, candidates, i, misfits)
             if ahead is not None and ahead.running(c):
-                if assist is not None and assist(c):
-                    continue  # its depth-3 run, done here
                 # The worker has it under way: meanwhile this process takes the next one the
                 # search needs if it misfits, and waits only when there is none.
                 d = _next_needed(candidates, i, misfits, ahead)
