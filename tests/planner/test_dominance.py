@@ -114,14 +114,19 @@ def test_maximal_keeps_the_candidates_nothing_dominates():
     assert maximal(ranks) == [1, 2]  # (1, 0) once, (0, 1); the rest are dominated
 
 
-def _run(memory, budget, max_predictions=60):
-    """Search hand-made candidates, ``(rank, step time, memory)`` each, fastest first; the
-    candidate ``i`` is told apart by ``grad_accum_steps == i + 1``."""
+def _made(memory):
+    """Hand-made candidates, ``(rank, step time, memory)`` each, fastest first, and their
+    memory by ``grad_accum_steps`` (``i + 1`` tells candidate ``i`` apart)."""
     candidates = [
         Candidate(plan=Plan(grad_accum_steps=i + 1), rank=r, step_time=t)
         for i, (r, t, _) in enumerate(memory)
     ]
-    mem = {i + 1: m for i, (_, _, m) in enumerate(memory)}
+    return candidates, {i + 1: m for i, (_, _, m) in enumerate(memory)}
+
+
+def _run(memory, budget, max_predictions=60):
+    """Search :func:`_made` candidates; returns the winner and the predictions made."""
+    candidates, mem = _made(memory)
     calls = []
 
     def predict(c):
@@ -158,11 +163,7 @@ def test_search_prunes_dominated_candidates_and_returns_the_fastest_that_fits():
 
 def _run_with_floors(memory, budget):
     """As :func:`_run`, with a probe whose floor is half the memory; returns the calls made."""
-    candidates = [
-        Candidate(plan=Plan(grad_accum_steps=i + 1), rank=r, step_time=t)
-        for i, (r, t, _) in enumerate(memory)
-    ]
-    mem = {i + 1: m for i, (_, _, m) in enumerate(memory)}
+    candidates, mem = _made(memory)
     calls = []
 
     def predict(c):

@@ -14,42 +14,13 @@ from ..plan import Plan
 from ..targets import DeviceProfile
 from .result import Candidate
 
-__all__ = ["TIE_BAND", "cost_candidates", "cost_into", "order"]
+__all__ = ["TIE_BAND", "cost_into", "order"]
 
 #: Step times within this factor of each other are a tie for the cost model. Its terms are
 #: peak-rate estimates (vendor peak FLOP/s and bandwidth, a fitted small-batch derating):
 #: differences under 2% are below what the model resolves, so among tied candidates the more
 #: frugal is tried first, and the first that fits is found with fewer memory predictions.
 TIE_BAND = 1.02
-
-
-def cost_candidates(
-    pairs: Sequence[tuple[Plan, tuple[int, ...]]],
-    profile: WorkloadProfile,
-    device: DeviceProfile,
-    *,
-    batch_size: int,
-    baseline: Plan,
-    trainable: Mapping[tuple[str, ...], float] | None = None,
-) -> list[Candidate]:
-    """Cost every ``(plan, rank)`` pair and return the candidates in search order.
-
-    Args:
-        pairs: The candidate plans and their memory ranks.
-        profile: The workload's measured sizes.
-        device: The device the step time is predicted for.
-        batch_size: Samples per optimizer step.
-        baseline: The unoptimised plan that ``ratio`` is relative to.
-        trainable: Share of parameters that train under each freezing choice.
-    """
-    return cost_into(
-        [Candidate(plan=p, rank=rank, step_time=0.0) for p, rank in pairs],
-        profile,
-        device,
-        batch_size=batch_size,
-        baseline=baseline,
-        trainable=trainable,
-    )
 
 
 def cost_into(
@@ -61,8 +32,17 @@ def cost_into(
     baseline: Plan,
     trainable: Mapping[tuple[str, ...], float] | None = None,
 ) -> list[Candidate]:
-    """:func:`cost_candidates` for candidates made already (their step time, ratio and cost
-    terms are set), in search order."""
+    """Cost every candidate (its ``step_time``, ``ratio`` and ``cost_terms`` are set) and
+    return them in search order.
+
+    Args:
+        candidates: The candidates, with their plans and memory ranks.
+        profile: The workload's measured sizes.
+        device: The device the step time is predicted for.
+        batch_size: Samples per optimizer step.
+        baseline: The unoptimised plan that ``ratio`` is relative to.
+        trainable: Share of parameters that train under each freezing choice.
+    """
     trainable = trainable or {}
 
     def cost(p: Plan) -> StepCost:
