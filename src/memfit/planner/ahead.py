@@ -252,7 +252,7 @@ class Ahead:
         if self._busy is None and self._queue and not self._dead:
             self._busy = busy = self._queue.pop(0)
             try:
-                self._conn.send((busy, self._probe.get(busy, False) if isinstance(busy, int) else False))
+                self._conn.send((busy, self._probe.get(busy, False)))  # (tasks: no probe)
             except OSError:
                 self._died()
 
