@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import os
 import sys
 import traceback
@@ -123,8 +122,6 @@ def profile(
     ] = None,
 ) -> None:
     """Measure where a training step's memory goes, by category, phase and module."""
-    global _FREEZE_AT_EXIT
-    _FREEZE_AT_EXIT = True
     _quiet_libraries()
     from .estimate.dryrun import measure
     from .plan import Plan
@@ -380,8 +377,8 @@ def plan_command(
     ] = None,
 ) -> None:
     """Find the fastest plan whose peak memory fits a budget."""
-    global _QUICK_EXIT, _FREEZE_AT_EXIT
-    _QUICK_EXIT = _FREEZE_AT_EXIT = True
+    global _QUICK_EXIT
+    _QUICK_EXIT = True
     _quiet_libraries()
     import json
 
@@ -622,10 +619,6 @@ def _register_train() -> None:
 _register_train()
 
 
-#: Set by commands that leave only their own dry runs' objects behind (``profile``, ``plan``):
-#: see :func:`main`.
-_FREEZE_AT_EXIT = False
-
 #: Set by a command that leaves nothing to finish once it returns (``plan``): the process
 #: then exits without the interpreter's teardown, which after a search frees every object
 #: its dry runs left behind, module by module (about a quarter of a second), only for the
@@ -644,15 +637,6 @@ def main() -> None:
         if _QUICK_EXIT:
             _exit_now(e.code)
         raise
-    finally:
-        if _FREEZE_AT_EXIT:
-            # The command is done. Python's last garbage collections at exit would walk every
-            # object a dry run left behind (about a second after a profile) to free memory
-            # the process gives back anyway; frozen objects are skipped. Not after training:
-            # objects in reference cycles would then never be destroyed, among them the
-            # distributed model's hold on gloo's process group, whose threads then abort the
-            # process at exit ("terminate called without an active exception").
-            gc.freeze()
 
 
 def _exit_now(code: Any) -> None:
