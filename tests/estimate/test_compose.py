@@ -119,6 +119,72 @@ def test_a_run_over_the_budget_stops_at_the_first_forward_that_shows_it(workload
     assert same.method == "composed" and _figures(same) == _figures(full)
 
 
+def test_a_depth_3_run_watched_elsewhere_stops_where_this_process_would(workload, monkeypatch):
+    # The planner's depth-2 run shares its marks; the worker's depth-3 run, watched against
+    # them, stops over the budget where the planner's own would, with the same floor. Once
+    # that stop is in, the planner may cancel its depth-2 run: the floor is the prediction.
+    from memfit.estimate.compose import StoppedOver, shallow_report
+    from memfit.estimate.dryrun import Cancelled, cancel_when
+
+    plan = memfit.Plan(micro_batch_size=2, optimizer="adafactor")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        full = predict_peak(workload, plan)
+        budget = full.peak_bytes * 3 // 4
+        alone = predict_peak(workload, plan, budget_bytes=budget)
+        assert alone.method == "at-least"
+        marks: list = []
+        stops = []
+
+        def remote(d):
+            if d != 3:
+                return None
+            assert marks[-1] is None  # the depth-2 run ended: no more marks
+            stops.append(
+                shallow_report(workload, plan, 3, budget_bytes=budget, fetch=marks.__getitem__)
+            )
+            return stops[-1]
+
+        helped = predict_peak(workload, plan, budget_bytes=budget, remote=remote, share=marks.append)
+        assert isinstance(stops[0], StoppedOver)
+        assert _figures(helped) == _figures(alone) and helped.method == "at-least"
+        assert sum(1 for m in marks if m is not None) == 4  # one per forward (2 steps x 2)
+        # The depth-2 run cancelled once the stop is in: the same floor.
+        from memfit.estimate import compose
+
+        ran = []
+        run = compose.dry_run
+
+        def dry_run(*a, **k):
+            try:
+                return run(*a, **k)
+            except Cancelled:
+                ran.append("cancelled")
+                raise
+
+        monkeypatch.setattr(compose, "dry_run", dry_run)
+
+        def over_at_3(d):
+            ran.append(d)
+            return stops[0] if d == 3 else None
+
+        with cancel_when(lambda: True):
+            cancelled = predict_peak(
+                workload, plan, budget_bytes=budget, remote=over_at_3, share=[].append
+            )
+        assert ran == [2, "cancelled", 3]
+        monkeypatch.undo()
+        assert _figures(cancelled) == _figures(alone)
+        # Cancelled for another reason (the result elsewhere is a full run): cancelled.
+        report = shallow_report(workload, plan, 3)
+        with pytest.raises(Cancelled), cancel_when(lambda: True):
+            predict_peak(
+                workload, plan, budget_bytes=budget, remote=lambda d: report if d == 3 else None
+            )
+        # Unwatched there (no fetch), the run is the full one.
+        assert not isinstance(shallow_report(workload, plan, 3, budget_bytes=budget), StoppedOver)
+
+
 @pytest.mark.parametrize("device", ["cpu", "a100"])
 def test_a_shallow_run_made_elsewhere_gives_the_same_prediction(workload, device, monkeypatch):
     # The planner's worker runs the depth-3 run while the planner runs depth 2: the prediction

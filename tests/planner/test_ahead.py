@@ -276,7 +276,7 @@ def test_a_task_on_a_candidate_discard_and_poll():
     candidates = _candidates([(0, 0), (1, 1), (2, 2)])
     _, _, work = _searcher(budget=90)
 
-    def slow_rank(c):
+    def slow_rank(c, inbox):
         time.sleep(0.3)
         return c.rank
 
@@ -302,6 +302,50 @@ def test_a_task_on_a_candidate_discard_and_poll():
         with pytest.raises(TimeoutError):
             ahead.result("rank", candidates[0], poll=stop)
         ahead.discard("rank", candidates[0])
+
+
+def _read_all(c, inbox):
+    # A task that reads its items until the sender says there are no more.
+    items, k = [], 0
+    while (item := inbox(k)) is not None:
+        items.append(item)
+        k += 1
+    assert inbox(k + 5) is None  # (and every later one)
+    return c.rank, items
+
+
+def test_a_task_reads_what_it_is_told_in_order():
+    candidates = _candidates([(0, 0), (1, 1), (2, 2)])
+    _, _, work = _searcher(budget=90, delay=0.3)
+    with Ahead(candidates, work, {"read": _read_all}) as ahead:
+        # Under way: items go to it as they are told.
+        ahead.run("read", candidates[1])
+        for item in ("a", "b", None):
+            ahead.tell("read", candidates[1], item)
+        assert ahead.result("read", candidates[1]) == ((1, 1), ["a", "b"])
+        ahead.tell("read", candidates[1], "late")  # done: dropped
+        # Not yet started (the worker is busy): kept for it until it starts.
+        ahead.offer(candidates[0])
+        ahead.run("read", candidates[2])
+        assert ahead.running(candidates[0])
+        ahead.tell("read", candidates[2], "c")
+        ahead.tell("read", candidates[2], None)
+        assert ahead.take(candidates[0])
+        assert ahead.result("read", candidates[2]) == ((2, 2), ["c"])
+        # Discarded while it waits for an item: it stops, and the worker goes on.
+        ahead.run("read", candidates[0])
+        ahead.tell("read", candidates[0], "d")
+        time.sleep(0.2)  # (it has its first item and waits for the next)
+        assert ahead.peek("read", candidates[0]) is None
+        ahead.discard("read", candidates[0])
+        ahead.tell("read", candidates[0], "e")  # discarded: not sent
+        ahead.offer(candidates[2])
+        deadline = time.monotonic() + 30
+        while not (ahead.running(candidates[2]) or ahead.ready(candidates[2])):
+            assert time.monotonic() < deadline  # the stopped task freed the worker
+            time.sleep(0.01)
+        assert ahead.take(candidates[2]) and candidates[2].fits is not None
+        assert ahead.result("read", candidates[0]) is None
 
 
 @pytest.mark.slow

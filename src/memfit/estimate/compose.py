@@ -38,10 +38,11 @@ from ..plan import Plan
 from ..targets import DeviceProfile, get_device
 from ..workload import Workload
 from .depth import SHALLOW_DEPTHS, compose_pattern, layer_pattern, profile_depths
-from .dryrun import dry_run
+from .dryrun import Cancelled, dry_run
 
 __all__ = [
     "Prediction",
+    "StoppedOver",
     "block_pattern",
     "composes",
     "confirm_peak",
@@ -182,6 +183,12 @@ class _Watch:
         self.marks: list[Any] = []  # the depth-2 run's trace at each forward's end
         self.checked = 0  # forwards of the depth-3 run seen so far
         self.floor: dict[str, int] | None = None
+        # Where the depth-2 and depth-3 runs are made in two processes: the depth-2 run's
+        # marks go to the other process as they are made (``share``; ``None`` when it ends),
+        # and the depth-3 run waits for the one it needs (``fetch``: ``None`` when none is
+        # left).
+        self.share: Callable[[Any], None] | None = None
+        self.fetch: Callable[[int], Any] | None = None
 
     def at(self, d: int) -> Any:
         """The hook for the run of depth ``d`` (``None``: not watched)."""
@@ -189,11 +196,19 @@ class _Watch:
 
     def _mark(self, tracker: Any) -> bool:
         self.marks.append(tracker.trace())
+        if self.share is not None:
+            self.share(self.marks[-1])
         return False
 
     def _check(self, tracker: Any) -> bool:
         k = self.checked
         self.checked += 1
+        if k >= len(self.marks) and self.fetch is not None:
+            mark = self.fetch(k)
+            if mark is None:
+                self.fetch = None
+            else:
+                self.marks.append(mark)
         if k >= len(self.marks):
             return False
         floor = _extended_peak({2: self.marks[k], 3: tracker.trace()}, self.depth, self.scale)
@@ -242,6 +257,7 @@ def predict_peak(
     device: str | DeviceProfile | None = "cpu",
     budget_bytes: int | None = None,
     remote: Callable[[int], Any] | None = None,
+    share: Callable[[Any], None] | None = None,
 ) -> Prediction:
     """Predict the peak of training ``workload`` under ``plan`` on ``device``.
 
@@ -260,6 +276,10 @@ def predict_peak(
             :func:`shallow_report` another process ran meanwhile (then that run is not
             watched against the budget), or ``None`` (this process runs it). The prediction
             is the same either way.
+        share: With ``remote`` and ``budget_bytes``: called with each mark the depth-2 run
+            makes for the depth-3 run's watch, then with ``None`` once it ends, for a depth-3
+            run watched elsewhere (:func:`shallow_report` with ``fetch``; its report may then
+            be a :class:`StoppedOver`).
     """
     plan = plan or Plan()
     target = get_device(device)
@@ -276,23 +296,20 @@ def predict_peak(
         depths = profile_depths(pattern)
         runs: dict[int, tuple[dict[str, dict[str, float]], int, int, int]] = {}
         traces: dict[int, Any] = {}
-        watch = (
-            _Watch(n, scale, budget_bytes - (target.overhead_bytes if target.is_cuda else 0))
-            if budget_bytes is not None and len(set(pattern)) == 1 and depths == [2, 3]
-            else None
-        )
+        watch = _watch_for(workload, plan, target, budget_bytes)
+        if watch is not None:
+            watch.share = share
 
         def shallow_run(d: int) -> tuple[dict[str, dict[str, float]], int, int, int]:
             if d not in runs:
                 report = None if remote is None else remote(d)
+                if isinstance(report, StoppedOver):
+                    if watch is None:  # (not asked for: not a stop this run would make)
+                        report = None
+                    else:
+                        watch.floor = report.floor
                 if report is None:
-                    report = dry_run(
-                        workload.with_depth(d).replace(batch_size=small_wl.batch_size),
-                        small_plan,
-                        steps=2,
-                        device=target,
-                        at_forward_end=None if watch is None else watch.at(d),
-                    )
+                    report = _watched_run(workload, small_plan, small_wl, d, target, watch)
                 if watch is not None and watch.floor is not None:
                     raise _OverBudget
                 runs[d] = (
@@ -314,6 +331,13 @@ def predict_peak(
             except _OverBudget:
                 assert watch is not None and watch.floor is not None
                 return _floor_prediction(watch.floor, target)
+            except Cancelled:
+                # The caller may cancel the depth-2 run once the depth-3 run made elsewhere
+                # stopped over the budget: that verdict is the prediction.
+                over = None if remote is None or watch is None or 3 in runs else remote(3)
+                if not isinstance(over, StoppedOver):
+                    raise
+                return _floor_prediction(over.floor, target)
             phases = _compose_phases(tried, [s[0] for s in shallow], pattern)
             if phases:
                 reserved = [s[1] for s in shallow]
@@ -356,19 +380,81 @@ def composes(workload: Workload, plan: Plan) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class StoppedOver:
+    """A depth-3 run that :func:`shallow_report` stopped: the full depth passes the budget.
+
+    Attributes:
+        floor: The bytes per category at the full depth's highest point up to the stop.
+    """
+
+    floor: dict[str, int]
+
+
+def _watch_for(
+    workload: Workload, plan: Plan, target: DeviceProfile, budget_bytes: int | None
+) -> _Watch | None:
+    """The watch of :func:`predict_peak`'s depth-3 run against ``budget_bytes`` (``None``:
+    not watched: no budget, or a model of unlike blocks)."""
+    if budget_bytes is None or not composes(workload, plan):
+        return None
+    assert workload.depth is not None
+    pattern = block_pattern(workload) or [0] * workload.depth
+    if len(set(pattern)) != 1 or profile_depths(pattern) != [2, 3]:
+        return None
+    _, _, scale = _reduced(workload, plan)
+    limit = budget_bytes - (target.overhead_bytes if target.is_cuda else 0)
+    return _Watch(workload.depth, scale, limit)
+
+
+def _watched_run(
+    workload: Workload,
+    small_plan: Plan,
+    small_wl: Workload,
+    depth: int,
+    target: DeviceProfile,
+    watch: _Watch | None,
+) -> Any:
+    assert workload.with_depth is not None
+    try:
+        return dry_run(
+            workload.with_depth(depth).replace(batch_size=small_wl.batch_size),
+            small_plan,
+            steps=2,
+            device=target,
+            at_forward_end=None if watch is None else watch.at(depth),
+        )
+    finally:
+        if watch is not None and watch.share is not None and depth == 2:
+            watch.share(None)  # no more marks
+
+
 def shallow_report(
-    workload: Workload, plan: Plan, depth: int, *, device: str | DeviceProfile | None = "cpu"
+    workload: Workload,
+    plan: Plan,
+    depth: int,
+    *,
+    device: str | DeviceProfile | None = "cpu",
+    budget_bytes: int | None = None,
+    fetch: Callable[[int], Any] | None = None,
 ) -> Any:
     """The report of :func:`predict_peak`'s run of ``workload`` at ``depth`` under ``plan``
-    (the reduced batch: two micro-batches at most), for ``predict_peak``'s ``remote``."""
-    assert workload.with_depth is not None
+    (the reduced batch: two micro-batches at most), for ``predict_peak``'s ``remote``.
+
+    With ``budget_bytes`` and ``fetch``, a depth-3 run is watched as ``predict_peak`` watches
+    its own: ``fetch(k)`` gives the depth-2 run's ``k``-th mark (waiting for it; ``None``
+    when there is none), which ``predict_peak``'s ``share`` sent. The run then stops as soon
+    as the full depth passes the budget, and the result is a :class:`StoppedOver`.
+    """
+    target = get_device(device)
     small_wl, small_plan, _ = _reduced(workload, plan)
-    return dry_run(
-        workload.with_depth(depth).replace(batch_size=small_wl.batch_size),
-        small_plan,
-        steps=2,
-        device=get_device(device),
-    )
+    watch = _watch_for(workload, plan, target, budget_bytes) if fetch is not None else None
+    if watch is not None:
+        watch.fetch = fetch
+    report = _watched_run(workload, small_plan, small_wl, depth, target, watch)
+    if watch is not None and watch.floor is not None:
+        return StoppedOver(watch.floor)
+    return report
 
 
 def first_forward_peak(

@@ -12,7 +12,10 @@ started yet, so the answer is the one the search gives alone.
 The worker also takes named tasks (:meth:`Ahead.run`), ahead of any candidate: the deeper
 half of the workload's cost profile while the planner measures the other half, and the
 depth-3 run of a candidate the planner predicts itself, while it runs depth 2. A task not
-started when its result is wanted is withdrawn, and the caller does it.
+started when its result is wanted is withdrawn, and the caller does it. A task on a candidate
+can be sent items while it runs (:meth:`Ahead.tell`; it reads them from its :class:`Inbox`):
+the depth-2 run's marks, against which the depth-3 run is watched as the planner would watch
+it, so that a candidate over the budget stops there too.
 
 What :mod:`multiprocessing` lacks for this is a queue the parent can still withdraw from and
 reorder; this module keeps that queue in the parent and hands the worker one item at a time.
@@ -34,7 +37,7 @@ from typing import Any
 
 from .result import Candidate
 
-__all__ = ["FIELDS", "Ahead", "start"]
+__all__ = ["FIELDS", "Ahead", "Inbox", "Withdrawn", "start"]
 
 #: The candidate fields a prediction or a probe fills in, sent back from the worker.
 FIELDS: tuple[str, ...] = (
@@ -122,6 +125,7 @@ class Ahead:
         self._busy: Key | None = None  # sent, result not yet received
         self._done: dict[Key, Any] = {}  # received (None: the worker failed)
         self._drop: set[Key] = set()  # under way, result not wanted
+        self._backlog: dict[Key, list[Any]] = {}  # told to a task not yet sent
         self._dead = False
         self._cond = threading.Condition()
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -164,6 +168,7 @@ class Ahead:
         with self._cond:
             if key in self._queue:
                 self._queue.remove(key)
+                self._backlog.pop(key, None)
                 return None
             while key == self._busy:
                 self._cond.wait(timeout=None if poll is None else 0.05)
@@ -171,17 +176,36 @@ class Ahead:
                     poll()
             return self._done.pop(key, None)
 
+    def peek(self, name: str, c: Candidate | None = None) -> Any:
+        """The task's result if it is here (``None`` if not), without waiting or taking it."""
+        with self._cond:
+            return self._done.get(self._key(name, c))
+
     def discard(self, name: str, c: Candidate | None = None) -> None:
-        """The task's result is no longer wanted: withdrawn if not started, dropped when it
-        comes (without waiting)."""
+        """The task's result is no longer wanted: withdrawn if not started; stopped at its
+        next read of its inbox and dropped when it comes (without waiting) if under way."""
         key = self._key(name, c)
         with self._cond:
+            self._backlog.pop(key, None)
             if key in self._queue:
                 self._queue.remove(key)
             elif key == self._busy:
-                self._drop.add(key)
+                if key not in self._drop:
+                    self._drop.add(key)
+                    self._post(("cancel", key))
             else:
                 self._done.pop(key, None)
+
+    def tell(self, name: str, c: Candidate, item: Any) -> None:
+        """Send ``item`` to the task ``name`` on ``c`` (its :class:`Inbox` reads the items in
+        order): kept for it if it is asked for and not yet started, dropped if it is not
+        asked for or already done."""
+        key = self._key(name, c)
+        with self._cond:
+            if key == self._busy and key not in self._drop:
+                self._post(("item", key, item))
+            elif key in self._queue:
+                self._backlog.setdefault(key, []).append(item)
 
     def _key(self, name: str, c: Candidate | None) -> str | tuple[str, int]:
         return name if c is None else (name, self._index[id(c)])
@@ -251,10 +275,15 @@ class Ahead:
         # Called with the lock held.
         if self._busy is None and self._queue and not self._dead:
             self._busy = busy = self._queue.pop(0)
-            try:
-                self._conn.send((busy, self._probe.get(busy, False)))  # (tasks: no probe)
-            except OSError:
-                self._died()
+            # (tasks: no probe; candidates: no items)
+            self._post(("work", busy, self._probe.get(busy, False), self._backlog.pop(busy, [])))
+
+    def _post(self, message: tuple[Any, ...]) -> None:
+        # Called with the lock held (this process's two threads both send).
+        try:
+            self._conn.send(message)
+        except OSError:
+            self._died()
 
     def _read(self) -> None:
         while True:
@@ -288,22 +317,60 @@ class Ahead:
         self.close()
 
 
+class Withdrawn(Exception):
+    """Raised in a task reading its inbox when the planner no longer wants its result."""
+
+
+class Inbox:
+    """The items :meth:`Ahead.tell` sent a task under way, in the worker.
+
+    Calling it with ``k`` gives the ``k``-th item (from 0), waiting for it; ``None`` is the
+    sender's "no more items" (and is given for every later ``k``).
+
+    Raises:
+        Withdrawn: when the planner discarded the task meanwhile.
+    """
+
+    def __init__(self, conn: Any, key: Key, backlog: list[Any]) -> None:
+        self._conn, self._key = conn, key
+        self._items = list(backlog)
+
+    def __call__(self, k: int) -> Any:
+        while k >= len(self._items) and (not self._items or self._items[-1] is not None):
+            message = self._conn.recv()
+            if message[1] != self._key:
+                continue  # (an item for an earlier task, sent as it ended)
+            if message[0] == "cancel":
+                raise Withdrawn
+            if message[0] == "item":
+                self._items.append(message[2])
+        if k < len(self._items) and self._items[k] is not None:
+            return self._items[k]
+        return None
+
+
 def _serve(
     conn: Any, candidates: list[Candidate], work: Work, tasks: dict[str, Callable[..., Any]]
 ) -> None:
     """The worker's loop: a candidate's position in, its filled fields out (or a task's name
-    in, its result out)."""
+    in, its result out). Tasks on a candidate also get their :class:`Inbox`."""
     import torch
 
     torch.set_num_threads(1)  # dry runs compute nothing; threads forked mid-life may hang
     while True:
         try:
-            i, probe = conn.recv()
+            message = conn.recv()
         except (EOFError, OSError):
             return
+        if message[0] != "work":
+            continue  # an item or a cancel for a task that has ended
+        _, i, probe, backlog = message
         if not isinstance(i, int):  # a task, by name (on a candidate)
             try:
-                result = tasks[i]() if isinstance(i, str) else tasks[i[0]](candidates[i[1]])
+                if isinstance(i, str):
+                    result = tasks[i]()
+                else:
+                    result = tasks[i[0]](candidates[i[1]], Inbox(conn, i, backlog))
             except Exception:  # the caller does it itself, and meets the error there
                 result = None
             conn.send((i, result))

@@ -56,6 +56,7 @@ def predict(
     *,
     floor: bool = True,
     remote: Callable[[int], Any] | None = None,
+    share: Callable[[Any], None] | None = None,
 ) -> bool:
     """Predict ``candidate``'s memory (composed from shallow dry runs where possible).
 
@@ -63,7 +64,8 @@ def predict(
     figures are that floor (``at_least``); without it (the most frugal candidates, whose
     figures the answer quotes when nothing fits), the prediction is always the peak.
     ``remote`` is :func:`~memfit.estimate.compose.predict_peak`'s (a shallow run another
-    process ran meanwhile).
+    process ran meanwhile), and ``share`` too (what the depth-2 run sends a depth-3 run
+    watched there).
     """
     prediction = predict_peak(
         workload,
@@ -71,6 +73,7 @@ def predict(
         device=device,
         budget_bytes=budget_bytes if floor else None,
         remote=remote,
+        share=share,
     )
     if prediction.method == "at-least":
         candidate.at_least = True

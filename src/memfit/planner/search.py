@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from ..estimate.compose import block_pattern, composes, shallow_report
+from ..estimate.compose import StoppedOver, block_pattern, composes, shallow_report
 from ..estimate.dryrun import Cancelled, cancel_when, raise_if_cancelled
 from ..plan import Plan
 from ..targets import DeviceProfile
@@ -166,16 +166,24 @@ def plan(
         def remote(d: int) -> Any:
             return ahead.result("depth3", c, poll=raise_if_cancelled) if d == 3 else None
 
+        def share(mark: Any) -> None:  # the depth-2 run's marks, for the watch of depth 3
+            ahead.tell("depth3", c, mark)
+
+        def stopped_over() -> bool:  # the depth-3 run stopped: depth 2 is not needed
+            return isinstance(ahead.peek("depth3", c), StoppedOver)
+
         try:
-            return predict(
-                c,
-                workload,
-                target,
-                budget_bytes,
-                host_bytes,
-                floor=id(c) not in frugal,
-                remote=remote if helped else None,
-            )
+            with cancel_when(stopped_over) if helped else contextlib.nullcontext():
+                return predict(
+                    c,
+                    workload,
+                    target,
+                    budget_bytes,
+                    host_bytes,
+                    floor=id(c) not in frugal,
+                    remote=remote if helped else None,
+                    share=share if helped else None,
+                )
         finally:
             if helped:
                 ahead.discard("depth3", c)
@@ -204,7 +212,14 @@ def plan(
                 work,
                 {
                     "profile": lambda: deeper_half(workload),
-                    "depth3": lambda c: shallow_report(workload, c.plan, 3, device=target),
+                    "depth3": lambda c, inbox: shallow_report(
+                        workload,
+                        c.plan,
+                        3,
+                        device=target,
+                        budget_bytes=budget_bytes if id(c) not in frugal else None,
+                        fetch=inbox,
+                    ),
                 },
             )
         if ahead is not None:
