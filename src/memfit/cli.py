@@ -346,8 +346,8 @@ def plan_command(
         int,
         typer.Option(
             "--jobs",
-            help="Processes the search may use: 2 lets a worker on a second core predict "
-            "ahead (same answer, sooner); 1 keeps to this process.",
+            help="Processes the search may use: 2 lets a worker on a second core run half "
+            "of each prediction (same answer, sooner); 1 keeps to this process.",
         ),
     ] = 2,
     emit: Annotated[

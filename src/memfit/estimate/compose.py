@@ -183,6 +183,7 @@ class _Watch:
         self.marks: list[Any] = []  # the depth-2 run's trace at each forward's end
         self.checked = 0  # forwards of the depth-3 run seen so far
         self.floor: dict[str, int] | None = None
+        self.stopped_at = -1  # the forward (from 0) at whose end the depth-3 run stopped
         # Where the depth-2 and depth-3 runs are made in two processes: the depth-2 run's
         # marks go to the other process as they are made (``share``; ``None`` when it ends),
         # and the depth-3 run waits for the one it needs (``fetch``: ``None`` when none is
@@ -213,7 +214,7 @@ class _Watch:
             return False
         floor = _extended_peak({2: self.marks[k], 3: tracker.trace()}, self.depth, self.scale)
         if floor is not None and sum(floor.values()) > self.limit:
-            self.floor = floor
+            self.floor, self.stopped_at = floor, k
             return True
         return False
 
@@ -235,7 +236,7 @@ def _extended_peak(at: dict[int, Any], depth: int, scale: float) -> dict[str, in
     return {c: round(v) for c, v in top.items()}
 
 
-def _floor_prediction(floor: dict[str, int], target: DeviceProfile) -> Prediction:
+def _floor_prediction(floor: dict[str, int], target: DeviceProfile, forward: int) -> Prediction:
     peak = sum(floor.values())
     return Prediction(
         peak_bytes=peak,
@@ -246,6 +247,7 @@ def _floor_prediction(floor: dict[str, int], target: DeviceProfile) -> Predictio
         reserved_bytes=peak,
         overhead_bytes=target.overhead_bytes if target.is_cuda else 0,
         target_device=target.name,
+        extra={"stopped_at_forward": forward},
     )
 
 
@@ -307,7 +309,7 @@ def predict_peak(
                     if watch is None:  # (not asked for: not a stop this run would make)
                         report = None
                     else:
-                        watch.floor = report.floor
+                        watch.floor, watch.stopped_at = report.floor, report.forward
                 if report is None:
                     report = _watched_run(workload, small_plan, small_wl, d, target, watch)
                 if watch is not None and watch.floor is not None:
@@ -330,14 +332,14 @@ def predict_peak(
                 shallow = [shallow_run(d) for d in tried]
             except _OverBudget:
                 assert watch is not None and watch.floor is not None
-                return _floor_prediction(watch.floor, target)
+                return _floor_prediction(watch.floor, target, watch.stopped_at)
             except Cancelled:
                 # The caller may cancel the depth-2 run once the depth-3 run made elsewhere
                 # stopped over the budget: that verdict is the prediction.
                 over = None if remote is None or watch is None or 3 in runs else remote(3)
                 if not isinstance(over, StoppedOver):
                     raise
-                return _floor_prediction(over.floor, target)
+                return _floor_prediction(over.floor, target, over.forward)
             phases = _compose_phases(tried, [s[0] for s in shallow], pattern)
             if phases:
                 reserved = [s[1] for s in shallow]
@@ -386,9 +388,11 @@ class StoppedOver:
 
     Attributes:
         floor: The bytes per category at the full depth's highest point up to the stop.
+        forward: The forward (counted from 0) at whose end the run stopped.
     """
 
     floor: dict[str, int]
+    forward: int  # the forward (from 0) at whose end it stopped
 
 
 def _watch_for(
@@ -453,7 +457,7 @@ def shallow_report(
         watch.fetch = fetch
     report = _watched_run(workload, small_plan, small_wl, depth, target, watch)
     if watch is not None and watch.floor is not None:
-        return StoppedOver(watch.floor)
+        return StoppedOver(watch.floor, watch.stopped_at)
     return report
 
 

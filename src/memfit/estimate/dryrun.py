@@ -55,8 +55,8 @@ _CANCEL: list[Callable[[], bool]] = []
 @contextlib.contextmanager
 def cancel_when(done: Callable[[], bool]) -> Any:
     """Runs started inside this context raise :class:`Cancelled` soon after ``done()`` turns
-    true: it is checked as modules' forwards start (recomputation included), at most every
-    few milliseconds. The planner uses it to drop work another process made pointless."""
+    true: it is checked as modules' forwards start (recomputation included) and every few
+    ops (backward included), at most every few milliseconds. The planner uses it to drop work another process made pointless."""
     _CANCEL.append(done)
     try:
         yield
@@ -71,15 +71,15 @@ def raise_if_cancelled() -> None:
         raise Cancelled
 
 
-def _cancel_hook() -> Any:
-    """A global module hook that raises :class:`Cancelled` once a condition of
-    :data:`_CANCEL` holds (``None`` when there is none)."""
+def _cancel_check() -> Callable[[], None] | None:
+    """A check that raises :class:`Cancelled` once a condition of :data:`_CANCEL` holds (at
+    most every few milliseconds; ``None`` when there is none)."""
     if not _CANCEL:
         return None
     conditions = list(_CANCEL)
     last = [0.0]
 
-    def check(module: Any, args: Any) -> None:
+    def check() -> None:
         now = time.monotonic()
         if now - last[0] < 0.005:
             return
@@ -87,7 +87,7 @@ def _cancel_hook() -> Any:
         if any(done() for done in conditions):
             raise Cancelled
 
-    return torch.nn.modules.module.register_module_forward_pre_hook(check)
+    return check
 
 
 def model_error(exc: BaseException) -> ModelError:
@@ -199,10 +199,16 @@ def measure(
                     raise _Stopped
 
             hooks.callback(model.register_forward_hook(at_end).remove)
-        canceller = _cancel_hook()
-        if canceller is not None:
-            hooks.callback(canceller.remove)
+        check = _cancel_check()
+        if check is not None:
+            # As modules' forwards start (recomputation included), and every few ops.
+            hooks.callback(
+                torch.nn.modules.module.register_module_forward_pre_hook(
+                    lambda *_: check()
+                ).remove
+            )
         with hooks, track(model, setup.optimizer, cap=cap) as tracker, emulation:
+            tracker.poll = check
             tracker.add_inputs(batch)
             for i in range(steps):
                 try:

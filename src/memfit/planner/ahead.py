@@ -1,27 +1,24 @@
-"""Predictions worked out ahead, in a second process, while the search goes on.
+"""Work done in a second process while the planner goes on.
 
-A search predicts one candidate at a time, and the next prediction often depends on the last
-verdict (a misfit rules out what it dominates). One kind of work need not wait for it: the
-next candidates in line, needed when the current one misfits. On a machine with a second
-core, :class:`Ahead` runs them there: a worker process forked from the planner (so it imports
-nothing and builds nothing again) takes one candidate at a time and sends back the fields its
-prediction filled in. The search takes a result when it reaches the candidate, waits for one
-under way (or meanwhile predicts the next itself), and does the work itself for one not
-started yet, so the answer is the one the search gives alone.
+A prediction is two shallow dry runs, of depth 2 and depth 3, whose traces compose the full
+depth's. On a machine with a second core, :class:`Ahead` runs work of that kind in a worker
+process forked from the planner (so it imports nothing and builds nothing again): named tasks
+(:meth:`Ahead.run`), on a candidate or not, whose results the planner takes when it needs
+them (:meth:`Ahead.result`). The planner asks it for the deeper half of the workload's cost
+profile while it measures the other half, then for the depth-3 run of each prediction while
+it runs depth 2. A task not started when its result is wanted is withdrawn, and the caller
+does it, so the answer is the one the planner gives alone.
 
-The worker also takes named tasks (:meth:`Ahead.run`), ahead of any candidate: the deeper
-half of the workload's cost profile while the planner measures the other half, and the
-depth-3 run of a candidate the planner predicts itself, while it runs depth 2. A task not
-started when its result is wanted is withdrawn, and the caller does it. A task on a candidate
-can be sent items while it runs (:meth:`Ahead.tell`; it reads them from its :class:`Inbox`):
-the depth-2 run's marks, against which the depth-3 run is watched as the planner would watch
-it, so that a candidate over the budget stops there too.
+A task under way can be sent items (:meth:`Ahead.tell`; it reads them from its
+:class:`Inbox`): the depth-2 run's marks, against which the depth-3 run is watched as the
+planner would watch it, so that a candidate over the budget stops there too.
 
-What :mod:`multiprocessing` lacks for this is a queue the parent can still withdraw from and
-reorder; this module keeps that queue in the parent and hands the worker one item at a time.
+What :mod:`multiprocessing` lacks for this is a queue the parent can still withdraw from, and
+messages to a task under way; this module keeps that queue in the parent and hands the worker
+one item at a time.
 
 Fork is required (the worker shares the planner's imports, workload and candidates): off
-Linux, or on one core, :func:`start` gives ``None`` and the search runs alone.
+Linux, or on one core, :func:`start` gives ``None`` and the planner works alone.
 """
 
 from __future__ import annotations
@@ -37,38 +34,16 @@ from typing import Any
 
 from .result import Candidate
 
-__all__ = ["FIELDS", "Ahead", "Inbox", "Withdrawn", "start"]
+__all__ = ["Ahead", "Inbox", "Withdrawn", "start"]
 
-#: The candidate fields a prediction or a probe fills in, sent back from the worker.
-FIELDS: tuple[str, ...] = (
-    "peak_bytes",
-    "by_category",
-    "fits",
-    "note",
-    "reserved_bytes",
-    "device_total_bytes",
-    "host_bytes",
-    "host_misfit",
-    "composed",
-    "at_least",
-    "probed",
-)
-
-#: Work on one candidate in the worker: fills the candidate's fields (a prediction, after a
-#: probe when the flag says so).
-Work = Callable[[Candidate, bool], Any]
-
-#: What the worker is asked for: a candidate (by position), a task (by name), or a task on a
-#: candidate.
-Key = int | str | tuple[str, int]
+#: A task, by name, or by name and a candidate's position.
+Key = str | tuple[str, int]
 
 
 def start(
-    candidates: Sequence[Candidate],
-    work: Work,
-    tasks: Mapping[str, Callable[..., Any]] | None = None,
+    candidates: Sequence[Candidate], tasks: Mapping[str, Callable[..., Any]]
 ) -> Ahead | None:
-    """A worker for ``candidates`` (by position) and ``tasks`` (by name), or ``None`` where
+    """A worker for ``tasks`` (by name) on ``candidates`` (by position), or ``None`` where
     one cannot help: not Linux (elsewhere forking a process with threads, as torch's, is
     unsafe or unavailable), or a single usable core."""
     if not sys.platform.startswith("linux") or "fork" not in multiprocessing.get_all_start_methods():
@@ -79,37 +54,33 @@ def start(
         cores = os.cpu_count() or 1
     if cores < 2:
         return None
-    return Ahead(candidates, work, tasks)
+    return Ahead(candidates, tasks)
 
 
 class Ahead:
-    """A forked worker that predicts candidates on request (see the module docstring).
+    """A forked worker that runs tasks on request (see the module docstring).
 
-    A thread of this process waits for the worker's results and hands it the next candidate
-    as soon as it is free, so the worker never idles while the search is busy.
+    A thread of this process waits for the worker's results and hands it the next task as
+    soon as it is free.
 
     Args:
         candidates: Every candidate of the search; the worker knows them by position (it is
             forked after they exist).
-        work: Fills one candidate's fields, in the worker.
-        tasks: Other work the worker can do on request (:meth:`run`), by name: each takes
-            nothing or a candidate and returns a picklable result (such as the deeper half of
-            the workload's cost profile, measured while the planner measures the other half,
-            or the depth-3 run of a candidate the planner predicts).
+        tasks: The work the worker can do on request (:meth:`run`), by name: each takes
+            nothing, or a candidate and its :class:`Inbox`, and returns a picklable result
+            (such as the deeper half of the workload's cost profile, or the depth-3 run of a
+            candidate the planner predicts).
     """
 
     def __init__(
-        self,
-        candidates: Sequence[Candidate],
-        work: Work,
-        tasks: Mapping[str, Callable[..., Any]] | None = None,
+        self, candidates: Sequence[Candidate], tasks: Mapping[str, Callable[..., Any]]
     ) -> None:
         self._index = {id(c): i for i, c in enumerate(candidates)}
         self._candidates = list(candidates)
         ctx = multiprocessing.get_context("fork")
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(
-            target=_serve, args=(child, self._candidates, work, dict(tasks or {})), daemon=True
+            target=_serve, args=(child, self._candidates, dict(tasks)), daemon=True
         )
         # Frozen, the objects both processes share are left out of their collections: a
         # collection would write to each of them, and every page it writes is copied (on this
@@ -119,9 +90,7 @@ class Ahead:
         gc.freeze()
         self._proc.start()
         child.close()
-        # Candidates by position, tasks by name.
         self._queue: list[Key] = []  # asked for, not yet sent
-        self._probe: dict[int, bool] = {}  # whether to probe first, by position
         self._busy: Key | None = None  # sent, result not yet received
         self._done: dict[Key, Any] = {}  # received (None: the worker failed)
         self._drop: set[Key] = set()  # under way, result not wanted
@@ -131,27 +100,8 @@ class Ahead:
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
-    def offer(self, c: Candidate, probe: bool = True, *, first: bool = False) -> None:
-        """Ask for ``c``'s prediction, after a probe if ``probe`` (ignored if already under
-        way or done); ``first`` puts it at the front of the queue."""
-        i = self._index[id(c)]
-        with self._cond:
-            if i == self._busy or i in self._done:
-                return
-            if i in self._queue:
-                if not first:
-                    return
-                self._queue.remove(i)
-            self._probe[i] = probe
-            if first:
-                self._queue.insert(0, i)
-            else:
-                self._queue.append(i)
-            self._send_next()
-
     def run(self, name: str, c: Candidate | None = None) -> None:
-        """Ask for the task ``name`` (on ``c``, if given), ahead of every candidate asked
-        for."""
+        """Ask for the task ``name`` (on ``c``, if given), ahead of those asked for before."""
         key = self._key(name, c)
         with self._cond:
             if key != self._busy and key not in self._queue and key not in self._done:
@@ -207,57 +157,8 @@ class Ahead:
             elif key in self._queue:
                 self._backlog.setdefault(key, []).append(item)
 
-    def _key(self, name: str, c: Candidate | None) -> str | tuple[str, int]:
+    def _key(self, name: str, c: Candidate | None) -> Key:
         return name if c is None else (name, self._index[id(c)])
-
-    def withdraw(self, c: Candidate) -> None:
-        """Take ``c`` back if the worker has not started it (no longer needed)."""
-        i = self._index[id(c)]
-        with self._cond:
-            if i in self._queue:
-                self._queue.remove(i)
-
-    def has(self, c: Candidate) -> bool:
-        """Whether ``c`` was asked for and not yet taken."""
-        i = self._index[id(c)]
-        with self._cond:
-            return i in self._queue or i == self._busy or i in self._done
-
-    def running(self, c: Candidate) -> bool:
-        """Whether the worker is working on ``c`` now."""
-        with self._cond:
-            return self._busy == self._index[id(c)]
-
-    def fits(self, c: Candidate) -> bool:
-        """Whether ``c``'s result is here and says it fits (without waiting)."""
-        with self._cond:
-            fields = self._done.get(self._index[id(c)])
-            return bool(fields and fields.get("fits"))
-
-    def ready(self, c: Candidate) -> bool:
-        """Whether ``c``'s result is here (without waiting)."""
-        with self._cond:
-            return self._index[id(c)] in self._done
-
-    def take(self, c: Candidate) -> bool:
-        """Fill ``c``'s fields from the worker's result: waits for it if it is under way.
-
-        Returns ``False`` (nothing filled) if the worker had not started it (it is withdrawn:
-        the caller does the work) or failed on it.
-        """
-        i = self._index[id(c)]
-        with self._cond:
-            if i in self._queue:
-                self._queue.remove(i)
-                return False
-            while i == self._busy:
-                self._cond.wait()
-            fields = self._done.pop(i, None)
-        if fields is None:
-            return False
-        for name, value in fields.items():
-            setattr(c, name, value)
-        return True
 
     def close(self) -> None:
         """Stop the worker (whatever it is doing is no longer needed)."""
@@ -275,8 +176,7 @@ class Ahead:
         # Called with the lock held.
         if self._busy is None and self._queue and not self._dead:
             self._busy = busy = self._queue.pop(0)
-            # (tasks: no probe; candidates: no items)
-            self._post(("work", busy, self._probe.get(busy, False), self._backlog.pop(busy, [])))
+            self._post(("work", busy, self._backlog.pop(busy, [])))
 
     def _post(self, message: tuple[Any, ...]) -> None:
         # Called with the lock held (this process's two threads both send).
@@ -288,23 +188,23 @@ class Ahead:
     def _read(self) -> None:
         while True:
             try:
-                i, fields = self._conn.recv()
+                key, result = self._conn.recv()
             except (EOFError, OSError, TypeError):
                 with self._cond:
                     self._died()
                 return
             with self._cond:
-                if i in self._drop:
-                    self._drop.discard(i)
+                if key in self._drop:
+                    self._drop.discard(key)
                 else:
-                    self._done[i] = fields
+                    self._done[key] = result
                 self._busy = None
                 self._send_next()
                 self._cond.notify_all()
 
     def _died(self) -> None:
         # Called with the lock held. The worker is gone: what it held or was asked for is
-        # done by the search instead.
+        # done by the planner instead.
         self._dead = True
         self._queue.clear()
         self._busy = None
@@ -349,11 +249,8 @@ class Inbox:
         return None
 
 
-def _serve(
-    conn: Any, candidates: list[Candidate], work: Work, tasks: dict[str, Callable[..., Any]]
-) -> None:
-    """The worker's loop: a candidate's position in, its filled fields out (or a task's name
-    in, its result out). Tasks on a candidate also get their :class:`Inbox`."""
+def _serve(conn: Any, candidates: list[Candidate], tasks: dict[str, Callable[..., Any]]) -> None:
+    """The worker's loop: a task's name (and candidate's position) in, its result out."""
     import torch
 
     torch.set_num_threads(1)  # dry runs compute nothing; threads forked mid-life may hang
@@ -364,21 +261,12 @@ def _serve(
             return
         if message[0] != "work":
             continue  # an item or a cancel for a task that has ended
-        _, i, probe, backlog = message
-        if not isinstance(i, int):  # a task, by name (on a candidate)
-            try:
-                if isinstance(i, str):
-                    result = tasks[i]()
-                else:
-                    result = tasks[i[0]](candidates[i[1]], Inbox(conn, i, backlog))
-            except Exception:  # the caller does it itself, and meets the error there
-                result = None
-            conn.send((i, result))
-            continue
-        c = candidates[i]
+        _, key, backlog = message
         try:
-            work(c, probe)
-            fields: dict[str, Any] | None = {name: getattr(c, name) for name in FIELDS}
-        except Exception:  # the search does this one itself, and meets the error there
-            fields = None
-        conn.send((i, fields))
+            if isinstance(key, str):
+                result = tasks[key]()
+            else:
+                result = tasks[key[0]](candidates[key[1]], Inbox(conn, key, backlog))
+        except Exception:  # the caller does it itself, and meets the error there
+            result = None
+        conn.send((key, result))

@@ -81,6 +81,9 @@ def predict(
             f"over the budget before the end of its run: at least {prediction.device_total_bytes} "
             "bytes (the depth-3 run stopped there)"
         )
+        # Stopped at the first forward's end: the floor :func:`probe` finds (the same traces),
+        # so it counts as one.
+        candidate.probed = prediction.extra.get("stopped_at_forward") == 0
     else:
         candidate.note = f"{prediction.method}, peak in {prediction.peak_phase}"
     ok = record(candidate, prediction, budget_bytes, host_budget)

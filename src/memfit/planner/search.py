@@ -13,10 +13,12 @@ The search runs in four stages, each in its own module:
    :func:`memfit.estimate.compose.confirm_peak`).
 
 With ``jobs=2`` a worker process forked from the planner (:mod:`memfit.planner.ahead`)
-measures half of the cost profile while the planner measures the other half, then predicts
-the candidates next in line while the search goes on, shares the seeds when their turn comes,
-and runs the depth-3 run of each prediction the planner makes itself when it is free first;
-the answer does not change.
+measures half of the cost profile while the planner measures the other half, then runs the
+depth-3 run of each prediction while the planner runs its depth-2 run. The depth-2 run's
+marks go to the worker as they are made, so the depth-3 run stops as soon as the full depth
+passes the budget, as it would in one process; the depth-2 run stops then too. A first
+forward over the budget stops both at its end, at about a floor's cost, so no floor comes
+first. The answer does not change.
 
 Three rules keep the number of memory predictions small (:func:`search`):
 
@@ -47,7 +49,7 @@ from typing import Any
 import torch
 
 from ..estimate.compose import StoppedOver, block_pattern, composes, shallow_report
-from ..estimate.dryrun import Cancelled, cancel_when, raise_if_cancelled
+from ..estimate.dryrun import cancel_when, raise_if_cancelled
 from ..plan import Plan
 from ..targets import DeviceProfile
 from ..units import format_bytes
@@ -158,7 +160,8 @@ def plan(
 
     def predict_one(c: Candidate) -> bool:
         say(f"predicting memory: {c.plan.summary()}")
-        # The worker runs the depth-3 run meanwhile if it is free first (see Ahead.run).
+        # The worker runs the depth-3 run meanwhile, watched against the budget with this
+        # process's depth-2 marks; this process stops its depth-2 run once that one stopped.
         helped = ahead is not None and composes(workload, c.plan)
         if helped:
             ahead.run("depth3", c)
@@ -196,10 +199,6 @@ def plan(
         say(f"checking the first forward: {c.plan.summary()}")
         return probe(c, workload, target, budget_bytes)
 
-    def work(c: Candidate, first_probe: bool) -> None:  # in the worker: says nothing
-        if not (first_probe and probe(c, workload, target, budget_bytes)):
-            predict(c, workload, target, budget_bytes, host_bytes, floor=id(c) not in frugal)
-
     ahead: Ahead | None = None
     with contextlib.ExitStack() as stack:
         if jobs > 1:
@@ -209,7 +208,6 @@ def plan(
             # while this process measures the other.
             ahead = start(
                 candidates,
-                work,
                 {
                     "profile": lambda: deeper_half(workload),
                     "depth3": lambda c, inbox: shallow_report(
@@ -249,8 +247,9 @@ def plan(
             predict_one,
             confirm_one,
             max_predictions=max_predictions,
-            probe=probe_one,
-            ahead=ahead,
+            # With the worker, a prediction stops where a floor would: at the first forward's
+            # end, the depth-2 and depth-3 runs' traces are a probe's, so none comes first.
+            probe=probe_one if ahead is None else None,
         )
     for c in predicted:
         c.composed = None  # the shallow traces are not part of the answer
@@ -291,7 +290,6 @@ def search(
     *,
     max_predictions: int = 60,
     probe: Callable[[Candidate], bool] | None = None,
-    ahead: Ahead | None = None,
 ) -> tuple[Candidate | None, list[Candidate]]:
     """The fastest candidate that fits, with as few memory predictions as dominance allows.
 
@@ -305,12 +303,6 @@ def search(
             their turn comes, before any of them is predicted): says (having filled its
             fields) when it proved the candidate does not fit, more cheaply than a
             prediction; ``False`` leaves it to ``predict``.
-        ahead: A worker that predicts candidates in the background (:mod:`.ahead`; it must
-            probe and predict as ``probe`` and ``predict`` do). It is given the next
-            candidates in line (those needed if the current one misfits), from the fastest
-            on; while it works on the current candidate, this process takes the next. When
-            the most frugal candidates' turn comes, it takes some of them, then goes on down
-            the line. Verdicts are taken in order, so the answer is the same as without it.
 
     Returns:
         The winner (``None`` when nothing fits) and every candidate predicted, in the order
@@ -340,11 +332,8 @@ def search(
         return bool(c.fits)
 
     def predict_and_note(c: Candidate, first_probe: bool = False) -> bool:
-        if ahead is not None and ahead.has(c) and ahead.take(c):
-            return note(c)
-        if first_probe and probe is not None and probe(c):
-            return note(c)
-        predict(c)
+        if not (first_probe and probe is not None and probe(c)):
+            predict(c)
         return note(c)
 
     def confirm_and_note(c: Candidate) -> bool:
@@ -362,56 +351,27 @@ def search(
     def open_seeds() -> list[Candidate]:
         return [s for s in seeds if s.fits is None and not dominated(s.rank, misfits)]
 
-    def predict_seeds(open_: list[Candidate], probe_first: bool) -> bool:
-        """Predict ``open_`` (each after its floor if ``probe_first``) until one fits; say
-        whether one did. With the worker, it takes the second and those after it from the
-        front of its queue while this process takes the first, then the others from the
-        back: where nothing fits, every seed is needed."""
-        probe_first = probe_first and probe is not None
-        order = open_[:1] + open_[1:][::-1]
-        if ahead is not None:
-            for s in open_[:0:-1]:
-                ahead.offer(s, probe=probe_first, first=True)
-        fit = False
-        for s in order:
-            if ahead is not None:  # a verdict already in saves a prediction
-                fit = any(
-                    r.fits is None and ahead.ready(r) and ahead.take(r) and note(r)
-                    for r in order
-                )
-            if fit or (s.fits is None and predict_and_note(s, first_probe=probe_first)):
-                fit = True
-                break
-        if fit and ahead is not None:
-            for s in order:  # the rest are not needed now
-                ahead.withdraw(s)
-        return fit
-
-    if ahead is not None:
-        _offer_next(ahead, candidates, -1, misfits)
     floors_taken = probe is None  # the seeds' floors
     seeds_tried = False  # the seeds' predictions
     i = 0
     while i < len(candidates):
         c = candidates[i]
-        if c.fits is None and ahead is not None and ahead.ready(c) and ahead.take(c):
-            note(c)
         if c.fits is None:
             if dominated(c.rank, misfits):
                 i += 1
                 continue
             seeds_open = [] if seeds_tried else open_seeds()
             last_chance = max_predictions - len(predicted) <= len(seeds_open)
-            due = line_misfits >= SEEDS_AFTER or last_chance
-            if seeds_open and due:
-                # The seeds' turn (the worker shares it, then goes on down the line), each
-                # seed's floor first unless all were taken: until one fits. If none does,
-                # nothing does.
+            if seeds_open and (line_misfits >= SEEDS_AFTER or last_chance):
+                # The seeds' turn, each seed's floor first unless all were taken: until one
+                # fits. If none does, nothing does.
                 seeds_tried = True
                 probe_first, floors_taken = not floors_taken, True
-                if ahead is not None:
-                    _offer_next(ahead, candidates, i - 1, misfits)
-                if not predict_seeds(seeds_open, probe_first) and seeds_rule_out_all():
+                if not any(
+                    predict_and_note(s, first_probe=probe_first)
+                    for s in seeds_open
+                    if s.fits is None
+                ) and seeds_rule_out_all():
                     return None, predicted
                 continue
             if seeds_open and not floors_taken and line_floors >= SEED_FLOORS_AFTER:
@@ -419,29 +379,14 @@ def search(
                 floors_taken = True
                 assert probe is not None
                 for s in seeds_open:
-                    if not (ahead is not None and ahead.has(s)) and probe(s):
+                    if probe(s):
                         note(s)
                 if all(s.fits is False for s in seeds) and seeds_rule_out_all():
                     return None, predicted
                 continue
             if len(predicted) >= max_predictions:
                 break
-            if ahead is not None:
-                _offer_next(ahead, candidates, i, misfits)
-            if ahead is not None and ahead.running(c):
-                # The worker has it under way: meanwhile this process takes the next one the
-                # search needs if it misfits, and waits only when there is none.
-                d = _next_needed(candidates, i, misfits, ahead)
-                if d is not None:
-                    # ...dropped if the worker's verdict says it fits: the search ends there.
-                    with contextlib.suppress(Cancelled), cancel_when(lambda c=c: ahead.fits(c)):
-                        predict_and_note(d, first_probe=id(d) not in seed_ids)
-                    continue
-                if ahead.take(c):
-                    note(c)
-            if c.fits is None:
-                predict_and_note(c, first_probe=id(c) not in seed_ids)
-            if not c.fits:
+            if not predict_and_note(c, first_probe=id(c) not in seed_ids):
                 i += 1
                 continue
         if c.fits and confirm_and_note(c):
@@ -454,19 +399,6 @@ def search(
     return None, predicted
 
 
-def _next_needed(
-    candidates: Sequence[Candidate], i: int, misfits: list[tuple[int, ...]], ahead: Ahead
-) -> Candidate | None:
-    """The first candidate after position ``i`` the search needs if the one at ``i``
-    misfits, and that the worker is not working on (one it was asked for but has not started
-    is withdrawn from it; one it finished is taken as is); ``None`` if there is none."""
-    assumed = [*misfits, candidates[i].rank]
-    for c in candidates[i + 1 :]:
-        if c.fits is None and not dominated(c.rank, assumed) and not ahead.running(c):
-            return c
-    return None
-
-
 #: Full predictions of candidates in line that misfit before the most frugal candidates are
 #: predicted (their floors come first). Predicted first, the seeds cost a prediction on the way
 #: to every answer, though one of the first candidates in line usually fits; predicted after
@@ -477,29 +409,6 @@ SEEDS_AFTER = 2
 #: model is far too large for the budget, every floor passes it, the seeds' too, and those end
 #: the search.
 SEED_FLOORS_AFTER = 4
-
-#: Candidates after the current one the worker is asked for (so that it has the next at hand
-#: when it finishes one early).
-LOOKAHEAD = 2
-
-
-def _offer_next(
-    ahead: Ahead, candidates: Sequence[Candidate], i: int, misfits: list[tuple[int, ...]]
-) -> None:
-    """Ask the worker for the next :data:`LOOKAHEAD` candidates after position ``i`` (``-1``:
-    from the first) the search may need. They are needed only if the one at ``i`` misfits
-    (and each offered one before them), so those count as misfits: what they would rule out
-    is not asked for."""
-    assumed = [*misfits] + ([candidates[i].rank] if i >= 0 else [])
-    n = 0
-    for c in candidates[i + 1 :]:
-        if n >= LOOKAHEAD:
-            return
-        if c.fits is None and not dominated(c.rank, assumed):
-            ahead.offer(c, probe=True)
-            assumed.append(c.rank)
-            n += 1
-
 
 def _base_for(base: Plan, target: DeviceProfile) -> Plan:
     """The base plan as it runs on ``target``: torch's foreach default made explicit."""
