@@ -475,15 +475,10 @@ def first_forward_peak(
     built (a model of unlike blocks, no depth knob, a plan not linear in depth, or traces
     that do not extend).
     """
-    n = workload.depth or 0
-    if (
-        not workload.scalable
-        or n <= 3
-        or plan.checkpointing.mode in ("sqrt", "budget")
-        or plan.compile_backend is not None
-    ):
+    if not composes(workload, plan) or plan.compile_backend is not None:
         return None
-    assert workload.with_depth is not None
+    assert workload.with_depth is not None and workload.depth is not None
+    n = workload.depth
     pattern = block_pattern(workload) or [0] * n
     if len(set(pattern)) != 1:
         return None

@@ -30,10 +30,10 @@ Three rules keep the number of memory predictions small (:func:`search`):
 * dominance: a candidate that keeps at least as much memory as a known misfit in every
   dimension (larger micro-batch, less checkpointing, wider precision, bigger optimizer state,
   ...) cannot fit and is skipped without a prediction;
-* a floor first: before a candidate is predicted, the first forward of its full-depth run is
-  built from its depth-2 and depth-3 first forwards (a few blocks' forward, see
-  :func:`memfit.planner.predict.probe`); if that alone passes the budget, the candidate is
-  out and its figures say "at least".
+* a floor first, in one process: before a candidate is predicted, the first forward of its
+  full-depth run is built from its depth-2 and depth-3 first forwards (a few blocks' forward,
+  see :func:`memfit.planner.predict.probe`); if that alone passes the budget, the candidate is
+  out and its figures say "at least". (With the worker, the prediction itself stops there.)
 
 What must fit is what the target device would hold (:func:`memfit.planner.predict.fits`).
 """
