@@ -267,3 +267,15 @@ def test_a_candidate_over_the_budget_by_its_first_forward_is_ruled_out_with_a_fl
     undecided = Candidate(plan=p, rank=(0,), step_time=1.0)
     assert not probe(undecided, workload, target, budget_bytes=floored.device_total_bytes)
     assert undecided.fits is None and not undecided.at_least
+    # A prediction watched against that budget stops at the same point with the same floor,
+    # and counts as one (with its worker, the planner makes no floor first).
+    stopped = Candidate(plan=p, rank=(0,), step_time=1.0)
+    assert not predict_candidate(stopped, workload, target, budget_bytes=1024)
+    assert stopped.at_least and stopped.probed
+    assert stopped.by_category == floored.by_category
+    assert stopped.device_total_bytes == floored.device_total_bytes
+    # Stopped later, it is a misfit found by a prediction, not a floor.
+    later = Candidate(plan=p, rank=(0,), step_time=1.0)
+    budget = (floored.device_total_bytes + full.device_total_bytes) // 2
+    assert not predict_candidate(later, workload, target, budget_bytes=budget)
+    assert later.at_least and not later.probed

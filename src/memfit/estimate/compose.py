@@ -275,9 +275,12 @@ def predict_peak(
             a forward's end, passes it; the prediction is then that floor (``method``
             ``"at-least"``), not the peak.
         remote: Asked for each shallow depth's report before this process runs it: the
-            :func:`shallow_report` another process ran meanwhile (then that run is not
-            watched against the budget), or ``None`` (this process runs it). The prediction
-            is the same either way.
+            :func:`shallow_report` another process ran meanwhile (watched against the
+            budget there too when it was given ``share``'s marks, and then perhaps a
+            :class:`StoppedOver`), or ``None`` (this process runs it). The prediction is the
+            same either way. Should this process's depth-2 run be cancelled
+            (:func:`~.dryrun.cancel_when`), a :class:`StoppedOver` from ``remote(3)`` is the
+            prediction; anything else lets :class:`~.dryrun.Cancelled` through.
         share: With ``remote`` and ``budget_bytes``: called with each mark the depth-2 run
             makes for the depth-3 run's watch, then with ``None`` once it ends, for a depth-3
             run watched elsewhere (:func:`shallow_report` with ``fetch``; its report may then
