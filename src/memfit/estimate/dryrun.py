@@ -56,7 +56,8 @@ _CANCEL: list[Callable[[], bool]] = []
 def cancel_when(done: Callable[[], bool]) -> Any:
     """Runs started inside this context raise :class:`Cancelled` soon after ``done()`` turns
     true: it is checked as modules' forwards start (recomputation included) and every few
-    ops (backward included), at most every few milliseconds. The planner uses it to drop work another process made pointless."""
+    ops (backward included), at most every few milliseconds. The planner uses it to drop
+    work another process made pointless."""
     _CANCEL.append(done)
     try:
         yield
@@ -202,11 +203,10 @@ def measure(
         check = _cancel_check()
         if check is not None:
             # As modules' forwards start (recomputation included), and every few ops.
-            hooks.callback(
-                torch.nn.modules.module.register_module_forward_pre_hook(
-                    lambda *_: check()
-                ).remove
+            on_forward = torch.nn.modules.module.register_module_forward_pre_hook(
+                lambda *_: check()
             )
+            hooks.callback(on_forward.remove)
         with hooks, track(model, setup.optimizer, cap=cap) as tracker, emulation:
             tracker.poll = check
             tracker.add_inputs(batch)
