@@ -85,7 +85,7 @@ def _candidate(c: Any) -> dict[str, Any]:
 def same_answer(want: dict[str, Any], got: dict[str, Any]) -> bool:
     """Whether two answers agree: the plan and its figures, and every candidate both runs
     predicted in full (not ruled out by a floor) has the same figures. Which candidates get
-    predicted may differ: the planner's worker predicts ahead, as time allows."""
+    predicted may differ between versions: a floor in one may be a full prediction in another."""
     if {k: v for k, v in want.items() if k != "candidates"} != {
         k: v for k, v in got.items() if k != "candidates"
     }:
