@@ -296,7 +296,8 @@ def plan_command(
         str,
         typer.Option(
             "--allow",
-            help="Comma-separated techniques that change training: freeze, shorter-seq, 8bit, factored, bf16-pure.",
+            help="Comma-separated techniques that change training or need host memory: freeze, "
+            "shorter-seq, 8bit, factored, bf16-pure, offload.",
         ),
     ] = "",
     forbid: Annotated[

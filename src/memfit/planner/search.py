@@ -93,8 +93,8 @@ def plan(
     Args:
         workload: The workload at its full batch and sequence length, or a SPEC.
         budget: Bytes, a size string (``4GiB``) or a device name (``t4``).
-        allow: Techniques that change training and need consent: ``freeze``,
-            ``shorter-seq``, ``8bit``, ``factored``, ``bf16-pure``.
+        allow: Techniques that change training or use host memory, and need consent:
+            ``freeze``, ``shorter-seq``, ``8bit``, ``factored``, ``bf16-pure``, ``offload``.
         forbid: Default techniques to rule out: ``accumulation``, ``checkpointing``,
             ``full-checkpointing``, ``mixed-precision``, ``fused-step``, ``foreach-off``,
             ``fused-loss``.
