@@ -36,7 +36,9 @@ __all__ = [
     "on_stream",
     "record_event",
     "record_stream",
+    "set_rng_states",
     "reset_peak_memory_stats",
+    "rng_states",
     "stream_ready",
     "synchronize",
     "total_memory",
@@ -60,6 +62,21 @@ def default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def rng_states() -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The state of every random generator in use: the CPU's, and each CUDA device's once
+    CUDA is initialised (for :func:`set_rng_states`)."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
+    return torch.get_rng_state(), cuda
+
+
+def set_rng_states(states: tuple[torch.Tensor, list[torch.Tensor]]) -> None:
+    """Put back the generators' states that :func:`rng_states` returned."""
+    cpu, cuda = states
+    torch.set_rng_state(cpu)
+    if cuda:
+        torch.cuda.set_rng_state_all(cuda)
 
 
 def is_cuda(device: torch.device | str) -> bool:

@@ -117,6 +117,34 @@ def bert():
     return load_workload("bert-tiny", 2, 16).build()
 
 
+@pytest.fixture(scope="module")
+def t5():
+    # An encoder-decoder whose decoder builds a KV cache by default (use_cache on) and hands it
+    # to its blocks: as ``cache=`` since transformers 5.24.
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.T5Config(d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2,
+                                   vocab_size=256, decoder_start_token_id=0, pad_token_id=0)
+    assert config.use_cache
+    ids = torch.randint(1, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    return transformers.T5ForConditionalGeneration(config), {"input_ids": ids, "labels": ids}
+
+
+@pytest.fixture(scope="module")
+def llama():
+    # A decoder with a KV cache on by default and attention dropout (the preset has none).
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      vocab_size=256, attention_dropout=0.1)
+    assert config.use_cache
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(4))
+    return transformers.LlamaForCausalLM(config), {"input_ids": ids, "labels": ids}
+
+
 # ---------------------------------------------------------------------------------- numerics
 _REFERENCE: dict[str, tuple] = {}
 
@@ -138,7 +166,7 @@ def _reference(which: str, request: pytest.FixtureRequest) -> tuple:
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("which", ["gpt2", "bert", "stack"])
+@pytest.mark.parametrize("which", ["gpt2", "bert", "t5", "llama", "stack"])
 def test_gradients_equal_unchecked_with_dropout(which, mode, request):
     model, batch, ref = _reference(which, request)
     model = copy.deepcopy(model)
@@ -396,6 +424,47 @@ def test_apply_twice_and_remove():
     assert apply_checkpointing(model, CheckpointConfig("none")).names == []
 
 
+def test_the_kv_cache_is_off_while_checkpointed_and_back_on_after(t5):
+    model, batch = copy.deepcopy(t5)
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}
+    on = [c for c in configs.values() if c.use_cache]
+    assert len(on) >= 2  # the model's and its decoder's own (the encoder's is off)
+    handle = apply_checkpointing(model, CheckpointConfig("full"))
+    assert not any(c.use_cache for c in configs.values())
+    model(**batch).loss.backward()
+    handle.remove()
+    assert [c for c in configs.values() if c.use_cache] == on
+
+
+def test_a_cache_under_any_keyword_is_dropped(monkeypatch):
+    from transformers.cache_utils import DynamicCache
+
+    from memfit.strategies import checkpointing
+
+    seen = []
+
+    class CacheBlock(Block):
+        def forward(self, x: torch.Tensor, *, kv_store: object = None) -> torch.Tensor:
+            seen.append(kv_store)
+            return super().forward(x)
+
+    class CacheStack(Stack):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            cache = DynamicCache()
+            for block in self.blocks:
+                x = block(x, kv_store=cache)
+            return x.square().mean()
+
+    torch.manual_seed(0)
+    model = CacheStack(2)
+    model.blocks = nn.ModuleList(CacheBlock() for _ in range(2))
+    apply_checkpointing(model, CheckpointConfig("full"))
+    monkeypatch.setattr(checkpointing, "_WARNED", set())
+    with pytest.warns(UserWarning, match="cache arguments are dropped"):
+        model(_x()).backward()
+    assert seen and all(s is None for s in seen)
+
+
 def test_deepcopy_of_a_checkpointed_model_is_independent():
     model = _stack(3)
     apply_checkpointing(model, CheckpointConfig("full"))
@@ -416,7 +485,7 @@ def test_sqrt_falls_back_when_the_loop_transforms_the_hidden_state(monkeypatch):
             return x.square().mean()
 
     torch.manual_seed(0)
-    model = Scaled(4).eval()  # no dropout: the blocks that run twice draw nothing
+    model = Scaled(4).train()  # with dropout: the blocks that run twice draw the same masks
     ref = _grads(model, {"x": _x()})
     apply_checkpointing(model, CheckpointConfig("sqrt"))
     monkeypatch.setattr(checkpointing, "_WARNED", set())

@@ -17,9 +17,10 @@ block with a policy that keeps matmul and attention outputs and recomputes only 
 al., 2016); ``budget`` checkpoints, at every forward, just as many blocks as needed so that the
 activations the blocks keep fit ``budget_bytes``.
 
-Hugging Face blocks are handled like any module: keyword arguments pass through; a KV cache
-argument is dropped while checkpointing (the recomputation would write it a second time), as
-Transformers does for its own gradient checkpointing.
+Hugging Face blocks are handled like any module: keyword arguments pass through; the model's
+``use_cache`` is off while it is checkpointed, and a KV cache argument is dropped all the same
+(the recomputation would write it a second time), as Transformers does for its own gradient
+checkpointing.
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from ..device import rng_states, set_rng_states
 from .blocks import find_blocks
+from .kv_cache import KVCacheOff, apply_kv_cache_off
 
 __all__ = [
     "SAVE_OPS",
@@ -176,7 +179,10 @@ def _call_forward(module: nn.Module, original: Any, args: tuple, kwargs: dict) -
     return type(module).forward(module, *args, **kwargs)
 
 
-_CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
+# transformers' names for a block's KV-cache argument: ``cache`` since 5.24 (before it
+# ``past_key_values``, and ``past_key_value`` or ``layer_past`` in older blocks). Any other
+# keyword whose value is a transformers ``Cache`` is dropped too, whatever its name.
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 
 def _is_cache(obj: Any) -> bool:
@@ -191,8 +197,8 @@ def _drop_cache(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     if any(_is_cache(a) for a in args):
         args = tuple(None if _is_cache(a) else a for a in args)
         dropped = True
-    for key in _CACHE_KWARGS:
-        if kwargs.get(key) is not None:
+    for key, value in kwargs.items():
+        if value is not None and (key in _CACHE_KWARGS or _is_cache(value)):
             kwargs = {**kwargs, key: None}
             dropped = True
     if kwargs.get("use_cache"):
@@ -367,6 +373,7 @@ class _State:
     names: list[str]  # the checkpointed blocks (filled at each forward in budget mode)
     wrapped: list[tuple[str, nn.Module]]
     budget: _Budget | None = None
+    cache_off: KVCacheOff | None = None
 
 
 @dataclass
@@ -422,23 +429,32 @@ class _SegmentHead(_Wrapper):
     checks that it really was called that way and hands its output back without computing;
     if the call differs (the loop transforms the hidden state, passes per-block arguments or
     skips a block), the block computes for real under its own checkpoint, so the result is
-    always right.
+    always right. The random generators are rewound after the head's own block and moved on
+    as each chained output is handed back, so dropout draws what the unchecked model draws
+    (provided the loop itself draws nothing between the blocks of a segment whose chain
+    holds).
     """
 
     def __init__(self, name: str, module: nn.Module, members: list[_SegmentMember]) -> None:
         super().__init__(name, module, None)
         self.members = members
+        self.rng_after: list[Any] = []
         for m in members:
             m.head = self
 
     def run_segment(self, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         outputs = [self.plain(*args, **kwargs)]
+        # The generators' state after each block: where the next block starts drawing (its
+        # dropout masks). Read by __call__ after the forward (a recomputation in backward
+        # overwrites it under checkpoint's forked generators, when nobody reads it any more).
+        self.rng_after = [rng_states()]
         for member in self.members:
             hidden = _hidden_of(outputs[-1])
             if hidden is None:
                 break  # cannot chain: the remaining blocks compute when called
             call_args = (hidden, *args[1:])
             outputs.append(member.plain(*call_args, **kwargs))
+            self.rng_after.append(rng_states())
         return tuple(outputs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -448,8 +464,15 @@ class _SegmentHead(_Wrapper):
             return self.plain(*args, **kwargs)
         args, kwargs = _drop_cache(args, kwargs)
         outputs = self.checkpointed(args, kwargs, fn=self.run_segment)
+        rng_after = self.rng_after
+        # The segment's later blocks drew their random numbers ahead of time. Rewind the
+        # generators to where the unchecked model stands after this block: a member that must
+        # compute for real (its call differs from the chained one) then draws what the
+        # unchecked model draws, and one that returns its chained output moves them on to
+        # where that output left them.
+        set_rng_states(rng_after[0])
         for i, (member, out) in enumerate(zip(self.members, outputs[1:], strict=False)):
-            member.pending = ((_hidden_of(outputs[i]), *args[1:]), kwargs, out)
+            member.pending = ((_hidden_of(outputs[i]), *args[1:]), kwargs, out, rng_after[i + 1])
         return outputs[0]
 
 
@@ -457,16 +480,18 @@ class _SegmentMember(_Wrapper):
     """A later block of a ``sqrt`` segment: returns the output its head computed."""
 
     head: _SegmentHead
-    pending: tuple[tuple, dict, Any] | None = None
+    #: (expected args, expected kwargs, chained output, generators' state after it)
+    pending: tuple[tuple, dict, Any, Any] | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         pending, self.pending = self.pending, None
         if not torch.is_grad_enabled():
             return self.plain(*args, **kwargs)
         if pending is not None:
-            exp_args, exp_kwargs, out = pending
+            exp_args, exp_kwargs, out, rng_after = pending
             call_args, call_kwargs = _drop_cache(args, kwargs)
             if _same_call(call_args, call_kwargs, exp_args, exp_kwargs):
+                set_rng_states(rng_after)
                 return out
             _warn_once(
                 "segment",
@@ -606,7 +631,11 @@ def apply_checkpointing(
                 "model.gradient_checkpointing_disable() before memfit's, or not both"
             )
 
-    state = _State(config=config, names=[], wrapped=list(blocks))
+    # As transformers does for its own gradient checkpointing: the model builds no KV cache
+    # while checkpointed (a recomputed block would write it twice); remove() turns it back on.
+    state = _State(
+        config=config, names=[], wrapped=list(blocks), cache_off=apply_kv_cache_off(model)
+    )
     wrappers: list[tuple[nn.Module, _Wrapper]] = []
     if config.mode in ("full", "selective"):
         context = _selective_context if config.mode == "selective" else None
@@ -700,6 +729,8 @@ def remove_checkpointing(model: nn.Module) -> list[str]:
     state: _State | None = model.__dict__.pop("_memfit_checkpointing", None)
     if state is None:
         return []
+    if state.cache_off is not None:
+        state.cache_off.remove()
     for _, block in state.wrapped:
         wrapper = block.__dict__.get("forward")
         if not isinstance(wrapper, _Wrapper):

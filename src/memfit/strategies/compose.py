@@ -3,6 +3,8 @@
 Each technique lives in its own module and knows nothing of the others; this is the one place
 where they meet, in a fixed order:
 
+0. the KV cache off (:mod:`~memfit.strategies.kv_cache`: training never reads it, and a
+   checkpointed block would write it twice),
 1. freezing (decides which parameters train),
 2. fused forwards: fused pointwise chains, then the fused loss (instance ``forward`` and
    ``loss_function`` attributes only),
@@ -207,6 +209,10 @@ def apply_plan(
     info: dict[str, Any] = {}
     handles: list[tuple[str, Removable]] = []
     try:
+        from .kv_cache import apply_kv_cache_off
+
+        # Training never reads a KV cache, and a checkpointed block would write it twice.
+        handles.append(("kv_cache_off", apply_kv_cache_off(model)))
         if plan.freeze:
             from .freezing import apply_freezing
 

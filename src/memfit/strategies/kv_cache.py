@@ -1,0 +1,68 @@
+"""Training runs without a KV cache.
+
+A Hugging Face decoder with ``config.use_cache`` on (the default of most configs) builds a KV
+cache in every forward, training included, and appends each layer's keys and values to it.
+Training never reads that cache back, and a checkpointed block would write it a second time in
+its recomputation: the recomputation then saves a different number of tensors than the
+original forward and torch's checkpoint fails (transformers 5.24 passes the cache to its
+blocks as ``cache=``). Transformers turns the cache off for its own gradient checkpointing;
+:func:`apply_kv_cache_off` does the same for every plan memfit applies, checkpointed or not, so
+a plan's memory and numerics do not depend on whether the user remembered ``use_cache=False``.
+
+What transformers lacks here: a switch that turns the cache off for a model's whole training
+and gives the user's setting back afterwards (``gradient_checkpointing_enable`` only covers
+its own checkpointing, and sub-models such as an encoder-decoder's decoder carry their own
+config).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+__all__ = ["KVCacheOff", "apply_kv_cache_off"]
+
+
+class KVCacheOff:
+    """Handle of :func:`apply_kv_cache_off`.
+
+    Attributes:
+        configs: The configs whose ``use_cache`` was on and is now off.
+    """
+
+    def __init__(self, configs: list[Any]) -> None:
+        self.configs = configs
+
+    def remove(self) -> None:
+        """Turn the cache back on in every config this handle turned it off in. Idempotent."""
+        for config in self.configs:
+            config.use_cache = True
+        self.configs = []
+
+
+def apply_kv_cache_off(model: nn.Module) -> KVCacheOff:
+    """Set ``use_cache = False`` on every config of ``model`` (and of its sub-modules) that has
+    it on, until the handle's ``remove()``.
+
+    Costs nothing in memory or time: training does not read the cache, and without it the
+    keys and values a decoder layer computes are freed as soon as backward no longer needs
+    them instead of living as long as the model's output.
+
+    Args:
+        model: Any module; modules without a ``config`` carrying ``use_cache`` are untouched.
+
+    Returns:
+        The :class:`KVCacheOff` handle.
+    """
+    changed: list[Any] = []
+    seen: set[int] = set()
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is None or id(config) in seen:
+            continue
+        seen.add(id(config))
+        if getattr(config, "use_cache", False) is True:
+            config.use_cache = False
+            changed.append(config)
+    return KVCacheOff(changed)
