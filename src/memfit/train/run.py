@@ -70,8 +70,8 @@ def text_workload(spec: str, tokenizer: Tokenizer, batch_size: int, seq_len: int
 
     vocab = int(tokenizer.vocab_size)
     eos = getattr(tokenizer, "eos_token_id", None)
-    # use_cache keeps transformers' default, as memfit's workloads do: without a cache Llama
-    # inspects position ids, which the planner's fake tensors cannot show.
+    # use_cache keeps transformers' default, as memfit's workloads do: every applied plan
+    # turns it off while it trains (memfit.strategies.kv_cache) and back on afterwards.
     special = {"bos_token_id": eos, "eos_token_id": eos, "pad_token_id": None}
     causal = [n for n, p in PRESETS.items() if p.family in ("gpt2", "llama")]
     if spec == MODEL_DEFAULT:
