@@ -438,6 +438,10 @@ class Plan:
 
     def summary(self) -> str:
         """One line naming the techniques that are on."""
+        return ", ".join(self.techniques())
+
+    def techniques(self) -> list[str]:
+        """The techniques that are on, one phrase each (the optimizer always counts as one)."""
         parts = []
         if self.grad_accum_steps > 1 or self.micro_batch_size is not None:
             mb = self.micro_batch_size if self.micro_batch_size is not None else "auto"
@@ -481,7 +485,7 @@ class Plan:
             parts.append(
                 "compiled" if self.compile_backend == "inductor" else f"compiled ({self.compile_backend})"
             )
-        return ", ".join(parts)
+        return parts
 
 
 def _coerce(cls: type, value: Any, short_field: str | None) -> Any:

@@ -6,7 +6,6 @@ candidate is costed; memory, the expensive part, is then predicted in this order
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 
 from ..estimate.cost import StepCost, WorkloadProfile, step_cost
@@ -14,13 +13,18 @@ from ..plan import Plan
 from ..targets import DeviceProfile
 from .result import Candidate
 
-__all__ = ["TIE_BAND", "cost_into", "order"]
+__all__ = ["TIE_BAND", "TIE_RULE", "cost_into", "order", "tied"]
 
 #: Step times within this factor of each other are a tie for the cost model. Its terms are
 #: peak-rate estimates (vendor peak FLOP/s and bandwidth, a fitted small-batch derating):
-#: differences under 2% are below what the model resolves, so among tied candidates the more
-#: frugal is tried first, and the first that fits is found with fewer memory predictions.
+#: differences under 2% are below what the model resolves.
 TIE_BAND = 1.02
+
+#: How tied candidates are ordered, as the planner's explanation states it.
+TIE_RULE = (
+    "plans predicted within 2% of each other's step time count as equally fast; among them "
+    "the plan with fewer techniques comes first, then the one that keeps less memory"
+)
 
 
 def cost_into(
@@ -64,10 +68,28 @@ def cost_into(
 
 
 def order(candidates: Sequence[Candidate]) -> list[Candidate]:
-    """Fastest first; within a tie band (:data:`TIE_BAND`), the more frugal first."""
-    return sorted(candidates, key=lambda c: (tie_bucket(c.step_time), -sum(c.rank)))
+    """Fastest first; ties (within :data:`TIE_BAND` of the fastest of a run of candidates)
+    go by :data:`TIE_RULE`: fewer techniques, then more frugal (a higher memory rank, summed
+    over the dimensions), then faster, then by summary, so the order is the same for the same
+    costs whatever order the candidates came in."""
+    by_time = sorted(candidates, key=lambda c: (c.step_time, c.plan.summary()))
+    ordered: list[Candidate] = []
+    start = 0
+    while start < len(by_time):
+        end = start + 1
+        limit = by_time[start].step_time * TIE_BAND
+        while end < len(by_time) and by_time[end].step_time <= limit:
+            end += 1
+        ordered += sorted(by_time[start:end], key=_tie_key)
+        start = end
+    return ordered
 
 
-def tie_bucket(step_time: float) -> int:
-    """Index of the :data:`TIE_BAND`-wide band of step times that ``step_time`` falls in."""
-    return math.floor(math.log(max(step_time, 1e-12)) / math.log(TIE_BAND))
+def _tie_key(c: Candidate) -> tuple:
+    return (len(c.plan.techniques()), -sum(c.rank), c.step_time, c.plan.summary())
+
+
+def tied(a: Candidate, b: Candidate) -> bool:
+    """Whether the cost model cannot tell ``a``'s step time from ``b``'s (:data:`TIE_BAND`)."""
+    low, high = sorted((a.step_time, b.step_time))
+    return high <= low * TIE_BAND

@@ -9,6 +9,7 @@ from typing import Any
 from ..targets import DeviceProfile
 from ..units import format_bytes
 from .candidates import ALLOW
+from .costing import TIE_RULE
 from .result import Candidate, PlanResult
 
 __all__ = ["explain_table", "nothing_fits_message", "why_it_won"]
@@ -62,9 +63,16 @@ def explain_table(result: PlanResult, limit: int = 15) -> Any:
 
 
 def why_it_won(
-    winner: Candidate, predicted: Sequence[Candidate], budget_bytes: int, target: DeviceProfile
+    winner: Candidate,
+    predicted: Sequence[Candidate],
+    budget_bytes: int,
+    target: DeviceProfile,
+    ties: Sequence[Candidate] = (),
 ) -> str:
-    """Why ``winner`` won: the faster candidates that did not fit, and what was fitted."""
+    """Why ``winner`` won: the faster candidates that did not fit, and what was fitted.
+
+    ``ties`` are the candidates the cost model predicts faster by less than it resolves,
+    which the tie rule (:data:`~memfit.planner.costing.TIE_RULE`) put after the winner."""
     faster_misfits = [c for c in predicted if c.step_time < winner.step_time and c.fits is False]
     total = format_bytes(winner.device_total_bytes or 0)
     if faster_misfits:
@@ -80,6 +88,11 @@ def why_it_won(
         why = (
             f"the fastest plan in the search already fits: {total} of "
             f"{format_bytes(budget_bytes)}."
+        )
+    if ties:
+        why += (
+            f" {len(ties)} untried plan(s) were predicted faster by under 2% (such as "
+            f"{ties[0].plan.summary()}): {TIE_RULE}."
         )
     moved = _what_moved(winner, target)
     return why + " " + _what_fits(target, winner) + (" " + moved if moved else "")

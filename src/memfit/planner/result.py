@@ -94,7 +94,8 @@ class PlanResult:
             fallbacks when a step runs out of memory.
         explanation: Why the winner won, in a sentence or two.
         device: The device profile's name (the cost model's and the dry runs' target).
-        seconds: Time the search took.
+        seconds: Time the search took (not in the JSON, which holds the answer alone: the
+            same question gives the same bytes).
         predicted_peak_reserved_bytes: Reserved peak of ``plan`` on the target (allocator
             model; the tensors' peak on the CPU).
         predicted_device_total_bytes: Reserved plus the target's CUDA context and workspaces:
@@ -164,7 +165,6 @@ class PlanResult:
             "explanation": self.explanation,
             "device": self.device,
             "target_device": self.device,
-            "seconds": self.seconds,
             **({"layout": self.layout} if self.layout is not None else {}),
         }
 

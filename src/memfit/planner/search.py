@@ -65,7 +65,7 @@ from .candidates import (
     options,
     trainable_fractions,
 )
-from .costing import cost_into
+from .costing import cost_into, tied
 from .explain import nothing_fits_message, why_it_won
 from .predict import confirm, predict, probe
 from .result import Candidate, NothingFits, PlanResult
@@ -279,7 +279,10 @@ def plan(
         raise NothingFits(result, message)
     frontier = [winner.plan] + [c.plan for c in predicted if c.fits and c.plan != winner.plan]
     result = _result(winner, True, budget_bytes, predicted, frontier, target, seconds)
-    result.explanation = why_it_won(winner, predicted, budget_bytes, target)
+    # Faster candidates the tie rule put after the winner (candidates are in search order).
+    after = candidates[[id(c) for c in candidates].index(id(winner)) + 1 :]
+    ties = [c for c in after if c.step_time < winner.step_time and tied(c, winner)]
+    result.explanation = why_it_won(winner, predicted, budget_bytes, target, ties)
     return result
 
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import platform
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -265,26 +267,101 @@ def _matmul_rate(a: torch.Tensor) -> float:
     return 4 * 2 * n**3 / _time(lambda: [a @ a for _ in range(4)])
 
 
-@functools.lru_cache(maxsize=1)
-def cpu_profile() -> DeviceProfile:
-    """Measure this CPU once: matmul FLOP/s per dtype, memory bandwidth, op overhead."""
+#: Environment variable naming the folder where memfit keeps what it measured on this machine
+#: (default: ``$XDG_CACHE_HOME/memfit``, else ``~/.cache/memfit``).
+CACHE_DIR_ENV = "MEMFIT_CACHE_DIR"
+
+
+def cache_dir() -> Path:
+    """The folder where memfit keeps what it measured on this machine."""
+    if os.environ.get(CACHE_DIR_ENV):
+        return Path(os.environ[CACHE_DIR_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "memfit"
+
+
+def _machine_key() -> str:
+    """What a CPU measurement holds for: the processor, its cores, the threads torch uses, and
+    the torch and memfit versions (a new kernel library can change every rate)."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            model = next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                model,
+            )
+    except OSError:
+        pass
+    from .. import __version__
+
+    return (
+        f"{model} | {os.cpu_count()} cpus | {torch.get_num_threads()} threads | "
+        f"torch {torch.__version__} | memfit {__version__}"
+    )
+
+
+def _measure_cpu_rates() -> dict[str, float]:
     n = 384
-    flops = {
+    rates = {
         name: _matmul_rate(torch.randn(n, n).to(dtype))
         for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16))
     }
     big = torch.empty(8 * 1024 * 1024)  # 32 MiB: beyond the caches
     dst = torch.empty_like(big)
-    bandwidth = 2 * big.nbytes / _time(lambda: dst.copy_(big))
+    rates["mem_bandwidth"] = 2 * big.nbytes / _time(lambda: dst.copy_(big))
     tiny = torch.ones(8)
-    overhead = _time(lambda: [tiny.add(1) for _ in range(200)]) / 200
+    rates["launch_overhead"] = _time(lambda: [tiny.add(1) for _ in range(200)]) / 200
+    return rates
+
+
+def _stored_cpu_rates() -> dict[str, float]:
+    """This CPU's rates: measured once per machine (see :func:`_machine_key`), stored in
+    :func:`cache_dir`, and read back by every later process.
+
+    Timings vary with the machine's load from one run to the next; a planner that re-measured
+    them would order close candidates differently on a busy machine. Stored, the answer
+    depends on the inputs alone. Where the folder cannot be written, the rates are measured
+    in each process (and the planner's answer can vary with the load).
+    """
+    path = cache_dir() / "cpu-profile.json"
+    key = _machine_key()
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        stored = {}
+    entry = stored.get(key) if isinstance(stored, dict) else None
+    wanted = ("fp32", "bf16", "fp16", "mem_bandwidth", "launch_overhead")
+    if isinstance(entry, dict) and all(isinstance(entry.get(k), (int, float)) for k in wanted):
+        return {k: float(entry[k]) for k in wanted}
+    rates = _measure_cpu_rates()
+    stored = stored if isinstance(stored, dict) else {}
+    stored[key] = rates
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Written aside and renamed: a process reading at the same time sees the old file or
+        # the new one, never half of one (two that measure at once both store valid rates).
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(stored, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return rates
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_profile() -> DeviceProfile:
+    """This CPU: matmul FLOP/s per dtype, memory bandwidth, op overhead, measured once per
+    machine and stored (:func:`_stored_cpu_rates`; delete ``cpu-profile.json`` in
+    :func:`cache_dir` to measure again)."""
+    rates = _stored_cpu_rates()
+    flops = {k: rates[k] for k in ("fp32", "bf16", "fp16")}
+    bandwidth = rates["mem_bandwidth"]
+    overhead = rates["launch_overhead"]
     try:
         import psutil  # type: ignore[import-not-found]
 
         memory = int(psutil.virtual_memory().total)
     except ImportError:
-        import os
-
         memory = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     return DeviceProfile(
         name="cpu",
