@@ -14,6 +14,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import memfit
 from memfit.optim import AdamW8bit, _fused8bit
 from memfit.optim import adamw8bit as adamw8bit_module
+from memfit.optim.quantization import (
+    SIGNED_MAP,
+    UNSIGNED_MAP,
+    dequantize_blocks,
+    quantize_blocks_,
+)
 
 from ..distributed.harness import run_ranks
 
@@ -156,6 +162,48 @@ def test_tracker_sees_the_eager_step(compiled_calls):
         opt.step()
     assert compiled_calls == []
     assert opt.state[p]["step"] == 1
+
+
+def _extreme_moments() -> tuple[torch.Tensor, torch.Tensor]:
+    """Moments of one compiled chunk with denormal blocks and tiny second-moment ratios."""
+    gen = torch.Generator().manual_seed(5)
+    rows = _fused8bit.COMPILED_CHUNK // _fused8bit.BLOCK_SIZE
+    m = torch.randn(rows, _fused8bit.BLOCK_SIZE, generator=gen)
+    v = torch.rand(rows, _fused8bit.BLOCK_SIZE, generator=gen)
+    m[0] *= 1e-40  # a denormal block maximum
+    m[1] *= 2.0**-140
+    v[0] *= 1e-40
+    # Ratios to the block maximum of 2**-150 .. 2**-160: below fp32's smallest denormal.
+    v[1] = 2.0**-50 * (1 + v[1]) / 2.0**10
+    v[1, 0] = 2.0**100
+    return m, v
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_encode_keeps_denormal_blocks_and_tiny_second_moments_as_eager(compiled, request):
+    # The fused encode repeats quantize_blocks_: it must share its fixes for denormal block
+    # maxima and for second moments whose ratio to the block maximum underflows fp32.
+    encode = _fused8bit.encode_
+    if compiled:
+        request.getfixturevalue("needs_compiled")
+        encode = _fused8bit.compiled_step(adamw8bit_module._eager_reference).keywords["kernels"][1]
+    m, v = _extreme_moments()
+    got = [torch.empty(m.shape, dtype=torch.uint8), torch.empty(m.shape[0])]
+    got += [torch.empty_like(got[0]), torch.empty_like(got[1])]
+    encode(m, v, *got)
+    want = [torch.empty_like(t) for t in got]
+    quantize_blocks_(m.clone(), SIGNED_MAP, want[0], want[1])
+    quantize_blocks_(v.clone(), UNSIGNED_MAP, want[2], want[3])
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    m_out = dequantize_blocks(got[0], got[1], SIGNED_MAP)
+    v_out = dequantize_blocks(got[2], got[3], UNSIGNED_MAP)
+    # Within the code book's bound (see test_quantization_properties), plus half a denormal
+    # step for the decoded denormals.
+    rel = 2.0 ** -(SIGNED_MAP.mantissa_bits + 1)
+    floor = got[1].view(-1, 1) * SIGNED_MAP.smallest_positive * (1 + 1e-6)
+    assert ((m_out - m).abs()[:2] <= m.abs()[:2] * rel * (1 + 1e-6) + floor[:2] + 2.0**-150).all()
+    assert (v_out[v > 0] > 0).all()
 
 
 def test_self_check_rejects_a_wrong_kernel():

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .quantization import _TINY, SIGNED_MAP, UNSIGNED_MAP, Minifloat8
+from .quantization import SIGNED_MAP, UNSIGNED_MAP, Minifloat8
 
 #: Environment switch: ``MEMFIT_COMPILED_OPTIM=0`` disables the compiled path by default.
 ENV_VAR = "MEMFIT_COMPILED_OPTIM"
@@ -81,7 +81,9 @@ def _encode(blocks: Tensor, fmt: Minifloat8) -> tuple[Tensor, Tensor]:
         absmax = torch.amax(blocks.abs(), dim=1)
     else:
         absmax = torch.amax(blocks, dim=1).clamp(min=0.0)
-    scaled = blocks * absmax.view(-1, 1).clamp(min=_TINY).reciprocal()
+    # A division, as eager's (see quantize_blocks_): exact for denormal block maxima.
+    m = absmax.view(-1, 1)
+    scaled = blocks / torch.where(m == 0, 1.0, m)
     bits = scaled.view(torch.int32)
     bias = (fmt._offset << fmt._shift) - (1 << (fmt._shift - 1))
     top = fmt.max_magnitude_code
@@ -92,7 +94,8 @@ def _encode(blocks: Tensor, fmt: Minifloat8) -> tuple[Tensor, Tensor]:
         code = torch.bitwise_or(mag, sign)
     else:
         code = torch.bitwise_right_shift(bits - bias, fmt._shift)
-        code = torch.maximum(code, bits.clamp(max=1)).clamp(0, top)
+        # Positive inputs get at least code 1, also where their quotient underflowed to 0.
+        code = torch.maximum(code, blocks.view(torch.int32).clamp(max=1)).clamp(0, top)
     # Through int8 (a wrapping cast: the same byte): inductor's vector int32 -> uint8 cast is
     # about twice as slow as the whole encode for values of 128 and up.
     return code.to(torch.int8).view(torch.uint8), absmax

@@ -23,6 +23,21 @@ Two kinds of code book are supported:
   code.  Rounding then uses ``torch.bucketize`` on the mid-points between entries: exact nearest
   rounding for any code book, but a binary search per element, so it is several times slower.
 
+Promises of :func:`quantize_blockwise` / :func:`dequantize_blockwise` (and of the optimizer's
+:func:`quantize_blocks_` / :func:`dequantize_blocks`):
+
+* With a :class:`Minifloat8` map, a value ``x`` in a block of absolute maximum ``m``
+  decodes to within ``|x| * 2**-(mantissa_bits + 1) + smallest_positive * m`` of itself (plus
+  fp32 rounding) for blocks of any finite magnitude, denormal ones (``m < 2**-126``) included:
+  each value is *divided* by its block's maximum, a correctly rounded quotient of magnitude at
+  most 1, where a multiplication by ``1 / m`` would overflow (``1 / m`` is not finite in fp32
+  for ``m < 2**-128``).  A decoded denormal is itself rounded to fp32's denormal grid
+  (``2**-149`` apart).
+* With an unsigned :class:`Minifloat8`, a positive value never decodes to zero, however small
+  its ratio to the block maximum (even below fp32's smallest denormal).
+* All-zero blocks decode to exact zeros; a non-finite value spoils only its own block.
+* Empty tensors round-trip to empty tensors (no codes, no block maxima).
+
 All functions are pure PyTorch, device agnostic and free of data-dependent Python control flow,
 so they also run under ``FakeTensorMode``.
 """
@@ -46,9 +61,6 @@ __all__ = [
     "quantize_blocks_",
     "quantize_blockwise",
 ]
-
-# Smallest absmax used as a divisor: an all-zero block must not turn into NaNs (0 * inf).
-_TINY = torch.finfo(torch.float32).tiny
 
 
 def _is_fake(t: Tensor) -> bool:
@@ -75,7 +87,9 @@ class Minifloat8:
     Below the smallest positive code, signed maps flush to zero (harmless for a first moment)
     while unsigned maps round *up* to the smallest positive code and keep only exact zeros (and
     negative inputs, which are out of contract) at zero: a second moment that is wrongly zero
-    would make Adam divide by ``eps`` and explode.
+    would make Adam divide by ``eps`` and explode.  Block-wise quantisation keeps that promise
+    for positive values whose ratio to the block maximum underflows fp32 to zero (see
+    :func:`quantize_blocks_`).
 
     Attributes:
         signed: Whether bit 7 is a sign bit.
@@ -127,8 +141,10 @@ class Minifloat8:
         """
         return self._encode_int32(x).to(torch.uint8)
 
-    def _encode_int32(self, x: Tensor) -> Tensor:
+    def _encode_int32(self, x: Tensor, unscaled: Tensor | None = None) -> Tensor:
         # The codes as int32 in [0, 255]: callers that copy into a uint8 buffer skip a cast.
+        # ``unscaled`` (fp32, x's shape): the values before normalisation.  Unsigned maps lift
+        # its positive entries to code 1, also where x / absmax underflowed to 0.
         bits = x.to(torch.float32).contiguous().view(torch.int32)
         # Subtracting (offset << shift) re-bases the bit pattern so that the code step is one
         # unit after the shift; adding half a step first makes the truncating shift round to
@@ -143,8 +159,11 @@ class Minifloat8:
             return mag.bitwise_or_(sign)
         code = torch.sub(bits, bias).bitwise_right_shift_(self._shift)
         # max(code, min(bits, 1)) lifts every positive input to at least code 1 (no flush to
-        # zero) while exact zeros and negative inputs stay at or below 0 before the clamp.
-        code = torch.maximum(code, bits.clamp(max=1))
+        # zero) while exact zeros and negative inputs stay at or below 0 before the clamp.  The
+        # sign test reads the unscaled bits where given: they are positive exactly where the
+        # value is, and the same one pass over memory as reading x's.
+        sign_bits = bits if unscaled is None else unscaled.view(torch.int32)
+        code = torch.maximum(code, sign_bits.clamp(max=1))
         return code.clamp_(0, top)
 
     def table(self, device: torch.device | str | None = None) -> Tensor:
@@ -262,11 +281,25 @@ def _decode(q: Tensor, code: CodeMap) -> Tensor:
     return code.index_select(0, q.reshape(-1).to(torch.int32)).view(q.shape)
 
 
+def _divisor(absmax: Tensor) -> Tensor:
+    """Each block's maximum as a ``(blocks, 1)`` divisor, with 1 for all-zero blocks (0 / 0)."""
+    m = absmax.view(-1, 1)
+    # Not a clamp to a tiny floor: with denormals flushed (torch.set_flush_denormal) a
+    # denormal floor reads as 0 again.  A NaN maximum stays NaN: its block shows the fault.
+    return torch.where(m == 0, 1.0, m)
+
+
 def quantize_blocks_(blocks: Tensor, code: CodeMap, codes_out: Tensor, absmax_out: Tensor) -> None:
     """Quantise whole blocks into preallocated outputs (the optimizer's hot path).
 
     :func:`quantize_blockwise` runs exactly these operations, so a reference built on the
     public helpers reproduces the optimizer's codes bit for bit.
+
+    Each block is divided by its maximum rather than multiplied by its reciprocal: the
+    reciprocal of a denormal maximum overflows (or, clamped, costs the block all relative
+    precision), the quotient never does, and it is correctly rounded, at the same cost (one
+    memory-bound pass).  Unsigned :class:`Minifloat8` maps lift every positive input to a
+    positive code, read from ``blocks`` itself, since the quotient may underflow to zero.
 
     Args:
         blocks: fp32 tensor of shape ``(num_blocks, block_size)``.
@@ -279,9 +312,10 @@ def quantize_blocks_(blocks: Tensor, code: CodeMap, codes_out: Tensor, absmax_ou
         torch.amax(blocks, dim=1, out=absmax_out.view(-1)).clamp_(min=0.0)
     else:
         torch.amax(blocks.abs(), dim=1, out=absmax_out.view(-1))
-    scaled = blocks * absmax_out.view(-1, 1).clamp(min=_TINY).reciprocal()
+    scaled = blocks / _divisor(absmax_out)
     if isinstance(code, Minifloat8):
-        codes_out.view(-1).copy_(code._encode_int32(scaled).view(-1))
+        unscaled = None if code.signed else blocks
+        codes_out.view(-1).copy_(code._encode_int32(scaled, unscaled).view(-1))
     else:
         codes_out.view(-1).copy_(_encode(scaled, code).view(-1))
 
@@ -292,7 +326,10 @@ def dequantize_blocks(codes: Tensor, absmax: Tensor, code: CodeMap) -> Tensor:
     Returns:
         fp32 tensor of shape ``(num_blocks, block_size)`` (a fresh tensor, safe to update).
     """
-    values = _decode(codes.reshape(-1), code).view(absmax.numel(), -1)
+    blocks = absmax.numel()
+    # Explicit width: with no blocks, view(0, -1) is ambiguous and raises.
+    width = codes.numel() // blocks if blocks else 0
+    values = _decode(codes.reshape(-1), code).view(blocks, width)
     return values.mul_(absmax.unsqueeze(1))
 
 
