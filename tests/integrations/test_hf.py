@@ -89,6 +89,29 @@ def test_loss_falls_and_report_written(tmp_path):
     assert cb.report.peak_bytes == max(h["memfit/peak_bytes"] for h in logged)
 
 
+def test_figures_reach_log_history_and_reporters_on_both_sides(tmp_path):
+    """Trainer.log copies ``logs`` into ``state.log_history`` before any on_log: memfit's
+    figures are in the history (what trainer_state.json saves) and reach a reporter called
+    before memfit's callback (as TensorBoard and W&B are) and one called after it."""
+    model = tiny_gpt2()
+    args, optimizers, callbacks = hf.apply(Plan(optimizer={"name": "adamw", "lr": 1e-2}), model,
+                                           _args(tmp_path))
+    before, after = _Recorder(), _Recorder()
+    trainer = Trainer(model=model, args=args, optimizers=optimizers,
+                      callbacks=[before, *callbacks, after], train_dataset=_Data())
+    trainer.train()
+    history = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(history) == N // 8
+    for h in history:
+        assert h["memfit/peak_bytes"] >= h["memfit/live_bytes"] > 0
+    seen = [{k: v for k, v in h.items() if k != "step"} for h in history]
+    assert [h for h in before.logs if "loss" in h] == seen
+    assert [h for h in after.logs if "loss" in h] == seen
+    assert max(h["memfit/peak_bytes"] for h in history) == callbacks[0].report.peak_bytes
+    # The Trainer's log is its own again once training ends.
+    assert "log" not in vars(trainer)
+
+
 def test_plan_fields_reach_training_args(tmp_path):
     plan = Plan(micro_batch_size=4, grad_accum_steps=2, precision="bf16-mixed",
                 checkpointing="full", max_grad_norm=1.0, sequence={"group_by_length": True},
@@ -108,18 +131,33 @@ def test_plan_fields_reach_training_args(tmp_path):
     assert isinstance(cbs[0], hf.MemfitCallback)
 
 
+def _record_micro_batches(model) -> list[torch.Tensor]:
+    """The micro-batches the Trainer feeds ``model`` in training, in order (to replay them)."""
+    seen: list[torch.Tensor] = []
+    model.register_forward_pre_hook(
+        lambda m, a, kw: seen.append(kw["input_ids"].clone()) if m.training else None,
+        with_kwargs=True,
+    )
+    return seen
+
+
 def _plain_loop(model, steps_batches, accum, max_norm, stale_clip):
     """The reference: plain torch, micro-batch mean losses / accum, clipping, SGD momentum.
 
     ``stale_clip``: clip step t with the norm of step t-1's unclipped gradient (no clipping at
-    the first step), which is what the fused step's ``approx`` mode promises.
+    the first step), which is what the fused step's ``approx`` mode promises. ``max_norm``
+    ``None``: no clipping. Returns each step's unclipped gradient norm.
     """
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     prev = None
+    norms = []
     for micro in steps_batches:
         for ids in micro:
             (model(input_ids=ids, labels=ids).loss / accum).backward()
-        if not stale_clip:
+        norms.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
+        if max_norm is None:
+            pass
+        elif not stale_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         else:
             grads = [p.grad for p in model.parameters()]
@@ -131,6 +169,7 @@ def _plain_loop(model, steps_batches, accum, max_norm, stale_clip):
             prev = norm
         opt.step()
         opt.zero_grad(set_to_none=True)
+    return norms
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -145,17 +184,33 @@ def test_accumulation_clipping_numerics_match_plain_loop(tmp_path, fused):
     model = tiny_gpt2()
     ref = copy.deepcopy(model)
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
-    seen: list[torch.Tensor] = []  # the micro-batches in the Trainer's order, replayed below
-    model.register_forward_pre_hook(
-        lambda m, a, kw: seen.append(kw["input_ids"].clone()) if m.training else None,
-        with_kwargs=True,
-    )
+    seen = _record_micro_batches(model)
     _train(model, plan, tmp_path, per_device_train_batch_size=4)
     assert len(seen) == N // 4
     _plain_loop(ref, [seen[i:i + 2] for i in range(0, len(seen), 2)], 2, 0.5, stale_clip=fused)
     for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         assert not torch.equal(p, init[n]), n  # it trained
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("max_norm", [None, 0.5], ids=["no-clip", "approx-clip"])
+def test_fused_step_logs_the_true_grad_norm(tmp_path, max_norm):
+    """The Trainer measures grad_norm after backward, when the fused step has freed every
+    gradient; the logged grad_norm is still each step's true unclipped norm: that of a plain
+    run's accumulated gradient over the same micro-batches, to float32 rounding."""
+    plan = Plan(micro_batch_size=4, grad_accum_steps=2,
+                optimizer={"name": "sgd", "lr": 0.1, "kwargs": {"momentum": 0.9}},
+                optimizer_in_backward=True, max_grad_norm=max_norm, grad_clip_mode="approx")
+    model = tiny_gpt2()
+    ref = copy.deepcopy(model)
+    seen = _record_micro_batches(model)
+    trainer, _ = _train(model, plan, tmp_path, per_device_train_batch_size=4)
+    steps = [seen[i:i + 2] for i in range(0, len(seen), 2)]
+    want = torch.stack(_plain_loop(ref, steps, 2, max_norm, stale_clip=True))
+    logged = torch.tensor([h["grad_norm"] for h in trainer.state.log_history if "loss" in h])
+    assert len(logged) == len(want) == N // 8
+    assert (want > 0.5).all()  # so clipping binds in the approx-clip case
+    torch.testing.assert_close(logged, want, rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize(

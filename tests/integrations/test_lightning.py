@@ -236,15 +236,15 @@ class FusedModule(Module):
         self.callback.backward(self, loss)
 
 
-def fit_fused(model, plan, data):
+def fit_fused(model, plan, data, **extra):
     cb = MemfitCallback(plan)
     module = FusedModule(model, cb)
     fresh = [lambda b=b: {k: v.clone() for k, v in b.items()} for b in data]
-    trainer = L.Trainer(
-        max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, accelerator="cpu", devices=1, callbacks=[cb],
-        **trainer_kwargs(plan),
-    )
+    trainer = L.Trainer(**{
+        "max_epochs": 1, "logger": False, "enable_checkpointing": False,
+        "enable_progress_bar": False, "enable_model_summary": False, "accelerator": "cpu",
+        "devices": 1, "callbacks": [cb], **trainer_kwargs(plan), **extra,
+    })
     trainer.fit(module, torch.utils.data.DataLoader(_Fresh(fresh), batch_size=None))
     return module, cb, trainer
 
@@ -288,3 +288,62 @@ def test_fused_step_peak_matches_dry_run():
     assert abs(got.peak_bytes - pred.peak_bytes) <= 0.05 * pred.peak_bytes
     for cat in ("parameters", "gradients", "optimizer_state", "activations"):
         assert got.peak_by_category[cat] == pred.peak_by_category[cat], cat
+
+
+class _RecordingLogger(L.pytorch.loggers.Logger):
+    """Stands for a real logger (TensorBoard, W&B): the metrics each log_metrics call gets."""
+
+    name, version = "recording", 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[dict[str, float]] = []
+
+    def log_metrics(self, metrics, step=None):
+        self.rows.append(dict(metrics))
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+
+@pytest.mark.parametrize(
+    ("accum", "max_norm"), [(2, None), (1, 0.1)], ids=["accum-no-clip", "exact-clip"]
+)
+def test_fused_step_logs_figures_and_the_true_grad_norm(accum, max_norm):
+    """The fused step frees gradients inside backward, so nothing after it can measure their
+    norm; memfit logs it as memfit/grad_norm beside its memory figures, and each step's value
+    is the unclipped norm of a plain loop's accumulated gradient (get_total_norm) on the same
+    batches, to float32 rounding. All reach the logger, logged_metrics and callback_metrics."""
+    torch.manual_seed(0)
+    model = tiny_gpt2()
+    ref = copy.deepcopy(model)
+    sgd = {"name": "sgd", "lr": 0.1, "kwargs": {"momentum": 0.9}}
+    plan = Plan(grad_accum_steps=accum, optimizer_in_backward=True, max_grad_norm=max_norm,
+                optimizer=sgd)
+    data = batches(8, 2)
+    logger = _RecordingLogger()
+    _, _, trainer = fit_fused(model, plan, data, logger=logger, log_every_n_steps=1)
+
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    want = []
+    for i in range(0, len(data), accum):
+        for b in data[i : i + accum]:
+            (ref(**b).loss / accum).backward()
+        want.append(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]))
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    want = torch.stack(want)
+    if max_norm is not None:
+        assert (want > max_norm).all()  # clipping binds at every step
+    # Manual optimization logs every batch; the last micro-batch of each step has its norm
+    # (Lightning repeats a value logged on_step in later rows until it is logged again).
+    assert len(logger.rows) == len(data)
+    logged = torch.tensor([r["memfit/grad_norm"] for r in logger.rows[accum - 1 :: accum]])
+    assert len(logged) == len(want) == len(data) // accum
+    torch.testing.assert_close(logged, want, rtol=1e-5, atol=0)
+    assert all(r["memfit/peak_bytes"] >= r["memfit/live_bytes"] > 0 for r in logger.rows)
+    for metrics in (trainer.logged_metrics, trainer.callback_metrics):
+        assert float(metrics["memfit/grad_norm"]) == logged[-1]
+        assert float(metrics["memfit/peak_bytes"]) == logger.rows[-1]["memfit/peak_bytes"]

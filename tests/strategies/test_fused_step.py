@@ -255,6 +255,28 @@ def test_approx_clipping_uses_the_previous_norm(accum):
     assert _max_diff(ref, fused) < 1e-6
 
 
+@pytest.mark.parametrize("accum", [1, 2])
+def test_track_grad_norm_without_clipping(accum):
+    """No clipping, ``track_grad_norm``: after each step ``last_norm`` is the global norm of the
+    accumulated gradient an unfused run holds before its step (a loop's logged grad norm)."""
+    factory = FACTORIES["adamw"]
+    ref, fused = _mlp(), _mlp()
+    opt = factory(list(ref.parameters()))
+    handle = optimizer_in_backward(fused, factory, grad_accum_steps=accum, track_grad_norm=True)
+    assert handle.last_norm is None
+    for x, y in _data():
+        parts = split_batch((x, y), 6 // accum)
+        for part in parts:
+            (_loss(ref, *part) / accum).backward()
+        norm = _total_norm(ref)
+        opt.step()
+        opt.zero_grad()
+        for part in parts:
+            handle.backward(_loss(fused, *part) / accum)
+        torch.testing.assert_close(handle.last_norm, norm, rtol=1e-5, atol=0)
+    assert _max_diff(ref, fused) < 1e-6
+
+
 def _train(model, handle, sched, data, accum):
     for x, y in data:
         for part in split_batch((x, y), 6 // accum):

@@ -14,7 +14,8 @@
   clip); a forward pre-hook reads accelerate's ``sync_gradients`` to tell the hooks whether this
   micro-batch ends the step, and :class:`MemfitCallback` finishes the step before the Trainer's
   ``optimizer.step()`` (parameters without a gradient in the last micro-batch, the norm for
-  ``approx`` clipping);
+  ``approx`` clipping) and logs the step's true ``grad_norm`` (the Trainer's own measure finds
+  no gradient left and would log 0);
 * freezing; length grouping (``train_sampling_strategy='group_by_length'``, the
   ``group_by_length`` flag before 5.x).
 
@@ -27,6 +28,7 @@ import contextlib
 import dataclasses
 import inspect
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -153,6 +155,8 @@ class _FusedBridge:
 
     def __init__(self, handle: Any, model: nn.Module) -> None:
         self.handle = handle
+        # The Trainer logs a grad_norm every logging step; only the hooks can measure it.
+        handle.track_grad_norm = True
         self._hook = model.register_forward_pre_hook(self._before_forward)
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
@@ -175,10 +179,11 @@ class _FusedBridge:
             h._coef = _clip_coefficient(h.max_grad_norm, h.last_norm)
 
     def finish_step(self) -> None:
-        """Before the Trainer's ``optimizer.step()``: leftovers, and the norm for next step."""
+        """Before the Trainer's ``optimizer.step()``: leftovers, and this step's norm (logged,
+        and approx clipping's coefficient for the next step)."""
         h = self.handle
         h._step_leftovers()
-        if h.max_grad_norm is not None:
+        if h.gathers_norms:
             h.last_norm = h._finish_norm()
         h._coef = None
         h._mode = None
@@ -198,9 +203,21 @@ def _trainer_callback_base() -> type:
 class MemfitCallback(_trainer_callback_base()):  # type: ignore[misc]
     """Measure memory per step with memfit's tracker and log it through the Trainer.
 
-    Logs ``memfit/peak_bytes`` (the run so far) and ``memfit/step_peak_bytes`` at every logging
-    step (so they reach TensorBoard or W&B as configured); at the end writes
-    ``memfit_report.json`` and ``memfit_report.png`` to ``output_dir``.
+    Every training log (the entries with ``loss``) gets ``memfit/peak_bytes`` (the run's peak
+    so far) and ``memfit/live_bytes`` (live at that step); under the fused step its
+    ``grad_norm`` is the norm the step's hooks measured (the Trainer measures after backward,
+    when the gradients are gone, and would log 0). At the end of training
+    ``memfit_report.json`` and ``memfit_report.png`` are written to ``output_dir``.
+
+    How the figures get in: ``Trainer.log`` appends a copy of ``logs`` to
+    ``state.log_history`` and only then calls ``on_log``, so a value added in ``on_log`` would
+    miss the history (``trainer_state.json``) and every reporter (TensorBoard, W&B, the
+    printer) called before this callback. So at ``on_train_begin`` the callback wraps that
+    Trainer's ``log`` (an instance attribute, taken off at ``on_train_end``) and merges the
+    figures into ``logs`` before the Trainer reads them: they reach the history and every
+    callback whatever the callback order, and a subclass's ``log`` override (TRL's trainers)
+    sees them too. Callbacks are not handed the Trainer; it is found as the caller of the
+    event (the ``Trainer`` whose ``callback_handler`` holds this callback).
 
     Args:
         plan: The plan applied (recorded in the report's meta).
@@ -218,10 +235,12 @@ class MemfitCallback(_trainer_callback_base()):  # type: ignore[misc]
         self.bridge: _FusedBridge | None = None
         self.tracker: Any = None
         self.report: Any = None
-        self._last_peak = 0
+        self._trainer: Any = None
+        self._log: Any = None  # the wrapper installed as the Trainer's ``log``
+        self._log_before: Any = None  # the instance attribute it replaced, if any
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._go_first()
+        self._wrap_log(_calling_trainer(self))
         if not self.track:
             return
         from ..accounting import track
@@ -239,14 +258,8 @@ class MemfitCallback(_trainer_callback_base()):  # type: ignore[misc]
         if self.tracker is not None:
             self.tracker.mark_step()
 
-    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any
-               ) -> None:
-        if self.tracker is None or logs is None or "loss" not in logs:
-            return
-        logs["memfit/peak_bytes"] = self.tracker.peak_bytes
-        logs["memfit/live_bytes"] = self.tracker.live_bytes
-
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._unwrap_log()
         if self.tracker is None:
             return
         self.tracker.__exit__(None, None, None)
@@ -260,18 +273,60 @@ class MemfitCallback(_trainer_callback_base()):  # type: ignore[misc]
             with contextlib.suppress(ImportError):  # matplotlib is optional
                 self.report.plot(out / "memfit_report.png", title="memfit: Trainer memory")
 
-    def _go_first(self) -> None:
-        # The Trainer puts user callbacks after its reporters (TensorBoard, W&B), so values
-        # this callback adds to ``logs`` in on_log would reach them one log late or never.
-        # The handler is the caller of this event; move this callback to its front.
-        frame = inspect.currentframe()
+    def _add_figures(self, logs: dict[str, Any]) -> None:
+        """Put memfit's figures into a training log (``logs`` with ``loss``), in place."""
+        if "loss" not in logs:  # evaluation metrics, the end-of-training summary
+            return
+        if self.tracker is not None:
+            logs["memfit/peak_bytes"] = self.tracker.peak_bytes
+            logs["memfit/live_bytes"] = self.tracker.live_bytes
+        norm = None if self.bridge is None else self.bridge.handle.last_norm
+        if norm is not None and "grad_norm" in logs:
+            logs["grad_norm"] = norm.item()
+
+    def _wrap_log(self, trainer: Any) -> None:
+        self._unwrap_log()  # a train() that raised never reached on_train_end
+        if trainer is None:
+            warnings.warn(
+                "MemfitCallback: on_train_begin was not called by a transformers.Trainer, so "
+                "memfit's figures are not added to its logs",
+                stacklevel=3,
+            )
+            return
+        inner = trainer.log
+
+        def log(logs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+            self._add_figures(logs)
+            return inner(logs, *args, **kwargs)
+
+        self._trainer, self._log, self._log_before = trainer, log, vars(trainer).get("log")
+        trainer.log = log
+
+    def _unwrap_log(self) -> None:
+        trainer, self._trainer = self._trainer, None
+        # Only undo our own wrapper: one installed over it stays (and keeps calling ours).
+        if trainer is None or vars(trainer).get("log") is not self._log:
+            return
+        if self._log_before is None:
+            del trainer.log
+        else:
+            trainer.log = self._log_before
+
+
+def _calling_trainer(callback: Any) -> Any:
+    """The ``transformers.Trainer`` up the call stack whose callbacks include ``callback``."""
+    from transformers import Trainer
+
+    frame = inspect.currentframe()
+    try:
         while frame is not None:
-            handler = frame.f_locals.get("self")
-            if type(handler).__name__ == "CallbackHandler" and self in handler.callbacks:
-                handler.callbacks.remove(self)
-                handler.callbacks.insert(0, self)
-                return
+            obj = frame.f_locals.get("self")
+            if isinstance(obj, Trainer) and callback in obj.callback_handler.callbacks:
+                return obj
             frame = frame.f_back
+    finally:
+        del frame  # a frame referencing itself would keep every local alive until gc
+    return None
 
 
 def emit(plan: Plan) -> str:

@@ -26,7 +26,10 @@ in ``training_step`` (it weights the loss by ``1/grad_accum_steps``, runs the fu
 and, on the last micro-batch, calls the LightningOptimizer's no-op ``step`` so that
 ``global_step`` counts); the handle does accumulation and clipping, so the Trainer gets
 ``accumulate_grad_batches=1`` and no ``gradient_clip_val``. A module left on automatic
-optimization is refused at ``setup``.
+optimization is refused at ``setup``. The gradients are freed inside backward, so nothing
+after it (Lightning's ``grad_norm`` utility in ``on_before_optimizer_step``) can measure them:
+the hooks measure each step's unclipped global norm and the callback logs it as
+``memfit/grad_norm``.
 
 Not supported (refused with a sentence saying why): offload,
 ``compile`` (use Lightning's own ``torch.compile`` of the module), ``max_seq_len``,
@@ -143,7 +146,10 @@ _CALLBACK_DOC = """A ``lightning.Callback`` that applies ``plan`` and measures m
             training (``None``: not written; the report is still ``callback.report``).
         model_attr: The attribute of the LightningModule holding the model the techniques
             apply to (default ``"model"``; the LightningModule itself when it has none).
-        log: Log ``memfit/live_bytes`` and ``memfit/peak_bytes`` every step.
+        log: Log ``memfit/live_bytes`` and ``memfit/peak_bytes`` every step, and with the
+            fused step ``memfit/grad_norm`` (the step's true unclipped norm) every optimizer
+            step. They reach ``trainer.callback_metrics``, and the loggers and
+            ``trainer.logged_metrics`` every ``log_every_n_steps``.
         check_trainer: Raise at ``setup`` when the Trainer's accumulation, precision or clipping
             differ from the plan's.
 """
@@ -288,6 +294,7 @@ def _make_class() -> type:
                 grad_accum_steps=plan.grad_accum_steps,
                 max_grad_norm=plan.max_grad_norm,
                 clip_mode=plan.grad_clip_mode,
+                track_grad_norm=True,  # logged as memfit/grad_norm: nothing else can measure it
             )
             self.handles.append(("optimizer_in_backward", handle))
             self._handle = handle
@@ -350,7 +357,8 @@ def _make_class() -> type:
         def on_train_batch_end(
             self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
         ) -> None:
-            if trainer.global_step != self._last_step:
+            stepped = trainer.global_step != self._last_step
+            if stepped:
                 # An optimizer step ran on this batch. Lightning zeroes gradients inside the
                 # next step's closure, after that step's forward: the old gradients would
                 # then live through a whole forward (gradients + activations at once). Drop
@@ -358,12 +366,17 @@ def _make_class() -> type:
                 self._last_step = trainer.global_step
                 for opt in trainer.optimizers:
                     opt.zero_grad(set_to_none=True)
-            t = self.tracker
-            if t is None or not self.log:
+            if not self.log:
                 return
-            # Logged as floats in MiB-free bytes; on_step only, so nothing accumulates.
-            pl_module.log("memfit/live_bytes", float(t.live_bytes), on_step=True, on_epoch=False)
-            pl_module.log("memfit/peak_bytes", float(t.peak_bytes), on_step=True, on_epoch=False)
+            t = self.tracker
+            if t is not None:
+                # Logged as floats in MiB-free bytes; on_step only, so nothing accumulates.
+                live, peak = float(t.live_bytes), float(t.peak_bytes)
+                pl_module.log("memfit/live_bytes", live, on_step=True, on_epoch=False)
+                pl_module.log("memfit/peak_bytes", peak, on_step=True, on_epoch=False)
+            norm = None if self._handle is None else self._handle.last_norm
+            if stepped and norm is not None:
+                pl_module.log("memfit/grad_norm", norm, on_step=True, on_epoch=False)
 
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
             t, self.tracker = self.tracker, None

@@ -26,6 +26,10 @@ What the fusion changes, and how each is handled:
   unchanged. ``clip_mode="approx"`` clips each step with the previous step's norm: no extra
   compute, a one-step-stale coefficient. Exact clipping with accumulation is refused: the
   measuring backward would have to see the whole accumulated gradient.
+* Logging the gradient norm: a loop that measures it after backward (``clip_grad_norm_``, the
+  Hugging Face Trainer's ``grad_norm``) finds no gradient and reports 0. With
+  ``track_grad_norm=True`` the hooks reduce each gradient to its norm before stepping (one
+  small reduction per parameter) and ``last_norm`` holds the step's true global norm.
 * Parameters that get a gradient in an earlier micro-batch but none in the last one are
   stepped when the last backward returns, as an ordinary optimizer would step them.
 * LR schedulers: the handle is a :class:`torch.optim.Optimizer` whose ``param_groups`` are the
@@ -57,6 +61,7 @@ def optimizer_in_backward(
     grad_accum_steps: int = 1,
     max_grad_norm: float | None = None,
     clip_mode: str = "exact",
+    track_grad_norm: bool = False,
 ) -> OptimizerInBackward:
     """Step every trainable parameter of ``model`` inside backward, as its gradient is ready.
 
@@ -79,6 +84,8 @@ def optimizer_in_backward(
         max_grad_norm: Clip the gradient to this global L2 norm (``None``: no clipping).
         clip_mode: ``"exact"`` (one extra, norm-only backward per step) or ``"approx"`` (the
             previous step's norm; see :class:`OptimizerInBackward`).
+        track_grad_norm: Measure every step's global gradient norm (``last_norm``) even without
+            clipping, for logging: one norm per parameter in the hooks, no gradient memory.
 
     Returns:
         The :class:`OptimizerInBackward` handle.
@@ -94,6 +101,7 @@ def optimizer_in_backward(
         grad_accum_steps=grad_accum_steps,
         max_grad_norm=max_grad_norm,
         clip_mode=clip_mode,
+        track_grad_norm=track_grad_norm,
     )
 
 
@@ -124,8 +132,9 @@ class OptimizerInBackward(Optimizer):
         grad_accum_steps: Micro-batches per step.
         max_grad_norm: Global-norm clipping threshold, or ``None``.
         clip_mode: ``"exact"`` or ``"approx"``.
+        track_grad_norm: Whether ``last_norm`` is measured without clipping too.
         last_norm: Global norm of the last step's unclipped gradient (a 0-d tensor), when
-            clipping; ``None`` before the first step.
+            clipping or ``track_grad_norm``; ``None`` before the first step.
     """
 
     def __init__(
@@ -136,6 +145,7 @@ class OptimizerInBackward(Optimizer):
         grad_accum_steps: int = 1,
         max_grad_norm: float | None = None,
         clip_mode: str = "exact",
+        track_grad_norm: bool = False,
     ) -> None:
         _check_arguments(grad_accum_steps, max_grad_norm, clip_mode)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -169,6 +179,7 @@ class OptimizerInBackward(Optimizer):
         self.grad_accum_steps = grad_accum_steps
         self.max_grad_norm = max_grad_norm
         self.clip_mode = clip_mode
+        self.track_grad_norm = track_grad_norm
         self.last_norm: torch.Tensor | None = None
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._micro = 0  # micro-batches done in the current step
@@ -200,6 +211,8 @@ class OptimizerInBackward(Optimizer):
         if self.max_grad_norm is None:
             self._run(loss, "step")
             self._step_leftovers()
+            if self.track_grad_norm:
+                self.last_norm = self._finish_norm()
             return
         measure = self.clip_mode == "exact" or (
             self.last_norm is None and self.grad_accum_steps == 1
@@ -327,6 +340,14 @@ class OptimizerInBackward(Optimizer):
         norm = state_dict.get("last_norm")
         self.last_norm = None if norm is None else torch.as_tensor(norm).clone()
 
+    @property
+    def gathers_norms(self) -> bool:
+        """Whether the stepping hooks reduce each gradient to its norm (for ``last_norm``)."""
+        if self.max_grad_norm is not None:
+            # Approx clips the next step with this step's norm; exact measured it beforehand.
+            return self.clip_mode == "approx"
+        return self.track_grad_norm
+
     # ------------------------------------------------------------------ internals
     def _name_set(self) -> set[str]:
         return set(self.names)
@@ -384,7 +405,7 @@ class OptimizerInBackward(Optimizer):
         i = self._index[id(p)]
         grad = p.grad
         assert grad is not None
-        if self.max_grad_norm is not None and self.clip_mode == "approx":
+        if self.gathers_norms:
             self._norms.append(torch.linalg.vector_norm(grad.detach(), 2))
         if self._coef is not None:
             grad.detach().mul_(self._coef.to(grad.device))
