@@ -107,11 +107,13 @@ def check_outputs(
 def exit_if_unwritable(
     files: Mapping[str, PathLike | None] | None = None,
     folders: Mapping[str, PathLike | None] | None = None,
+    *,
+    existing_folders: Mapping[str, PathLike | None] | None = None,
 ) -> None:
     """For scripts: :func:`check_outputs`, a failure printed as ``error: <sentence>`` on
     standard error and exit code 2 (bad input), as the ``memfit`` command does."""
     try:
-        check_outputs(files, folders)
+        check_outputs(files, folders, existing_folders=existing_folders)
     except OutputError as e:
         _exit(str(e))
 
