@@ -224,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "fused_loss")
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
+    from memfit.outputs import exit_if_unwritable, write_text
+
+    for suffix in () if args.no_write else (".md", ".json"):
+        exit_if_unwritable({"--out": args.out.with_suffix(suffix)})
     for name in ("tokens", "hidden", "vocab", "time_tokens", "time_hidden", "time_vocab",
                  "repeats"):
         if getattr(args, name) < 1:
@@ -234,9 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown(result)
     print(text)
     if not args.no_write:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_suffix(".md").write_text(text)
-        args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+        write_text(args.out.with_suffix(".md"), text)
+        write_text(args.out.with_suffix(".json"), json.dumps(result, indent=2) + "\n")
     return 0
 
 

@@ -149,6 +149,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--markdown", type=Path)
     args = parser.parse_args()
+    from memfit.outputs import exit_if_unwritable, write_text
+
+    exit_if_unwritable({"--json": args.json, "--markdown": args.markdown})
     results = [run(t, args) for t in args.threads]
     for res in results:
         for row in res["rows"]:
@@ -157,9 +160,9 @@ def main() -> None:
                 f"fused x{row['vs_fused']:.2f} foreach x{row['vs_foreach']:.2f}"
             )
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+        write_text(args.json, json.dumps(results, indent=2))
     if args.markdown:
-        args.markdown.write_text(markdown(results, args))
+        write_text(args.markdown, markdown(results, args))
 
 
 if __name__ == "__main__":

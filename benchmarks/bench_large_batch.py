@@ -266,6 +266,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, help="write the markdown report here")
     parser.add_argument("--json", type=Path, help="write every run's numbers here")
     args = parser.parse_args(argv)
+    from memfit.outputs import exit_if_unwritable, write_text
+
+    exit_if_unwritable({"--out": args.out, "--json": args.json})
     start = time.perf_counter()
     results = [run(args, seed) for seed in args.seeds]
     command = "python benchmarks/bench_large_batch.py " + " ".join(sys.argv[1:] if argv is None
@@ -273,10 +276,10 @@ def main(argv: list[str] | None = None) -> None:
     text = markdown(results, args, command.strip(), time.perf_counter() - start)
     print(text)
     if args.out:
-        args.out.write_text(text)
+        write_text(args.out, text)
     if args.json:
-        args.json.write_text(json.dumps([{"rows": r, "summary": s} for r, s in results],
-                                        indent=2))
+        write_text(args.json, json.dumps([{"rows": r, "summary": s} for r, s in results],
+                                         indent=2))
 
 
 if __name__ == "__main__":

@@ -236,6 +236,10 @@ def main() -> None:
     if args.worker:
         print(json.dumps(run_tier(args.worker, args)))
         return
+    from memfit.outputs import exit_if_unwritable, write_text
+
+    exit_if_unwritable({"--json": args.json, "--markdown": args.markdown},
+                       existing_folders={"--disk-dir": args.disk_dir})
     started = time.perf_counter()
     rss = rss_part(args)
     steps = host_step_part(args)
@@ -250,9 +254,9 @@ def main() -> None:
     table = markdown(rss, steps, meta)
     print(table)
     if args.json:
-        args.json.write_text(json.dumps({"meta": meta, "tiers": rss, "host_step": steps}, indent=2))
+        write_text(args.json, json.dumps({"meta": meta, "tiers": rss, "host_step": steps}, indent=2))
     if args.markdown:
-        args.markdown.write_text("# Optimizer offload: disk tier vs host tier\n\n" + table + "\n")
+        write_text(args.markdown, "# Optimizer offload: disk tier vs host tier\n\n" + table + "\n")
 
 
 if __name__ == "__main__":

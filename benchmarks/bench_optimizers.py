@@ -314,6 +314,9 @@ def main() -> None:
     if args.worker:
         print(json.dumps(run_worker(args.worker, args.params, args.steps, args.warmup)))
         return
+    from memfit.outputs import exit_if_unwritable, write_text
+
+    exit_if_unwritable({"--json": args.json})
 
     rows = run_all(args)
     table = markdown(rows)
@@ -337,7 +340,7 @@ def main() -> None:
             "load_average": os.getloadavg(),
             "date": time.strftime("%Y-%m-%d"),
         }
-        args.json.write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
+        write_text(args.json, json.dumps({"meta": meta, "results": rows}, indent=2))
 
 
 if __name__ == "__main__":

@@ -145,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         "--check", type=Path, help="a JSON written by --json: fail if an answer differs"
     )
     args = parser.parse_args(argv)
+    from memfit.outputs import exit_if_unwritable, write_text
 
+    exit_if_unwritable({"--json": args.json})
     import torch
 
     torch.set_num_threads(1)  # fake tensors compute nothing: a second thread only spins
@@ -168,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                 failed.append(name)
         print(line, flush=True)
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1) + "\n")
+        write_text(args.json, json.dumps(results, indent=1) + "\n")
     if failed:
         print(f"answers differ: {', '.join(failed)}", file=sys.stderr)
         return 1

@@ -40,7 +40,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (noise control)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    from memfit.outputs import exit_if_unwritable, make_parent
 
+    exit_if_unwritable({"--json": args.json})
     workload = load_workload(args.model, args.batch_size, args.seq_len)
     model, batch = workload.build()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -82,7 +84,7 @@ def main() -> None:
     for name, r in rows.items():
         print(f"| {name} | {r['seconds']:.3f} | {r['ratio']:.2f}x |")
     if args.json:
-        with open(args.json, "w") as f:
+        with open(make_parent(args.json), "w") as f:
             json.dump({"args": vars(args), "results": rows}, f, indent=2)
 
 

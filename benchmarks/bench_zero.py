@@ -234,7 +234,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--json", type=Path, help="write the results here too")
     args = parser.parse_args(argv)
+    from memfit.outputs import exit_if_unwritable, write_text
 
+    exit_if_unwritable({"--json": args.json})
     rows = []
     print("| side | stage | rank | peak MiB | after init MiB | step ms | loss |")
     print("|---|---|---|---|---|---|---|")
@@ -248,7 +250,7 @@ def main(argv: list[str] | None = None) -> None:
                       f"{r['after_init_bytes'] / 2**20:.3f} | {step_ms} | {r['loss']:.4f} |",
                       flush=True)
     if args.json:
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+        write_text(args.json, json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                          "rows": rows}, indent=2))
 
 

@@ -411,6 +411,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: variants must include none and be among {', '.join(VARIANTS)} "
               f"(llama's among {', '.join(LLAMA_VARIANTS)})", file=sys.stderr)  # fmt: skip
         return 2
+    from memfit.outputs import exit_if_unwritable, write_text
+
+    if args.predict_only:
+        exit_if_unwritable({"--predictions" if args.predictions else "--out":
+                            args.predictions or args.out / f"{args.name}_predictions.json"})
+    else:
+        exit_if_unwritable(folders={"--out": args.out})
+        for suffix in (".json", ".md"):
+            exit_if_unwritable({"--out": args.out / f"{args.name}{suffix}"})
     device = torch.device(args.device or ("cuda" if dev.cuda_available() else "cpu"))
     if not args.predict_only and device.type == "cuda" and not dev.cuda_available():
         print("error: no CUDA device: use --device cpu to exercise the code", file=sys.stderr)
@@ -433,8 +442,7 @@ def main(argv: list[str] | None = None) -> int:
                 preds[spec["key"]] = {"error": f"{type(e).__name__}: {e}"[:300]}
     if args.predict_only:
         path = args.predictions or args.out / f"{args.name}_predictions.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(preds, indent=1) + "\n")
+        write_text(path, json.dumps(preds, indent=1) + "\n")
         print(f"wrote {path}", file=sys.stderr)
         return 0
     rows: list[dict[str, Any]] = []
@@ -450,10 +458,9 @@ def main(argv: list[str] | None = None) -> int:
             "target": args.target, "env": env, "tolerance": TOLERANCE, "partial": partial,
             "seconds": time.perf_counter() - t_start, "rows": done,
         }  # fmt: skip
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
+        write_text(args.out / f"{args.name}.json", json.dumps(result, indent=1) + "\n")
         table = markdown(result)
-        (args.out / f"{args.name}.md").write_text(table + "\n")
+        write_text(args.out / f"{args.name}.md", table + "\n")
         return table
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -69,6 +69,7 @@ from torch.utils._pytree import tree_map_only
 
 import memfit
 from memfit import device as dev
+from memfit.outputs import output_problem, write_text
 from memfit.targets import DEVICES, get_device
 from memfit.units import GiB
 
@@ -519,6 +520,10 @@ def main(argv: list[str] | None = None) -> int:
             get_device(args.target)
     except ValueError as e:
         return _fail(str(e))
+    # The files' names wait for the GPU's name; their folder is checked before any work.
+    problem = output_problem(args.out, folder=True)
+    if problem is not None:
+        return _fail(f"--out {args.out}: {problem}")
     real = not args.dry_only
     # Only cuda_available() here: the parent creates no CUDA context, which would take device
     # memory while the children measure.
@@ -599,16 +604,15 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "rows": rows,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
     stem = f"gpu_{device_name}" + ("" if real else "_predictions")
-    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_text(args.out / f"{stem}.json", json.dumps(result, indent=2) + "\n")
     if real:
         title = (
             f"{gpu and gpu['name']}: memfit's predictions for `{target}` vs real steps, "
             f"torch {torch.__version__}, {args.steps} steps"
         )
         table = markdown(rows, title, gpu)
-        (args.out / f"{stem}.md").write_text(table + "\n")
+        write_text(args.out / f"{stem}.md", table + "\n")
         print(table)
     print(f"wrote {args.out / (stem + '.json')}", file=sys.stderr)
     return 0

@@ -77,14 +77,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
+    from memfit.outputs import exit_if_unwritable, write_text
+
+    exit_if_unwritable(folders={"--out": args.out})
+    for name in ("layout_plans.json", "layout_plans.md"):
+        exit_if_unwritable({"--out": args.out / name})
     rows = []
     for case in CASES:
         print("planning", *case, flush=True)
         rows.append(run_case(*case))
         print(f"  {rows[-1]['plan']} in {rows[-1]['search_seconds']:.1f} s", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "layout_plans.json").write_text(json.dumps(rows, indent=2) + "\n")
-    (args.out / "layout_plans.md").write_text(markdown(rows))
+    write_text(args.out / "layout_plans.json", json.dumps(rows, indent=2) + "\n")
+    write_text(args.out / "layout_plans.md", markdown(rows))
     print(markdown(rows))
 
 

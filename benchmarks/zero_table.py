@@ -128,11 +128,15 @@ def main() -> None:
     ap.add_argument("--measure", default="bert-large", help="model measured on 2 processes ('' for none)")
     ap.add_argument("--out", default="benchmarks/results/zero_table")
     args = ap.parse_args()
+    from memfit.outputs import exit_if_unwritable, write_text
+
+    out = Path(args.out)
+    for suffix in (".json", ".md"):
+        exit_if_unwritable({"--out": out.with_suffix(suffix)})
     pred = predicted_rows([m for m in args.models.split(",") if m])
     meas = measured_rows(args.measure) if args.measure else []
-    out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps({"predicted": pred, "measured": meas}, indent=2))
-    out.with_suffix(".md").write_text(markdown(pred, meas))
+    write_text(out.with_suffix(".json"), json.dumps({"predicted": pred, "measured": meas}, indent=2))
+    write_text(out.with_suffix(".md"), markdown(pred, meas))
     print(markdown(pred, meas))
 
 

@@ -13,6 +13,7 @@ from memfit.cli import app
 runner = CliRunner()
 MISSING = "no/such/file.yaml"
 UNWRITABLE = "{tmp}/a-file/out.json"  # its parent is a file: cannot be written
+A_FOLDER = "{tmp}/a-folder"  # an existing folder, given where a file is written
 
 # The smallest valid invocation of each command, to which one bad option is added.
 BASE = {
@@ -30,8 +31,8 @@ BAD: dict[str, dict[str, list[str] | None]] = {
         "--dry-run": None,
         "--steps": ["0"],
         "--plan": [MISSING],
-        "--json": [UNWRITABLE],
-        "--plot": [UNWRITABLE],
+        "--json": [UNWRITABLE, A_FOLDER],
+        "--plot": [UNWRITABLE, A_FOLDER],
         "--cap": ["lots", "0"],
         "--top": ["-1"],
         "--device": ["no-such-gpu"],
@@ -47,8 +48,8 @@ BAD: dict[str, dict[str, list[str] | None]] = {
         "--forbid": ["teleportation"],
         "--device": ["no-such-gpu"],
         "--plan": [MISSING],
-        "--json": [UNWRITABLE],
-        "--save": [UNWRITABLE],
+        "--json": [UNWRITABLE, A_FOLDER],
+        "--save": [UNWRITABLE, A_FOLDER],
         "--host-budget": ["lots"],
         "--disk-dir": [MISSING],
         "--emit": ["deepspeed"],
@@ -61,24 +62,24 @@ BAD: dict[str, dict[str, list[str] | None]] = {
         "--max-steps": ["0", "x"],
         "--seed": ["x"],
         "--budget": ["lots"],
-        "--json": [UNWRITABLE],
+        "--json": [UNWRITABLE, A_FOLDER],
         "--cap": ["lots"],
-        "--plot": [UNWRITABLE],
+        "--plot": [UNWRITABLE, A_FOLDER],
         "--plan": [MISSING],
-        "--checkpoint-dir": ["{tmp}/a-file"],
+        "--checkpoint-dir": ["{tmp}/a-file", "{tmp}/a-file/ck"],
         "--save-every": ["0"],
         "--nproc-per-node": ["0", "3", "x"],
         "--keep": ["0"],
         "--resume": None,
     },
     "bench ladder": {
-        "--json": [UNWRITABLE],
+        "--json": [UNWRITABLE, A_FOLDER],
         "--model": ["nonsense-model"],
         "--batch-size": ["0"],
         "--seq-len": ["0"],
         "--compute-depth": ["0"],
         "--compute-seq": ["0"],
-        "--markdown": [UNWRITABLE],
+        "--markdown": [UNWRITABLE, A_FOLDER],
         "--device": ["no-such-gpu"],
         "--only": ["nonsense-rung"],
     },
@@ -120,6 +121,7 @@ CASES = [
 @pytest.mark.parametrize(("command", "option", "value"), CASES)
 def test_bad_values_exit_2_with_one_sentence(tmp_path, command, option, value):
     (tmp_path / "a-file").write_text("not a folder")
+    (tmp_path / "a-folder").mkdir()
     fill = {"tmp": str(tmp_path)}
     extra = [a.format(**fill) for a in NEEDS.get((command, option), [])]
     if command == "train" and option == "--resume":
@@ -171,3 +173,133 @@ def _plain_plan(tmp_path) -> str:
     p = tmp_path / "plan.json"
     Plan().to_json(p)
     return str(p)
+
+
+# ------------------------------------------------------------------------------ output paths
+# Every path option of every command: what it writes (a file or a folder), or that it is read.
+OUTPUTS: dict[str, dict[str, str]] = {
+    "profile": {"--json": "file", "--plot": "file"},
+    "plan": {"--json": "file", "--save": "file", "--disk-dir": "existing folder"},
+    "train": {"--json": "file", "--plot": "file", "--checkpoint-dir": "folder"},
+    "bench ladder": {"--json": "file", "--markdown": "file"},
+}
+INPUTS = {("profile", "--plan"), ("plan", "--plan"), ("train", "--config"), ("train", "--plan")}
+# What each kind of output cannot be, as a value and the end of the sentence that refuses it.
+REFUSED = {
+    "file": [("{tmp}/a-file/out.x", "{tmp}/a-file is a file, not a folder"),
+             ("{tmp}/a-file/new/deeper/out.x", "{tmp}/a-file is a file, not a folder"),
+             ("{tmp}/a-folder", "it is a folder; give a file name")],
+    "folder": [("{tmp}/a-file", "it is a file, not a folder"),
+               ("{tmp}/a-file/new", "{tmp}/a-file is a file, not a folder")],
+    "existing folder": [("{tmp}/a-file", "it is a file, not a folder"),
+                        ("{tmp}/no-such-folder", "the folder does not exist; create it first")],
+}  # fmt: skip
+
+
+def _path_options() -> dict[str, set[str]]:
+    """Each command's options whose value is a path (read from the functions' annotations)."""
+    import typing
+    from pathlib import Path
+
+    found: dict[str, set[str]] = {}
+
+    def walk(cmd, path):
+        if getattr(cmd, "commands", None):
+            for name, sub in cmd.commands.items():
+                walk(sub, [*path, name])
+            return
+        fn = getattr(cmd.callback, "__wrapped__", cmd.callback)
+        hints = typing.get_type_hints(fn)
+        found[" ".join(path)] = {
+            p.opts[0] for p in cmd.params
+            if hints.get(p.name) is Path or Path in typing.get_args(hints.get(p.name))
+        }  # fmt: skip
+
+    walk(typer.main.get_command(app), [])
+    return found
+
+
+def test_every_path_option_is_an_input_or_a_checked_output():
+    for command, options in _path_options().items():
+        outputs = set(OUTPUTS.get(command, {}))
+        inputs = {o for c, o in INPUTS if c == command}
+        assert options == outputs | inputs, command
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Every command's work refuses to start: an output check that came too late shows."""
+
+    def started(*args, **kwargs):
+        raise AssertionError("the work started before the output paths were checked")
+
+    import memfit.bench.ladder
+    import memfit.distributed.launch
+    import memfit.train.command
+    import memfit.workload
+
+    monkeypatch.setattr(memfit.workload, "load_workload", started)
+    monkeypatch.setattr(memfit.train.command, "prepare_run", started)
+    monkeypatch.setattr(memfit.distributed.launch, "launch", started)
+    monkeypatch.setattr(memfit.bench.ladder, "run_ladder", started)
+
+
+OUTPUT_CASES = [
+    pytest.param(command, option, value, why, id=f"{command} {option} {value}")
+    for command, options in OUTPUTS.items()
+    for option, kind in options.items()
+    for value, why in REFUSED[kind]
+]
+
+
+@pytest.mark.parametrize(("command", "option", "value", "why"), OUTPUT_CASES)
+def test_an_unwritable_output_stops_the_command_before_any_work(
+    tmp_path, no_work, command, option, value, why
+):
+    (tmp_path / "a-file").write_text("not a folder")
+    (tmp_path / "a-folder").mkdir()
+    before = sorted(tmp_path.rglob("*"))
+    extra = ["--allow", "offload"] if option == "--disk-dir" else []
+    path = value.format(tmp=tmp_path)
+    args = [*command.split(), *BASE[command], *extra, option, path]
+    res = runner.invoke(app, args, env={"COLUMNS": "1000", "NO_COLOR": "1"})
+    assert res.exit_code == 2, f"{args}: exit {res.exit_code}\n{res.output}"
+    assert res.output.strip() == f"error: {option} {path}: {why.format(tmp=tmp_path)}"
+    assert sorted(tmp_path.rglob("*")) == before  # nothing written
+
+
+def test_a_config_files_checkpoint_dir_is_checked_before_any_work(tmp_path, no_work):
+    (tmp_path / "a-file").write_text("not a folder")
+    (tmp_path / "run.yaml").write_text("checkpoint_dir: a-file/ck\nmax_steps: 1\n")
+    res = runner.invoke(app, ["train", "--config", str(tmp_path / "run.yaml")],
+                        env={"COLUMNS": "1000", "NO_COLOR": "1"})  # fmt: skip
+    assert res.exit_code == 2, res.output
+    assert res.output.strip() == (
+        f"error: run.yaml: checkpoint_dir {tmp_path}/a-file/ck: {tmp_path}/a-file is a file, "
+        "not a folder"
+    )
+
+
+def test_a_given_plans_disk_folder_is_checked_before_any_work(tmp_path, no_work):
+    from memfit.plan import Plan
+
+    plan = Plan(offload={"optimizer": "disk", "disk_dir": str(tmp_path / "gone")})
+    plan.to_json(tmp_path / "plan.json")
+    res = runner.invoke(app, ["train", "--max-steps", "1", "--plan", str(tmp_path / "plan.json")],
+                        env={"COLUMNS": "1000", "NO_COLOR": "1"})  # fmt: skip
+    assert res.exit_code == 2, res.output
+    assert res.output.strip() == (
+        f"error: the plan's offload.disk_dir {tmp_path}/gone: the folder does not exist; "
+        "create it first"
+    )
+
+
+def test_missing_parent_folders_of_the_outputs_are_created(tmp_path):
+    json_path, save = tmp_path / "new" / "sub" / "answer.json", tmp_path / "other" / "plan.yaml"
+    res = runner.invoke(
+        app,
+        ["plan", *BASE["plan"], "--jobs", "1", "--json", str(json_path), "--save", str(save)],
+        env={"COLUMNS": "1000", "NO_COLOR": "1"},
+    )
+    assert res.exit_code == 0, res.output
+    assert json_path.is_file() and save.is_file()

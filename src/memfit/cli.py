@@ -13,6 +13,7 @@ from typing import Annotated, Any
 import typer
 
 from .console import check_outputs, err, fail, out, quiet_libraries
+from .outputs import make_parent, write_text
 
 app = typer.Typer(
     name="memfit",
@@ -128,7 +129,7 @@ def profile(
     from .workload import load_workload
 
     _check_sizes(batch_size, seq_len, steps)
-    check_outputs(json=json_path, plot=plot)
+    check_outputs({"--json": json_path, "--plot": plot})
     if top < 0:
         _fail(f"--top must be a whole number >= 0, got {top}")
     cap_bytes = _parse_cap(cap)
@@ -222,7 +223,7 @@ def _profile_ranks(
     if json_path is not None:
         data = {"model": workload.name, "plan": plan.to_dict(), "world_size": world, **pred.to_dict()}
         data["reports"] = {str(r): rep.to_dict(max_points=200) for r, rep in pred.reports.items()}
-        json_path.write_text(json.dumps(data, indent=2) + "\n")
+        write_text(json_path, json.dumps(data, indent=2) + "\n")
         out.print(f"wrote {json_path}")
 
 
@@ -264,7 +265,7 @@ def _profile_layout(workload: Any, plan: Any, world: int, json_path: Any) -> Non
     if json_path is not None:
         data = {"model": workload.name, "plan": plan.to_dict(), "world_size": world,
                 **pred.to_dict(), "predicted_rank_peak_bytes": list(pred.peak_bytes)}
-        json_path.write_text(json.dumps(data, indent=2) + "\n")
+        write_text(json_path, json.dumps(data, indent=2) + "\n")
         out.print(f"wrote {json_path}")
 
 
@@ -392,7 +393,8 @@ def plan_command(
     from .workload import load_workload
 
     _check_sizes(batch_size, seq_len)
-    check_outputs(json=json_path, save=save)
+    # --disk-dir is written by training under the plan, not here, but must exist by then.
+    check_outputs({"--json": json_path, "--save": save}, existing_folders={"--disk-dir": disk_dir})
     base_plan = _run_guarded(Plan.load, base) if base is not None else None
     workload = _run_guarded(load_workload, model, batch_size, seq_len)
     from rich.status import Status
@@ -417,7 +419,7 @@ def plan_command(
         except NothingFits as e:
             status.stop()
             if json_path is not None:
-                json_path.write_text(json.dumps(e.result.to_dict(), indent=2) + "\n")
+                write_text(json_path, json.dumps(e.result.to_dict(), indent=2) + "\n")
             _fail(str(e))
     if result.layout is not None:
         from .planner.layout import layout_table
@@ -458,9 +460,10 @@ def plan_command(
             highlight=False,
         )
     if json_path is not None:
-        json_path.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+        write_text(json_path, json.dumps(result.to_dict(), indent=2) + "\n")
         out.print(f"wrote {json_path}")
     if save is not None:
+        make_parent(save)
         if save.suffix.lower() in (".yaml", ".yml"):
             result.plan.to_yaml(save)
         else:
@@ -530,7 +533,7 @@ def bench_ladder(
     from .bench.ladder import ladder_markdown, ladder_table, run_ladder
 
     _check_sizes(batch_size, seq_len)
-    check_outputs(json=json_path, markdown=markdown)
+    check_outputs({"--json": json_path, "--markdown": markdown})
     for flag, value in (("--compute-depth", compute_depth), ("--compute-seq", compute_seq)):
         if value < 1:
             _fail(f"{flag} must be a whole number >= 1, got {value}")
@@ -552,11 +555,10 @@ def bench_ladder(
         )
     out.print(ladder_table(rows))
     if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps([r.to_dict() for r in rows], indent=2) + "\n")
+        write_text(json_path, json.dumps([r.to_dict() for r in rows], indent=2) + "\n")
         out.print(f"wrote {json_path}")
     if markdown is not None:
-        markdown.write_text(ladder_markdown(rows) + "\n")
+        write_text(markdown, ladder_markdown(rows) + "\n")
         out.print(f"wrote {markdown}")
 
 

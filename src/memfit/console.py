@@ -7,6 +7,7 @@ A floor below the commands (``cli.py`` and the per-command modules such as
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import NoReturn
 
@@ -35,20 +36,20 @@ def fail(message: str, code: int = 2) -> NoReturn:
     raise typer.Exit(code)
 
 
-def check_outputs(**paths: Path | None) -> None:
-    """Fail at once (one sentence, exit 2) when an output file cannot be written, rather than
-    after the work: ``check_outputs(json=path)`` names ``--json``. A missing parent folder is
-    fine when it can be created."""
-    for name, path in paths.items():
-        if path is None:
-            continue
-        flag = "--" + name.replace("_", "-")
-        if path.is_dir():
-            fail(f"{flag} {str(path)!r} is a folder; give a file path")
-        ancestor = path.parent
-        while not ancestor.exists() and ancestor != ancestor.parent:
-            ancestor = ancestor.parent
-        if not ancestor.is_dir():
-            fail(f"{flag} {str(path)!r} cannot be written: {str(ancestor)!r} is not a folder")
-        if not os.access(ancestor, os.W_OK):
-            fail(f"{flag} {str(path)!r} cannot be written: {str(ancestor)!r} is not writable")
+def check_outputs(
+    files: Mapping[str, Path | None] | None = None,
+    folders: Mapping[str, Path | None] | None = None,
+    *,
+    existing_folders: Mapping[str, Path | None] | None = None,
+) -> None:
+    """Fail at once (one sentence naming the option and the path, exit 2) when an output
+    cannot be written, before the command does any work: ``check_outputs({"--json": path})``.
+    The rule is :func:`memfit.outputs.check_outputs`'s (a missing parent folder is fine when it
+    can be created)."""
+    from .outputs import OutputError
+    from .outputs import check_outputs as check
+
+    try:
+        check(files, folders, existing_folders=existing_folders)
+    except OutputError as e:
+        fail(str(e))

@@ -191,3 +191,66 @@ def test_the_cli_prints_the_layout_and_writes_every_rank(tmp_path):
     assert data["layout"]["step_seconds"] > 0 and data["layout"]["alternatives"]
     bad = CliRunner().invoke(app, [*args[:-2], "--gpus-per-node", "3"])
     assert bad.exit_code == 2 and "does not divide --world-size 4" in bad.output
+
+
+# --------------------------------------------------------------------- the search's options
+@pytest.mark.parametrize("allow", ["offload", "8bit", "factored", "bf16-pure", "freeze",
+                                   "shorter-seq"])
+def test_an_allowed_technique_is_refused_not_ignored(allow):
+    with pytest.raises(ValueError, match=f"--allow {allow} is not searched with --gpus-per-node"):
+        plan_layout(DEEP, 1 << 30, 4, 2, allow=[allow], confirm=False)
+    plan_layout(DEEP, 1 << 30, 4, 2, allow=["", " "], confirm=False)  # nothing allowed: fine
+
+
+def test_the_search_s_other_options_are_checked_or_refused():
+    with pytest.raises(ValueError, match="--allow value 'teleportation' does not exist"):
+        plan_layout(DEEP, 1 << 30, 4, 2, allow=["teleportation"], confirm=False)
+    with pytest.raises(ValueError, match="--forbid value 'teleportation' does not exist"):
+        plan_layout(DEEP, 1 << 30, 4, 2, forbid=["teleportation"], confirm=False)
+    with pytest.raises(ValueError, match="--disk-dir is where offload puts state on disk"):
+        plan_layout(DEEP, 1 << 30, 4, 2, disk_dir="/tmp", confirm=False)
+    with pytest.raises(ValueError, match="--jobs must be a whole number >= 1"):
+        plan_layout(DEEP, 1 << 30, 4, 2, jobs=0, confirm=False)
+    with pytest.raises(ValueError):
+        plan_layout(DEEP, 1 << 30, 4, 2, host_budget="lots", confirm=False)
+    # Honoured as they are: no layout uses host memory; the pricing runs in this process.
+    assert plan_layout(DEEP, 1 << 30, 4, 2, host_budget="1GiB", jobs=1, confirm=False).fits
+
+
+def test_an_unknown_keyword_is_a_type_error():
+    with pytest.raises(TypeError, match="allow_offload"):
+        plan_layout(DEEP, 1 << 30, 4, 2, allow_offload=True, confirm=False)
+    from memfit.planner import plan
+
+    with pytest.raises(TypeError, match="allow_offload"):
+        plan(DEEP, 1 << 30, world_size=4, gpus_per_node=2, allow_offload=True)
+
+
+def test_forbidden_techniques_are_left_out_of_the_layouts():
+    free = plan_layout(DEEP, 1 << 30, 4, 2, confirm=False)  # every setting is priced
+    assert any(c.checkpointing for c in free.layouts)
+    assert any(c.microbatches > 1 and c.parallel.pipeline == 1 for c in free.layouts)
+    result = plan_layout(DEEP, 1 << 30, 4, 2, forbid=["checkpointing", "accumulation"],
+                         confirm=False)  # fmt: skip
+    assert not any(c.checkpointing for c in result.layouts)
+    assert not any(c.microbatches > 1 and c.parallel.pipeline == 1 for c in result.layouts)
+    assert any(c.parallel.pipeline > 1 for c in result.layouts)  # a pipeline's micro-batches stay
+    gpu = plan_layout(DEEP, "a100", 4, 2, confirm=False)
+    assert gpu.plan.precision.mode == "bf16-mixed"
+    kept = plan_layout(DEEP, "a100", 4, 2, forbid=["mixed-precision"], confirm=False)
+    assert kept.plan.precision.mode == "fp32"
+
+
+def test_the_cli_refuses_allow_offload_with_a_layout():
+    from typer.testing import CliRunner
+
+    from memfit.cli import app
+
+    args = ["plan", "--model", "llama-tiny", "--batch-size", "8", "--seq-len", "32", "--budget",
+            "1GiB", "--world-size", "8", "--gpus-per-node", "8", "--allow", "offload"]
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "1000", "NO_COLOR": "1"})
+    assert result.exit_code == 2, result.output
+    lines = [ln for ln in result.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith(
+        "error: --allow offload is not searched with --gpus-per-node"
+    )

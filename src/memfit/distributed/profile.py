@@ -39,6 +39,7 @@ def profile_under_launcher(
     from rich.table import Table
 
     from ..estimate.dryrun import measure
+    from ..outputs import write_text
 
     rank, world = init_worker()
     plan = plan or Plan()
@@ -71,7 +72,7 @@ def profile_under_launcher(
         if json_path is not None:
             data = {"model": workload.name, "plan": plan.to_dict(), "world_size": world,
                     "ranks": rows, "per_rank_peak_bytes": [r["peak_bytes"] for r in rows]}
-            json_path.write_text(json.dumps(data, indent=2) + "\n")
+            write_text(json_path, json.dumps(data, indent=2) + "\n")
             console.print(f"wrote {json_path} and one report per rank")
     dist.destroy_process_group()
     return rows

@@ -32,14 +32,17 @@ def plan(
             (:func:`~memfit.planner.parallel.plan_parallel`). ``None``: one process.
         gpus_per_node: With ``world_size``: devices per node, which turns on the 3-D search
             (data x tensor x pipeline degrees, :func:`~memfit.planner.layout.plan_layout`);
-            tensor parallelism stays within a node.
+            tensor parallelism stays within a node. That search keeps the plan's precision
+            and optimizer and offloads nothing: it refuses ``allow`` values and ``disk_dir``
+            with a ``ValueError`` rather than ignore them.
         **kwargs: The search's settings (``batch_size``, ``seq_len``, ``allow``, ``forbid``,
             ``base``, ``device``, ``max_predictions``, ``progress``, ``host_budget``,
             ``disk_dir``, ``jobs``): see :func:`memfit.planner.search.plan`.
 
     Raises:
-        ValueError: for a malformed budget, an unknown allow/forbid value or a world size that
-            does not divide the batch.
+        TypeError: for a keyword none of the searches takes.
+        ValueError: for a malformed budget, an unknown allow/forbid value, an option the
+            chosen search cannot honour, or a world size that does not divide the batch.
         NothingFits: when no allowed plan fits; ``.result`` holds the closest plan.
     """
     if gpus_per_node is not None:

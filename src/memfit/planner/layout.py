@@ -88,10 +88,11 @@ def _fixed_layout(par: ParallelConfig, world: int, shape: ModelShape, batch_size
 
 def _settings(d: int, t: int, p: int, batch_size: int, base: ParallelConfig,
               shape: ModelShape, gpus_per_node: int,
-              fixed: bool = False) -> Iterable[tuple[ParallelConfig, int]]:
+              fixed: bool = False, accumulate: bool = True) -> Iterable[tuple[ParallelConfig, int]]:
     """Every valid setting of one layout, with its micro-batch count (the pipeline's, or
     gradient accumulation's with one stage). ``fixed``: the plan's own schedule and
-    micro-batch count, when it gives them, are kept."""
+    micro-batch count, when it gives them, are kept. ``accumulate``: with one stage, more
+    than one micro-batch (gradient accumulation) may be used."""
     if batch_size % d:
         return
     # With a tensor or pipeline split, replicas shard through FSDP2 (stages 2 and 3) or
@@ -100,7 +101,7 @@ def _settings(d: int, t: int, p: int, batch_size: int, base: ParallelConfig,
     schedules: tuple[str, ...] = (
         ("1f1b", "interleaved-1f1b", "zero-bubble", "gpipe") if p > 1 else ("1f1b",)
     )
-    counts = _divisors(batch_size // d)
+    counts = _divisors(batch_size // d) if accumulate or p > 1 else [1]
     if fixed and p > 1:
         schedules = (base.schedule,)
         if base.microbatches is not None:
@@ -123,11 +124,16 @@ def plan_layout(
     *,
     batch_size: int | None = None,
     seq_len: int | None = None,
+    allow: Iterable[str] = (),
+    forbid: Iterable[str] = (),
     base: Plan | None = None,
     device: Any = None,
+    max_predictions: int = 60,
     progress: Callable[[str], None] | None = None,
+    host_budget: int | str | None = None,
+    disk_dir: str | None = None,
+    jobs: int = 2,
     confirm: bool = True,
-    **_: Any,
 ) -> PlanResult:
     """The fastest 3-D layout over ``world_size`` processes whose every rank fits ``budget``.
 
@@ -139,16 +145,34 @@ def plan_layout(
             parallelism stays within one.
         batch_size: With a SPEC: the global batch (default 8).
         seq_len: With a SPEC: tokens per sample (default 128).
+        allow: As :func:`memfit.planner.search.plan`'s, but a layout keeps the plan's
+            precision and optimizer and offloads nothing, so no technique that needs consent
+            is searched: any value is refused (``ValueError``) rather than ignored; give an
+            optimizer or precision in ``base`` instead.
+        forbid: Default techniques to rule out, as :func:`memfit.planner.search.plan`'s:
+            ``checkpointing`` and ``full-checkpointing`` leave out the checkpointed settings,
+            ``mixed-precision`` keeps an fp32 base in fp32, ``accumulation`` keeps one
+            micro-batch per replica without a pipeline; the layout search never adds the
+            others (``fused-step``, ``foreach-off``, ``fused-loss``).
         base: The user's plan: its precision and optimizer are kept (default: bf16-mixed
             where the device computes in bf16, and AdamW).
         device: The target device (its memory, speed and links).
+        max_predictions: Most dry-run predictions: confirming the winner takes at most
+            ``min(3, max_predictions)`` (0: the layout model's figures stand).
         progress: Called with a short message as the search advances.
+        host_budget: Host memory the offload tiers may use: checked for form only, since a
+            layout uses no host tier.
+        disk_dir: Refused (``ValueError``): the disk tier is offload, which no layout uses.
+        jobs: Processes the search may use (>= 1); the layout search prices layouts with a
+            model, in this process.
         confirm: Predict the winner's every rank by dry runs of its own program
             (:func:`memfit.estimate.layout.predict_layout`) when that is available.
 
     Raises:
+        TypeError: for a keyword this function does not take.
         ValueError: for a world size or node size that is not a whole number >= 1, or a node
-            size that does not divide the world.
+            size that does not divide the world; for an ``allow`` value or a ``disk_dir``
+            (see above), an unknown ``forbid`` value or a malformed ``host_budget``.
         WorkloadError: for a model the planner cannot split.
         NothingFits: when no layout fits; ``.result`` holds the closest.
     """
@@ -161,6 +185,7 @@ def plan_layout(
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)
                                   or value < 1):
             raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+    forbid = _check_search_options(allow, forbid, host_budget, disk_dir, jobs)
     g = gpus_per_node if gpus_per_node is not None else min(world_size, 8)
     if world_size % g and world_size > g:
         raise ValueError(
@@ -176,7 +201,8 @@ def plan_layout(
              else budget_bytes)
     base = base or Plan()
     precision = base.precision.mode
-    if precision == "fp32" and target.is_cuda and target.supports_bf16:
+    if (precision == "fp32" and target.is_cuda and target.supports_bf16
+            and "mixed-precision" not in forbid):
         precision = "bf16-mixed"  # what every multi-GPU recipe trains in
     base = plan_for_target(base.replace(precision=precision), target)
     say("reading the model's shapes")
@@ -185,11 +211,14 @@ def plan_layout(
     fixed = base.parallel if base.parallel.tensor > 1 or base.parallel.pipeline > 1 else None
     if fixed is not None:
         layouts = [_fixed_layout(fixed, world_size, shape, workload.batch_size, g)]
+    # A layout's checkpointing is full or none: forbidding either kind leaves none.
+    ckpts = (False,) if {"checkpointing", "full-checkpointing"} & set(forbid) else (False, True)
     candidates: list[LayoutCandidate] = []
     refused: list[str] = []
     for d, t, p in layouts:
         settings = list(_settings(d, t, p, workload.batch_size, base.parallel, shape, g,
-                                  fixed=fixed is not None))
+                                  fixed=fixed is not None,
+                                  accumulate="accumulation" not in forbid))
         if not settings:
             trial = dataclasses.replace(base.parallel, data=d, tensor=t, pipeline=p,
                                         microbatches=2 * p if p > 1 else None)
@@ -199,7 +228,7 @@ def plan_layout(
             continue
         say(f"pricing data {d} x tensor {t} x pipeline {p}")
         for par, m in settings:
-            for ckpt in (False, True):
+            for ckpt in ckpts:
                 cand = estimate_layout(
                     shape, par, batch_size=workload.batch_size, seq_len=workload.seq_len,
                     checkpointing=ckpt, device=target, precision=precision,
@@ -230,7 +259,7 @@ def plan_layout(
     best = fitting[0]
     confirmed = None
     if confirm:
-        for cand in fitting[:3]:
+        for cand in fitting[:min(3, max_predictions)]:
             peaks = _confirm(workload, result_of(cand, fits=True, explanation="").plan, target, say)
             if peaks is None:
                 break
@@ -245,6 +274,37 @@ def plan_layout(
         result.predicted_peak_bytes = max(confirmed)
     result.seconds = time.perf_counter() - started
     return result
+
+
+def _check_search_options(allow: Iterable[str], forbid: Iterable[str],
+                          host_budget: int | str | None, disk_dir: str | None,
+                          jobs: int) -> tuple[str, ...]:
+    """The forbidden names, once the search's other options are known to be honoured here;
+    one sentence (``ValueError``) for an option the layout search cannot honour."""
+    from ..targets import parse_budget
+    from .candidates import ALLOW, FORBID, check_names
+
+    if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
+        raise ValueError(f"--jobs must be a whole number >= 1, got {jobs!r}")
+    allowed = check_names(allow, ALLOW, "--allow")
+    forbidden = check_names(forbid, FORBID, "--forbid")
+    if allowed:
+        # A layout is priced by a model of its ranks in the plan's precision and optimizer,
+        # without host or disk tiers: an allowed technique would be silently unused.
+        raise ValueError(
+            f"--allow {','.join(allowed)} is not searched with --gpus-per-node (the layout "
+            "planner keeps the plan's precision and optimizer and offloads nothing); leave "
+            "out --gpus-per-node to plan data parallelism with it, or give the optimizer or "
+            "precision in --plan"
+        )
+    if disk_dir is not None:
+        raise ValueError(
+            "--disk-dir is where offload puts state on disk, and the layout planner "
+            "(--gpus-per-node) offloads nothing; leave out one or the other"
+        )
+    if host_budget is not None:
+        parse_budget(host_budget)  # a malformed size is refused; no layout uses host memory
+    return forbidden
 
 
 def _layout_key(c: LayoutCandidate) -> tuple[int, int, int]:

@@ -19,6 +19,8 @@ from typing import Annotated, Any
 import torch
 import typer
 
+from ..outputs import check_outputs as check_paths
+from ..outputs import write_text
 from ..workload import WorkloadError
 from .config import ConfigError, TrainConfig, field_help
 from .layout_run import check_layout_run, is_layout_plan
@@ -62,7 +64,7 @@ def train(
     )
 
     quiet_libraries()
-    check_outputs(json=json_path, plot=plot)
+    check_outputs({"--json": json_path, "--plot": plot}, {"--checkpoint-dir": checkpoint_dir})
     flags = {
         "max_steps": max_steps,
         "seed": seed,
@@ -81,6 +83,7 @@ def train(
     try:
         settings = build_config(config, {k: v for k, v in flags.items() if v is not None})
         _check_plan_degree(settings)  # before any process starts (and again in each, harmless)
+        _check_config_outputs(settings, config, given_checkpoint_dir=checkpoint_dir is not None)
         if plot is not None and is_layout_plan(settings.load_plan()):
             raise ValueError(
                 "--plot draws the single-model memory report, which a tensor or pipeline plan's "
@@ -146,8 +149,27 @@ def _work(
     if json_path is not None and rank == 0:
         data = _result_json(run, result)
         data.update(world_size=world, per_rank_peak_bytes=peaks)
-        json_path.write_text(json.dumps(data, indent=2) + "\n")
+        write_text(json_path, json.dumps(data, indent=2) + "\n")
         out.print(f"wrote {json_path}")
+
+
+def _check_config_outputs(
+    settings: TrainConfig, config: Path | None, *, given_checkpoint_dir: bool
+) -> None:
+    """The folders the run writes that the options did not name (checked with them already):
+    a ``checkpoint_dir`` from the ``--config`` file and the plan's disk offload folder.
+
+    Raises:
+        OutputError: one sentence naming where the path came from.
+    """
+    folders: dict[str, str | None] = {}
+    if not given_checkpoint_dir and settings.checkpoint_dir is not None:
+        where = f"{config.name}: checkpoint_dir" if config is not None else "checkpoint_dir"
+        folders[where] = settings.checkpoint_dir
+    plan = settings.load_plan()
+    off = plan.offload if plan is not None else None
+    disk = off.disk_dir if off is not None and "disk" in (off.optimizer, off.parameters) else None
+    check_paths(folders=folders, existing_folders={"the plan's offload.disk_dir": disk})
 
 
 def _check_plan_degree(settings: TrainConfig) -> None:
@@ -238,7 +260,7 @@ def _work_layout(
         )
         if predicted is not None:
             data["predicted_rank_peak_bytes"] = predicted
-        json_path.write_text(json.dumps(data, indent=2) + "\n")
+        write_text(json_path, json.dumps(data, indent=2) + "\n")
         out.print(f"wrote {json_path}")
 
 

@@ -1,0 +1,138 @@
+"""Output paths: whether a command can write them, checked before it does any work.
+
+A profile, a plan search or a training run can take minutes; a ``--json`` path in a folder
+that cannot exist should stop the command at once, not after the work. The commands
+(``memfit profile/plan/train/bench``) and the scripts in ``benchmarks/`` check every path they
+will write with :func:`check_outputs` first, and write through :func:`write_text` (or
+:func:`make_parent`), which creates the missing folders the check allowed.
+
+The rule, for a file output: a missing parent folder is created when its nearest existing
+ancestor is a writable folder; an ancestor that is a file, or a folder that cannot be written,
+is an error, and so is a path that is an existing folder. For a folder output the same, with a
+path that is an existing file an error. Writability comes from :func:`os.access` on the path
+or its nearest existing ancestor, so the check leaves nothing behind. A stdlib-only module (the
+bottom floor): the command line and the benchmark scripts both import it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import NoReturn
+
+__all__ = [
+    "OutputError",
+    "check_outputs",
+    "exit_if_unwritable",
+    "make_parent",
+    "output_problem",
+    "write_text",
+]
+
+PathLike = str | os.PathLike[str]
+
+
+class OutputError(ValueError):
+    """An output path that cannot be written: one sentence naming the option and the path."""
+
+
+def output_problem(path: PathLike, *, folder: bool = False, must_exist: bool = False) -> str | None:
+    """What stops a command writing ``path``, as a sentence's end, or ``None`` when nothing does.
+
+    Args:
+        path: The output path as the user gave it.
+        folder: The path is a folder the command writes files into (``--checkpoint-dir``),
+            not a file.
+        must_exist: With ``folder``: the folder must exist already (nothing creates it).
+
+    Returns:
+        ``None``, or the problem, e.g. ``"the folder /etc/hostname is a file"``.
+    """
+    p = Path(os.fspath(path)).expanduser()
+    if os.path.exists(p):
+        if folder and not os.path.isdir(p):
+            return "it is a file, not a folder"
+        if not folder and os.path.isdir(p):
+            return "it is a folder; give a file name"
+        # A folder output gets files created inside it (write and search permission).
+        mode = os.W_OK | os.X_OK if folder else os.W_OK
+        if not os.access(p, mode):
+            return f"the {'folder' if folder else 'file'} is not writable"
+        return None
+    if folder and must_exist:
+        return "the folder does not exist; create it first"
+    # The nearest existing ancestor: the missing folders below it are created at write time.
+    ancestor = p.absolute().parent
+    while not os.path.exists(ancestor) and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not os.path.isdir(ancestor):
+        return f"{ancestor} is a file, not a folder"
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        return f"the folder {ancestor} is not writable"
+    return None
+
+
+def check_outputs(
+    files: Mapping[str, PathLike | None] | None = None,
+    folders: Mapping[str, PathLike | None] | None = None,
+    *,
+    existing_folders: Mapping[str, PathLike | None] | None = None,
+) -> None:
+    """Raise :class:`OutputError` for the first output that cannot be written.
+
+    Args:
+        files: Option name (``"--json"``) -> the file it writes (``None``: not given).
+        folders: Option name -> a folder it writes into, created if missing.
+        existing_folders: Option name -> a folder it writes into that must exist already.
+
+    Raises:
+        OutputError: ``"--json /no/such/p.json: the folder /no is not writable"``.
+    """
+    groups = (
+        (files or {}, {}),
+        (folders or {}, {"folder": True}),
+        (existing_folders or {}, {"folder": True, "must_exist": True}),
+    )
+    for paths, how in groups:
+        for flag, path in paths.items():
+            if path is None:
+                continue
+            problem = output_problem(path, **how)
+            if problem is not None:
+                raise OutputError(f"{flag} {os.fspath(path)}: {problem}")
+
+
+def exit_if_unwritable(
+    files: Mapping[str, PathLike | None] | None = None,
+    folders: Mapping[str, PathLike | None] | None = None,
+    *,
+    existing_folders: Mapping[str, PathLike | None] | None = None,
+) -> None:
+    """For scripts: :func:`check_outputs`, a failure printed as ``error: <sentence>`` on
+    standard error and exit code 2 (bad input), as the ``memfit`` command does."""
+    try:
+        check_outputs(files, folders, existing_folders=existing_folders)
+    except OutputError as e:
+        _exit(str(e))
+
+
+def _exit(message: str) -> NoReturn:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def make_parent(path: PathLike) -> Path:
+    """Create the missing folders above the file ``path`` (which :func:`check_outputs` allowed);
+    returns ``path`` as a :class:`~pathlib.Path`."""
+    p = Path(os.fspath(path))
+    p.parent.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def write_text(path: PathLike, text: str) -> Path:
+    """Write ``text`` to the file ``path``, creating its missing parent folders first."""
+    p = make_parent(path)
+    p.write_text(text)
+    return p
