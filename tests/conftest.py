@@ -1,9 +1,62 @@
-"""Settings shared by the whole suite."""
+"""Settings shared by the whole suite, and the checks that keep its markers honest."""
 
 from __future__ import annotations
 
+import multiprocessing.util
+import subprocess
+
 import pytest
 import torch
+
+# Processes started so far in this process (subprocess.Popen, and multiprocessing's spawn,
+# which torch.multiprocessing and the elastic launcher use; a fork is not counted).
+_STARTED = [0]
+_BEFORE = pytest.StashKey[int]()
+_MARKS = ("subprocess", "distributed")
+
+
+def _counting(fn):
+    def wrapper(*args, **kwargs):
+        _STARTED[0] += 1
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    subprocess.Popen.__init__ = _counting(subprocess.Popen.__init__)  # type: ignore[method-assign]
+    multiprocessing.util.spawnv_passfds = _counting(multiprocessing.util.spawnv_passfds)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # The multi-process tests share one xdist worker: two of them at once would each wait
+    # for the cores the other holds.
+    for item in items:
+        if item.get_closest_marker("distributed"):
+            item.add_marker(pytest.mark.xdist_group("processes"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+    item.stash[_BEFORE] = _STARTED[0]
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report = outcome.get_result()
+    if call.when != "call" or not report.passed or any(item.get_closest_marker(m) for m in _MARKS):
+        return
+    started = _STARTED[0] - item.stash.get(_BEFORE, _STARTED[0])
+    if started:
+        # The fast tier (-m "not slow and not distributed and not subprocess") must not start
+        # interpreters: each costs seconds of imports.
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{item.nodeid} started {started} process(es) (in the test or a fixture it uses) "
+            "without @pytest.mark.subprocess or @pytest.mark.distributed"
+        )
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -283,7 +283,7 @@ def cache_dir() -> Path:
 def _machine_key() -> str:
     """What a CPU measurement holds for: the processor, its cores, the threads torch uses, and
     the torch and memfit versions (a new kernel library can change every rate)."""
-    model = platform.processor() or platform.machine()
+    model = platform.machine()  # (platform.processor() would start a process: uname -p)
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             model = next(
