@@ -66,10 +66,28 @@ def test_two_processes_train_like_one_on_the_global_batch(workdir: Path, stage: 
     a = json.loads((workdir / f"two{stage}.json").read_text())
     b = json.loads((workdir / "one.json").read_text())
     assert a["world_size"] == 2 and len(a["per_rank_peak_bytes"]) == 2
-    assert all(p > 0 for p in a["per_rank_peak_bytes"])
+    _assert_peaks_are_the_dry_runs(workdir, stage, a["per_rank_peak_bytes"])
     assert a["plan"]["parallel"]["data"] == 2 and a["plan"]["parallel"]["zero_stage"] == stage
     assert a["losses"] == pytest.approx(b["losses"], rel=1e-5)
     assert a["final_loss"] == pytest.approx(b["final_loss"], rel=1e-5)
+
+
+def _assert_peaks_are_the_dry_runs(workdir: Path, stage: int, measured: list[int]) -> None:
+    """Each process's measured peak is its own rank's dry-run prediction (FSDP2's shards
+    differ by rank, and so do the peaks), not merely a positive number."""
+    from memfit.estimate.distributed import predict_ranks
+    from memfit.train.command import build_config
+    from memfit.train.run import text_workload
+    from memfit.train.tokenizer import load_tokenizer
+
+    cfg = build_config(workdir / "run.yaml", {})
+    workload = text_workload(cfg.model, load_tokenizer(cfg.tokenizer), cfg.batch_size, cfg.seq_len)
+    predicted = predict_ranks(workload, Plan(parallel={"data": 2, "zero_stage": stage})).peak_bytes
+    # The trainer holds a little the dry run does not (seen at stage 3: 2 KiB of 15 MiB, the
+    # same on both ranks): one offset for both, so each rank's own figure is checked (peaks
+    # in the wrong rank order fail: the ranks' peaks differ by 1 KiB).
+    over = [m - p for m, p in zip(measured, predicted, strict=True)]
+    assert over[0] == over[1] and 0 <= over[0] <= 1e-3 * max(predicted), (measured, predicted)
 
 
 def test_torchrun_runs_the_same_command(workdir: Path):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import weakref
 from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
 from typing import Any
@@ -124,17 +125,44 @@ class DataParallel:
     """
 
     def __init__(
-        self, model: nn.Module, module: nn.Module, config: ParallelConfig, stand_in: Any = None
+        self,
+        model: nn.Module,
+        module: nn.Module,
+        config: ParallelConfig,
+        stand_in: Any = None,
+        replaced: Mapping[int, tuple[weakref.ref, nn.Parameter]] | None = None,
     ) -> None:
         self.model = model
         self.module = module
         self.config = config
         self.stand_in = stand_in
         self._synced = 0  # backwards that synchronised gradients
+        # FSDP2's sharded parameter for each parameter it replaced, by the old one's id (a
+        # weak reference to the old one guards against a reused id without keeping it alive).
+        self._replaced = dict(replaced or {})
+
+    @property
+    def syncs_in_forward(self) -> bool:
+        """Whether gradients are averaged only for a forward run through :attr:`module`
+        (DDP, stages 0 and 1: its forward arms the all-reduce of the coming backward; a
+        forward of the bare model leaves it unarmed). FSDP2 shards the model in place, so any
+        forward of it counts."""
+        return not self.config.sharded and self.stand_in is None
 
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> Any:
         """Stage 1: the same optimizer as a ``ZeroRedundancyOptimizer`` (each rank keeps the
-        state of its share of the parameters); other stages: ``optimizer`` unchanged."""
+        state of its share of the parameters). Stages 2 and 3: ``optimizer`` itself, its
+        parameters that FSDP2 replaced by shards swapped for those, in place (an optimizer
+        built before :func:`apply_data_parallel`, such as one given to ``prepare()``, would
+        otherwise step the old, unsharded parameters, which the model no longer uses). Stage 0:
+        ``optimizer`` unchanged.
+
+        Raises:
+            ValueError: when the optimizer cannot be rebuilt (stage 1) or already has state
+                for the parameters to swap (stages 1-3).
+        """
+        if self.config.sharded:
+            return self._point_at_shards(optimizer)
         if self.config.zero_stage != 1:
             return optimizer
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -162,6 +190,23 @@ class DataParallel:
         # Each parameter group with its own settings (ZeroRedundancyOptimizer takes groups).
         groups = [dict(group) for group in optimizer.param_groups]
         return ZeroRedundancyOptimizer(groups, optimizer_class=cls, **kwargs)
+
+    def _point_at_shards(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        def shard(p: Any) -> Any:
+            entry = self._replaced.get(id(p))
+            return entry[1] if entry is not None and entry[0]() is p else None
+
+        if not any(shard(p) is not None for g in optimizer.param_groups for p in g["params"]):
+            return optimizer  # built over the shards already (the plan's optimizer)
+        if optimizer.state:
+            raise ValueError(
+                f"ZeRO stage {self.config.zero_stage} replaces the model's parameters with "
+                f"shards, and this {type(optimizer).__name__} already has state for the old "
+                "ones that would be lost; pass an optimizer that has not stepped yet"
+            )
+        for group in optimizer.param_groups:
+            group["params"] = [shard(p) if shard(p) is not None else p for p in group["params"]]
+        return optimizer
 
     def attach_optimizer(self, optimizer: Any) -> None:
         """Give DDP the communication hook the optimizer needs: 1-bit Adam's compressed
@@ -307,12 +352,18 @@ def apply_data_parallel(
         else MixedPrecisionPolicy()
     )
     reshard = config.zero_stage == 3 and config.reshard_after_forward
+    before = {name: weakref.ref(p) for name, p in model.named_parameters()}
     for _, block in find_blocks(model):
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
     # The root (embeddings, head) is gathered for the whole step: it is needed first in
     # forward and last in backward.
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
-    return DataParallel(model, model, config)
+    replaced = {}
+    for name, p in model.named_parameters():
+        old = before[name]()
+        if old is not None and old is not p:
+            replaced[id(old)] = (before[name], p)
+    return DataParallel(model, model, config, replaced=replaced)
 
 
 def _dry() -> bool:

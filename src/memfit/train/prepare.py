@@ -20,10 +20,21 @@ or, when the loop computes its own loss, one micro-batch at a time::
 
 ``prepared.loss(micro_batch)`` is the plan's own forward and loss: truncated to
 ``max_seq_len``, under the plan's autocast. A loop with its own forward does the same with
-``prepared.prepare_batch(micro_batch)`` and ``with prepared.autocast():``. Both ways run the
-plan's :class:`~memfit.strategies.stepper.Stepper` and its pieces of the one loop
+``prepared.prepare_batch(micro_batch)``, ``with prepared.autocast():`` and
+``prepared.module(**micro_batch)``. Both ways run the plan's
+:class:`~memfit.strategies.stepper.Stepper` and its pieces of the one loop
 (:mod:`memfit.strategies.stepper`), as the trainer does, so under one plan they train alike
 (tested against ``TrainingSetup.step`` for every plan field).
+
+Under data parallelism (``Plan(parallel={"data": N, "zero_stage": s})``, one process per rank)
+``step`` takes the global batch and trains this rank on its share, as the trainer does, while
+the micro-batch API takes this rank's own micro-batches (from a sharded loader). Either way the
+engine averages the gradients over the ranks on the step's last micro-batch only (DDP's
+``no_sync`` or FSDP2's ``set_requires_gradient_sync`` before), so every rank ends each step
+with the parameters one process would have after the whole global batch. DDP (stages 0 and 1)
+averages only the gradients of a forward run through its wrapper, ``prepared.module``, inside
+the ``accumulate`` block: a micro-batch whose forward went through ``prepared.model`` is
+refused at its ``backward``.
 
 Do not call ``optimizer.step()`` yourself inside ``accumulate``: the context does it at the
 right micro-batch, with the plan's clipping, loss scaling and optimizer-in-backward handling.
@@ -61,11 +72,28 @@ class Prepared:
         self._micro = 0  # micro-batches done towards the current optimizer step
         self._open = False
         self._tokens = 0.0  # loss terms seen towards the current step ("tokens" normalisation)
+        self._forwards = 0  # forwards through DDP's wrapper in the open accumulate block
+        self._forward_hook = None
+        parallel = setup.parallel
+        if parallel is not None and parallel.syncs_in_forward:
+            self._forward_hook = parallel.module.register_forward_pre_hook(self._count_forward)
+
+    def _count_forward(self, module: nn.Module, args: Any) -> None:
+        self._forwards += 1
 
     @property
     def model(self) -> nn.Module:
-        """The model (possibly checkpointed or cast by the plan)."""
+        """The model (possibly checkpointed or cast by the plan): its parameters, state dict
+        and, outside data parallelism, its forward."""
         return self.setup.model
+
+    @property
+    def module(self) -> nn.Module:
+        """The module to run a micro-batch's forward through: the model, or under data
+        parallelism the engine's module (DDP's wrapper for ZeRO stages 0 and 1, whose forward
+        arms the gradient all-reduce; the model itself, sharded in place, for 2 and 3)."""
+        parallel = self.setup.parallel
+        return self.model if parallel is None else parallel.module
 
     @property
     def optimizer(self) -> Any:
@@ -90,7 +118,11 @@ class Prepared:
 
     def step(self, batch: Batch) -> torch.Tensor:
         """One optimizer step over ``batch`` (the effective batch), micro-batched, truncated,
-        cast, clipped as the plan says. Returns the (detached) loss of the whole batch."""
+        cast, clipped as the plan says. Returns the (detached) loss of the whole batch.
+
+        Under data parallelism ``batch`` is the global batch, the same on every rank: each
+        trains on its share (:func:`~memfit.distributed.data.local_batch`) and the returned
+        loss is the mean over the ranks."""
         return self.setup.step(batch)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -106,7 +138,7 @@ class Prepared:
         """The loss of one micro-batch as the plan computes it: truncated to ``max_seq_len``,
         the forward and the loss under the plan's autocast."""
         return forward_loss(
-            self.model,
+            self.module,
             self.prepare_batch(micro_batch),
             autocast=self.setup.precision.autocast,
             loss_fn=self.setup.loss_fn,
@@ -118,10 +150,19 @@ class Prepared:
         every ``grad_accum_steps``-th micro-batch, then gradients are cleared.
 
         A micro-batch whose body raises is not counted (and nothing steps).
+
+        Under data parallelism the block's backward averages the gradients over the ranks on
+        the step's last micro-batch (:attr:`sync_gradients`) and only there, through the
+        plan's data-parallel stepper, which is told on entry whether this block synchronises
+        (DDP decides in its forward).
         """
         if self._open:
             raise RuntimeError("prepared.accumulate() blocks cannot be nested")
         self._open = True
+        self._forwards = 0
+        before_forward = getattr(self.stepper, "before_forward", None)
+        if before_forward is not None:  # DDP's no_sync for every micro-batch but the last
+            before_forward(self.sync_gradients)
         try:
             yield self
         finally:
@@ -160,7 +201,17 @@ class Prepared:
             ValueError: for token normalisation without ``batch``, or with the optimizer step
                 fused into backward (the step's token total is not known before its last
                 backward: use :meth:`step`, which weighs the whole batch first).
+            RuntimeError: under DDP (ZeRO stages 0 and 1), outside an :meth:`accumulate`
+                block or when no forward in the block ran through :attr:`module`: DDP would not
+                average this gradient, and the ranks' models would drift apart.
         """
+        if self._forward_hook is not None and (not self._open or self._forwards == 0):
+            raise RuntimeError(
+                "under DDP (zero_stage 0 or 1) run each micro-batch's forward and backward "
+                "inside `with prepared.accumulate():`, the forward through prepared.loss(batch) "
+                "or prepared.module(...): a forward of prepared.model skips DDP's gradient "
+                "averaging and the processes' models would drift apart"
+            )
         if self.plan.loss_normalization == "tokens" and weight is None:
             if batch is None:
                 raise ValueError(
@@ -186,6 +237,9 @@ class Prepared:
 
     def remove(self) -> None:
         """Take the plan off the model (:meth:`TrainingSetup.remove`)."""
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
+            self._forward_hook = None
         self.setup.remove()
 
 
