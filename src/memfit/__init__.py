@@ -15,10 +15,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from .accounting import CATEGORIES, MemoryReport, MemoryTracker, track
-from .plan import Plan, PlanError
-from .units import format_bytes, parse_size
-from .workload import PRESETS, Workload, WorkloadError, load_workload
+from .versions import check_versions
+
+check_versions()  # before anything uses torch: an unsupported one is named in one sentence
+
+from .accounting import CATEGORIES, MemoryReport, MemoryTracker, track  # noqa: E402
+from .plan import Plan, PlanError  # noqa: E402
+from .units import format_bytes, parse_size  # noqa: E402
+from .workload import PRESETS, Workload, WorkloadError, load_workload  # noqa: E402
 
 __version__ = "0.1.0"
 

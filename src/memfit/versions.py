@@ -1,0 +1,81 @@
+"""The dependency versions memfit supports, checked once at import.
+
+CI proves both ends of the window: ``.ci/run`` runs the suite against the newest releases on
+the registry, and its lowest-versions job runs the zoo and the planner tests against the
+lowest versions ``pyproject.toml`` allows (:data:`SUPPORTED`'s lower bounds, the same
+numbers). An older release than the window raises at import with one sentence; a newer one
+than CI last proved warns once, and memfit runs.
+
+What the packaging metadata lacks: ``pip`` enforces the lower bounds only when it installs
+memfit, not when a user later installs an older transformers beside it, and an upper bound
+there would stop users from trying a release that works.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from importlib import metadata
+
+__all__ = ["SUPPORTED", "UnsupportedVersion", "check_versions", "parse_version"]
+
+#: package -> (lowest supported, newest CI has run the suite against). Keep the lowest in step
+#: with pyproject.toml's ``>=`` bounds (a test checks they agree).
+SUPPORTED: dict[str, tuple[str, str]] = {
+    "torch": ("2.13.0", "2.13.0"),
+    "transformers": ("4.56.0", "5.24.0"),
+}
+
+
+class UnsupportedVersion(ImportError):
+    """A dependency is older than memfit supports."""
+
+
+def parse_version(text: str) -> tuple[int, ...]:
+    """``"2.13.0+cpu"`` -> ``(2, 13, 0)``: the leading release numbers (local and pre-release
+    tags dropped)."""
+    numbers = re.match(r"\d+(?:\.\d+)*", text)
+    return tuple(int(n) for n in numbers.group(0).split(".")) if numbers else ()
+
+
+def check_versions(installed: dict[str, str] | None = None) -> list[str]:
+    """Check the installed versions of :data:`SUPPORTED`'s packages.
+
+    Args:
+        installed: package -> version, for tests; default: what is installed (a package that
+            is not installed is skipped: its import fails on its own, with its own message).
+
+    Returns:
+        The warnings issued (newer than CI has proved).
+
+    Raises:
+        UnsupportedVersion: naming the package, its version and the supported window, when
+            one is older than the window.
+    """
+    said = []
+    for package, (lowest, newest) in SUPPORTED.items():
+        if installed is not None:
+            version = installed.get(package)
+        else:
+            try:
+                version = metadata.version(package)
+            except metadata.PackageNotFoundError:
+                version = None
+        if version is None:
+            continue
+        if parse_version(version) < parse_version(lowest):
+            raise UnsupportedVersion(
+                f"memfit needs {package} {lowest} or newer (tested up to {newest}), but "
+                f"{package} {version} is installed; upgrade it with "
+                f"pip install '{package}>={lowest}'"
+            )
+        # A patch release of the newest minor one is taken as tested: it fixes, not breaks.
+        if parse_version(version)[:2] > parse_version(newest)[:2]:
+            message = (
+                f"{package} {version} is newer than memfit has been tested with "
+                f"({lowest} to {newest}); if something breaks, install '{package}<={newest}' "
+                "and report it"
+            )
+            warnings.warn(message, stacklevel=2)
+            said.append(message)
+    return said
