@@ -488,7 +488,11 @@ def _no_modes() -> Iterator[None]:
 
 
 def _real(func: Any, args: Any, kwargs: Any, recorder: _Recorder | None = None) -> Any:
-    with _no_modes(), recorder or contextlib.nullcontext():
+    # Without autograd: a shadow is a value, nothing differentiates through it. A shadow of a
+    # parameter requires grad (Swin's relative-position table), and an op over it would save
+    # its real inputs for backward through the saved-tensor hooks, which dispatch modes do not
+    # turn off: the tracker would count the shadows, which the real run does not have.
+    with _no_modes(), torch.no_grad(), recorder or contextlib.nullcontext():
         return func(*args, **kwargs)
 
 
