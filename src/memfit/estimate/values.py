@@ -284,13 +284,17 @@ class DryRunValues(TorchFunctionMode):
         if out is not None:
             targets += tree_flatten(out)[0]
         for t in targets:
-            if not isinstance(t, _Tensor):
-                continue
-            self.shadows.pop(t, None)
-            for ref in self._by_storage.pop(_storage_key(t), []):
-                alias = ref()
-                if alias is not None:
-                    self.shadows.pop(alias, None)
+            if isinstance(t, _Tensor):
+                self.forget(t)
+
+    def forget(self, t: torch.Tensor) -> None:
+        """``t``'s storage was written with values the dry run does not know: its shadows, and
+        those of every alias, are stale."""
+        self.shadows.pop(t, None)
+        for ref in self._by_storage.pop(_storage_key(t), []):
+            alias = ref()
+            if alias is not None:
+                self.shadows.pop(alias, None)
 
     def _route(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
         """Give a router's expert choice a synthetic value, by the routing policy."""
