@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import textwrap
 
 import pytest
 import torch
@@ -82,6 +83,45 @@ def test_function_spec_dict_and_tensor_batches():
     model, batch = wl.build()
     assert isinstance(batch, torch.Tensor)
     assert wl.loss_fn(call_model(model, batch), batch).dim() == 0
+
+
+_VIT_MODULE = """
+    import torch
+    from transformers import ViTConfig, ViTForImageClassification
+
+
+    def vit(batch_size, seq_len):
+        config = ViTConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, image_size=32, patch_size=8, num_labels=10)
+        model = ViTForImageClassification(config)  # its init samples truncated normals
+        batch = {"pixel_values": torch.randn(batch_size, 3, 32, 32),
+                 "labels": torch.randint(0, 10, (batch_size,))}
+        return model, batch
+"""
+
+
+def test_a_function_whose_initialisers_read_samples_dry_runs_from_the_cli(tmp_path, monkeypatch):
+    # The README's way to profile a custom model: `--model package.module:function`. torch's
+    # trunc_normal_ reads the values it samples; building on fake tensors must not.
+    from typer.testing import CliRunner
+
+    from memfit.cli import app
+
+    (tmp_path / "memfit_user_vit.py").write_text(textwrap.dedent(_VIT_MODULE))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reports = {}
+    for mode in ("real", "dry"):
+        path = tmp_path / f"{mode}.json"
+        args = ["profile", "--model", "memfit_user_vit:vit", "--batch-size", "2", "--steps", "2",
+                "--json", str(path)] + (["--dry-run"] if mode == "dry" else [])  # fmt: skip
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 0, result.output
+        reports[mode] = json.loads(path.read_text())
+    real, dry = reports["real"], reports["dry"]
+    assert dry["dry_run"] and not real["dry_run"]
+    assert dry["num_parameters"] == real["num_parameters"]
+    assert dry["peak_by_category"] == real["peak_by_category"]
+    assert dry["phase_peaks"] == real["phase_peaks"]
 
 
 @pytest.mark.parametrize(

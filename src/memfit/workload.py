@@ -9,18 +9,20 @@ A ``--model`` SPEC names a workload in one of three ways:
   ``(model, batch)``.
 
 Models are built lazily, inside whatever mode is active, so the same workload builds real
-tensors for a real run and fake ones for a dry run.
+tensors for a real run and fake ones for a dry run (initialisers that read the values they
+sample are skipped on fake tensors: see :func:`_sampling_skipped_on_fake_tensors`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import importlib
 import json
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -511,7 +513,8 @@ def _function_workload(spec: str, batch_size: int, seq_len: int) -> Workload:
     made: dict[str, Any] = {}
 
     def build() -> nn.Module:
-        result = func(batch_size, seq_len)
+        with _sampling_skipped_on_fake_tensors():
+            result = func(batch_size, seq_len)
         if not (isinstance(result, tuple) and len(result) == 2):
             raise WorkloadError(
                 f"{spec} returned {type(result).__name__}; it must return a (model, batch) tuple "
@@ -536,6 +539,57 @@ def _function_workload(spec: str, batch_size: int, seq_len: int) -> Workload:
         return func(bs, sl)[1]
 
     return Workload(spec, batch_size, seq_len, build, make_batch, description=f"{spec}()")
+
+
+@contextlib.contextmanager
+def _sampling_skipped_on_fake_tensors() -> Iterator[None]:
+    """Let a function build its model on fake tensors (a dry run) whatever initialisers it uses.
+
+    torch's ``nn.init.trunc_normal_`` redraws samples until all lie within bounds, reading
+    their values (``mask.any()``), which fake tensors do not have: a transformers ViT built by
+    a user's function stopped the dry run there. torch itself skips it for meta tensors (no
+    storage, so "sampling is a no-op"); while a function builds its model on fake tensors, so
+    does a dry run for a fake tensor whose values it does not know. Nothing a dry run counts
+    changes (shapes, dtypes, devices: the parameters are the real run's), and nothing is
+    sampled, so a 70B model builds as fast as before; building on the CPU and converting
+    would cost the real memory and time. A fake tensor whose values the dry run knows (a
+    constant's shadow, :mod:`memfit.estimate.values`) and every real tensor are sampled as
+    usual. Other initialisers read no values and run unchanged (an in-place fill of a fake
+    tensor allocates nothing).
+
+    Unlike the config path (transformers' ``no_init_weights``), the model's own
+    initialisation still runs: a user's function may be any ``nn.Module``, and what it does
+    after construction (tying, buffers computed in ``_init_weights``) is the real run's.
+    The helper that torch's public ``trunc_normal_`` calls is replaced for the duration, so
+    every caller is covered, however it holds the public function (transformers keeps its
+    own reference to it).
+    """
+    from torch._guards import active_fake_mode
+
+    if active_fake_mode() is None:
+        yield
+        return
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.nn import init
+
+    from .estimate.values import active_values
+
+    name = "_no_grad_trunc_normal_" if hasattr(init, "_no_grad_trunc_normal_") else "trunc_normal_"
+    original = getattr(init, name)
+
+    def trunc_normal(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        values = active_values()
+        if isinstance(tensor, FakeTensor) and (values is None or tensor not in values.shadows):
+            if values is not None:
+                values.forget(tensor)  # an alias's known values are stale now
+            return tensor
+        return original(tensor, *args, **kwargs)
+
+    setattr(init, name, trunc_normal)
+    try:
+        yield
+    finally:
+        setattr(init, name, original)
 
 
 def _check_batch(name: str, batch: Any) -> None:

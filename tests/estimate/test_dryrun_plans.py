@@ -35,17 +35,7 @@ PLANS = {
 }
 
 
-# Budget checkpointing keeps one block input (32 KiB here) more in the real run than in the
-# dry run, although both measure the same per-block estimate and take the same decision:
-# found by this test, not yet explained; strict, so a fix shows.
-_KNOWN = {
-    "budget": pytest.mark.xfail(strict=True, reason="budget mode: real run keeps one more block input"),
-}
-
-
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=_KNOWN.get(n, ())) for n in sorted(PLANS)]
-)
+@pytest.mark.parametrize("name", sorted(PLANS))
 def test_dry_run_equals_real_run_under_plan(name):
     plan = PLANS[name]
     real = memfit.measure("gpt2-tiny", plan, batch_size=4, seq_len=32, steps=2)

@@ -138,3 +138,18 @@ def test_a_top_k_outside_a_router_is_not_routing():
     with _dry(where=lambda: "model.layers.0.mlp.gate") as values:
         _, chosen = torch.randn(8, 4).topk(2)
         assert chosen in values.shadows
+
+
+def test_computing_a_shadow_saves_nothing_for_backward():
+    # A parameter built from a constant has a shadow (Swin's relative-position table, indexed
+    # by a constant index). Computing an op's shadow must not reach autograd: the tracker's
+    # saved-tensor hook would count the real shadows it saves, which a real run does not have.
+    saved: list[torch.Tensor] = []
+    with _dry() as values:
+        table = torch.nn.Parameter(torch.zeros(8, 2))
+        index = torch.arange(4)
+        assert table in values.shadows and index in values.shadows
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            bias = table[index]
+        assert bias in values.shadows  # still a known value
+    assert saved and all(isinstance(t, FakeTensor) for t in saved)

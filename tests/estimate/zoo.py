@@ -61,6 +61,12 @@ ZOO: dict[str, tuple[str, dict[str, Any]]] = {
     "resnet": ("vision", dict(model_type="resnet", architectures=["ResNetForImageClassification"],
                               embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1],
                               image_size=32, num_labels=10)),
+    # shifted windows: a relative-position table indexed by a constant index, a cyclic-shift
+    # mask built from arange, stages handing their output on permuted (window 4 over 8 x 8
+    # patches: the first stage's second block shifts)
+    "swin": ("vision", dict(model_type="swin", architectures=["SwinForImageClassification"],
+                            image_size=32, patch_size=4, embed_dim=16, depths=[2, 2],
+                            num_heads=[2, 4], window_size=4, num_labels=10)),
     # state-space
     "mamba": ("ssm", dict(model_type="mamba", architectures=["MambaForCausalLM"], hidden_size=32,
                           state_size=8, num_hidden_layers=2, vocab_size=256, expand=2,

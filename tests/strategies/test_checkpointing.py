@@ -16,12 +16,16 @@ Linear's output (4D), the GELU output (4D) and the dropout mask (D, a float tens
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import gc
 import math
+import weakref
 
 import pytest
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -293,6 +297,28 @@ def _measured(n: int, mode: str, budget: int | None = None) -> tuple[int, int]:
 
 def test_block_bytes_match_the_analytic_count():
     assert measure_saved_bytes(Block(), _x().requires_grad_()) == pytest.approx(BLOCK, rel=0.05)
+
+
+@pytest.mark.parametrize("fake", [True, False], ids=["fake", "real"])
+def test_measuring_a_block_keeps_no_reference_to_its_input(fake):
+    # Budget mode measures a block on the very input it is about to run on; in a dry run that
+    # input is the run's own fake tensor, and a real input whose block reads a value is
+    # measured for real. An op that saves its own output (tanh, as in GPT-2's GELU) must not
+    # leave the measured graph alive, the product keeping the input it saved.
+    class Saving(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if not fake and not bool(x.sum() != 0):  # a value read: fake tensors cannot follow
+                return x
+            return torch.tanh(x * x)
+
+    with FakeTensorMode() if fake else contextlib.nullcontext():
+        leaf = torch.ones(B, S, D, requires_grad=True)
+        x = leaf * 2  # a hidden state: not a leaf, part of the run's graph
+        assert measure_saved_bytes(Saving(), x) == 2 * HIDDEN  # x (for the product), tanh's
+        freed = weakref.ref(x)
+        del x
+        gc.collect()
+        assert freed() is None
 
 
 def test_full_keeps_block_inputs_plus_one_block():

@@ -9,6 +9,13 @@ implementations that do what the real kernel does:
   it): its meta implementation follows the CUDA kernel and accepts bf16 only; the CPU kernel
   also takes fp32 and fp16 and returns a contiguous output of the inputs' dtype. The output's
   shape rules are the meta implementation's own (``_create_grouped_mm_output_tensor``).
+* ``aten.native_layer_norm_backward``: its meta implementation (a decomposition) gives the
+  input's gradient the strides of the output's gradient; the CPU and CUDA kernels allocate it
+  contiguous (``empty_like`` of the contiguous input, ``LEGACY_CONTIGUOUS_MEMORY_FORMAT``).
+  A transposed gradient arriving at a LayerNorm (Swin's stages hand their output on
+  permuted) then made every later ``view`` of it a copy in the dry run only. Fake tensors try
+  an op's Python decomposition before these rules, so the decomposition is set aside while
+  the rule is installed (outside fake tensors, the op then runs as itself: same values).
 """
 
 from __future__ import annotations
@@ -49,12 +56,47 @@ def _grouped_mm(
     return FakeTensor(fake_mode, out, device)
 
 
+def _layer_norm_backward(
+    fake_mode: Any,
+    func: Any,
+    grad_out: torch.Tensor,
+    input: torch.Tensor,
+    normalized_shape: Any,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    output_mask: Any,
+) -> Any:
+    from torch._subclasses.fake_impls import in_kernel_invocation_manager
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    # As layer_norm_backward_cpu / _cuda: each gradient asked for is a contiguous tensor like
+    # the (contiguous) input, weight or bias it belongs to.
+    likes = (input, weight, bias)
+    devices = [t.device if t is not None else None for t in likes]
+    outs: list[Any] = []
+    with in_kernel_invocation_manager(fake_mode):
+        for wanted, like, device in zip(output_mask, likes, devices, strict=True):
+            if not wanted or like is None:
+                outs.append(None)
+                continue
+            grad = torch.empty(like.shape, dtype=like.dtype, device="meta")
+            outs.append(FakeTensor(fake_mode, grad, device))
+    return tuple(outs)
+
+
 _RULES = (
+    (lambda func: func is aten.native_layer_norm_backward.default, _layer_norm_backward),
     (lambda func: func is aten._grouped_mm.default, _grouped_mm),
     # Data-dependent shapes and values: replayed from constants or by the stated policy
     # (:mod:`memfit.estimate.values`); without an open DryRunValues, fake tensors' own rules.
     (_is_dynamic, dynamic_shape_rule),
 )
+
+
+#: Ops whose rule above replaces the Python decomposition fake tensors would otherwise take.
+_UNDECOMPOSED = (aten.native_layer_norm_backward.default,)
 
 
 def _same_module_to(original: Any) -> Any:
@@ -85,10 +127,12 @@ def _same_module_to(original: Any) -> Any:
 @contextlib.contextmanager
 def real_kernel_rules() -> Iterator[None]:
     """Install the fake implementations above while a dry run is open, then remove them."""
+    from torch._decomp import decomposition_table
     from torch._subclasses.fake_impls import op_implementations_checks
 
     original_to = torch.nn.Module.to
     torch.nn.Module.to = _same_module_to(original_to)  # type: ignore[method-assign]
+    set_aside = {op: decomposition_table.pop(op) for op in _UNDECOMPOSED if op in decomposition_table}
 
     added = [rule for rule in _RULES if rule not in op_implementations_checks]
     # Checked in order: ours go first, ahead of any broader rule.
@@ -98,6 +142,7 @@ def real_kernel_rules() -> Iterator[None]:
         yield
     finally:
         torch.nn.Module.to = original_to  # type: ignore[method-assign]
+        decomposition_table.update(set_aside)
         for rule in added:
             if rule in op_implementations_checks:
                 op_implementations_checks.remove(rule)

@@ -284,13 +284,17 @@ class DryRunValues(TorchFunctionMode):
         if out is not None:
             targets += tree_flatten(out)[0]
         for t in targets:
-            if not isinstance(t, _Tensor):
-                continue
-            self.shadows.pop(t, None)
-            for ref in self._by_storage.pop(_storage_key(t), []):
-                alias = ref()
-                if alias is not None:
-                    self.shadows.pop(alias, None)
+            if isinstance(t, _Tensor):
+                self.forget(t)
+
+    def forget(self, t: torch.Tensor) -> None:
+        """``t``'s storage was written with values the dry run does not know: its shadows, and
+        those of every alias, are stale."""
+        self.shadows.pop(t, None)
+        for ref in self._by_storage.pop(_storage_key(t), []):
+            alias = ref()
+            if alias is not None:
+                self.shadows.pop(alias, None)
 
     def _route(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
         """Give a router's expert choice a synthetic value, by the routing policy."""
@@ -488,7 +492,11 @@ def _no_modes() -> Iterator[None]:
 
 
 def _real(func: Any, args: Any, kwargs: Any, recorder: _Recorder | None = None) -> Any:
-    with _no_modes(), recorder or contextlib.nullcontext():
+    # Without autograd: a shadow is a value, nothing differentiates through it. A shadow of a
+    # parameter requires grad (Swin's relative-position table), and an op over it would save
+    # its real inputs for backward through the saved-tensor hooks, which dispatch modes do not
+    # turn off: the tracker would count the shadows, which the real run does not have.
+    with _no_modes(), torch.no_grad(), recorder or contextlib.nullcontext():
         return func(*args, **kwargs)
 
 

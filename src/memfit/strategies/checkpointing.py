@@ -303,8 +303,9 @@ def _measure(module: nn.Module, original: Any, args: tuple, kwargs: dict) -> int
                     return _count_saved(module, original, args, kwargs, skip)
             mode = FakeTensorMode(allow_non_fake_inputs=True)
             with mode, _fake_state(module, mode) as fake_skip:
-                args, kwargs = _to_fake(mode, (args, kwargs))
-                return _count_saved(module, original, args, kwargs, fake_skip)
+                # New names: the real run below, should this fail, needs the real arguments.
+                fake_args, fake_kwargs = _to_fake(mode, (args, kwargs))
+                return _count_saved(module, original, fake_args, fake_kwargs, fake_skip)
     except Exception:  # data-dependent or unsupported ops under fake tensors
         if fake_mode is not None:
             raise
@@ -356,7 +357,13 @@ def _count_saved(
                 total += t.untyped_storage().nbytes()
             except (RuntimeError, NotImplementedError):
                 total += t.numel() * t.element_size()
-        return t
+        # A detached alias, not ``t``: an op that saves its own output (LayerNorm's statistics,
+        # a GELU's result) would otherwise hold that output through its node, and the output
+        # holds the node (its grad_fn): a cycle through C++ that Python's collector never
+        # frees, keeping the whole measured graph alive, and with it the block's input. In a
+        # dry run that input is the run's own fake tensor, so the tracker saw one hidden state
+        # stay alive to the end (budget mode's dry run kept 32 KiB more than the real run).
+        return t.detach()
 
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = _call_forward(module, original, args, kwargs)
