@@ -66,9 +66,11 @@ def test_the_plan_json_is_the_same_bytes_every_time(store, tmp_path):
         profiles.cpu_profile.cache_clear()
         out = tmp_path / f"plan-{len(outputs)}.json"
         with _busy() if busy else contextlib.nullcontext():
+            # A roomy budget: the answer is the candidate the cost model puts first, which is
+            # where measured rates would show (one prediction each, so the test stays short).
             res = runner.invoke(app, [
                 "plan", "--model", "gpt2-tiny", "--batch-size", "8", "--seq-len", "32",
-                "--budget", "3MiB", "--device", "cpu", "--jobs", "1", "--json", str(out),
+                "--budget", "1GiB", "--device", "cpu", "--jobs", "1", "--json", str(out),
             ])  # fmt: skip
         assert res.exit_code == 0, res.output
         outputs.append(out.read_bytes())
