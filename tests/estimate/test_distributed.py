@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from memfit import Plan
@@ -14,13 +16,17 @@ BATCH, WIDTH = 8, 256
 MODEL_STATE = ("parameters", "gradients", "optimizer_state")
 
 
-def _measure_stages(rank: int, world: int) -> dict[int, tuple[int, dict[str, int]]]:
+Measured = tuple[int, dict[str, int], dict[str, int]]
+
+
+def _measure_stages(rank: int, world: int) -> dict[int, Measured]:
     from memfit.estimate.dryrun import measure
 
     out = {}
     for stage in range(4):
         report = measure(SPEC, _plan(stage), steps=3, batch_size=BATCH, seq_len=WIDTH)
-        out[stage] = (int(report.peak_bytes), dict(report.peak_by_category))
+        forward = dict(report.phase_peak_by_category["forward"])
+        out[stage] = (int(report.peak_bytes), dict(report.peak_by_category), forward)
     return out
 
 
@@ -29,8 +35,9 @@ def _plan(stage: int) -> Plan:
 
 
 @pytest.fixture(scope="module")
-def measured() -> list[dict[int, tuple[int, dict[str, int]]]]:
-    """Each rank's real peak and categories at every stage, from one two-process run."""
+def measured() -> list[dict[int, Measured]]:
+    """Each rank's real peak, its categories and those of its forward's peak, at every
+    stage, from one two-process run."""
     return run_ranks(_measure_stages, 2, timeout=300)
 
 
@@ -60,15 +67,50 @@ def test_model_states_follow_the_zero_formulas(stage: int, measured):
         by_category = per_stage[stage][1]
         states = sum(by_category.get(k, 0) for k in MODEL_STATE)
         if stage == 2:
-            # ZeRO-2 keeps whole parameters all the time; FSDP2's ZeRO-2-like mode frees each
-            # block's at the end of its backward, so whole parameters and gradient shards
-            # never all coexist: between the fully sharded states and the formula.
-            sharded = zero_model_state_bytes(n, 2, 3)
-            assert sharded * 0.95 <= states <= formula * 1.05, (rank, states, sharded, formula)
+            # FSDP2's ZeRO-2-like mode at its forward's end, where its model states peak:
+            # every whole parameter and the fp32 master shard (each parameter's dim 0 padded
+            # to a multiple of the world, as FSDP2 shards it), AdamW's two moments of this
+            # rank's own elements and a 4-byte step per parameter tensor; no gradients (set
+            # to None by the last step). After it, each block's whole parameters are freed at
+            # the end of its backward, before more than its gradient shard is added.
+            forward = per_stage[stage][2]
+            expected = _fsdp2_forward_states(model, 2, rank)
+            assert sum(forward[k] for k in MODEL_STATE) == expected, (rank, forward, expected)
+            # That is the paper's formula less its gradient shard, plus the padding and steps.
+            padded, own, tensors = _shards(model, 2, rank)
+            grad_shard = 4 * n / 2
+            padding = (4 * 2 + 4) * (padded - n / 2)  # whole parameters and master
+            own_state = 8 * (own - n / 2)  # the moments follow the rank's own elements
+            assert expected == formula - grad_shard + padding + own_state + 4 * tensors
+            assert states <= expected, (rank, states, expected)
         elif stage == 3:
             assert formula * 0.95 <= states <= (formula + gathered) * 1.05, (rank, states, formula)
+        elif stage == 0:
+            # Everything on every rank, and AdamW's 4-byte step per parameter tensor.
+            tensors = len(list(model.parameters()))
+            assert states == formula + 4 * tensors, (rank, states, formula)
         else:
             assert states == pytest.approx(formula, rel=0.05), (rank, states, formula)
+
+
+def _shards(model, world: int, rank: int) -> tuple[int, int, int]:
+    """(Elements of one padded shard, elements this rank owns, parameter tensors) as FSDP2
+    shards ``model``: each parameter in ``world`` chunks of ``ceil(rows / world)`` rows."""
+    padded = own = 0
+    params = list(model.parameters())
+    for p in params:
+        rows, per_row = p.shape[0], p[0].numel()
+        chunk = math.ceil(rows / world)
+        padded += chunk * per_row
+        own += max(0, min(rows, (rank + 1) * chunk) - rank * chunk) * per_row
+    return padded, own, len(params)
+
+
+def _fsdp2_forward_states(model, world: int, rank: int) -> int:
+    """Model-state bytes of FSDP2's stage 2 with fp32 AdamW at a forward's end (see
+    test_model_states_follow_the_zero_formulas)."""
+    padded, own, tensors = _shards(model, world, rank)
+    return 4 * world * padded + 4 * padded + 8 * own + 4 * tensors
 
 
 def test_zero_formulas_are_the_papers_for_mixed_precision_adam():

@@ -35,6 +35,7 @@ from memfit.strategies.precision import (
 from memfit.workload import load_workload
 
 B, S, D = 4, 16, 32
+F32 = 4  # bytes of an fp32 element
 
 
 class Block(nn.Module):
@@ -203,6 +204,24 @@ def test_why_not_grad_scaler_and_the_same_steps_as_it():
 
 
 # ---------------------------------------------------------------------------------- autocast
+LOW = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+
+
+@pytest.mark.parametrize("mode", list(LOW))
+def test_autocast_gives_each_op_its_dtype(mode):
+    runtime = apply_precision(_stack(1), PrecisionConfig(mode))
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    target = torch.zeros(4, dtype=torch.long)
+    with runtime.autocast():
+        # Matmuls run in the low precision, from fp32 inputs.
+        assert F.linear(x, w).dtype == LOW[mode]
+        assert torch.matmul(x, w).dtype == LOW[mode]
+        # Losses stay fp32, from low-precision inputs.
+        low = x.to(LOW[mode])
+        assert F.cross_entropy(low, target).dtype == torch.float32
+        assert F.mse_loss(low, low).dtype == torch.float32
+
+
 @pytest.mark.parametrize(("mode", "tol"), [("bf16-mixed", 0.05), ("fp16-mixed", 0.01)])
 def test_mixed_forward_close_to_fp32(gpt2, mode, tol):
     model, batch = gpt2
@@ -212,7 +231,10 @@ def test_mixed_forward_close_to_fp32(gpt2, mode, tol):
         runtime = apply_precision(model, PrecisionConfig(mode))
         with runtime.autocast():
             out = model(**batch)
-    assert out.logits.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    # The LM head is a Linear (autocast's low-precision list); the loss is a cross-entropy
+    # (its fp32 list), whatever the dtype of the logits it reads.
+    assert out.logits.dtype == LOW[mode]
+    assert out.loss.dtype == torch.float32
     diff = (out.logits.float() - ref.logits).abs().max().item()
     assert diff <= tol * ref.logits.abs().max().item()
     assert out.loss.item() == pytest.approx(ref.loss.item(), rel=0.01)
@@ -237,11 +259,13 @@ def test_bf16_mixed_saves_half_size_matmul_activations():
     tokens, n = B * S, 4
     # fp32, per token and block: input 4D, LayerNorm out 4D + stats 8, Linear out 16D,
     # GELU out 16D bytes.
-    assert fp32 == pytest.approx(n * tokens * (40 * D + 8), rel=0.05)
-    # bf16-mixed: the residual input and LayerNorm (an fp32 op under CPU autocast) stay fp32
-    # (4D + 8); the matmul input copy (2D), Linear and GELU outputs (8D + 8D) are bf16; each
-    # block also keeps its weights' bf16 copies (2 x 4D^2 x 2 bytes).
-    assert mixed == pytest.approx(n * (tokens * (22 * D + 8) + 16 * D * D), rel=0.05)
+    # The loss's scalar (F32) comes on top of the blocks'.
+    assert fp32 == n * tokens * (40 * D + 8) + F32
+    # bf16-mixed: the residual input and what LayerNorm saves of it stay fp32 (4D + 8; CPU
+    # autocast runs LayerNorm in its input's dtype, the fp32 residual); the matmul input copy
+    # (2D), Linear and GELU outputs (8D + 8D) are bf16; each block also keeps its weights'
+    # bf16 copies (2 x 4D^2 x 2 bytes).
+    assert mixed == n * (tokens * (22 * D + 8) + 16 * D * D) + F32
     assert mixed < 0.8 * fp32
 
 

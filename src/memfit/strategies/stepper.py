@@ -238,7 +238,10 @@ def run_step(
         stepper.backward(loss * weight, last=i == live[-1])
         contribution = loss.detach() * weight
         total = contribution if total is None else total + contribution
-        del loss
+        # Only the running total outlives its micro-batch: every micro-batch after the first
+        # then holds the same scalars, so two micro-batches (what a composed prediction runs)
+        # show the peak of any number of them.
+        del loss, contribution
     finish_step(stepper, model)
     assert total is not None
     return total
