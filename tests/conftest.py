@@ -28,12 +28,16 @@ def pytest_configure(config: pytest.Config) -> None:
     multiprocessing.util.spawnv_passfds = _counting(multiprocessing.util.spawnv_passfds)
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # The multi-process tests share one xdist worker: two of them at once would each wait
-    # for the cores the other holds.
     for item in items:
+        # The multi-process tests share one xdist worker: two of them at once would each wait
+        # for the cores the other holds.
         if item.get_closest_marker("distributed"):
             item.add_marker(pytest.mark.xdist_group("processes"))
+        # Inductor's compiled step starts the C++ compiler (tests/optim/test_fused8bit.py).
+        if "needs_compiled" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.subprocess)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -29,6 +29,7 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     return run_script("gpu_offload", *args)
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(device.cuda_available(), reason="this machine has a GPU: the harness runs")
 def test_without_a_gpu_it_exits_2_with_one_sentence_and_writes_nothing(tmp_path):
     done = _run("--out", str(tmp_path / "results"))
@@ -38,6 +39,7 @@ def test_without_a_gpu_it_exits_2_with_one_sentence_and_writes_nothing(tmp_path)
     assert done.stdout == "" and list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.subprocess
 def test_unknown_variant_is_refused(tmp_path):
     done = _run("--variants", "none,teleport", "--device", "cpu", "--out", str(tmp_path))
     assert done.returncode == 2 and "variants must include none" in done.stderr
@@ -61,6 +63,7 @@ def test_parameter_comparison(go, tmp_path):
     assert not go.compare_params(*paths)["finite"]
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_the_procedure_on_the_cpu(tmp_path):
     config = tmp_path / "tiny.json"

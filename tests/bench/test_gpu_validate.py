@@ -25,6 +25,7 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     return run_script("gpu_validate", *args)
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(device.cuda_available(), reason="this machine has a GPU: the harness runs")
 def test_without_a_gpu_it_exits_2_with_one_sentence_and_writes_nothing(tmp_path):
     done = _run("--out", str(tmp_path / "results"))
@@ -44,6 +45,7 @@ def test_without_a_gpu_it_exits_2_with_one_sentence_and_writes_nothing(tmp_path)
         (("--steps", "0"), "--steps must be at least 1"),
     ],
 )
+@pytest.mark.subprocess
 def test_bad_input_is_one_sentence_and_exit_2(tmp_path, args, message):
     done = _run("--dry-only", *args, "--out", str(tmp_path))
     assert done.returncode == 2
@@ -51,6 +53,7 @@ def test_bad_input_is_one_sentence_and_exit_2(tmp_path, args, message):
     assert message in done.stderr and list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_dry_only_writes_the_predictions(tmp_path):
     done = _run(

@@ -19,6 +19,7 @@ def rows():
     return {row.name: row for row in result}
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_rows_order_as_the_techniques_claim(rows):
     base = rows["baseline"]

@@ -25,6 +25,7 @@ CASES = {
 }  # fmt: skip
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 @pytest.mark.parametrize("script", sorted(CASES))
 def test_an_unwritable_output_stops_the_script_before_it_measures(tmp_path, script):

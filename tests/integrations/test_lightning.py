@@ -211,6 +211,7 @@ def test_precision_and_optimizer_reach_the_trainer():
     assert 0 < logged <= cb.report.peak_bytes
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow  # a fresh interpreter importing torch and lightning: about 5 s
 def test_lightning_is_imported_only_for_the_callback():
     import subprocess

@@ -94,6 +94,7 @@ def test_plan_field_and_the_dry_run_applies_the_measured_saving(tmp_path):
         memfit.Plan(compile="fast")
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_inductor_trains_like_eager():
     eager, compiled = _llama(), _llama()

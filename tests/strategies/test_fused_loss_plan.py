@@ -59,11 +59,11 @@ def test_switch_plan_turns_the_fused_loss_on_and_off_keeping_the_optimizer():
     setup.step(_batch())
     on, rebuilt = switch_plan(setup, setup.plan.replace(fused_loss=True))
     assert not rebuilt and on.optimizer is setup.optimizer
-    assert [n for n, _ in on.handles] == ["fused_loss", "precision"]
+    assert [n for n, _ in on.handles] == ["kv_cache_off", "fused_loss", "precision"]
     assert model(**_batch()).logits.shape == (2, 16, 0)
     on.step(_batch())
     off, rebuilt = switch_plan(on, on.plan.replace(fused_loss=None))
-    assert not rebuilt and [n for n, _ in off.handles] == ["precision"]
+    assert not rebuilt and [n for n, _ in off.handles] == ["kv_cache_off", "precision"]
     assert model(**_batch()).logits.shape == (2, 16, 259)
     assert "forward" not in model.lm_head.__dict__ and "_loss_function" not in model.__dict__
 

@@ -115,6 +115,7 @@ def reference(workdir) -> dict:
     return _train(workdir, "reference")
 
 
+@pytest.mark.subprocess
 def test_sigkill_at_random_steps_then_resume_is_bit_exact(workdir, reference):
     rng = random.Random(20261122)
     first, second = sorted(rng.sample(range(2, STEPS - 2), 2))
@@ -130,6 +131,7 @@ def test_sigkill_at_random_steps_then_resume_is_bit_exact(workdir, reference):
     assert resumed["final_loss"] == reference["final_loss"]
 
 
+@pytest.mark.subprocess
 def test_sigkill_during_a_save_keeps_the_previous_checkpoint(workdir, reference):
     hang_at = random.Random(7).randrange(3, STEPS - 3)
     marker = workdir / "saving"
@@ -155,6 +157,7 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint(workdir, reference)
     assert resumed["losses"] == reference["losses"]
 
 
+@pytest.mark.subprocess
 def test_sigterm_saves_and_exits_cleanly_then_resumes_exactly(workdir, reference):
     proc = _kill_at(workdir, "terminated", 4, signal.SIGTERM)
     output = proc.stdout.read()

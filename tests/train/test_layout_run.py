@@ -152,6 +152,7 @@ def test_activation_checkpointing_applies_to_every_stage(workdir: Path, tp2pp2: 
         assert ckpt < plain
 
 
+@pytest.mark.subprocess
 def test_checkpoints_with_a_tensor_x_pipeline_plan_are_refused_before_launch(workdir: Path):
     run = _memfit(workdir, "--nproc-per-node", "4", "--plan", "tp2pp2.json",
                   "--checkpoint-dir", "ck", timeout=60)
