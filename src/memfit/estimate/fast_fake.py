@@ -8,7 +8,9 @@ this mode. :class:`DryFakeTensorMode` builds the key for such arguments directly
 element the list torch's own code builds (so the cache sees the same keys and hits and misses
 alike), and hands any other argument list to torch's code unchanged.
 
-What torch lacks here: a fast path for the common case of its cache key; nothing else differs.
+What torch lacks here: a fast path for the common case of its cache key. The one other
+difference: the saved statistics of a mixed-type norm on CPU take the real kernel's dtype
+(:func:`~memfit.estimate.fake_kernels.cpu_norm_stats`), a correction the cache then keeps.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import Any
 import torch
 from torch._prims_common import suggest_memory_format
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+from .fake_kernels import NORMS, cpu_norm_stats
 
 __all__ = ["DryFakeTensorMode"]
 
@@ -42,6 +46,14 @@ class _Slow(Exception):
 
 class DryFakeTensorMode(FakeTensorMode):
     """A :class:`FakeTensorMode` whose dispatch-cache key is built faster for plain tensors."""
+
+    def _dispatch_impl(  # type: ignore[override]
+        self, func: Any, types: Any, args: Any, kwargs: Any
+    ) -> Any:
+        out = super()._dispatch_impl(func, types, args, kwargs)
+        if func in NORMS:
+            out = cpu_norm_stats(self, func, args, kwargs, out)
+        return out
 
     def _prep_args_for_hash(  # type: ignore[override]
         self, result: list[object], args: Any, state: Any, id_hashed_objects: list[object]
