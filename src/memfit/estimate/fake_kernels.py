@@ -14,8 +14,8 @@ implementations that do what the real kernel does:
   weights or running statistics (what autocast leaves a norm with) gets fp32 mean and rstd
   from the real kernel (ATen's ``is_mixed_type``), while the meta implementation gives them the
   input's dtype: half the bytes a real run keeps for every norm of the model.
-  :class:`~memfit.estimate.fast_fake.DryFakeTensorMode` corrects the result with
-  :func:`cpu_norm_stats`.
+  :class:`~memfit.estimate.fast_fake.DryFakeTensorMode` corrects the result (the batch norms
+  have no meta kernel, so no rule here would see them).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 
 from .values import DryRunValues, _is_dynamic, dynamic_shape_rule
 
-__all__ = ["NORMS", "cpu_norm_stats", "dry_tensors", "real_kernel_rules"]
+__all__ = ["dry_tensors", "real_kernel_rules"]
 
 aten = torch.ops.aten
 
@@ -54,53 +54,6 @@ def _grouped_mm(
         out = _create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype)
         out = torch.empty(out.shape, dtype=out.dtype, device="meta")  # contiguous, as on CPU
     return FakeTensor(fake_mode, out, device)
-
-
-#: The normalisations whose outputs 1 and 2 are the saved mean and rstd (or invstd).
-NORMS = frozenset(
-    (
-        aten.native_layer_norm.default,
-        aten.native_group_norm.default,
-        aten.native_batch_norm.default,
-        aten._native_batch_norm_legit.default,
-        aten._native_batch_norm_legit.no_stats,
-        aten._native_batch_norm_legit_no_training.default,
-        aten._native_batch_norm_legit_functional.default,
-        aten._batch_norm_with_update.default,
-        aten._batch_norm_no_update.default,
-    )
-)
-#: The arguments whose dtype decides a mixed-type norm on CPU.
-_NORM_PARAMS = ("weight", "bias", "running_mean", "running_var")
-
-
-def cpu_norm_stats(fake_mode: Any, func: Any, args: Any, kwargs: Any, out: Any) -> Any:
-    """``out`` of a norm in :data:`NORMS`, with the saved mean and rstd the CPU kernel makes.
-
-    Applied to the fake implementation's result (the batch norms have no meta kernel: fake
-    tensors run their Python decomposition, which :data:`op_implementations_checks` rules
-    never see). Anything but a mixed-type norm on CPU is returned unchanged.
-    """
-    names = [a.name for a in func._schema.arguments]
-    bound = dict(zip(names, args, strict=False)) | dict(kwargs)
-    x = bound["input"]
-    if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16):
-        return out  # the meta implementations follow CUDA, whose stats are fp32 already
-    params = (bound.get(n) for n in _NORM_PARAMS)
-    if not any(isinstance(p, torch.Tensor) and p.dtype != x.dtype for p in params):
-        return out  # not mixed: the stats take the input's dtype, as in the meta
-    from torch._subclasses.fake_impls import in_kernel_invocation_manager
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    outs = list(out)
-    device = outs[1].device  # read outside the kernel invocation, where it would say meta
-    with in_kernel_invocation_manager(fake_mode):
-        for i in (1, 2):
-            meta = torch.empty_strided(
-                outs[i].shape, outs[i].stride(), dtype=torch.float32, device="meta"
-            )
-            outs[i] = FakeTensor(fake_mode, meta, device)
-    return tuple(outs)
 
 
 _RULES = (

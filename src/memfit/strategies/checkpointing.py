@@ -47,6 +47,7 @@ from torch.utils.checkpoint import (
 from ..device import rng_states, set_rng_states
 from .blocks import find_blocks
 from .kv_cache import KVCacheOff, apply_kv_cache_off
+from .recompute import in_function_modes, retryable
 
 __all__ = [
     "SAVE_OPS",
@@ -134,37 +135,8 @@ def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpoint
 def _selective_context() -> tuple[Any, Any]:
     caching, cached = create_selective_checkpoint_contexts(selective_policy)
     if isinstance(getattr(cached, "func_counter", None), dict):
-        cached.__class__ = _retryable(type(cached))
+        cached.__class__ = retryable(type(cached))
     return caching, cached
-
-
-@functools.cache
-def _retryable(cls: type) -> type:
-    """``cls`` (torch's recomputing mode of selective checkpointing) made safe for an op that
-    raises and is called again.
-
-    The mode numbers each op's calls to find what the forward stored for the same call. The
-    forward's mode counts a call once it has returned, the recomputing one before running it,
-    so an op that raises and is retried (a dry run's data-dependent op: fake tensors refuse
-    it, then it is computed for real and replayed) is counted twice in recomputation and once
-    in forward, and every later call of that op looks up the wrong entry. A call that raises
-    is uncounted here, as it is in forward.
-    """
-    import torch.utils.checkpoint as ckpt
-
-    key_of = getattr(ckpt, "_sac_storage_key", lambda func, args: func)
-    ignored = getattr(ckpt, "SAC_IGNORED_OPS", frozenset())
-
-    class Retryable(cls):  # type: ignore[valid-type, misc]
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            try:
-                return super().__torch_dispatch__(func, types, args, kwargs)
-            except Exception:
-                if func not in ignored:
-                    self.func_counter[key_of(func, args)] -= 1
-                raise
-
-    return Retryable
 
 
 # ---------------------------------------------------------------------------------- blocks
@@ -209,34 +181,6 @@ def _call_forward(module: nn.Module, original: Any, args: tuple, kwargs: dict) -
     if original is not None:
         return original(*args, **kwargs)
     return type(module).forward(module, *args, **kwargs)
-
-
-def _in_function_modes(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` under the torch function modes open now, also when checkpoint recomputes it.
-
-    The recomputation runs inside ``backward()``, and a torch function mode is off while its
-    own handler runs, so one that handled ``backward()`` is gone by then: a dry run's values
-    (:class:`~memfit.estimate.values.DryRunValues`, which knows a router's expert choice) would
-    be missing from the recomputed forward. The missing modes go back on the stack for it.
-    """
-    modes = torch.overrides._get_current_function_mode_stack()
-    if not modes:
-        return fn
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        now = torch.overrides._get_current_function_mode_stack()
-        missing = modes[len(now) :]
-        if not missing or any(a is not b for a, b in zip(now, modes, strict=False)):
-            return fn(*args, **kwargs)  # the forward itself, or a stack we cannot extend
-        for mode in missing:
-            torch.overrides._push_mode(mode)
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            for _ in missing:
-                torch.overrides._pop_mode()
-
-    return run
 
 
 # transformers' names for a block's KV-cache argument: ``cache`` since 5.24 (before it
@@ -470,7 +414,7 @@ class _Wrapper:
         args, kwargs = _drop_cache(args, kwargs)
         # Keyword arguments go in through a partial, so that none can collide with
         # checkpoint()'s own keywords (context_fn, debug, ...).
-        run = _in_function_modes(functools.partial(fn or self.plain, **kwargs))
+        run = in_function_modes(functools.partial(fn or self.plain, **kwargs))
         extra = {"context_fn": self.context} if self.context is not None else {}
         return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **extra)
 
