@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memfit.estimate import fast_fake
+from memfit.estimate.fake_kernels import dry_tensors
 from memfit.estimate.fast_fake import DryFakeTensorMode
 
 
@@ -75,3 +77,46 @@ def test_fallback_for_what_the_fast_key_does_not_handle():
         pass
     else:  # pragma: no cover
         raise AssertionError("another mode's fake tensor must take torch's own path")
+
+
+_NORM_CALLS = {
+    "layer_norm": lambda x, w, b: torch.ops.aten.native_layer_norm(x, [8], w, b, 1e-5),
+    "layer_norm_weight_only": lambda x, w, b: torch.ops.aten.native_layer_norm(
+        x, [8], w, None, 1e-5
+    ),
+    "group_norm": lambda x, w, b: torch.ops.aten.native_group_norm(x, w, b, 2, 8, 8, 2, 1e-5),
+    "batch_norm": lambda x, w, b: torch.ops.aten.native_batch_norm(
+        x, w, b, torch.zeros(8), torch.ones(8), True, 0.1, 1e-5
+    ),
+    "batch_norm_legit": lambda x, w, b: torch.ops.aten._native_batch_norm_legit(
+        x, w, b, torch.zeros(8), torch.ones(8), True, 0.1, 1e-5
+    ),
+    "batch_norm_with_update": lambda x, w, b: torch.ops.aten._batch_norm_with_update(
+        x, w, b, torch.zeros(8), torch.ones(8), 0.1, 1e-5
+    ),
+    "batch_norm_no_stats": lambda x, w, b: torch.ops.aten._native_batch_norm_legit.no_stats(
+        x, w, b, True, 0.1, 1e-5
+    ),
+}
+
+
+@pytest.mark.parametrize("params", ["fp32", "same", "none"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("norm", sorted(_NORM_CALLS))
+def test_norm_statistics_have_the_cpu_kernels_dtype(norm, dtype, params):
+    # Under autocast a norm gets a bf16 input and keeps its fp32 weights: the CPU kernel then
+    # saves fp32 mean and rstd, the meta implementations (and the batch norms' decompositions)
+    # the input's dtype: half the bytes of every norm's saved statistics.
+    call = _NORM_CALLS[norm]
+    if params != "fp32" and norm.startswith("batch_norm") and not norm.endswith("no_stats"):
+        pytest.skip("its fp32 running statistics make every case the mixed one")
+    pdtype = {"fp32": torch.float32, "same": dtype, "none": None}[params]
+    w, b = (None, None) if pdtype is None else (torch.randn(8, dtype=pdtype),) * 2
+    real = call(torch.randn(2, 8, 8, dtype=dtype), w, b)
+    with dry_tensors():
+        dry = call(torch.empty(2, 8, 8, dtype=dtype), w, b)
+        again = call(torch.empty(2, 8, 8, dtype=dtype), w, b)  # from fake tensors' cache
+    for got in (dry, again):
+        assert [(t.dtype, t.shape, t.stride()) for t in got] == [
+            (t.dtype, t.shape, t.stride()) for t in real
+        ]

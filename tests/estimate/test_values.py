@@ -140,6 +140,7 @@ def test_a_top_k_outside_a_router_is_not_routing():
         assert chosen in values.shadows
 
 
+<<<<<<< HEAD
 def test_computing_a_shadow_saves_nothing_for_backward():
     # A parameter built from a constant has a shadow (Swin's relative-position table, indexed
     # by a constant index). Computing an op's shadow must not reach autograd: the tracker's
@@ -153,3 +154,38 @@ def test_computing_a_shadow_saves_nothing_for_backward():
             bias = table[index]
         assert bias in values.shadows  # still a known value
     assert saved and all(isinstance(t, FakeTensor) for t in saved)
+=======
+class _Switch(torch.nn.Module):
+    """A Switch-Transformers-style expert layer: the experts hit are found with ``nonzero``
+    and each is looked up by the string ``f"expert_{idx}"``, a value of the routing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = torch.nn.Linear(8, 4)
+        self.experts = torch.nn.ModuleDict({f"expert_{i}": torch.nn.Linear(8, 8) for i in range(4)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        chosen = self.router(x).argmax(dim=-1)
+        mask = torch.nn.functional.one_hot(chosen, 4).permute(1, 0)
+        out = torch.zeros_like(x)
+        for idx in torch.greater(mask.sum(-1), 0).nonzero():
+            (tokens,) = torch.where(mask[idx[0]])
+            out = out.index_add(0, tokens, self.experts[f"expert_{idx[0]}"](x[tokens]))
+        return x + out
+
+
+@pytest.mark.parametrize("mode", ["full", "selective", "sqrt"])
+def test_a_checkpointed_recomputation_sees_the_routing(mode):
+    # backward() runs inside DryRunValues' own handler, where a mode is off: the blocks'
+    # recomputation must still find the routing's values (and, in selective mode, the same
+    # calls of nonzero as the forward, though fake tensors refuse each once).
+    from memfit.strategies.checkpointing import CheckpointConfig, apply_checkpointing
+
+    with _dry() as values:
+        model = torch.nn.Sequential(*[_Switch() for _ in range(4)])
+        apply_checkpointing(model, CheckpointConfig(mode=mode))
+        x = torch.randn(6, 8, requires_grad=True)
+        model(x).sum().backward()
+        assert x.grad is not None and x.grad.shape == (6, 8)
+        assert {u["op"] for u in values.summary()} == {"routing"}
+>>>>>>> zoo

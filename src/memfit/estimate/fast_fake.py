@@ -8,7 +8,9 @@ this mode. :class:`DryFakeTensorMode` builds the key for such arguments directly
 element the list torch's own code builds (so the cache sees the same keys and hits and misses
 alike), and hands any other argument list to torch's code unchanged.
 
-What torch lacks here: a fast path for the common case of its cache key; nothing else differs.
+What torch lacks here: a fast path for the common case of its cache key. The one other
+difference: the saved statistics of a mixed-type norm on CPU take the real kernel's dtype
+(:func:`cpu_norm_stats`), a correction the cache then keeps.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from torch._prims_common import suggest_memory_format
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-__all__ = ["DryFakeTensorMode"]
+__all__ = ["NORMS", "DryFakeTensorMode", "cpu_norm_stats"]
 
 _SCALARS = frozenset(
     (
@@ -36,12 +38,66 @@ _SCALARS = frozenset(
 )
 
 
+#: The normalisations whose outputs 1 and 2 are the saved mean and rstd (or invstd).
+NORMS = frozenset(
+    (
+        torch.ops.aten.native_layer_norm.default,
+        torch.ops.aten.native_group_norm.default,
+        torch.ops.aten.native_batch_norm.default,
+        torch.ops.aten._native_batch_norm_legit.default,
+        torch.ops.aten._native_batch_norm_legit.no_stats,
+        torch.ops.aten._native_batch_norm_legit_no_training.default,
+        torch.ops.aten._native_batch_norm_legit_functional.default,
+        torch.ops.aten._batch_norm_with_update.default,
+        torch.ops.aten._batch_norm_no_update.default,
+    )
+)
+#: The arguments whose dtype decides a mixed-type norm on CPU.
+_NORM_PARAMS = ("weight", "bias", "running_mean", "running_var")
+
+
+def cpu_norm_stats(fake_mode: Any, func: Any, args: Any, kwargs: Any, out: Any) -> Any:
+    """``out`` of a norm in :data:`NORMS`, with the saved mean and rstd the CPU kernel makes.
+
+    Applied to the fake implementation's result (the batch norms have no meta kernel: fake
+    tensors run their Python decomposition, which ``op_implementations_checks`` rules
+    never see). Anything but a mixed-type norm on CPU is returned unchanged.
+    """
+    names = [a.name for a in func._schema.arguments]
+    bound = dict(zip(names, args, strict=False)) | dict(kwargs)
+    x = bound["input"]
+    if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16):
+        return out  # elsewhere the meta implementations are the reference (they follow CUDA)
+    params = (bound.get(n) for n in _NORM_PARAMS)
+    if not any(isinstance(p, torch.Tensor) and p.dtype != x.dtype for p in params):
+        return out  # not mixed: the stats take the input's dtype, as in the meta
+    from torch._subclasses.fake_impls import in_kernel_invocation_manager
+
+    outs = list(out)
+    device = outs[1].device  # read outside the kernel invocation, where it would say meta
+    with in_kernel_invocation_manager(fake_mode):
+        for i in (1, 2):
+            meta = torch.empty_strided(
+                outs[i].shape, outs[i].stride(), dtype=torch.float32, device="meta"
+            )
+            outs[i] = FakeTensor(fake_mode, meta, device)
+    return tuple(outs)
+
+
 class _Slow(Exception):
     """An argument the fast key does not handle: torch's own code builds the key."""
 
 
 class DryFakeTensorMode(FakeTensorMode):
     """A :class:`FakeTensorMode` whose dispatch-cache key is built faster for plain tensors."""
+
+    def _dispatch_impl(  # type: ignore[override]
+        self, func: Any, types: Any, args: Any, kwargs: Any
+    ) -> Any:
+        out = super()._dispatch_impl(func, types, args, kwargs)
+        if func in NORMS:
+            out = cpu_norm_stats(self, func, args, kwargs, out)
+        return out
 
     def _prep_args_for_hash(  # type: ignore[override]
         self, result: list[object], args: Any, state: Any, id_hashed_objects: list[object]

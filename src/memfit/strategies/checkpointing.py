@@ -47,6 +47,7 @@ from torch.utils.checkpoint import (
 from ..device import rng_states, set_rng_states
 from .blocks import find_blocks
 from .kv_cache import KVCacheOff, apply_kv_cache_off
+from .recompute import in_function_modes, retryable
 
 __all__ = [
     "SAVE_OPS",
@@ -132,7 +133,10 @@ def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpoint
 
 
 def _selective_context() -> tuple[Any, Any]:
-    return create_selective_checkpoint_contexts(selective_policy)
+    caching, cached = create_selective_checkpoint_contexts(selective_policy)
+    if isinstance(getattr(cached, "func_counter", None), dict):
+        cached.__class__ = retryable(type(cached))
+    return caching, cached
 
 
 # ---------------------------------------------------------------------------------- blocks
@@ -417,7 +421,7 @@ class _Wrapper:
         args, kwargs = _drop_cache(args, kwargs)
         # Keyword arguments go in through a partial, so that none can collide with
         # checkpoint()'s own keywords (context_fn, debug, ...).
-        run = functools.partial(fn or self.plain, **kwargs)
+        run = in_function_modes(functools.partial(fn or self.plain, **kwargs))
         extra = {"context_fn": self.context} if self.context is not None else {}
         return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **extra)
 
