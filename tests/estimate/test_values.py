@@ -140,7 +140,6 @@ def test_a_top_k_outside_a_router_is_not_routing():
         assert chosen in values.shadows
 
 
-<<<<<<< HEAD
 def test_computing_a_shadow_saves_nothing_for_backward():
     # A parameter built from a constant has a shadow (Swin's relative-position table, indexed
     # by a constant index). Computing an op's shadow must not reach autograd: the tracker's
@@ -154,7 +153,8 @@ def test_computing_a_shadow_saves_nothing_for_backward():
             bias = table[index]
         assert bias in values.shadows  # still a known value
     assert saved and all(isinstance(t, FakeTensor) for t in saved)
-=======
+
+
 class _Switch(torch.nn.Module):
     """A Switch-Transformers-style expert layer: the experts hit are found with ``nonzero``
     and each is looked up by the string ``f"expert_{idx}"``, a value of the routing."""
@@ -188,4 +188,3 @@ def test_a_checkpointed_recomputation_sees_the_routing(mode):
         model(x).sum().backward()
         assert x.grad is not None and x.grad.shape == (6, 8)
         assert {u["op"] for u in values.summary()} == {"routing"}
->>>>>>> zoo

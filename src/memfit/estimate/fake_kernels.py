@@ -9,7 +9,6 @@ implementations that do what the real kernel does:
   it): its meta implementation follows the CUDA kernel and accepts bf16 only; the CPU kernel
   also takes fp32 and fp16 and returns a contiguous output of the inputs' dtype. The output's
   shape rules are the meta implementation's own (``_create_grouped_mm_output_tensor``).
-<<<<<<< HEAD
 * ``aten.native_layer_norm_backward``: its meta implementation (a decomposition) gives the
   input's gradient the strides of the output's gradient; the CPU and CUDA kernels allocate it
   contiguous (``empty_like`` of the contiguous input, ``LEGACY_CONTIGUOUS_MEMORY_FORMAT``).
@@ -17,7 +16,6 @@ implementations that do what the real kernel does:
   permuted) then made every later ``view`` of it a copy in the dry run only. Fake tensors try
   an op's Python decomposition before these rules, so the decomposition is set aside while
   the rule is installed (outside fake tensors, the op then runs as itself: same values).
-=======
 * The normalisations that save statistics for backward (``native_layer_norm``,
   ``native_group_norm`` and the batch norms): on CPU, a bf16 or fp16 input with fp32 affine
   weights or running statistics (what autocast leaves a norm with) gets fp32 mean and rstd
@@ -25,7 +23,6 @@ implementations that do what the real kernel does:
   input's dtype: half the bytes a real run keeps for every norm of the model.
   :class:`~memfit.estimate.fast_fake.DryFakeTensorMode` corrects the result (the batch norms
   have no meta kernel, so no rule here would see them).
->>>>>>> zoo
 """
 
 from __future__ import annotations
