@@ -74,7 +74,7 @@ _FACTORIES = {
     torch.eye,
     torch.tril_indices,
     torch.triu_indices,
-    # A scalar draw read at once: transformers < 5.24 draws LayerDrop's ``torch.rand([])`` and
+    # A scalar draw read at once: transformers < 5.23 draws LayerDrop's ``torch.rand([])`` and
     # compares it even with layerdrop 0 (BART, OPT, ...); a real draw, as the real run makes.
     torch.rand,
 }
