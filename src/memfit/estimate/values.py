@@ -74,6 +74,9 @@ _FACTORIES = {
     torch.eye,
     torch.tril_indices,
     torch.triu_indices,
+    # A scalar draw read at once: transformers < 5.23 draws LayerDrop's ``torch.rand([])`` and
+    # compares it even with layerdrop 0 (BART, OPT, ...); a real draw, as the real run makes.
+    torch.rand,
 }
 _LIKE = {
     torch.zeros_like,
