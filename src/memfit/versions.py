@@ -23,7 +23,7 @@ __all__ = ["SUPPORTED", "UnsupportedVersion", "check_versions", "parse_version"]
 #: with pyproject.toml's ``>=`` bounds (a test checks they agree).
 SUPPORTED: dict[str, tuple[str, str]] = {
     "torch": ("2.13.0", "2.13.0"),
-    "transformers": ("4.56.0", "5.24.0"),
+    "transformers": ("5.18.0", "5.24.0"),
 }
 
 
