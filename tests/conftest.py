@@ -38,6 +38,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         # Inductor's compiled step starts the C++ compiler (tests/optim/test_fused8bit.py).
         if "needs_compiled" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.subprocess)
+    # The long tests first: xdist hands tests out in order, and one of them started last
+    # would leave the other core idle while it runs.
+    items.sort(key=lambda item: not any(item.get_closest_marker(m) for m in ("slow", *_MARKS)))
 
 
 @pytest.hookimpl(hookwrapper=True)
