@@ -120,3 +120,17 @@ def test_norm_statistics_have_the_cpu_kernels_dtype(norm, dtype, params):
         assert [(t.dtype, t.shape, t.stride()) for t in got] == [
             (t.dtype, t.shape, t.stride()) for t in real
         ]
+
+
+def test_a_plain_fake_mode_run_first_does_not_hand_the_dry_run_its_norm_statistics():
+    # torch's dispatch cache is shared by every fake mode and keyed without the mode: a plain
+    # fake mode's bf16 statistics, cached first, must not come back to the dry run.
+    def stats_dtype(mode: FakeTensorMode) -> torch.dtype:
+        with mode:
+            x = torch.empty(4, 8, dtype=torch.bfloat16)
+            out = torch.ops.aten.native_layer_norm.default(x, [8], torch.empty(8), torch.empty(8), 1e-5)
+        return out[1].dtype
+
+    assert stats_dtype(FakeTensorMode()) == torch.bfloat16  # the meta kernel's answer
+    assert stats_dtype(DryFakeTensorMode()) == torch.float32  # the CPU kernel's
+    assert stats_dtype(FakeTensorMode()) == torch.bfloat16  # and nothing leaked back

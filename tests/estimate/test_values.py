@@ -188,3 +188,14 @@ def test_a_checkpointed_recomputation_sees_the_routing(mode):
         model(x).sum().backward()
         assert x.grad is not None and x.grad.shape == (6, 8)
         assert {u["op"] for u in values.summary()} == {"routing"}
+
+
+def test_a_real_draw_leaves_the_global_generator_as_it_was():
+    # LayerDrop's torch.rand([]) is drawn for real in a dry run (its value is compared at once);
+    # a dry run between training steps must not change what those steps draw.
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    with _dry():
+        draw = torch.rand([])
+        assert 0.0 <= float(draw) < 1.0
+    assert torch.equal(torch.get_rng_state(), before)

@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 from torch._prims_common import suggest_memory_format
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, _BypassDispatchCache
 
-__all__ = ["NORMS", "DryFakeTensorMode", "cpu_norm_stats"]
+__all__ = ["NORMS", "UNCACHED", "DryFakeTensorMode", "cpu_norm_stats"]
 
 _SCALARS = frozenset(
     (
@@ -52,6 +52,10 @@ NORMS = frozenset(
         torch.ops.aten._batch_norm_no_update.default,
     )
 )
+#: Ops whose dry-run result differs from a plain fake mode's (:data:`NORMS`, corrected by
+#: :func:`cpu_norm_stats`; the layer norm backward, by
+#: :func:`memfit.estimate.fake_kernels.real_kernel_rules`): kept out of the shared cache.
+UNCACHED = NORMS | {torch.ops.aten.native_layer_norm_backward.default}
 #: The arguments whose dtype decides a mixed-type norm on CPU.
 _NORM_PARAMS = ("weight", "bias", "running_mean", "running_var")
 
@@ -98,6 +102,15 @@ class DryFakeTensorMode(FakeTensorMode):
         if func in NORMS:
             out = cpu_norm_stats(self, func, args, kwargs, out)
         return out
+
+    def _cache_key(self, state: Any, func: Any, args: Any, kwargs: Any) -> Any:  # type: ignore[override]
+        # torch keeps one dispatch cache for every fake mode, keyed without the mode: a result
+        # this mode corrects (norm statistics, the layer norm backward's layout under
+        # real_kernel_rules) must neither be read from a plain fake mode's entries nor left
+        # for one to read. Those few ops are never cached here.
+        if func in UNCACHED:
+            raise _BypassDispatchCache("memfit dry run: corrected op")
+        return super()._cache_key(state, func, args, kwargs)
 
     def _prep_args_for_hash(  # type: ignore[override]
         self, result: list[object], args: Any, state: Any, id_hashed_objects: list[object]

@@ -75,7 +75,8 @@ _FACTORIES = {
     torch.tril_indices,
     torch.triu_indices,
     # A scalar draw read at once: transformers < 5.23 draws LayerDrop's ``torch.rand([])`` and
-    # compares it even with layerdrop 0 (BART, OPT, ...); a real draw, as the real run makes.
+    # compares it even with layerdrop 0 (BART, OPT, ...); a real draw, as the real run makes
+    # (from a forked generator: see _real).
     torch.rand,
 }
 _LIKE = {
@@ -499,7 +500,10 @@ def _real(func: Any, args: Any, kwargs: Any, recorder: _Recorder | None = None) 
     # parameter requires grad (Swin's relative-position table), and an op over it would save
     # its real inputs for backward through the saved-tensor hooks, which dispatch modes do not
     # turn off: the tracker would count the shadows, which the real run does not have.
-    with _no_modes(), torch.no_grad(), recorder or contextlib.nullcontext():
+    # A real draw (torch.rand) leaves the global generator as it was: a dry run draws nothing
+    # anywhere else, and one made between training steps must not change what they draw.
+    drawing = torch.random.fork_rng(devices=[]) if func is torch.rand else contextlib.nullcontext()
+    with _no_modes(), torch.no_grad(), recorder or contextlib.nullcontext(), drawing:
         return func(*args, **kwargs)
 
 
