@@ -57,6 +57,7 @@ def test_rows_order_as_the_techniques_claim(rows):
     assert "reserved" in table and "compute (h100, model)" in table
 
 
+@pytest.mark.subprocess  # inductor compiles: its workers and the C++ compiler
 @pytest.mark.slow
 def test_ladder_command(tmp_path):
     out = tmp_path / "ladder.json"

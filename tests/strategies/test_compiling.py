@@ -72,6 +72,7 @@ def test_the_partitioner_keeps_fewer_activations():
     assert 0 < compiled < eager and eager < weights * 10
 
 
+@pytest.mark.subprocess  # inductor compiles: its workers and the C++ compiler
 def test_plan_field_and_the_dry_run_applies_the_measured_saving(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"],
