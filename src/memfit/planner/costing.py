@@ -6,6 +6,7 @@ candidate is costed; memory, the expensive part, is then predicted in this order
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 
 from ..estimate.cost import StepCost, WorkloadProfile, step_cost
@@ -72,7 +73,7 @@ def order(candidates: Sequence[Candidate]) -> list[Candidate]:
     go by :data:`TIE_RULE`: fewer techniques, then more frugal (a higher memory rank, summed
     over the dimensions), then faster, then by summary, so the order is the same for the same
     costs whatever order the candidates came in."""
-    by_time = sorted(candidates, key=lambda c: (c.step_time, c.plan.summary()))
+    by_time = sorted(candidates, key=lambda c: (c.step_time, *_tie_key(c)))
     ordered: list[Candidate] = []
     start = 0
     while start < len(by_time):
@@ -86,7 +87,9 @@ def order(candidates: Sequence[Candidate]) -> list[Candidate]:
 
 
 def _tie_key(c: Candidate) -> tuple:
-    return (len(c.plan.techniques()), -sum(c.rank), c.step_time, c.plan.summary())
+    # Last, the whole plan: two plans the summary does not tell apart still have one order.
+    plan = json.dumps(c.plan.to_dict(), sort_keys=True, default=str)
+    return (len(c.plan.techniques()), -sum(c.rank), c.step_time, c.plan.summary(), plan)
 
 
 def tied(a: Candidate, b: Candidate) -> bool:

@@ -186,6 +186,8 @@ def plan_layout(
                                   or value < 1):
             raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
     forbid = _check_search_options(allow, forbid, host_budget, disk_dir, jobs)
+    if not isinstance(max_predictions, int) or isinstance(max_predictions, bool) or max_predictions < 0:
+        raise ValueError(f"max_predictions must be a whole number >= 0, got {max_predictions!r}")
     g = gpus_per_node if gpus_per_node is not None else min(world_size, 8)
     if world_size % g and world_size > g:
         raise ValueError(

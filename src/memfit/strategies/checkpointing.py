@@ -642,11 +642,7 @@ def apply_checkpointing(
                 "model.gradient_checkpointing_disable() before memfit's, or not both"
             )
 
-    # As transformers does for its own gradient checkpointing: the model builds no KV cache
-    # while checkpointed (a recomputed block would write it twice); remove() turns it back on.
-    state = _State(
-        config=config, names=[], wrapped=list(blocks), cache_off=apply_kv_cache_off(model)
-    )
+    state = _State(config=config, names=[], wrapped=list(blocks))
     wrappers: list[tuple[nn.Module, _Wrapper]] = []
     if config.mode in ("full", "selective"):
         context = _selective_context if config.mode == "selective" else None
@@ -678,6 +674,10 @@ def apply_checkpointing(
             f"checkpointing mode {config.mode!r} is not known; use none, full, selective, sqrt "
             "or budget"
         )
+    # As transformers does for its own gradient checkpointing: the model builds no KV cache
+    # while checkpointed (a recomputed block would write it twice); remove() turns it back on.
+    # (Here, after every check that can refuse: a refusal leaves the model as it was.)
+    state.cache_off = apply_kv_cache_off(model)
     for block, wrapper in wrappers:
         # An instance attribute shadows the class's forward for this block only.
         block.forward = wrapper

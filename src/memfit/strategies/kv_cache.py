@@ -35,9 +35,11 @@ class KVCacheOff:
         self.configs = configs
 
     def remove(self) -> None:
-        """Turn the cache back on in every config this handle turned it off in. Idempotent."""
+        """Turn the cache back on in every config this handle turned it off in (unless someone
+        set it since, whose choice stands). Idempotent."""
         for config in self.configs:
-            config.use_cache = True
+            if config.use_cache is False:
+                config.use_cache = True
         self.configs = []
 
 

@@ -320,32 +320,51 @@ def _stored_cpu_rates() -> dict[str, float]:
 
     Timings vary with the machine's load from one run to the next; a planner that re-measured
     them would order close candidates differently on a busy machine. Stored, the answer
-    depends on the inputs alone. Where the folder cannot be written, the rates are measured
-    in each process (and the planner's answer can vary with the load).
+    depends on the inputs alone. Processes that start together (test workers, a launcher's
+    ranks) take turns under a lock, so one measures and the others read what it stored. Where
+    the folder cannot be written, the rates are measured in each process (and the planner's
+    answer can vary with the load).
     """
     path = cache_dir() / "cpu-profile.json"
     key = _machine_key()
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path.with_name(path.name + ".lock"), "a")  # noqa: SIM115 (held below)
+    except OSError:
+        return _measure_cpu_rates()
+    with lock:
+        try:
+            import fcntl
+
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except (ImportError, OSError):  # no flock (Windows): measure and store all the same
+            pass
+        stored = _read_store(path)
+        entry = stored.get(key)
+        if isinstance(entry, dict) and all(isinstance(entry.get(k), (int, float)) for k in _RATES):
+            return {k: float(entry[k]) for k in _RATES}
+        rates = _measure_cpu_rates()
+        stored[key] = rates
+        # Written aside and renamed: a reader without the lock sees the old file or the new
+        # one, never half of one.
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps(stored, indent=1, sort_keys=True))
+            os.replace(tmp, path)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+        return rates
+
+
+_RATES = ("fp32", "bf16", "fp16", "mem_bandwidth", "launch_overhead")
+
+
+def _read_store(path: Path) -> dict[str, Any]:
+    try:
         stored = json.loads(path.read_text())
     except (OSError, ValueError):
-        stored = {}
-    entry = stored.get(key) if isinstance(stored, dict) else None
-    wanted = ("fp32", "bf16", "fp16", "mem_bandwidth", "launch_overhead")
-    if isinstance(entry, dict) and all(isinstance(entry.get(k), (int, float)) for k in wanted):
-        return {k: float(entry[k]) for k in wanted}
-    rates = _measure_cpu_rates()
-    stored = stored if isinstance(stored, dict) else {}
-    stored[key] = rates
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # Written aside and renamed: a process reading at the same time sees the old file or
-        # the new one, never half of one (two that measure at once both store valid rates).
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(stored, indent=1, sort_keys=True))
-        os.replace(tmp, path)
-    except OSError:
-        pass
-    return rates
+        return {}
+    return stored if isinstance(stored, dict) else {}
 
 
 @functools.lru_cache(maxsize=1)

@@ -79,7 +79,10 @@ class Prepared:
             self._forward_hook = parallel.module.register_forward_pre_hook(self._count_forward)
 
     def _count_forward(self, module: nn.Module, args: Any) -> None:
-        self._forwards += 1
+        # Only a forward that builds a graph: a no-grad one (a teacher, an evaluation)
+        # through the wrapper says nothing of the forward the loss came from.
+        if torch.is_grad_enabled():
+            self._forwards += 1
 
     @property
     def model(self) -> nn.Module:
