@@ -438,9 +438,9 @@ class Plan:
 
     def summary(self) -> str:
         """One line naming the techniques that are on."""
-        return ", ".join(self.techniques())
+        return ", ".join(self.summary_parts())
 
-    def techniques(self) -> list[str]:
+    def summary_parts(self) -> list[str]:
         """The techniques that are on, one phrase each (the optimizer always counts as one)."""
         parts = []
         if self.grad_accum_steps > 1 or self.micro_batch_size is not None:

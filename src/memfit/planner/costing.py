@@ -89,7 +89,7 @@ def order(candidates: Sequence[Candidate]) -> list[Candidate]:
 def _tie_key(c: Candidate) -> tuple:
     # Last, the whole plan: two plans the summary does not tell apart still have one order.
     plan = json.dumps(c.plan.to_dict(), sort_keys=True, default=str)
-    return (len(c.plan.techniques()), -sum(c.rank), c.step_time, c.plan.summary(), plan)
+    return (len(c.plan.summary_parts()), -sum(c.rank), c.step_time, c.plan.summary(), plan)
 
 
 def tied(a: Candidate, b: Candidate) -> bool:
