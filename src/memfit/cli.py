@@ -12,6 +12,7 @@ from typing import Annotated, Any
 
 import typer
 
+from . import console
 from .console import check_outputs, err, fail, out, quiet_libraries
 from .outputs import make_parent, write_text
 
@@ -631,15 +632,18 @@ _QUICK_EXIT = False
 
 def main() -> None:
     """Entry point of the ``memfit`` command."""
+    console._QUICK_EXIT[0] = False
     try:
         app()
     except KeyboardInterrupt:
         err.print("interrupted")
         sys.exit(130)
     except SystemExit as e:
-        if _QUICK_EXIT:
+        if _QUICK_EXIT or console._QUICK_EXIT[0]:
             _exit_now(e.code)
         raise
+    if console._QUICK_EXIT[0]:  # a command that returned normally (typer's standalone mode off)
+        _exit_now(0)
 
 
 def _exit_now(code: Any) -> None:

@@ -14,7 +14,7 @@ from typing import NoReturn
 import typer
 from rich.console import Console
 
-__all__ = ["check_outputs", "err", "fail", "out", "quiet_libraries"]
+__all__ = ["check_outputs", "err", "exit_without_teardown", "fail", "out", "quiet_libraries"]
 
 #: Results go to standard output; progress and errors to standard error.
 out = Console()
@@ -28,6 +28,22 @@ def quiet_libraries() -> None:
 
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+#: Set by :func:`exit_without_teardown`; read by :func:`memfit.cli.main`.
+_QUICK_EXIT = [False]
+
+
+def exit_without_teardown() -> None:
+    """Ask :func:`memfit.cli.main` to end the process without the interpreter's teardown once
+    the command returns (its files written and closed).
+
+    A distributed worker asks it after leaving its process group: objects the run keeps (a
+    sharded model's device mesh) still hold the gloo group's threads, and destroying those in
+    the interpreter's teardown can abort a finished worker (``terminate called without an
+    active exception``, SIGABRT), which the launcher reports as a failed run.
+    """
+    _QUICK_EXIT[0] = True
 
 
 def fail(message: str, code: int = 2) -> NoReturn:

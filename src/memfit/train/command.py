@@ -54,7 +54,7 @@ def train(
     nproc_per_node: Annotated[int | None, typer.Option("--nproc-per-node", help=_help("nproc_per_node", "started through torch's elastic launcher"))] = None,
 ) -> None:
     """Train a causal LM on text under a memory budget: plan, train, report memory."""
-    from ..console import check_outputs, err, fail, out, quiet_libraries
+    from ..console import check_outputs, err, exit_without_teardown, fail, out, quiet_libraries
     from ..distributed.launch import (
         finish_worker,
         init_worker,
@@ -114,6 +114,7 @@ def train(
             finish_worker(ok=False)
             raise
         finish_worker()
+        exit_without_teardown()
     else:
         _work(settings, 0, world, plot=plot, json_path=json_path, out=out, err=err)
 
@@ -200,7 +201,7 @@ def _work_layout(
     :mod:`memfit.train.layout_run`; join and leave the process group here."""
     import os
 
-    from ..console import fail
+    from ..console import exit_without_teardown, fail
     from ..distributed.launch import finish_worker, init_worker
     from .layout_run import predict_rank_peaks, train_layout
 
@@ -234,6 +235,7 @@ def _work_layout(
         finish_worker(ok=False)
         raise
     finish_worker()
+    exit_without_teardown()
     out.print(
         f"loss {result.first_loss:.4f} -> {result.final_loss:.4f} in {result.steps} steps "
         f"({result.seconds:.1f} s, {result.tokens_per_second:,.0f} tokens/s); per-process "
