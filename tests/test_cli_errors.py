@@ -294,12 +294,15 @@ def test_a_given_plans_disk_folder_is_checked_before_any_work(tmp_path, no_work)
     )
 
 
-def test_missing_parent_folders_of_the_outputs_are_created(tmp_path):
-    json_path, save = tmp_path / "new" / "sub" / "answer.json", tmp_path / "other" / "plan.yaml"
+def test_a_missing_folder_of_a_file_output_stops_before_work(tmp_path):
+    # The case: --json /no/such/dir/p.json. A file's folder is the user's to create
+    # (a missing one is most likely a typo), even where it could be made.
+    json_path = tmp_path / "no" / "such" / "p.json"
     res = runner.invoke(
         app,
-        ["plan", *BASE["plan"], "--jobs", "1", "--json", str(json_path), "--save", str(save)],
+        ["plan", *BASE["plan"], "--jobs", "1", "--json", str(json_path)],
         env={"COLUMNS": "1000", "NO_COLOR": "1"},
     )
-    assert res.exit_code == 0, res.output
-    assert json_path.is_file() and save.is_file()
+    assert res.exit_code == 2, res.output
+    assert f"the folder {tmp_path}/no/such does not exist; create it first" in res.output
+    assert "Traceback" not in res.output and not (tmp_path / "no").exists()

@@ -25,7 +25,7 @@ def tree(tmp_path):
     [
         ("a-folder/out.json", False, False, None),
         ("a-file", False, False, None),  # an existing file is overwritten
-        ("new/deeper/out.json", False, False, None),  # created at write time
+        ("new/deeper/out.json", False, False, "the folder {tmp}/new/deeper does not exist; create it first"),
         ("a-file/out.json", False, False, "{tmp}/a-file is a file, not a folder"),
         ("a-file/new/out.json", False, False, "{tmp}/a-file is a file, not a folder"),
         ("a-folder", False, False, "it is a folder; give a file name"),
@@ -52,12 +52,18 @@ def test_a_relative_path_is_checked_from_the_working_folder(tree, monkeypatch):
 def test_a_folder_without_write_permission_is_refused(tree, monkeypatch):
     # os.access stands for the permission bits, which do not stop root (these tests' user).
     monkeypatch.setattr(os, "access", lambda path, mode: os.fspath(path) != str(tree))
-    assert output_problem(tree / "new" / "out.json") == f"the folder {tree} is not writable"
+    assert output_problem(tree / "out.json") == f"the folder {tree} is not writable"
+    assert output_problem(tree / "new" / "ck", folder=True) == f"the folder {tree} is not writable"
     assert output_problem(tree / "a-folder" / "out.json") is None
 
 
 def test_check_outputs_names_the_option_and_the_path(tree):
-    check_outputs({"--json": None, "--plot": tree / "new" / "p.png"}, {"--dir": tree / "ck"})
+    check_outputs({"--json": None, "--plot": tree / "a-folder" / "p.png"}, {"--dir": tree / "ck"})
+    with pytest.raises(OutputError) as e:
+        check_outputs({"--json": tree / "no" / "such" / "p.json"})
+    assert str(e.value) == (
+        f"--json {tree}/no/such/p.json: the folder {tree}/no/such does not exist; create it first"
+    )
     with pytest.raises(OutputError) as e:
         check_outputs({"--json": tree / "a-folder/x.json"}, {"--checkpoint-dir": tree / "a-file"})
     assert str(e.value) == f"--checkpoint-dir {tree}/a-file: it is a file, not a folder"

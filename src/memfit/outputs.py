@@ -6,10 +6,10 @@ that cannot exist should stop the command at once, not after the work. The comma
 will write with :func:`check_outputs` first, and write through :func:`write_text` (or
 :func:`make_parent`), which creates the missing folders the check allowed.
 
-The rule, for a file output: a missing parent folder is created when its nearest existing
-ancestor is a writable folder; an ancestor that is a file, or a folder that cannot be written,
-is an error, and so is a path that is an existing folder. For a folder output the same, with a
-path that is an existing file an error. Writability comes from :func:`os.access` on the path
+The rule, for a file output: its folder must exist and be writable, and the path must not be
+an existing folder (an ancestor that is a file is named as such). For a folder output
+(``--checkpoint-dir``): missing folders are created when the nearest existing ancestor is a
+writable folder, and a path that is an existing file is an error. Writability comes from :func:`os.access` on the path
 or its nearest existing ancestor, so the check leaves nothing behind. A stdlib-only module (the
 bottom floor): the command line and the benchmark scripts both import it.
 """
@@ -63,7 +63,13 @@ def output_problem(path: PathLike, *, folder: bool = False, must_exist: bool = F
         return None
     if folder and must_exist:
         return "the folder does not exist; create it first"
-    # The nearest existing ancestor: the missing folders below it are created at write time.
+    if not folder and not os.path.exists(p.absolute().parent):
+        # A file goes into a folder the user names: a missing one is most likely a typo, and
+        # creating a tree of folders for one report would hide it.
+        if not os.path.isdir(_nearest_existing(p.absolute().parent)):
+            return f"{_nearest_existing(p.absolute().parent)} is a file, not a folder"
+        return f"the folder {p.absolute().parent} does not exist; create it first"
+    # The nearest existing ancestor: a folder output's missing parents are created with it.
     ancestor = p.absolute().parent
     while not os.path.exists(ancestor) and ancestor != ancestor.parent:
         ancestor = ancestor.parent
@@ -72,6 +78,12 @@ def output_problem(path: PathLike, *, folder: bool = False, must_exist: bool = F
     if not os.access(ancestor, os.W_OK | os.X_OK):
         return f"the folder {ancestor} is not writable"
     return None
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not os.path.exists(path) and path != path.parent:
+        path = path.parent
+    return path
 
 
 def check_outputs(
