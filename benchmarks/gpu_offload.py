@@ -414,12 +414,15 @@ def main(argv: list[str] | None = None) -> int:
     from memfit.outputs import exit_if_unwritable, write_text
 
     if args.predict_only:
-        exit_if_unwritable({"--predictions" if args.predictions else "--out":
-                            args.predictions or args.out / f"{args.name}_predictions.json"})
+        if args.predictions:
+            exit_if_unwritable({"--predictions": args.predictions})
+        else:
+            exit_if_unwritable({"--out": args.out / f"{args.name}_predictions.json"},
+                               folders={"--out": args.out})
     else:
-        exit_if_unwritable(folders={"--out": args.out})
         for suffix in (".json", ".md"):
-            exit_if_unwritable({"--out": args.out / f"{args.name}{suffix}"})
+            exit_if_unwritable({"--out": args.out / f"{args.name}{suffix}"},
+                               folders={"--out": args.out})
     device = torch.device(args.device or ("cuda" if dev.cuda_available() else "cpu"))
     if not args.predict_only and device.type == "cuda" and not dev.cuda_available():
         print("error: no CUDA device: use --device cpu to exercise the code", file=sys.stderr)

@@ -79,9 +79,8 @@ def main() -> None:
     args = parser.parse_args()
     from memfit.outputs import exit_if_unwritable, write_text
 
-    exit_if_unwritable(folders={"--out": args.out})
     for name in ("layout_plans.json", "layout_plans.md"):
-        exit_if_unwritable({"--out": args.out / name})
+        exit_if_unwritable({"--out": args.out / name}, folders={"--out": args.out})
     rows = []
     for case in CASES:
         print("planning", *case, flush=True)

@@ -96,20 +96,31 @@ def check_outputs(
 
     Args:
         files: Option name (``"--json"``) -> the file it writes (``None``: not given).
-        folders: Option name -> a folder it writes into, created if missing.
+        folders: Option name -> a folder it writes into, created if missing (with the
+            files given inside it, whose folder need not exist yet).
         existing_folders: Option name -> a folder it writes into that must exist already.
 
     Raises:
         OutputError: ``"--json /no/such/p.json: the folder /no is not writable"``.
     """
     groups = (
-        (files or {}, {}),
         (folders or {}, {"folder": True}),
         (existing_folders or {}, {"folder": True, "must_exist": True}),
+        (files or {}, {}),
     )
+    # A file inside a folder output of the same call: that folder, checked first, is created
+    # before the file is written.
+    made = {
+        Path(os.fspath(p)).expanduser().absolute()
+        for p in (folders or {}).values()
+        if p is not None
+    }
     for paths, how in groups:
         for flag, path in paths.items():
             if path is None:
+                continue
+            target = Path(os.fspath(path)).expanduser().absolute()
+            if not how and target.parent in made and not target.parent.exists():
                 continue
             problem = output_problem(path, **how)
             if problem is not None:
