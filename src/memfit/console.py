@@ -60,8 +60,8 @@ def check_outputs(
 ) -> None:
     """Fail at once (one sentence naming the option and the path, exit 2) when an output
     cannot be written, before the command does any work: ``check_outputs({"--json": path})``.
-    The rule is :func:`memfit.outputs.check_outputs`'s (a missing parent folder is fine when it
-    can be created)."""
+    The rule is :func:`memfit.outputs.check_outputs`'s (a file's folder must exist; a folder
+    output is created with its parents)."""
     from .outputs import OutputError
     from .outputs import check_outputs as check
 

@@ -71,9 +71,10 @@ def cost_into(
 def order(candidates: Sequence[Candidate]) -> list[Candidate]:
     """Fastest first; ties (within :data:`TIE_BAND` of the fastest of a run of candidates)
     go by :data:`TIE_RULE`: fewer techniques, then more frugal (a higher memory rank, summed
-    over the dimensions), then faster, then by summary, so the order is the same for the same
-    costs whatever order the candidates came in."""
-    by_time = sorted(candidates, key=lambda c: (c.step_time, *_tie_key(c)))
+    over the dimensions), then faster, then by the whole plan, so the order is the same for the
+    same costs whatever order the candidates came in."""
+    keys = {id(c): _tie_key(c) for c in candidates}  # each plan serialised once
+    by_time = sorted(candidates, key=lambda c: (c.step_time, *keys[id(c)]))
     ordered: list[Candidate] = []
     start = 0
     while start < len(by_time):
@@ -81,7 +82,7 @@ def order(candidates: Sequence[Candidate]) -> list[Candidate]:
         limit = by_time[start].step_time * TIE_BAND
         while end < len(by_time) and by_time[end].step_time <= limit:
             end += 1
-        ordered += sorted(by_time[start:end], key=_tie_key)
+        ordered += sorted(by_time[start:end], key=lambda c: keys[id(c)])
         start = end
     return ordered
 
