@@ -15,24 +15,66 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import techniques as _techniques
+from .distributed import data as _data_parallel
 from .distributed.config import ParallelConfig
+from .strategies import (
+    accumulation,
+    activation_offload,
+    checkpointing,
+    compiling,
+    freezing,
+    fused_loss,
+    fused_pointwise,
+    fused_step,
+    grad_buffer,
+    kv_cache,
+    loss_scaling,
+    optimizer,
+    optimizer_offload,
+    parameter_offload,
+    precision,
+    sequence,
+)
 from .strategies.checkpointing import CheckpointConfig
+from .strategies.compiling import COMPILE_BACKENDS
 from .strategies.fused_loss import FusedLossConfig
 from .strategies.offload import OffloadConfig
 from .strategies.optimizer import OptimizerConfig
 from .strategies.precision import PrecisionConfig
 from .strategies.sequence import SequenceConfig
 
-__all__ = ["COMPILE_BACKENDS", "Plan", "PlanError"]
+__all__ = ["BUILTIN_TECHNIQUES", "COMPILE_BACKENDS", "Plan", "PlanError"]
+
+#: memfit's own techniques (each defined in its own module, registered here, where their
+#: configs meet): adding a technique is its module plus one line here.
+BUILTIN_TECHNIQUES: tuple[_techniques.Technique, ...] = (
+    kv_cache.TECHNIQUE,
+    freezing.TECHNIQUE,
+    fused_pointwise.TECHNIQUE,
+    fused_loss.TECHNIQUE,
+    precision.TECHNIQUE,
+    checkpointing.TECHNIQUE,
+    parameter_offload.TECHNIQUE,
+    activation_offload.TECHNIQUE,
+    compiling.TECHNIQUE,
+    grad_buffer.TECHNIQUE,
+    _data_parallel.TECHNIQUE,
+    optimizer.TECHNIQUE,
+    fused_step.TECHNIQUE,
+    optimizer_offload.TECHNIQUE,
+    accumulation.ACCUMULATION,
+    accumulation.LOSS_NORMALIZATION,
+    sequence.MAX_SEQ_LEN,
+    sequence.SEQUENCE,
+    loss_scaling.CLIPPING,
+)
+for _technique in BUILTIN_TECHNIQUES:
+    _techniques.register(_technique, builtin=True)
 
 _CLIP_MODES = ("exact", "approx")
 _NORMALIZATIONS = ("mean", "tokens")
 
-#: ``torch.compile`` backends a plan may name: ``inductor`` (what ``compile: true`` means:
-#: generated kernels), ``aot_eager_decomp_partition`` (inductor's decompositions and min-cut
-#: partitioner with eager kernels: the same saved activations, no code generation) and
-#: ``aot_eager`` (AOTAutograd's default partition, eager kernels).
-COMPILE_BACKENDS = ("inductor", "aot_eager_decomp_partition", "aot_eager")
 
 
 class PlanError(ValueError):
@@ -102,6 +144,12 @@ class Plan:
             buffer per step; no extra compute. Same numerics. Refused with
             ``optimizer_in_backward`` and with optimizer offload, which free or move each
             gradient as soon as it is ready.
+        parallel: Data, tensor and pipeline parallelism and ZeRO (see
+            :class:`~memfit.distributed.config.ParallelConfig`).
+        extra: The configs of techniques registered with :func:`memfit.techniques.register`
+            (a mapping of technique name to its config, or to a mapping of the config's
+            fields); what each costs is its own docstring's. Stored as sorted
+            ``(name, config)`` pairs; serialised only when not empty.
     """
 
     micro_batch_size: int | None = None
@@ -122,6 +170,7 @@ class Plan:
     compile: bool | str = False
     grad_buffer: bool = False
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    extra: Any = ()
 
     def __post_init__(self) -> None:
         # Accept short forms (strings, dicts, lists) and store the canonical configs.
@@ -141,6 +190,7 @@ class Plan:
         if isinstance(self.freeze, str):
             coerce(self, "freeze", (self.freeze,) if self.freeze else ())
         coerce(self, "freeze", tuple(self.freeze))
+        coerce(self, "extra", _extra(self.extra))
         cb = self.checkpointing
         if cb.blocks is not None and not isinstance(cb.blocks, tuple):
             blocks = (cb.blocks,) if isinstance(cb.blocks, str) else tuple(cb.blocks)
@@ -350,6 +400,11 @@ class Plan:
                 "which steps each shard"
             )
 
+    def techniques(self) -> list[tuple[_techniques.Technique, Any]]:
+        """``(technique, config)`` for every registered technique this plan turns on, in
+        apply order (:mod:`memfit.techniques`)."""
+        return list(_techniques.techniques_of(self))
+
     # ------------------------------------------------------------------ derived
     @property
     def compile_backend(self) -> str | None:
@@ -370,8 +425,13 @@ class Plan:
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict[str, Any]:
-        """Plain data: sub-configs become dicts, tuples lists, ``offload`` ``None`` when off."""
-        return _plain(dataclasses.asdict(self))
+        """Plain data: sub-configs become dicts, tuples lists, ``offload`` ``None`` when off,
+        ``extra`` (users' techniques) only when not empty."""
+        data = _plain(dataclasses.asdict(self))
+        extra = data.pop("extra")
+        if extra:
+            data["extra"] = {name: config for name, config in extra}
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Plan:
@@ -485,6 +545,9 @@ class Plan:
             parts.append(
                 "compiled" if self.compile_backend == "inductor" else f"compiled ({self.compile_backend})"
             )
+        for technique, config in self.techniques():
+            if not _techniques.is_builtin(technique.name):
+                parts.append(technique.summary(config) if technique.summary else technique.name)
         return parts
 
 
@@ -512,6 +575,39 @@ def _coerce(cls: type, value: Any, short_field: str | None) -> Any:
         except ValueError as e:
             raise PlanError(str(e)) from None
     raise PlanError(f"{cls.__name__} cannot be made from {value!r}")
+
+
+def _extra(value: Any) -> tuple[tuple[str, Any], ...]:
+    """The canonical ``extra``: sorted ``(name, config)`` pairs of registered user techniques."""
+    if value is None:
+        return ()
+    items = value.items() if isinstance(value, Mapping) else value
+    try:
+        pairs = [(name, config) for name, config in items]
+    except (TypeError, ValueError):
+        raise PlanError(
+            f"extra must map registered technique names to their configs, got {value!r}"
+        ) from None
+    out = []
+    for name, config in pairs:
+        try:
+            technique = _techniques.get(name)
+        except _techniques.TechniqueError:
+            users = [t.name for t in _techniques.registered(builtin=False)]
+            raise PlanError(
+                f"extra names technique {name!r}, which is not registered; registered with "
+                f"memfit.techniques.register: {', '.join(users) if users else 'none'}"
+            ) from None
+        if _techniques.is_builtin(name):
+            raise PlanError(
+                f"extra holds the configs of users' techniques; {name!r} is memfit's own, "
+                f"set it with its own plan field"
+            )
+        try:
+            out.append((name, technique.coerce(config)))
+        except _techniques.TechniqueError as e:
+            raise PlanError(str(e)) from None
+    return tuple(sorted(out, key=lambda pair: pair[0]))
 
 
 def _fused_loss(value: Any) -> FusedLossConfig | None:

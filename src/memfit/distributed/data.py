@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..accounting.tracker import label_open, storage_resized
+from ..techniques import BUILTIN_ORDER, ApplyContext, Technique
 from ..workload import Batch, batch_size_of, split_batch
 from .config import ParallelConfig
 
@@ -398,3 +399,29 @@ def _report_fsdp_resizes() -> None:
     _fsdp_param.free_storage = free_storage
     _fsdp_param_group.alloc_storage = alloc_storage
     _PATCHED = True
+
+
+def _apply_technique(model: nn.Module, ctx: ApplyContext) -> DataParallel | None:
+    if ctx.engine == "lightning":
+        return None  # Lightning's own strategy (DDP, FSDP) wraps the model
+    plan = ctx.plan
+    mixed = {"bf16-mixed": torch.bfloat16}.get(plan.precision.mode)
+    parallel = apply_data_parallel(model, plan.parallel, mixed_dtype=mixed)
+    ctx.parallel = parallel
+    ctx.info["data_parallel"] = plan.parallel.engine
+    return parallel
+
+
+#: Data parallelism and ZeRO (DDP, ZeroRedundancyOptimizer, FSDP2), after every single-device
+#: technique (FSDP2 shards the checkpointed blocks in place) and before the optimizer, which
+#: steps FSDP2's shards or is sharded by ZeRO stage 1.
+TECHNIQUE = Technique(
+    name="data_parallel",
+    plan_field="parallel",
+    order=BUILTIN_ORDER["data_parallel"],
+    is_on=lambda plan: (plan.parallel.data > 1 or bool(plan.parallel.zero_stage))
+    and plan.parallel.tensor == 1
+    and plan.parallel.pipeline == 1,
+    apply=_apply_technique,
+    info_key="data_parallel",
+)

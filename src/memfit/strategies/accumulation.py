@@ -19,9 +19,11 @@ differs between normalisations:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
+from ..techniques import BUILTIN_ORDER, Technique
 from ..workload import Batch, batch_size_of
 
 __all__ = ["count_loss_terms", "loss_weights"]
@@ -145,3 +147,50 @@ def _count(labels: torch.Tensor, ignore_index: int) -> int:
     if is_fake(labels):
         return int(labels.numel())
     return int((labels != ignore_index).sum().item())
+
+
+def _accumulation_summary(config: tuple[int | None, int]) -> str:
+    micro, steps = config
+    return f"micro-batch {micro if micro is not None else 'auto'} x {steps}"
+
+
+#: Micro-batches with weighted losses, run by the step (``run_step``); a pipeline's own
+#: micro-batches replace it in a tensor/pipeline layout.
+ACCUMULATION = Technique(
+    name="accumulation",
+    plan_field=("micro_batch_size", "grad_accum_steps"),
+    order=BUILTIN_ORDER["accumulation"],
+    is_on=lambda plan: plan.micro_batch_size is not None or plan.grad_accum_steps > 1,
+    engines=frozenset({"single", "data", "hf", "lightning"}),
+    label=lambda plan: "micro_batch_size / grad_accum_steps (parallel microbatches does this)",
+    swappable=True,
+    forbid={"accumulation": "gradient accumulation (micro-batches)"},
+    summary=_accumulation_summary,
+)
+
+
+def _normalization_refusal(plan: Any, engine: str) -> str | None:
+    if engine == "hf":
+        return (
+            "loss_normalization 'tokens' is the Trainer's own behaviour for causal LMs "
+            "(num_items_in_batch); set it to 'mean' in the plan"
+        )
+    if engine == "lightning":
+        return (
+            "loss_normalization 'tokens' is not supported in a lightning.Trainer, which divides "
+            "each micro-batch loss by accumulate_grad_batches; use 'mean'"
+        )
+    return None
+
+
+#: Weighting micro-batch losses by their label tokens instead of their samples.
+LOSS_NORMALIZATION = Technique(
+    name="loss_normalization",
+    plan_field="loss_normalization",
+    order=BUILTIN_ORDER["accumulation"] + 1,
+    is_on=lambda plan: plan.loss_normalization != "mean",
+    engines=frozenset({"single", "data"}),
+    refusal=_normalization_refusal,
+    label=lambda plan: f"loss_normalization {plan.loss_normalization!r}",
+    swappable=True,
+)

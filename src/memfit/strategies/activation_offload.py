@@ -61,8 +61,9 @@ from torch.utils._pytree import tree_leaves
 from .. import device as dev
 from ..accounting.tiers import host_tier
 from ..targets.kernels import cuda_emulation_active
+from ..techniques import BUILTIN_ORDER, ApplyContext, Technique
 from .blocks import find_blocks
-from .offload import OffloadConfig
+from .offload import OffloadConfig, offload_refusal
 
 __all__ = ["ActivationOffloadHandle", "OffloadCounters", "apply_activation_offload"]
 
@@ -500,3 +501,24 @@ def apply_activation_offload(model: nn.Module, config: OffloadConfig) -> Activat
     handle = ActivationOffloadHandle(model, config, offloader, hooks, [n for n, _ in blocks])
     model.__dict__[_ATTR] = handle
     return handle
+
+
+def _apply_technique(model: nn.Module, ctx: ApplyContext) -> ActivationOffloadHandle:
+    handle = apply_activation_offload(model, ctx.plan.offload)
+    ctx.info["activation_offload"] = handle
+    return handle
+
+
+#: After checkpointing, so that only what the checkpointed blocks keep (their boundaries)
+#: moves to the host; it keeps parameters as they are.
+TECHNIQUE = Technique(
+    name="activation_offload",
+    plan_field="offload",
+    order=BUILTIN_ORDER["activation_offload"],
+    is_on=lambda plan: plan.offload is not None and bool(plan.offload.activations),
+    apply=_apply_technique,
+    info_key="activation_offload",
+    engines=frozenset({"single", "data"}),
+    refusal=offload_refusal,
+    label=lambda plan: "offload",
+)

@@ -45,6 +45,7 @@ from torch.utils.checkpoint import (
 )
 
 from ..device import rng_states, set_rng_states
+from ..techniques import BUILTIN_ORDER, ApplyContext, Technique
 from .blocks import find_blocks
 from .kv_cache import KVCacheOff, apply_kv_cache_off
 from .recompute import in_function_modes, retryable
@@ -751,3 +752,36 @@ def remove_checkpointing(model: nn.Module) -> list[str]:
         else:
             del block.forward
     return [n for n, _ in state.wrapped]
+
+
+def _apply_technique(model: nn.Module, ctx: ApplyContext) -> CheckpointHandle:
+    handle = apply_checkpointing(model, ctx.plan.checkpointing)
+    ctx.info["checkpointed"] = handle.names
+    return handle
+
+
+def _layout_refusal(plan: Any, engine: str) -> str | None:
+    # build_layout checkpoints whole blocks or their matmul outputs only.
+    if engine == "layout" and plan.checkpointing.mode not in ("full", "selective"):
+        return f"checkpointing {plan.checkpointing.mode!r} is not built by a tensor/pipeline layout"
+    return None
+
+
+#: Checkpointing wraps blocks after freezing and precision (it sees the final dtypes and the
+#: frozen set). Swappable: its wrappers do not touch the parameters.
+TECHNIQUE = Technique(
+    name="checkpointing",
+    plan_field="checkpointing",
+    order=BUILTIN_ORDER["checkpointing"],
+    is_on=lambda plan: plan.checkpointing.mode != "none",
+    apply=_apply_technique,
+    info_key="checkpointed",
+    refusal=_layout_refusal,
+    label=lambda plan: f"checkpointing {plan.checkpointing.mode!r}",
+    swappable=True,
+    forbid={
+        "checkpointing": "activation checkpointing (all modes)",
+        "full-checkpointing": "full activation checkpointing",
+    },
+    summary=lambda config: f"checkpointing {config.mode}",
+)

@@ -22,11 +22,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..plan import COMPILE_BACKENDS
+from ..techniques import BUILTIN_ORDER, ApplyContext, Technique
 
-__all__ = ["BACKENDS", "CompileHandle", "apply_compile", "compiled_saved_ratio", "saved_bytes"]
+__all__ = ["BACKENDS", "COMPILE_BACKENDS", "CompileHandle", "apply_compile", "compiled_saved_ratio", "saved_bytes"]
 
-#: The backends a plan may name (see :data:`memfit.plan.COMPILE_BACKENDS`).
+#: ``torch.compile`` backends a plan may name: ``inductor`` (what ``compile: true`` means:
+#: generated kernels), ``aot_eager_decomp_partition`` (inductor's decompositions and min-cut
+#: partitioner with eager kernels: the same saved activations, no code generation) and
+#: ``aot_eager`` (AOTAutograd's default partition, eager kernels).
+COMPILE_BACKENDS = ("inductor", "aot_eager_decomp_partition", "aot_eager")
+#: The same, by its older name here.
 BACKENDS = COMPILE_BACKENDS
 
 
@@ -122,3 +127,42 @@ def compiled_saved_ratio(
         finally:
             handle.remove()
     return eager, compiled
+
+
+def _apply_technique(model: nn.Module, ctx: ApplyContext) -> CompileHandle | None:
+    from torch._guards import active_fake_mode
+
+    backend = ctx.plan.compile_backend
+    if active_fake_mode() is not None:
+        # Dynamo cannot trace a model of fake tensors: a dry run runs it eagerly and applies
+        # the compiled step's measured saving (memfit.estimate.dryrun).
+        ctx.info["compiled"] = "eager in the dry run (saving measured for real)"
+        return None
+    handle = apply_compile(model, backend)
+    ctx.info["compiled"] = backend
+    return handle
+
+
+def _refusal(plan: Any, engine: str) -> str | None:
+    if engine == "lightning":
+        return (
+            "compile is not applied by the Lightning callback; compile the LightningModule "
+            "yourself (torch.compile) or set compile false"
+        )
+    return None
+
+
+#: torch.compile last among the model transforms, so dynamo traces the others' wrappers.
+TECHNIQUE = Technique(
+    name="compile",
+    plan_field="compile",
+    order=BUILTIN_ORDER["compile"],
+    is_on=lambda plan: plan.compile_backend is not None,
+    apply=_apply_technique,
+    info_key="compiled",
+    engines=frozenset({"single", "data", "hf"}),
+    refusal=_refusal,
+    summary=lambda compile: (
+        "compiled" if compile is True or compile == "inductor" else f"compiled ({compile})"
+    ),
+)

@@ -1,32 +1,17 @@
 """Apply a whole :class:`~memfit.plan.Plan` to a model, step it, and take it off again.
 
-Each technique lives in its own module and knows nothing of the others; this is the one place
-where they meet, in a fixed order:
-
-0. the KV cache off (:mod:`~memfit.strategies.kv_cache`: training never reads it, and a
-   checkpointed block would write it twice),
-1. freezing (decides which parameters train),
-2. fused forwards: fused pointwise chains, then the fused loss (instance ``forward`` and
-   ``loss_function`` attributes only),
-3. precision (may cast the model to bf16),
-4. checkpointing (wraps blocks; sees the final dtypes and the frozen set),
-4b. parameter offload (block parameters to host copies, streamed by module and gradient hooks;
-   after precision so the copies take the training dtype, after checkpointing so the
-   recomputation runs inside a block's backward, after its fetch; refused with
-   ``torch.compile``),
-4c. activation offload (after checkpointing, so that only what the checkpointed blocks keep,
-   their boundaries, moves to the host; it keeps parameters as they are),
-5. ``torch.compile`` (last, so dynamo traces the other techniques' wrappers),
-6. the contiguous gradient buffer (sees the final dtypes and the trainable set),
-6b. data parallelism (:mod:`memfit.distributed.data`: DDP wraps the model, FSDP2 shards the
-   checkpointed blocks in place; before the optimizer, which steps FSDP2's shards or is
-   sharded by ZeRO stage 1),
-7. the optimizer (optimizer offload steps parameter offload's host copies), fused into
-   backward or not (or on the host, with optimizer offload),
-8. per step (:func:`~memfit.strategies.stepper.run_step`): sequence truncation, micro-batches
-   with weighted losses, autocast and loss scaling, clipping, the optimizer step and
-   ``zero_grad(set_to_none=True)``, through the plan's
-   :class:`~memfit.strategies.stepper.Stepper`.
+Each technique lives in its own module, as one :class:`~memfit.techniques.Technique` that
+knows nothing of the others; they meet here, in the registry's order
+(:data:`memfit.techniques.BUILTIN_ORDER`; each technique's module says why it stands where it
+does): the KV cache off, freezing, the fused forwards, precision, checkpointing, parameter and
+activation offload, a user's techniques, ``torch.compile``, the contiguous gradient buffer,
+data parallelism, then the optimizer (fused into backward, or on the host), built by
+:func:`apply_plan` at its place in the order. Every step then runs
+:func:`~memfit.strategies.stepper.run_step` (sequence truncation, micro-batches with weighted
+losses, autocast and loss scaling, clipping, the optimizer step and
+``zero_grad(set_to_none=True)``) through the plan's :class:`~memfit.strategies.stepper.Stepper`.
+The techniques of the step have no ``apply``: the registry still holds them, for the engines'
+refusals, the OOM fallback and the planner.
 
 Every technique's ``apply`` returns a handle (:class:`~memfit.strategies.removable.Removable`);
 :meth:`TrainingSetup.remove` removes them in reverse order, so a plan can be switched by
@@ -43,11 +28,19 @@ import torch
 from torch import nn
 
 from ..plan import Plan
+from ..techniques import ApplyContext
 from ..workload import Batch, batch_size_of, loss_from_output
 from .removable import Removable
 from .stepper import Stepper, make_stepper, run_step
 
-__all__ = ["LossFn", "TrainingSetup", "apply_plan", "check_plan_arguments"]
+__all__ = [
+    "LossFn",
+    "TrainingSetup",
+    "apply_plan",
+    "apply_techniques",
+    "check_plan_arguments",
+    "refuse_unsupported",
+]
 
 LossFn = Callable[[Any, Batch], torch.Tensor]
 
@@ -206,97 +199,35 @@ def apply_plan(
             f"{plan.parallel.pipeline} processes, which apply_plan (one model per process) "
             "cannot do; build each rank's share with memfit.distributed.layout.build_layout"
         )
-    info: dict[str, Any] = {}
+    engine = "data" if plan.parallel.data > 1 or plan.parallel.zero_stage else "single"
+    refuse_unsupported(plan, engine, ValueError)
+    ctx = ApplyContext(
+        plan=plan,
+        engine=engine,
+        keep_original_weights=keep_original_weights,
+        optimizer=optimizer,
+        optimizer_given=optimizer is not None,
+    )
     handles: list[tuple[str, Removable]] = []
     try:
-        from .kv_cache import apply_kv_cache_off
-
-        # Training never reads a KV cache, and a checkpointed block would write it twice.
-        handles.append(("kv_cache_off", apply_kv_cache_off(model)))
-        if plan.freeze:
-            from .freezing import apply_freezing
-
-            frozen = apply_freezing(model, plan.freeze)
-            handles.append(("freeze", frozen))
-            info["frozen"] = frozen.names
-        if plan.fused_pointwise:
-            from .fused_pointwise import apply_fused_pointwise
-
-            fused = apply_fused_pointwise(model)
-            handles.append(("fused_pointwise", fused))
-            info["fused_pointwise"] = fused.norms + fused.mlps + fused.activations
-        if plan.fused_loss is not None:
-            from .fused_loss import apply_fused_loss
-
-            # Before precision and checkpointing: it patches only the head's and the model's
-            # instance attributes, which neither touches, and a model it cannot take is
-            # refused before anything else changed.
-            fused_loss = apply_fused_loss(model, plan.fused_loss)
-            handles.append(("fused_loss", fused_loss))
-            info["fused_loss"] = fused_loss.head_name
-        from .precision import apply_precision
-
-        precision = apply_precision(
-            model, plan.precision, keep_original_weights=keep_original_weights
-        )
-        handles.append(("precision", precision))
-        if plan.checkpointing.mode != "none":
-            from .checkpointing import apply_checkpointing
-
-            checkpointed = apply_checkpointing(model, plan.checkpointing)
-            handles.append(("checkpointing", checkpointed))
-            info["checkpointed"] = checkpointed.names
-        if plan.offload is not None and plan.offload.parameters is not None:
-            from .parameter_offload import apply_parameter_offload
-
-            streamed = apply_parameter_offload(model, plan.offload)
-            handles.append(("parameter_offload", streamed))
-            info["parameter_offload"] = streamed.blocks
-        if plan.offload is not None and plan.offload.activations:
-            from .activation_offload import apply_activation_offload
-
-            act = apply_activation_offload(model, plan.offload)
-            handles.append(("activation_offload", act))
-            info["activation_offload"] = act
-        if plan.compile_backend is not None:
-            from torch._guards import active_fake_mode
-
-            if active_fake_mode() is None:
-                from .compiling import apply_compile
-
-                handles.append(("compile", apply_compile(model, plan.compile_backend)))
-                info["compiled"] = plan.compile_backend
-            else:
-                # Dynamo cannot trace a model of fake tensors: a dry run runs it eagerly and
-                # applies the compiled step's measured saving (memfit.estimate.dryrun).
-                info["compiled"] = "eager in the dry run (saving measured for real)"
-        if plan.grad_buffer:
-            from .grad_buffer import apply_grad_buffer
-
-            grad_buffer = apply_grad_buffer(model, plan.grad_buffer)
-            handles.append(("grad_buffer", grad_buffer))
-            info["grad_buffer_bytes"] = grad_buffer.nbytes
-        parallel = None
-        if plan.parallel.data > 1 or plan.parallel.zero_stage:
-            from ..distributed.data import apply_data_parallel
-
-            mixed = {"bf16-mixed": torch.bfloat16}.get(plan.precision.mode)
-            parallel = apply_data_parallel(model, plan.parallel, mixed_dtype=mixed)
-            handles.append(("data_parallel", parallel))
-            info["data_parallel"] = plan.parallel.engine
-        given = optimizer is not None
-        optimizer = _build_optimizer(model, plan, precision, optimizer, parallel)
-        if parallel is not None:
-            parallel.attach_optimizer(optimizer)  # 1-bit Adam's compressed all-reduce
+        # The optimizer is built at its place in the order: after every technique that
+        # decides what it steps (the trainable set, dtypes, shards), before any later one.
+        handles += apply_techniques(model, plan, ctx, until="optimizer")
+        optimizer = _build_optimizer(model, plan, ctx.precision, optimizer, ctx.parallel)
+        if ctx.parallel is not None:
+            ctx.parallel.attach_optimizer(optimizer)  # 1-bit Adam's compressed all-reduce
         if plan.offload is not None and plan.offload.optimizer is not None:
             handles.append(("optimizer_offload", optimizer))
         elif plan.optimizer_in_backward:
             handles.append(("optimizer_in_backward", optimizer))
+        handles += apply_techniques(model, plan, ctx, after="optimizer")
     except Exception:
         # A technique that cannot apply leaves the model as it was, not half-changed.
         for _, handle in reversed(handles):
             handle.remove()
         raise
+    given = ctx.optimizer_given
+    info, precision, parallel = ctx.info, ctx.precision, ctx.parallel
     return TrainingSetup(
         model=model,
         plan=plan,
@@ -308,6 +239,60 @@ def apply_plan(
         optimizer_given=given,
         parallel=parallel,
     )
+
+
+def apply_techniques(
+    model: nn.Module,
+    plan: Plan,
+    ctx: ApplyContext,
+    *,
+    until: str | None = None,
+    after: str | None = None,
+) -> list[tuple[str, Removable]]:
+    """Apply ``plan``'s techniques to ``model`` in the registry's order (the one loop every
+    engine runs: :func:`apply_plan`, Lightning's callback, the OOM fallback's swaps).
+
+    Args:
+        model: The model, changed in place.
+        plan: The plan.
+        ctx: Shared state (:class:`~memfit.techniques.ApplyContext`); techniques record what
+            they did in ``ctx.info`` and leave the precision runtime and data-parallel handle.
+        until: Stop before the technique of this name (the optimizer, which its engine
+            builds).
+        after: Start after the technique of this name.
+
+    Returns:
+        ``(technique name, handle)`` in the order applied. When a technique raises, the ones
+        applied by this call are removed first.
+    """
+    techniques = plan.techniques()
+    names = [t.name for t, _ in techniques]
+    if until is not None and until in names:
+        techniques = techniques[: names.index(until)]
+    if after is not None and after in names:
+        techniques = techniques[names.index(after) + 1 :]
+    handles: list[tuple[str, Removable]] = []
+    try:
+        for technique, _ in techniques:
+            if technique.apply is None:
+                continue  # a technique of the step: run_step reads the plan's fields
+            handle = technique.apply(model, ctx)
+            if handle is not None:
+                handles.append((technique.name, handle))
+    except Exception:
+        for _, handle in reversed(handles):
+            handle.remove()
+        raise
+    return handles
+
+
+def refuse_unsupported(plan: Plan, engine: str, error: type[Exception] = ValueError) -> None:
+    """Raise ``error`` with the first sentence of a technique ``plan`` turns on that
+    ``engine`` cannot apply (each technique says why and what to do instead)."""
+    for technique, _ in plan.techniques():
+        reason = technique.refuses(plan, engine)
+        if reason is not None:
+            raise error(reason)
 
 
 def _check_offload(plan: Plan, optimizer: Any) -> None:

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from ..techniques import BUILTIN_ORDER, ApplyContext, Technique
 from .blocks import find_blocks
 
 __all__ = ["HEAD_NAMES", "FreezeHandle", "apply_freezing", "resolve_freeze"]
@@ -224,3 +225,23 @@ def _nothing_matched(spec: str, params: dict[str, nn.Parameter], model: nn.Modul
         "'embeddings', 'body', 'blocks:K' or an fnmatch pattern over parameter names such as "
         f"{shown}"
     )
+
+
+def _apply_technique(model: nn.Module, ctx: ApplyContext) -> FreezeHandle:
+    handle = apply_freezing(model, ctx.plan.freeze)
+    ctx.info["frozen"] = handle.names
+    return handle
+
+
+#: Freezing decides which parameters train, so it applies before everything that looks at
+#: the trainable set (precision's optimizer wrappers, the gradient buffer, the optimizer).
+TECHNIQUE = Technique(
+    name="freeze",
+    plan_field="freeze",
+    order=BUILTIN_ORDER["freeze"],
+    apply=_apply_technique,
+    info_key="frozen",
+    engines=frozenset({"single", "data", "hf", "lightning"}),
+    allow={"freeze": "freeze the embeddings or the model body"},
+    summary=lambda freeze: "freeze " + ",".join(freeze),
+)

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.cross_entropy import chunked_cross_entropy
+from ..techniques import BUILTIN_ORDER, ApplyContext, Technique
 
 __all__ = ["FusedLossConfig", "FusedLossHandle", "apply_fused_loss"]
 
@@ -317,3 +318,32 @@ def _labels_position(model: nn.Module) -> int | None:
             positional = (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
             return i if p.kind in positional else None
     return None
+
+
+def _apply_technique(model: nn.Module, ctx: ApplyContext) -> FusedLossHandle:
+    # Before precision and checkpointing: it patches only the head's and the model's instance
+    # attributes, which neither touches, and a model it cannot take is refused before anything
+    # else changed.
+    handle = apply_fused_loss(model, ctx.plan.fused_loss)
+    ctx.info["fused_loss"] = handle.head_name
+    return handle
+
+
+def _summary(config: FusedLossConfig) -> str:
+    chunk = config.chunk_size
+    return "fused loss" + (f" (chunks of {chunk} tokens)" if chunk else "")
+
+
+#: The head's loss in chunks. Swappable: it changes the head's forward and the model's loss
+#: function, never the parameters.
+TECHNIQUE = Technique(
+    name="fused_loss",
+    plan_field="fused_loss",
+    order=BUILTIN_ORDER["fused_loss"],
+    apply=_apply_technique,
+    info_key="fused_loss",
+    engines=frozenset({"single", "data", "hf", "lightning"}),
+    swappable=True,
+    forbid={"fused-loss": "the output head's loss computed in chunks (no full logits)"},
+    summary=_summary,
+)

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from ..ops.pointwise import ACTIVATIONS, gated_activation, rms_norm
+from ..techniques import BUILTIN_ORDER, ApplyContext, Technique
 
 __all__ = ["FusedPointwiseHandle", "apply_fused_pointwise"]
 
@@ -207,3 +208,22 @@ def apply_fused_pointwise(model: nn.Module, config: Any = None) -> FusedPointwis
             "off for this model"
         )
     return handle
+
+
+def _apply_technique(model: nn.Module, ctx: ApplyContext) -> FusedPointwiseHandle:
+    handle = apply_fused_pointwise(model)
+    ctx.info["fused_pointwise"] = handle.norms + handle.mlps + handle.activations
+    return handle
+
+
+#: Fused forwards replace instance ``forward`` attributes only, before precision and
+#: checkpointing, which wrap what they find.
+TECHNIQUE = Technique(
+    name="fused_pointwise",
+    plan_field="fused_pointwise",
+    order=BUILTIN_ORDER["fused_pointwise"],
+    apply=_apply_technique,
+    info_key="fused_pointwise",
+    engines=frozenset({"single", "data", "hf", "lightning"}),
+    summary=lambda _: "fused pointwise",
+)

@@ -46,6 +46,8 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from ..techniques import BUILTIN_ORDER, Technique
+
 __all__ = ["OptimizerInBackward", "optimizer_in_backward"]
 
 OptimizerFactory = Callable[[list[nn.Parameter]], Any]
@@ -499,3 +501,15 @@ def _check_arguments(grad_accum_steps: int, max_grad_norm: float | None, clip_mo
             "gradient before any step, which accumulation keeps in memory; use "
             "clip_mode='approx', or an ordinary optimizer with clip_grad_norm_"
         )
+
+
+#: The optimizer step fused into backward: built with the plan's optimizer (``memfit.apply``),
+#: so nothing of its own is applied to the model before that.
+TECHNIQUE = Technique(
+    name="optimizer_in_backward",
+    plan_field="optimizer_in_backward",
+    order=BUILTIN_ORDER["optimizer"] + 1,
+    engines=frozenset({"single", "hf", "lightning"}),
+    forbid={"fused-step": "the optimizer step fused into backward"},
+    summary=lambda _: "optimizer step in backward",
+)

@@ -46,6 +46,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..techniques import BUILTIN_ORDER, ApplyContext, Technique
+
 __all__ = ["ALIGN_BYTES", "GradBufferHandle", "apply_grad_buffer"]
 
 #: Each view starts at a multiple of this many bytes of its buffer, so vectorised kernels
@@ -249,3 +251,22 @@ def apply_grad_buffer(model: nn.Module, config: Any = True) -> GradBufferHandle:
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("grad_buffer needs trainable parameters; this model has none")
     return GradBufferHandle(model)
+
+
+def _apply_technique(model: nn.Module, ctx: ApplyContext) -> GradBufferHandle:
+    handle = apply_grad_buffer(model, ctx.plan.grad_buffer)
+    ctx.info["grad_buffer_bytes"] = handle.nbytes
+    return handle
+
+
+#: After precision and freezing: it sees the final dtypes and the trainable set. Not in a
+#: lightning.Trainer, whose optimizer loop memfit's callback does not wrap.
+TECHNIQUE = Technique(
+    name="grad_buffer",
+    plan_field="grad_buffer",
+    order=BUILTIN_ORDER["grad_buffer"],
+    apply=_apply_technique,
+    info_key="grad_buffer_bytes",
+    engines=frozenset({"single", "hf"}),
+    summary=lambda _: "contiguous gradient buffer",
+)

@@ -21,6 +21,8 @@ from typing import Any
 
 from torch import nn
 
+from ..techniques import BUILTIN_ORDER, ApplyContext, Technique
+
 __all__ = ["KVCacheOff", "apply_kv_cache_off"]
 
 
@@ -68,3 +70,17 @@ def apply_kv_cache_off(model: nn.Module) -> KVCacheOff:
             config.use_cache = False
             changed.append(config)
     return KVCacheOff(changed)
+
+
+def _apply_technique(model: nn.Module, ctx: ApplyContext) -> KVCacheOff:
+    return apply_kv_cache_off(model)
+
+
+#: Every plan turns the KV cache off first: training never reads it, and a checkpointed block
+#: would write it twice. Lightning's callback and the Hugging Face Trainer apply it too.
+TECHNIQUE = Technique(
+    name="kv_cache_off",
+    order=BUILTIN_ORDER["kv_cache_off"],
+    is_on=lambda plan: True,
+    apply=_apply_technique,
+)

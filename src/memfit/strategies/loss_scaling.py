@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ..device import is_fake
+from ..techniques import BUILTIN_ORDER, Technique
 
 __all__ = ["DynamicLossScaler", "clip_gradients", "optimizer_params"]
 
@@ -180,3 +181,28 @@ def clip_gradients(params: list[torch.Tensor], max_grad_norm: float | None) -> N
     with_grad = [p for p in params if p.grad is not None]
     if with_grad:
         torch.nn.utils.clip_grad_norm_(with_grad, max_grad_norm)
+
+
+def _clip_refusal(plan: Any, engine: str) -> str | None:
+    exact_fused = plan.optimizer_in_backward and plan.grad_clip_mode == "exact"
+    if engine == "hf" and exact_fused:
+        return (
+            "exact clipping with optimizer_in_backward needs a second, norm-only backward "
+            "that the Hugging Face Trainer does not run; use grad_clip_mode 'approx'"
+        )
+    return None
+
+
+#: Gradient clipping to a global norm, by the stepper (or the fused step's hooks). Swappable
+#: unless the step is fused, where the optimizer-in-backward handle itself clips.
+CLIPPING = Technique(
+    name="clipping",
+    plan_field=("max_grad_norm", "grad_clip_mode"),
+    order=BUILTIN_ORDER["clipping"],
+    is_on=lambda plan: plan.max_grad_norm is not None,
+    engines=frozenset({"single", "data", "hf", "lightning"}),
+    refusal=_clip_refusal,
+    label=lambda plan: "max_grad_norm",
+    swappable=lambda old, new: not new.optimizer_in_backward,
+    summary=lambda config: f"clip {config[0]} ({config[1]})",
+)

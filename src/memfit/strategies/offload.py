@@ -22,7 +22,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["OFFLOAD_TIERS", "OffloadConfig", "host_copy_of", "set_host_copy"]
+__all__ = ["OFFLOAD_TIERS", "OffloadConfig", "host_copy_of", "offload_refusal", "set_host_copy"]
 
 #: Where offloaded state may live.
 OFFLOAD_TIERS = ("host", "disk")
@@ -164,3 +164,19 @@ def set_host_copy(param: Any, host: Any) -> None:
             delattr(param, _HOST_COPY)
     else:
         setattr(param, _HOST_COPY, host)
+
+
+def offload_refusal(plan: Any, engine: str) -> str | None:
+    """Why ``engine`` cannot apply a plan's offload (``None``: it can); shared by the three
+    offload techniques (optimizer, parameters, activations)."""
+    if engine == "hf":
+        return (
+            "offload is not supported inside the Hugging Face Trainer yet; train with "
+            "memfit's own Trainer (memfit.train) or set offload null"
+        )
+    if engine == "lightning":
+        return (
+            "offload is not supported in a lightning.Trainer; use memfit.Trainer or set "
+            "offload null"
+        )
+    return None

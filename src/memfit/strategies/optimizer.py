@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from ..techniques import BUILTIN_ORDER, Technique
+
 __all__ = ["OPTIMIZER_NAMES", "PEER_OPTIMIZERS", "OptimizerConfig"]
 
 #: Peers' 8-bit optimizers a plan may name when their library is installed: name -> (package
@@ -104,3 +106,23 @@ def _build_peer(name: str, params: Any, kwargs: dict[str, Any]) -> torch.optim.O
             f"{package} (or use memfit's 'adamw8bit', the same state layout)"
         ) from None
     return getattr(found, cls)(params, **kwargs)
+
+
+def _optimizer_summary(config: OptimizerConfig) -> str:
+    return config.name + ("" if config.foreach is not False else " (foreach off)")
+
+
+#: The optimizer, built last (``memfit.apply``): it steps what the techniques before it left
+#: trainable, in their dtypes, sharded or offloaded.
+TECHNIQUE = Technique(
+    name="optimizer",
+    plan_field="optimizer",
+    order=BUILTIN_ORDER["optimizer"],
+    is_on=lambda plan: True,
+    allow={
+        "8bit": "8-bit AdamW state",
+        "factored": "Adafactor's factored state",
+    },
+    forbid={"foreach-off": "turning the multi-tensor optimizer off"},
+    summary=_optimizer_summary,
+)

@@ -49,7 +49,8 @@ import torch
 from torch import nn
 
 from ..accounting.tiers import host_tier, mark_host
-from .offload import OffloadConfig, host_copy_of
+from ..techniques import BUILTIN_ORDER, Technique
+from .offload import OffloadConfig, host_copy_of, offload_refusal
 
 __all__ = ["HostOffloadOptimizer", "OffloadStepper", "host_optimizer_builder"]
 
@@ -393,3 +394,23 @@ def _buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[int]]:
             buckets.append([i])
             size = nbytes
     return buckets
+
+
+#: The optimizer on the host (ZeRO-Offload) or on disk (ZeRO-Infinity): built in place of the
+#: device optimizer when the plan's optimizer is built (``memfit.apply``), so nothing of its
+#: own is applied to the model.
+TECHNIQUE = Technique(
+    name="optimizer_offload",
+    plan_field="offload",
+    order=BUILTIN_ORDER["optimizer"] + 2,
+    is_on=lambda plan: plan.offload is not None and plan.offload.optimizer is not None,
+    engines=frozenset({"single"}),
+    refusal=offload_refusal,
+    label=lambda plan: "offload",
+    allow={
+        "offload": "the optimizer (fp32 master weights and state) on the host, stepping "
+        "there, block parameters streamed from the host, and tensors saved for backward in "
+        "host memory"
+    },
+    summary=lambda config: config.summary(),
+)

@@ -78,8 +78,9 @@ from torch.utils._pytree import tree_leaves
 from .. import device as dev
 from ..accounting.tiers import host_tier, mark_host
 from ..accounting.tracker import label_open, storage_resized
+from ..techniques import BUILTIN_ORDER, ApplyContext, Technique
 from .blocks import find_blocks
-from .offload import OffloadConfig, set_host_copy
+from .offload import OffloadConfig, offload_refusal, set_host_copy
 
 __all__ = ["ParameterOffloadHandle", "apply_parameter_offload"]
 
@@ -407,3 +408,24 @@ def _owns_storage(p: torch.Tensor) -> bool:
         and p.storage_offset() == 0
         and p.untyped_storage().nbytes() == p.numel() * p.element_size()
     )
+
+
+def _apply_technique(model: nn.Module, ctx: ApplyContext) -> ParameterOffloadHandle:
+    handle = apply_parameter_offload(model, ctx.plan.offload)
+    ctx.info["parameter_offload"] = handle.blocks
+    return handle
+
+
+#: After precision (the host copies take the training dtype) and checkpointing (the
+#: recomputation runs inside a block's backward, after its fetch); refused with compile.
+TECHNIQUE = Technique(
+    name="parameter_offload",
+    plan_field="offload",
+    order=BUILTIN_ORDER["parameter_offload"],
+    is_on=lambda plan: plan.offload is not None and plan.offload.parameters is not None,
+    apply=_apply_technique,
+    info_key="parameter_offload",
+    engines=frozenset({"single"}),
+    refusal=offload_refusal,
+    label=lambda plan: "offload",
+)

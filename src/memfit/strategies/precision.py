@@ -48,6 +48,7 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from ..optim.rounding import stochastic_round_to_bf16
+from ..techniques import BUILTIN_ORDER, ApplyContext, Technique
 from .loss_scaling import DynamicLossScaler, clip_gradients, optimizer_params
 from .optimizer import OptimizerConfig
 
@@ -634,3 +635,46 @@ _RUNTIMES = {
     "fp16-mixed": _fp16_mixed,
     "bf16-pure": _bf16_pure,
 }
+
+
+def _apply_technique(model: nn.Module, ctx: ApplyContext) -> PrecisionRuntime | None:
+    mode = ctx.plan.precision.mode
+    if ctx.engine == "lightning" and mode != "bf16-pure":
+        return None  # Lightning's own precision plugin autocasts; nothing on the model
+    runtime = apply_precision(
+        model, ctx.plan.precision, keep_original_weights=ctx.keep_original_weights
+    )
+    ctx.precision = runtime
+    return runtime
+
+
+_FP32_WEIGHTS = frozenset({"fp32", "bf16-mixed", "fp16-mixed"})
+
+
+def _swappable(old: Any, new: Any) -> bool:
+    # Precisions that keep fp32 weights differ only in the runtime (autocast, loss scaling),
+    # so the optimizer and its state carry over between them.
+    return {old.precision.mode, new.precision.mode} <= _FP32_WEIGHTS
+
+
+def _layout_refusal(plan: Any, engine: str) -> str | None:
+    if engine == "layout" and plan.precision.mode not in ("fp32", "bf16-mixed"):
+        return f"precision {plan.precision.mode!r} is not built by a tensor/pipeline layout"
+    return None
+
+
+#: Precision applies after the fused forwards and before checkpointing, which then wraps
+#: blocks of the final dtypes. Always on: fp32 is a precision too (its runtime is a no-op).
+TECHNIQUE = Technique(
+    name="precision",
+    plan_field="precision",
+    order=BUILTIN_ORDER["precision"],
+    is_on=lambda plan: True,
+    apply=_apply_technique,
+    refusal=_layout_refusal,
+    label=lambda plan: f"precision {plan.precision.mode!r}",
+    swappable=_swappable,
+    allow={"bf16-pure": "bf16 weights and optimizer math with stochastic rounding"},
+    forbid={"mixed-precision": "bf16/fp16 autocast"},
+    summary=lambda config: config.mode,
+)

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
+from ..techniques import BUILTIN_ORDER, Technique
+
 __all__ = ["LengthGroupedSampler", "SequenceConfig", "pad_collate", "truncate"]
 
 
@@ -274,3 +276,51 @@ class LengthGroupedSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         for batch in self.batches():
             yield from batch
+
+
+def _max_seq_len_refusal(plan: Any, engine: str) -> str | None:
+    if engine == "hf":
+        return (
+            "max_seq_len is not applied inside the Hugging Face Trainer; truncate in the "
+            "tokenizer (max_length=...) and set max_seq_len null"
+        )
+    if engine == "lightning":
+        return (
+            "max_seq_len is not applied by the Lightning callback; truncate in the DataLoader "
+            "or set max_seq_len null"
+        )
+    return None
+
+
+#: Truncation of every micro-batch's sequences, by the step (``run_step``).
+MAX_SEQ_LEN = Technique(
+    name="max_seq_len",
+    plan_field="max_seq_len",
+    order=BUILTIN_ORDER["max_seq_len"],
+    engines=frozenset({"single", "data"}),
+    refusal=_max_seq_len_refusal,
+    swappable=True,
+    allow={"shorter-seq": "truncate sequences to 1/2 or 1/4 of their length"},
+    summary=lambda length: f"max length {length}",
+)
+
+
+def _sequence_refusal(plan: Any, engine: str) -> str | None:
+    if engine == "lightning":
+        return (
+            "sequence settings are not applied by the Lightning callback; shape batches in "
+            "the DataLoader or use the default sequence config"
+        )
+    return None
+
+
+#: Padding and batching of sequences, by the data loader of memfit's Trainer.
+SEQUENCE = Technique(
+    name="sequence",
+    plan_field="sequence",
+    order=BUILTIN_ORDER["sequence"],
+    is_on=lambda plan: plan.sequence != SequenceConfig(),
+    engines=frozenset({"single", "data", "hf", "layout"}),
+    refusal=_sequence_refusal,
+    swappable=True,
+)

@@ -1,0 +1,392 @@
+"""The technique registry: every memory technique memfit knows, as one object each.
+
+A :class:`Technique` says everything the rest of memfit needs to know about one technique:
+where its config lives in a :class:`~memfit.plan.Plan`, whether a plan turns it on, how to
+apply it to a model (and so how to take it off), which engines can apply it and why the
+others cannot, its ``--allow`` name when it changes what is trained, whether the OOM
+fallback may swap it without rebuilding the optimizer, and, for the planner, the configs to
+try and what each keeps in memory.
+
+The built-in techniques are defined in their own modules (``memfit.strategies.*``,
+``memfit.distributed.data``, ``memfit.optim.config``) and registered by :mod:`memfit.plan`,
+which composes their configs; :func:`register` adds a user's own. Every consumer is a loop
+over :func:`registered`: :func:`memfit.apply_plan` applies ``Plan.techniques()`` in order, the
+OOM fallback swaps the swappable ones in place, the Hugging Face and Lightning integrations
+ask each technique whether they can apply it, and the planner tries the configs of the
+techniques the user allowed.
+
+A user's technique, end to end::
+
+    from dataclasses import dataclass
+    import memfit
+    from memfit.techniques import Technique, register
+
+    @dataclass(frozen=True)
+    class HalveHead:
+        '''Run the output head in bf16 (keeps half the head's activations).'''
+
+    class _Undo:
+        def __init__(self, head, dtype):
+            self.head, self.dtype = head, dtype
+        def remove(self):
+            self.head.to(self.dtype)
+
+    def apply_halve_head(model, ctx):
+        head = model.get_output_embeddings()
+        undo = _Undo(head, head.weight.dtype)
+        head.to(torch.bfloat16)
+        return undo
+
+    register(Technique(
+        name="halve-head", config_type=HalveHead, apply=apply_halve_head,
+        allow={"halve-head": "the output head in bf16"},
+        candidates=lambda plan, workload: [HalveHead()], memory_rank=lambda cfg: 1,
+    ))
+    plan = memfit.Plan(extra={"halve-head": {}})      # or: memfit plan --allow halve-head
+
+The planner then considers it wherever ``--allow halve-head`` is given, and the trainer,
+``prepare()`` and the OOM fallback apply it with the built-ins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "ENGINES",
+    "ApplyContext",
+    "Technique",
+    "TechniqueError",
+    "get",
+    "register",
+    "registered",
+    "unregister",
+]
+
+#: The engines that apply plans: one process (``memfit.apply_plan``, the Trainer,
+#: ``prepare()``), data parallel processes (DDP, FSDP2), tensor/pipeline layouts, the Hugging
+#: Face Trainer and a lightning.Trainer.
+ENGINES: tuple[str, ...] = ("single", "data", "layout", "hf", "lightning")
+
+#: Where the built-ins stand in the apply order; a user's technique goes between two of them
+#: with an ``order`` between theirs (default :data:`DEFAULT_ORDER`: after every model
+#: transform, before compile, data parallelism and the optimizer).
+BUILTIN_ORDER: dict[str, int] = {
+    "kv_cache_off": 0,
+    "freeze": 10,
+    "fused_pointwise": 20,
+    "fused_loss": 30,
+    "precision": 40,
+    "checkpointing": 50,
+    "parameter_offload": 60,
+    "activation_offload": 70,
+    "compile": 90,
+    "grad_buffer": 100,
+    "data_parallel": 110,
+    "optimizer": 120,
+    # Techniques of the step (run_step reads their fields): nothing to apply to the model.
+    "accumulation": 200,
+    "max_seq_len": 210,
+    "sequence": 220,
+    "clipping": 230,
+}
+DEFAULT_ORDER = 80
+
+
+class TechniqueError(ValueError):
+    """A technique is malformed, registered twice, or not registered."""
+
+
+@dataclass
+class ApplyContext:
+    """What the techniques of one plan share while they are applied, in order.
+
+    Attributes:
+        plan: The plan being applied.
+        engine: Who applies it (one of :data:`ENGINES`); a technique that the engine applies
+            itself (Lightning's autocast, the Hugging Face Trainer's checkpointing) returns
+            ``None`` from ``apply`` for it.
+        info: What each technique did, for reports (``frozen``, ``checkpointed``...).
+        keep_original_weights: bf16-pure keeps the original weights on the host.
+        precision: The precision runtime (set by the precision technique; the optimizer
+            technique reads it).
+        parallel: The data-parallel handle (set by that technique; the optimizer reads it).
+        optimizer: The optimizer the caller gave, then the one built (set by the optimizer
+            technique).
+        optimizer_given: Whether the caller gave the optimizer.
+    """
+
+    plan: Any
+    engine: str = "single"
+    info: dict[str, Any] = field(default_factory=dict)
+    keep_original_weights: bool = False
+    precision: Any = None
+    parallel: Any = None
+    optimizer: Any = None
+    optimizer_given: bool = False
+
+
+def _always(plan: Any) -> bool:
+    return True
+
+
+@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
+class Technique:
+    """One memory technique: its config's place in the plan and everything done with it.
+
+    Attributes:
+        name: Unique name; also the name of its handle in a ``TrainingSetup`` and its key in
+            ``Plan.extra`` for a user's technique.
+        plan_field: The :class:`~memfit.plan.Plan` field holding its config (a built-in's; a
+            tuple of fields for a technique configured by several, whose config is then the
+            tuple of their values); ``None`` for a user's technique, whose config is
+            ``plan.extra[name]``.
+        config_type: The config's class, which a mapping in ``Plan.extra`` is built into
+            (a frozen dataclass that checks itself in ``__post_init__``); ``None`` keeps the
+            value as given.
+        order: Its place in the apply order (:data:`BUILTIN_ORDER`; lower applies first and
+            is removed last).
+        is_on: Whether a plan uses it (default: a built-in's field is truthy and not
+            ``"none"``; a user's technique is on when ``plan.extra`` names it).
+        apply: ``apply(model, ctx) -> handle | None``: apply the technique to ``model``
+            (changed in place) and return what takes it off (a ``remove()`` method), or
+            ``None`` when nothing on the model changed. ``None`` here: a technique of the
+            step, which ``run_step`` applies from the plan's fields.
+        info_key: The key ``apply`` reports under in ``TrainingSetup.info`` (dropped when
+            the OOM fallback swaps the technique).
+        engines: The engines that can apply it (:data:`ENGINES`).
+        refusal: ``refusal(plan, engine) -> sentence | None``: why ``engine`` cannot apply
+            this plan's config of the technique and what to do instead (default: for an
+            engine outside ``engines``, a sentence naming the technique).
+        label: ``label(plan) -> phrase``: how the plan names its config in a refusal
+            (default: the plan field, or the technique's name).
+        allow: The planner's ``--allow`` names the technique owns (name -> what it lets the
+            planner do): options that change what is trained, tried only when allowed.
+        forbid: The planner's ``--forbid`` names it owns (name -> what is ruled out):
+            options on by default in the search that a user may rule out.
+        swappable: Whether the OOM fallback may change this technique's config between two
+            steps, keeping the optimizer and its state (a technique with ``apply`` is taken off
+            and applied again in place): ``True``, or ``swappable(old_plan, new_plan)``.
+        candidates: ``candidates(plan, workload) -> configs``: the configs the planner tries
+            besides the plan's own (only built-ins' search is written in
+            :mod:`memfit.planner.candidates`; a user's technique gets one dimension).
+        memory_rank: ``memory_rank(config) -> number``: how much a config saves (higher
+            saves more; off is 0), for the planner's dominance pruning.
+        summary: ``summary(config) -> phrase`` naming the config in a plan's one-line
+            summary.
+    """
+
+    name: str
+    plan_field: str | tuple[str, ...] | None = None
+    config_type: type | None = None
+    order: int = DEFAULT_ORDER
+    is_on: Callable[[Any], bool] | None = None
+    apply: Callable[[Any, ApplyContext], Any] | None = None
+    info_key: str | None = None
+    engines: frozenset[str] = frozenset(ENGINES)
+    refusal: Callable[[Any, str], str | None] | None = None
+    label: Callable[[Any], str] | None = None
+    allow: Mapping[str, str] = field(default_factory=dict)
+    forbid: Mapping[str, str] = field(default_factory=dict)
+    swappable: bool | Callable[[Any, Any], bool] = False
+    candidates: Callable[[Any, Any], Sequence[Any]] | None = None
+    memory_rank: Callable[[Any], float] | None = None
+    summary: Callable[[Any], str] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise TechniqueError(f"a technique needs a non-empty name, got {self.name!r}")
+        unknown = sorted(set(self.engines) - set(ENGINES))
+        if unknown:
+            raise TechniqueError(
+                f"technique {self.name!r} names unknown engine {unknown[0]!r}; engines are "
+                f"{', '.join(ENGINES)}"
+            )
+        if self.apply is not None and not callable(self.apply):
+            raise TechniqueError(f"technique {self.name!r}: apply must be callable")
+
+    # ------------------------------------------------------------------ reading a plan
+    def config(self, plan: Any) -> Any:
+        """This technique's config in ``plan`` (``None`` when a user's technique is absent)."""
+        if isinstance(self.plan_field, tuple):
+            return tuple(getattr(plan, f) for f in self.plan_field)
+        if self.plan_field is not None:
+            return getattr(plan, self.plan_field)
+        return dict(getattr(plan, "extra", ())).get(self.name)
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """The plan fields this technique owns (``("extra",)`` for a user's technique)."""
+        if self.plan_field is None:
+            return ("extra",) if self.name not in _BUILTIN else ()
+        return self.plan_field if isinstance(self.plan_field, tuple) else (self.plan_field,)
+
+    def can_swap(self, old: Any, new: Any) -> bool:
+        """Whether the OOM fallback may move from ``old``'s config to ``new``'s in place."""
+        if callable(self.swappable):
+            return bool(self.swappable(old, new))
+        return bool(self.swappable)
+
+    def on(self, plan: Any) -> bool:
+        """Whether ``plan`` uses this technique."""
+        if self.is_on is not None:
+            return bool(self.is_on(plan))
+        value = self.config(plan)
+        if self.plan_field is None:
+            return value is not None
+        return value not in (None, False, "none", (), 0)
+
+    def describe(self, plan: Any) -> str:
+        """How ``plan`` names this technique's config (for refusals listing several)."""
+        if self.label is not None:
+            return self.label(plan)
+        return self.plan_field or self.name
+
+    def refuses(self, plan: Any, engine: str) -> str | None:
+        """Why ``engine`` cannot apply this technique as ``plan`` configures it (``None``:
+        it can). Only asked of techniques the plan turns on."""
+        if self.refusal is not None:
+            reason = self.refusal(plan, engine)
+            if reason is not None:
+                return reason
+        if engine not in self.engines:
+            where = _ENGINE_NAMES.get(engine, engine)
+            return f"technique {self.name!r} is not supported {where}; turn it off in the plan"
+        return None
+
+    def coerce(self, value: Any) -> Any:
+        """A user technique's config from ``Plan.extra``: a mapping becomes ``config_type``."""
+        if self.config_type is None or isinstance(value, self.config_type):
+            return value
+        if isinstance(value, Mapping):
+            try:
+                return self.config_type(**dict(value))
+            except TypeError as e:
+                raise TechniqueError(f"technique {self.name!r}: bad config {dict(value)}: {e}") from None
+        if value is True:
+            return self.config_type()
+        raise TechniqueError(
+            f"technique {self.name!r} takes a {self.config_type.__name__} or a mapping of its "
+            f"fields, got {value!r}"
+        )
+
+
+_ENGINE_NAMES = {
+    "single": "by memfit.apply_plan",
+    "data": "under data parallelism",
+    "layout": "in a tensor/pipeline layout",
+    "hf": "inside the Hugging Face Trainer",
+    "lightning": "in a lightning.Trainer",
+}
+
+_REGISTRY: dict[str, Technique] = {}
+_BUILTIN: set[str] = set()
+
+
+def register(technique: Technique, *, replace: bool = False, builtin: bool = False) -> Technique:
+    """Add ``technique`` to the registry (every consumer then loops over it).
+
+    Args:
+        technique: The technique.
+        replace: Replace a registered technique of the same name (default: refuse).
+        builtin: memfit's own (registered by :mod:`memfit.plan`); a built-in cannot be
+            replaced by a user's.
+
+    Returns:
+        ``technique``, so a module can write ``TECHNIQUE = register(Technique(...))``.
+
+    Raises:
+        TechniqueError: when the name is taken (and ``replace`` is false), names a built-in,
+            or its ``--allow`` name is another technique's.
+    """
+    if not isinstance(technique, Technique):
+        raise TechniqueError(
+            f"register() takes a memfit.techniques.Technique, got a {type(technique).__name__}"
+        )
+    name = technique.name
+    if name in _BUILTIN and not builtin:
+        raise TechniqueError(f"technique {name!r} is memfit's own and cannot be replaced")
+    if name in _REGISTRY and not (replace or builtin):
+        raise TechniqueError(
+            f"a technique named {name!r} is already registered; pass replace=True to replace it"
+        )
+    for other in _REGISTRY.values():
+        taken = (set(other.allow) | set(other.forbid)) & (
+            set(technique.allow) | set(technique.forbid)
+        )
+        if taken and other.name != name:
+            raise TechniqueError(
+                f"planner name {sorted(taken)[0]!r} is already technique {other.name!r}'s"
+            )
+    if not builtin and technique.plan_field is not None:
+        raise TechniqueError(
+            f"technique {name!r}: a user's technique keeps its config in Plan.extra, so "
+            "plan_field must be None"
+        )
+    _REGISTRY[name] = technique
+    if builtin:
+        _BUILTIN.add(name)
+    return technique
+
+
+def unregister(name: str) -> None:
+    """Remove a user's technique (a built-in cannot be removed)."""
+    if name in _BUILTIN:
+        raise TechniqueError(f"technique {name!r} is memfit's own and cannot be removed")
+    _REGISTRY.pop(name, None)
+
+
+def get(name: str) -> Technique:
+    """The registered technique called ``name``.
+
+    Raises:
+        TechniqueError: naming the registered techniques.
+    """
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise TechniqueError(
+            f"no technique is registered as {name!r}; registered: {', '.join(sorted(_REGISTRY))}"
+        ) from None
+
+
+def registered(*, builtin: bool | None = None) -> list[Technique]:
+    """The registered techniques in apply order (``builtin``: only memfit's own when true,
+    only users' when false)."""
+    out = [
+        t
+        for t in _REGISTRY.values()
+        if builtin is None or (t.name in _BUILTIN) == builtin
+    ]
+    return sorted(out, key=lambda t: t.order)
+
+
+def is_builtin(name: str) -> bool:
+    """Whether ``name`` is one of memfit's own techniques."""
+    return name in _BUILTIN
+
+
+def allow_names() -> dict[str, str]:
+    """Every ``--allow`` name -> what it lets the planner do, in apply order."""
+    return {k: v for t in registered() for k, v in t.allow.items()}
+
+
+def forbid_names() -> dict[str, str]:
+    """Every ``--forbid`` name -> what it rules out, in apply order."""
+    return {k: v for t in registered() for k, v in t.forbid.items()}
+
+
+def techniques_of(plan: Any) -> Iterator[tuple[Technique, Any]]:
+    """``(technique, config)`` for every registered technique ``plan`` turns on, in apply
+    order (what :meth:`memfit.plan.Plan.techniques` yields)."""
+    for technique in registered():
+        if technique.on(plan):
+            yield technique, technique.config(plan)
+
+
+def replace_config(config: Any, **changes: Any) -> Any:
+    """``dataclasses.replace`` for frozen configs (a helper for techniques' candidates)."""
+    return dataclasses.replace(config, **changes)
