@@ -178,7 +178,7 @@ def test_is_layout_plan():
     (Plan(parallel=TP2_PP2), {"eval_every": 5}, "does not evaluate"),
     (Plan(parallel=TP2_PP2, optimizer="adamw8bit"), {}, "not optimizer 'adamw8bit'"),
     (Plan(parallel=TP2_PP2, checkpointing="sqrt", precision="fp16-mixed"), {},
-     "ignore the plan's checkpointing 'sqrt', precision 'fp16-mixed'; remove them"),
+     "ignore the plan's precision 'fp16-mixed', checkpointing 'sqrt'; remove them"),
     (Plan(parallel={"tensor": 4}), {}, "tensor-parallel degree 4 does not divide"),
     (Plan(parallel={"data": 2, "tensor": 2, "microbatches": 3}), {},
      "a batch of 8 does not split into data 2 x microbatches 3"),

@@ -90,27 +90,10 @@ def _memfit_side(plan: Plan) -> Plan:
 
 
 def _check_supported(plan: Plan) -> None:
-    if plan.offload is not None:
-        raise ValueError(
-            "offload is not supported inside the Hugging Face Trainer yet; train with "
-            "memfit's own Trainer (memfit.train) or set offload null"
-        )
-    fused_clip = plan.optimizer_in_backward and plan.max_grad_norm is not None
-    if fused_clip and plan.grad_clip_mode == "exact":
-        raise ValueError(
-            "exact clipping with optimizer_in_backward needs a second, norm-only backward "
-            "that the Hugging Face Trainer does not run; use grad_clip_mode 'approx'"
-        )
-    if plan.max_seq_len is not None:
-        raise ValueError(
-            "max_seq_len is not applied inside the Hugging Face Trainer; truncate in the "
-            "tokenizer (max_length=...) and set max_seq_len null"
-        )
-    if plan.loss_normalization == "tokens":
-        raise ValueError(
-            "loss_normalization 'tokens' is the Trainer's own behaviour for causal LMs "
-            "(num_items_in_batch); set it to 'mean' in the plan"
-        )
+    # Each technique says whether the Trainer's loop can run it (memfit.techniques).
+    from ..strategies.compose import refuse_unsupported
+
+    refuse_unsupported(plan, "hf", ValueError)
 
 
 def apply(plan: Plan, model: nn.Module, training_args: Any) -> tuple[Any, tuple[Any, Any], list]:

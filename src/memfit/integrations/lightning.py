@@ -51,7 +51,6 @@ from torch import nn
 
 from ..accounting import MemoryTracker
 from ..plan import Plan, PlanError
-from ..strategies.sequence import SequenceConfig
 from ..workload import batch_size_of
 
 # MemfitCallback comes from the module __getattr__ (it imports lightning).
@@ -99,31 +98,10 @@ def check_plan(plan: Plan) -> None:
     Raises:
         PlanError: naming the field and what to do instead.
     """
-    if plan.offload is not None:
-        raise PlanError(
-            "offload is not supported in a lightning.Trainer; use memfit.Trainer or set "
-            "offload null"
-        )
-    if plan.compile_backend is not None:
-        raise PlanError(
-            "compile is not applied by the Lightning callback; compile the LightningModule "
-            "yourself (torch.compile) or set compile false"
-        )
-    if plan.max_seq_len is not None:
-        raise PlanError(
-            "max_seq_len is not applied by the Lightning callback; truncate in the DataLoader "
-            "or set max_seq_len null"
-        )
-    if plan.loss_normalization != "mean":
-        raise PlanError(
-            "loss_normalization 'tokens' is not supported in a lightning.Trainer, which divides "
-            "each micro-batch loss by accumulate_grad_batches; use 'mean'"
-        )
-    if plan.sequence != SequenceConfig():
-        raise PlanError(
-            "sequence settings are not applied by the Lightning callback; shape batches in "
-            "the DataLoader or use the default sequence config"
-        )
+    # Each technique says whether a lightning.Trainer with this callback can run it.
+    from ..strategies.compose import refuse_unsupported
+
+    refuse_unsupported(plan, "lightning", PlanError)
 
 
 _CALLBACK_DOC = """A ``lightning.Callback`` that applies ``plan`` and measures memory.
@@ -220,37 +198,15 @@ def _make_class() -> type:
             self._apply(self.target(pl_module))
 
         def _apply(self, model: nn.Module) -> None:
-            plan, handles = self.plan, self.handles
-            try:
-                if plan.freeze:
-                    from ..strategies.freezing import apply_freezing
+            from ..strategies.compose import apply_techniques
+            from ..techniques import ApplyContext
 
-                    frozen = apply_freezing(model, plan.freeze)
-                    handles.append(("freeze", frozen))
-                    self.info["frozen"] = frozen.names
-                if plan.fused_pointwise:
-                    from ..strategies.fused_pointwise import apply_fused_pointwise
-
-                    handles.append(("fused_pointwise", apply_fused_pointwise(model)))
-                if plan.fused_loss is not None:
-                    from ..strategies.fused_loss import apply_fused_loss
-
-                    handles.append(("fused_loss", apply_fused_loss(model, plan.fused_loss)))
-                if plan.precision.mode == "bf16-pure":
-                    from ..strategies.precision import apply_precision
-
-                    # The other modes are Lightning's autocast: nothing on the model.
-                    self.precision = apply_precision(model, plan.precision)
-                    handles.append(("precision", self.precision))
-                if plan.checkpointing.mode != "none":
-                    from ..strategies.checkpointing import apply_checkpointing
-
-                    ckpt = apply_checkpointing(model, plan.checkpointing)
-                    handles.append(("checkpointing", ckpt))
-                    self.info["checkpointed"] = ckpt.names
-            except Exception:
-                self.remove()
-                raise
+            # The registry's loop up to the optimizer, which configure_optimizers builds;
+            # Lightning's precision plugin autocasts (only bf16-pure changes the model) and
+            # its strategy does data parallelism.
+            ctx = ApplyContext(plan=self.plan, engine="lightning", info=self.info)
+            self.handles.extend(apply_techniques(model, self.plan, ctx, until="optimizer"))
+            self.precision = ctx.precision
 
         def remove(self) -> None:
             """Take the techniques off the model, last first (idempotent)."""

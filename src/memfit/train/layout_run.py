@@ -113,24 +113,9 @@ def _meta_model(config: TrainConfig) -> torch.nn.Module:
 
 def _ignored_techniques(plan: Plan) -> list[str]:
     """The plan's techniques that :func:`build_layout` does not apply, as the plan names them."""
-    named: list[tuple[bool, str]] = [
-        (plan.checkpointing.mode not in ("none", "full", "selective"),
-         f"checkpointing {plan.checkpointing.mode!r}"),
-        (plan.precision.mode not in ("fp32", "bf16-mixed"), f"precision {plan.precision.mode!r}"),
-        (plan.micro_batch_size is not None or plan.grad_accum_steps > 1,
-         "micro_batch_size / grad_accum_steps (parallel microbatches does this)"),
-        (plan.optimizer_in_backward, "optimizer_in_backward"),
-        (plan.max_grad_norm is not None, "max_grad_norm"),
-        (bool(plan.freeze), "freeze"),
-        (plan.max_seq_len is not None, "max_seq_len"),
-        (plan.offload is not None, "offload"),
-        (plan.fused_pointwise, "fused_pointwise"),
-        (plan.fused_loss is not None, "fused_loss"),
-        (bool(plan.compile), "compile"),
-        (plan.grad_buffer, "grad_buffer"),
-        (plan.loss_normalization != "mean", f"loss_normalization {plan.loss_normalization!r}"),
-    ]
-    return [label for on, label in named if on]
+    # Each technique says whether a tensor/pipeline layout builds it; named as the plan does.
+    labels = [t.describe(plan) for t, _ in plan.techniques() if t.refuses(plan, "layout")]
+    return list(dict.fromkeys(labels))  # the three offload techniques are one field
 
 
 def predict_rank_peaks(run: TrainRun, plan: Plan) -> list[int] | None:

@@ -30,32 +30,13 @@ import torch
 
 from ..plan import Plan, PlanError
 from ..strategies.compose import TrainingSetup, apply_plan
+from ..techniques import ApplyContext, Technique, get, registered
 from ..workload import Batch, batch_size_of
 from .checkpoint import restore_rng_state, rng_state
 
 __all__ = ["OOMFallback", "StepDown", "step_down", "switch_plan"]
 
 logger = logging.getLogger("memfit.train")
-
-# Plan fields that can change between two steps on the same model and optimizer objects:
-# they act through the loop (micro-batching, weights, truncation, data shaping) or through a
-# handle that does not touch the parameters (checkpointing's wrappers, the fused loss's head
-# forward and loss function).
-_SWAPPABLE = frozenset(
-    {
-        "micro_batch_size",
-        "grad_accum_steps",
-        "checkpointing",
-        "fused_loss",
-        "loss_normalization",
-        "max_seq_len",
-        "sequence",
-    }
-)
-# Precisions that keep fp32 weights: switching among them changes only the runtime (autocast,
-# loss scaling), so the optimizer and its state carry over.
-_FP32_WEIGHTS = frozenset({"fp32", "bf16-mixed", "fp16-mixed"})
-
 
 # ---------------------------------------------------------------------------------- frontier
 def step_down(plan: Plan, batch_size: int) -> Plan | None:
@@ -92,18 +73,24 @@ def step_down(plan: Plan, batch_size: int) -> Plan | None:
     return plan.replace(checkpointing=dataclasses.replace(plan.checkpointing, mode=nxt))
 
 
-def _changed_fields(a: Plan, b: Plan) -> set[str]:
-    return {f.name for f in dataclasses.fields(Plan) if getattr(a, f.name) != getattr(b, f.name)}
+def _changed(a: Plan, b: Plan) -> list[Technique]:
+    """The registered techniques whose config differs between ``a`` and ``b``."""
+    return [
+        t for t in registered() if t.on(a) != t.on(b) or (t.on(b) and t.config(a) != t.config(b))
+    ]
 
 
 def _keeps_optimizer(a: Plan, b: Plan) -> bool:
-    """Whether switching from ``a`` to ``b`` can keep the optimizer object and its state."""
-    changed = _changed_fields(a, b)
-    if "precision" in changed and {a.precision.mode, b.precision.mode} <= _FP32_WEIGHTS:
-        changed.discard("precision")
-    if not b.optimizer_in_backward:
-        changed -= {"max_grad_norm", "grad_clip_mode"}  # the stepper clips, not the optimizer
-    return changed <= _SWAPPABLE
+    """Whether switching from ``a`` to ``b`` can keep the optimizer object and its state: every
+    technique that changes says it may be swapped in place (its ``swappable``), and no plan
+    field outside the techniques changed."""
+    owned = {name for t in registered() for name in t.fields}
+    unowned = [
+        f.name
+        for f in dataclasses.fields(Plan)
+        if f.name not in owned and getattr(a, f.name) != getattr(b, f.name)
+    ]
+    return not unowned and all(t.can_swap(a, b) for t in _changed(a, b))
 
 
 def switch_plan(setup: TrainingSetup, plan: Plan) -> tuple[TrainingSetup, bool]:
@@ -139,44 +126,30 @@ def switch_plan(setup: TrainingSetup, plan: Plan) -> tuple[TrainingSetup, bool]:
 
 
 def _swap_in_place(setup: TrainingSetup, plan: Plan) -> TrainingSetup:
-    """Replace the handles whose plan fields changed; keep the optimizer."""
-    from ..strategies.checkpointing import apply_checkpointing
-    from ..strategies.precision import apply_precision
-
-    model = setup.model
-    changed = _changed_fields(setup.plan, plan)
+    """Take off the techniques whose config changed and apply their new config at their
+    place in the order; keep the optimizer."""
+    ctx = ApplyContext(
+        plan=plan,
+        engine="single" if setup.parallel is None else "data",
+        info=dict(setup.info),
+        precision=setup.precision,
+        parallel=setup.parallel,
+        optimizer=setup.optimizer,
+        optimizer_given=setup.optimizer_given,
+    )
     handles = list(setup.handles)
-    info = dict(setup.info)
-    precision = setup.precision
-    if "precision" in changed:
-        # fp32 weights on both sides: the runtime changes, the model does not.
-        index = _index(handles, "precision")
-        precision.remove()
-        precision = apply_precision(model, plan.precision)
-        handles[index] = ("precision", precision)
-    if "checkpointing" in changed:
-        index = _index(handles, "checkpointing")
+    for technique in _changed(setup.plan, plan):
+        if technique.apply is None:
+            continue  # a technique of the step: the new plan's fields are all it needs
+        index = _index(handles, technique.name)
         if index is not None:
             handles.pop(index)[1].remove()
-        info.pop("checkpointed", None)
-        if plan.checkpointing.mode != "none":
-            handle = apply_checkpointing(model, plan.checkpointing)
-            # Checkpointing comes after freezing and precision, before the fused step.
-            at = _index(handles, "optimizer_in_backward")
-            handles.insert(len(handles) if at is None else at, ("checkpointing", handle))
-            info["checkpointed"] = handle.names
-    if "fused_loss" in changed:
-        index = _index(handles, "fused_loss")
-        if index is not None:
-            handles.pop(index)[1].remove()
-        info.pop("fused_loss", None)
-        if plan.fused_loss is not None:
-            from ..strategies.fused_loss import apply_fused_loss
-
-            handle = apply_fused_loss(model, plan.fused_loss)
-            # The fused loss comes after freezing and fused pointwise, before precision.
-            handles.insert(_index(handles, "precision"), ("fused_loss", handle))
-            info["fused_loss"] = handle.head_name
+        if technique.info_key is not None:
+            ctx.info.pop(technique.info_key, None)
+        if technique.on(plan):
+            handle = technique.apply(setup.model, ctx)
+            if handle is not None:
+                handles.insert(_position(handles, technique.order), (technique.name, handle))
     if plan.optimizer_in_backward:
         # The fused handle counts micro-batches itself when not told which is the last.
         setup.optimizer.grad_accum_steps = plan.grad_accum_steps
@@ -185,12 +158,20 @@ def _swap_in_place(setup: TrainingSetup, plan: Plan) -> TrainingSetup:
     return dataclasses.replace(
         setup,
         plan=plan,
-        precision=precision,
+        precision=ctx.precision,
         stepper=None,
-        info=info,
+        info=ctx.info,
         handles=handles,
         removed=False,
     )
+
+
+def _position(handles: list[tuple[str, Any]], order: int) -> int:
+    """Where a handle of a technique at ``order`` goes: after every one applied before it."""
+    for i, (name, _) in enumerate(handles):
+        if get(name).order > order:
+            return i
+    return len(handles)
 
 
 def _index(handles: list[tuple[str, Any]], name: str) -> Any:
