@@ -46,11 +46,19 @@ A user's technique, end to end::
 
 The planner then considers it wherever ``--allow halve-head`` is given, and the trainer,
 ``prepare()`` and the OOM fallback apply it with the built-ins.
+
+From the command line, a technique is registered by importing the module that registers it:
+the module of a ``--model package.module:function`` spec, the modules named in the
+``MEMFIT_TECHNIQUES`` environment variable (comma-separated), or a package's entry point in
+the ``memfit.techniques`` group (its value is the module to import). They are imported the
+first time the registry is read.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,6 +69,7 @@ __all__ = [
     "Technique",
     "TechniqueError",
     "get",
+    "load_plugins",
     "register",
     "registered",
     "unregister",
@@ -345,6 +354,8 @@ def get(name: str) -> Technique:
     Raises:
         TechniqueError: naming the registered techniques.
     """
+    if name not in _REGISTRY:
+        load_plugins()
     try:
         return _REGISTRY[name]
     except KeyError:
@@ -353,9 +364,41 @@ def get(name: str) -> Technique:
         ) from None
 
 
+_PLUGINS_LOADED = False
+#: The entry-point group of packages that register techniques.
+ENTRY_POINT_GROUP = "memfit.techniques"
+
+
+def load_plugins() -> None:
+    """Import the modules that register users' techniques: those named in
+    ``MEMFIT_TECHNIQUES`` (comma-separated) and the ``memfit.techniques`` entry points. Runs
+    once per process (the first read of the registry calls it).
+
+    Raises:
+        TechniqueError: naming a module that cannot be imported.
+    """
+    global _PLUGINS_LOADED
+    if _PLUGINS_LOADED:
+        return
+    _PLUGINS_LOADED = True  # before importing: a plugin reads the registry as it registers
+    names = [n.strip() for n in os.environ.get("MEMFIT_TECHNIQUES", "").split(",") if n.strip()]
+    from importlib.metadata import entry_points
+
+    names += [ep.value.split(":")[0] for ep in entry_points(group=ENTRY_POINT_GROUP)]
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise TechniqueError(
+                f"technique module {name!r} (from MEMFIT_TECHNIQUES or a "
+                f"{ENTRY_POINT_GROUP!r} entry point) cannot be imported: {e}"
+            ) from None
+
+
 def registered(*, builtin: bool | None = None) -> list[Technique]:
     """The registered techniques in apply order (``builtin``: only memfit's own when true,
     only users' when false)."""
+    load_plugins()
     out = [
         t
         for t in _REGISTRY.values()

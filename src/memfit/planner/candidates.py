@@ -34,6 +34,7 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .. import techniques
 from ..plan import Plan
 from ..strategies.fused_loss import FusedLossConfig
 from ..strategies.offload import OffloadConfig
@@ -46,8 +47,10 @@ __all__ = [
     "PRECISION_BYTES",
     "RANK_DIMENSIONS",
     "Space",
+    "allow_names",
     "check_names",
     "dominated",
+    "forbid_names",
     "fused_loss_applies",
     "generate",
     "maximal",
@@ -60,26 +63,22 @@ __all__ = [
 ]
 
 
-#: Techniques that change what is trained or how (only used when allowed).
-ALLOW: dict[str, str] = {
-    "freeze": "freeze the embeddings or the model body",
-    "shorter-seq": "truncate sequences to 1/2 or 1/4 of their length",
-    "8bit": "8-bit AdamW state",
-    "offload": "the optimizer (fp32 master weights and state) on the host, stepping there, "
-    "block parameters streamed from the host, and tensors saved for backward in host memory",
-    "factored": "Adafactor's factored state",
-    "bf16-pure": "bf16 weights and optimizer math with stochastic rounding",
-}
-#: Techniques on by default that a user may rule out.
-FORBID: dict[str, str] = {
-    "accumulation": "gradient accumulation (micro-batches)",
-    "checkpointing": "activation checkpointing (all modes)",
-    "full-checkpointing": "full activation checkpointing",
-    "mixed-precision": "bf16/fp16 autocast",
-    "fused-step": "the optimizer step fused into backward",
-    "foreach-off": "turning the multi-tensor optimizer off",
-    "fused-loss": "the output head's loss computed in chunks (no full logits)",
-}
+#: Techniques that change what is trained or how (only used when allowed): memfit's own, as
+#: the technique registry names them (:func:`allow_names` adds users' techniques).
+ALLOW: dict[str, str] = techniques.allow_names()
+#: Techniques on by default that a user may rule out (memfit's own; :func:`forbid_names`).
+FORBID: dict[str, str] = techniques.forbid_names()
+
+
+def allow_names() -> dict[str, str]:
+    """Every ``--allow`` name the registry knows now (users' techniques included)."""
+    return techniques.allow_names()
+
+
+def forbid_names() -> dict[str, str]:
+    """Every ``--forbid`` name the registry knows now (users' techniques included)."""
+    return techniques.forbid_names()
+
 
 #: The dimensions of a rank vector, in order.
 RANK_DIMENSIONS: tuple[str, ...] = (
@@ -96,6 +95,7 @@ RANK_DIMENSIONS: tuple[str, ...] = (
     "offload_optimizer",
     "offload_activations",
     "offload_parameters",
+    "extra",
 )
 
 #: Bytes a precision mode keeps (per parameter: weights, gradients and, under autocast, the
@@ -207,6 +207,7 @@ class Space:
     fused_losses: tuple[FusedLossConfig | None, ...] = (None,)
     offloads: tuple[OffloadConfig | None, ...] = (None,)
     pure_allowed: bool = False  # bf16-pure on its own (not only beside host masters)
+    extras: tuple[tuple[tuple[str, Any], ...], ...] = ((),)  # users' techniques' configs
 
 
 def options(
@@ -274,7 +275,46 @@ def options(
         fused_losses=tuple(fused_losses),
         offloads=_unique(offloads, key=_offload_key),
         pure_allowed="bf16-pure" in allow,
+        extras=extra_options(workload, base, allow, forbid),
     )
+
+
+def extra_options(
+    workload: Workload, base: Plan, allow: Sequence[str], forbid: Sequence[str]
+) -> tuple[tuple[tuple[str, Any], ...], ...]:
+    """The combinations of users' techniques (:func:`memfit.techniques.register`) to try:
+    the base plan's, and each technique off or at each of its candidate configs. A
+    technique with ``--allow`` names is tried only when one is allowed; one without is tried
+    unless one of its ``--forbid`` names is given."""
+    base_extra = dict(base.extra)
+    dims: list[list[tuple[str, Any] | None]] = []
+    for technique in techniques.registered(builtin=False):
+        choices: list[tuple[str, Any] | None] = []
+        if technique.name in base_extra:
+            choices.append((technique.name, base_extra[technique.name]))
+        choices.append(None)
+        wanted = (
+            any(a in allow for a in technique.allow)
+            if technique.allow
+            else not any(f in forbid for f in technique.forbid)
+        )
+        if wanted and technique.candidates is not None:
+            choices += [(technique.name, c) for c in technique.candidates(base, workload)]
+        dims.append(_unique(choices))
+    combos = [
+        tuple(sorted((pair for pair in combo if pair is not None), key=lambda p: p[0]))
+        for combo in itertools.product(*dims)
+    ]
+    return _unique(combos) or ((),)
+
+
+def _extra_rank(extra: tuple[tuple[str, Any], ...]) -> float:
+    """What a combination of users' techniques saves (their ``memory_rank``, summed)."""
+    total = 0.0
+    for name, config in extra:
+        technique = techniques.get(name)
+        total += technique.memory_rank(config) if technique.memory_rank is not None else 0.0
+    return total
 
 
 _APPLIES: dict[tuple[str, int, int], bool] = {}
@@ -350,12 +390,13 @@ def generate(
     opt_off_rank = ordinal({_moves_optimizer(o): -int(_moves_optimizer(o)) for o in space.offloads})
     act_off_rank = ordinal({_moves_activations(o): -int(_moves_activations(o)) for o in space.offloads})
     par_off_rank = ordinal({_moves_parameters(o): -int(_moves_parameters(o)) for o in space.offloads})
+    extra_rank = ordinal({e: -_extra_rank(e) for e in space.extras})
     consented_pure = base.precision.mode == "bf16-pure" or space.pure_allowed
     base_foreach = base.optimizer.foreach
     cuda = bool(getattr(device, "is_cuda", False))
 
     out = []
-    for m, ck, pr, opt, fu, fe, fz, sq, fl, of in itertools.product(
+    for m, ck, pr, opt, fu, fe, fz, sq, fl, of, ex in itertools.product(
         space.micros,
         space.checkpointing,
         space.precisions,
@@ -366,6 +407,7 @@ def generate(
         space.seq_lens,
         space.fused_losses,
         space.offloads,
+        space.extras,
     ):
         if pr == "bf16-pure" and not consented_pure and not _moves_optimizer(of):
             continue  # bf16 weights without consent only with their fp32 masters on the host
@@ -402,6 +444,7 @@ def generate(
                 max_seq_len=sq,
                 fused_loss=fl,
                 offload=of,
+                extra=ex,
             )
         except ValueError:
             continue  # an impossible combination: the Plan says so
@@ -419,6 +462,7 @@ def generate(
             opt_off_rank[_moves_optimizer(of)],
             act_off_rank[_moves_activations(of)],
             par_off_rank[_moves_parameters(of)],
+            extra_rank[ex],
         )
         out.append((plan, rank))
     return out

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..targets import DeviceProfile
 from ..units import format_bytes
-from .candidates import ALLOW
+from .candidates import allow_names
 from .costing import TIE_RULE
 from .result import Candidate, PlanResult
 
@@ -140,7 +140,7 @@ def _what_fits(target: DeviceProfile, winner: Candidate) -> str:
 def nothing_fits_message(result: PlanResult, allow: Sequence[str], target: DeviceProfile) -> str:
     """The paragraph of :class:`~memfit.planner.NothingFits`: the closest plan, what it needs,
     and what to allow or change."""
-    missing = [a for a in ALLOW if a not in allow]
+    missing = [a for a in allow_names() if a not in allow]
     hint = (
         f"allowing {', '.join(missing)} (--allow {','.join(missing)})"
         if missing

@@ -284,12 +284,12 @@ def _check_search_options(allow: Iterable[str], forbid: Iterable[str],
     """The forbidden names, once the search's other options are known to be honoured here;
     one sentence (``ValueError``) for an option the layout search cannot honour."""
     from ..targets import parse_budget
-    from .candidates import ALLOW, FORBID, check_names
+    from .candidates import allow_names, check_names, forbid_names
 
     if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
         raise ValueError(f"--jobs must be a whole number >= 1, got {jobs!r}")
-    allowed = check_names(allow, ALLOW, "--allow")
-    forbidden = check_names(forbid, FORBID, "--forbid")
+    allowed = check_names(allow, allow_names(), "--allow")
+    forbidden = check_names(forbid, forbid_names(), "--forbid")
     if allowed:
         # A layout is priced by a model of its ranks in the plan's precision and optimizer,
         # without host or disk tiers: an allowed technique would be silently unused.

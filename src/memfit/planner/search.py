@@ -58,8 +58,10 @@ from .ahead import Ahead, start
 from .candidates import (
     ALLOW,
     FORBID,
+    allow_names,
     check_names,
     dominated,
+    forbid_names,
     generate,
     maximal,
     options,
@@ -131,8 +133,8 @@ def plan(
         from ..workload import load_workload
 
         workload = load_workload(workload, batch_size or 8, seq_len or 128)
-    allow = check_names(allow, ALLOW, "--allow")
-    forbid = check_names(forbid, FORBID, "--forbid")
+    allow = check_names(allow, allow_names(), "--allow")
+    forbid = check_names(forbid, forbid_names(), "--forbid")
     budget_bytes, budget_device = parse_budget(budget)
     host_bytes = None if host_budget is None else parse_budget(host_budget)[0]
     if disk_dir is not None:
