@@ -238,3 +238,22 @@ def test_plugins_load_from_the_environment(monkeypatch, tmp_path):
 def test_memfit_exposes_the_registry():
     assert memfit.techniques.register is register
     assert callable(memfit.Plan.techniques)
+
+
+def test_the_readme_example_runs():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = next(
+        b.split("\n", 1)[1]
+        for b in readme.split("```python")[1:]
+        if "register(Technique(" in b
+    ).split("```")[0]
+    scope: dict = {}
+    try:
+        exec(compile(block, "README.md", "exec"), scope)
+        result = scope["result"]
+        assert result.predicted_peak_bytes <= 5 * 2**20
+        assert "freeze-embeddings" in [t.name for t, _ in scope["plan"].techniques()]
+    finally:
+        techniques.unregister("freeze-embeddings")

@@ -214,20 +214,6 @@ class Plan:
             raise PlanError(
                 f"loss_normalization {self.loss_normalization!r} is not known; use 'mean' or 'tokens'"
             )
-        modes = ("none", "full", "selective", "sqrt", "budget")
-        if self.checkpointing.mode not in modes:
-            raise PlanError(
-                f"checkpointing mode {self.checkpointing.mode!r} is not known; use one of {', '.join(modes)}"
-            )
-        if self.checkpointing.mode == "budget" and not self.checkpointing.budget_bytes:
-            raise PlanError(
-                "checkpointing mode 'budget' needs budget_bytes (the activation bytes allowed)"
-            )
-        precisions = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-pure")
-        if self.precision.mode not in precisions:
-            raise PlanError(
-                f"precision {self.precision.mode!r} is not known; use one of {', '.join(precisions)}"
-            )
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise PlanError(f"max_grad_norm must be > 0 or null, got {self.max_grad_norm!r}")
         if self.grad_clip_mode not in _CLIP_MODES:
@@ -259,6 +245,19 @@ class Plan:
                 f"compile must be true, false or a backend ({', '.join(COMPILE_BACKENDS)}), "
                 f"got {self.compile!r}"
             )
+        self._validate_offload()
+        if not isinstance(self.fused_pointwise, bool):
+            raise PlanError(f"fused_pointwise must be true or false, got {self.fused_pointwise!r}")
+        self._validate_grad_buffer()
+        self._validate_parallel()
+        if self.max_seq_len is not None and (
+            not isinstance(self.max_seq_len, int) or self.max_seq_len < 1
+        ):
+            raise PlanError(
+                f"max_seq_len must be a whole number >= 1 or null, got {self.max_seq_len!r}"
+            )
+
+    def _validate_offload(self) -> None:
         off = self.offload
         if off is not None and off.parameters is not None and off.optimizer is None:
             raise PlanError(
@@ -301,16 +300,6 @@ class Plan:
                 "activation offload cannot be combined with compile: the saved-tensor hooks "
                 "that move activations to the host are not traced by torch.compile; set "
                 "compile false or offload activations false"
-            )
-        if not isinstance(self.fused_pointwise, bool):
-            raise PlanError(f"fused_pointwise must be true or false, got {self.fused_pointwise!r}")
-        self._validate_grad_buffer()
-        self._validate_parallel()
-        if self.max_seq_len is not None and (
-            not isinstance(self.max_seq_len, int) or self.max_seq_len < 1
-        ):
-            raise PlanError(
-                f"max_seq_len must be a whole number >= 1 or null, got {self.max_seq_len!r}"
             )
 
     def _validate_grad_buffer(self) -> None:

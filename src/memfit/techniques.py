@@ -15,37 +15,8 @@ OOM fallback swaps the swappable ones in place, the Hugging Face and Lightning i
 ask each technique whether they can apply it, and the planner tries the configs of the
 techniques the user allowed.
 
-A user's technique, end to end::
-
-    from dataclasses import dataclass
-    import memfit
-    from memfit.techniques import Technique, register
-
-    @dataclass(frozen=True)
-    class HalveHead:
-        '''Run the output head in bf16 (keeps half the head's activations).'''
-
-    class _Undo:
-        def __init__(self, head, dtype):
-            self.head, self.dtype = head, dtype
-        def remove(self):
-            self.head.to(self.dtype)
-
-    def apply_halve_head(model, ctx):
-        head = model.get_output_embeddings()
-        undo = _Undo(head, head.weight.dtype)
-        head.to(torch.bfloat16)
-        return undo
-
-    register(Technique(
-        name="halve-head", config_type=HalveHead, apply=apply_halve_head,
-        allow={"halve-head": "the output head in bf16"},
-        candidates=lambda plan, workload: [HalveHead()], memory_rank=lambda cfg: 1,
-    ))
-    plan = memfit.Plan(extra={"halve-head": {}})      # or: memfit plan --allow halve-head
-
-The planner then considers it wherever ``--allow halve-head`` is given, and the trainer,
-``prepare()`` and the OOM fallback apply it with the built-ins.
+A user's technique, end to end, is the README's worked example ("The technique registry, and
+your own technique"), which ``tests/test_techniques.py`` runs.
 
 From the command line, a technique is registered by importing the module that registers it:
 the module of a ``--model package.module:function`` spec, the modules named in the

@@ -51,6 +51,7 @@ from .kv_cache import KVCacheOff, apply_kv_cache_off
 from .recompute import in_function_modes, retryable
 
 __all__ = [
+    "CHECKPOINT_MODES",
     "SAVE_OPS",
     "BlockEstimator",
     "CheckpointConfig",
@@ -63,6 +64,8 @@ __all__ = [
 ]
 
 CheckpointMode = Literal["none", "full", "selective", "sqrt", "budget"]
+#: The checkpointing modes, from keeping everything to the budgeted choice.
+CHECKPOINT_MODES: tuple[str, ...] = ("none", "full", "selective", "sqrt", "budget")
 
 #: ``estimator(name, block, args, kwargs) -> bytes`` the block keeps for backward when it is
 #: *not* checkpointed, given the arguments of the current call.
@@ -90,6 +93,18 @@ class CheckpointConfig:
     mode: CheckpointMode = "none"
     blocks: tuple[str, ...] | None = None
     budget_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        # A config checks itself, so a bad one fails where it is written, in the plan.
+        if self.mode not in CHECKPOINT_MODES:
+            raise ValueError(
+                f"checkpointing mode {self.mode!r} is not known; use one of "
+                f"{', '.join(CHECKPOINT_MODES)}"
+            )
+        if self.mode == "budget" and not self.budget_bytes:
+            raise ValueError(
+                "checkpointing mode 'budget' needs budget_bytes (the activation bytes allowed)"
+            )
 
 
 # ---------------------------------------------------------------------------------- policy

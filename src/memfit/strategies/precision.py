@@ -53,6 +53,7 @@ from .loss_scaling import DynamicLossScaler, clip_gradients, optimizer_params
 from .optimizer import OptimizerConfig
 
 __all__ = [
+    "PRECISION_MODES",
     "Bf16PureRuntime",
     "DynamicLossScaler",
     "Fp16MixedRuntime",
@@ -67,6 +68,8 @@ __all__ = [
 ]
 
 PrecisionMode = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16-pure"]
+#: The precision modes, from full fp32 to bf16 weights.
+PRECISION_MODES: tuple[str, ...] = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-pure")
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,12 @@ class PrecisionConfig:
     growth_interval: int = 2000
     backoff_factor: float = 0.5
     growth_factor: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in PRECISION_MODES:
+            raise ValueError(
+                f"precision {self.mode!r} is not known; use one of {', '.join(PRECISION_MODES)}"
+            )
 
 
 # ---------------------------------------------------------------------------------- runtimes
