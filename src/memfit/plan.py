@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from .distributed.config import ParallelConfig
+from .optim.config import OptimizerConfig
 from .strategies.checkpointing import CheckpointConfig
 from .strategies.fused_loss import FusedLossConfig
 from .strategies.offload import OffloadConfig
-from .strategies.optimizer import OptimizerConfig
 from .strategies.precision import PrecisionConfig
 from .strategies.sequence import SequenceConfig
 

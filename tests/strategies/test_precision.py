@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import memfit
-from memfit.strategies.optimizer import OptimizerConfig
+from memfit.optim.config import OptimizerConfig
 from memfit.strategies.precision import (
     Bf16PureRuntime,
     DynamicLossScaler,

@@ -343,7 +343,7 @@ def apply_data_parallel(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from ..strategies.blocks import find_blocks
+    from ..blocks import find_blocks
 
     mesh = init_device_mesh(device.type, (world,))
     mp = (

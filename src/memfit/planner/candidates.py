@@ -34,10 +34,10 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..optim.config import PEER_OPTIMIZERS, OptimizerConfig
 from ..plan import Plan
 from ..strategies.fused_loss import FusedLossConfig
 from ..strategies.offload import OffloadConfig
-from ..strategies.optimizer import PEER_OPTIMIZERS, OptimizerConfig
 from ..workload import Workload
 
 __all__ = [

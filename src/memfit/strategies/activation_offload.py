@@ -27,7 +27,7 @@ kernels are emulated (a dry run or measurement for a GPU, :mod:`memfit.targets.k
 then the same copies are made one block ahead, synchronously, so the report counts the block
 copied back ahead as the GPU holds it. Tensors saved from another device than the model's
 (a CPU tensor in a CUDA model) and empty storages stay as they are. Blocks are the model's
-repeated blocks (:func:`~memfit.strategies.blocks.find_blocks`); without any, copies are made
+repeated blocks (:func:`~memfit.blocks.find_blocks`); without any, copies are made
 on demand.
 
 With activation checkpointing (apply it first, then activation offload) autograd saves only
@@ -60,8 +60,8 @@ from torch.utils._pytree import tree_leaves
 
 from .. import device as dev
 from ..accounting.tiers import host_tier
+from ..blocks import find_blocks
 from ..targets.kernels import cuda_emulation_active
-from .blocks import find_blocks
 from .offload import OffloadConfig
 
 __all__ = ["ActivationOffloadHandle", "OffloadCounters", "apply_activation_offload"]

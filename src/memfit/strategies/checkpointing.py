@@ -44,8 +44,8 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from ..blocks import find_blocks
 from ..device import rng_states, set_rng_states
-from .blocks import find_blocks
 from .kv_cache import KVCacheOff, apply_kv_cache_off
 from .recompute import in_function_modes, retryable
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .blocks import find_blocks
+from ..blocks import find_blocks
 
 __all__ = ["HEAD_NAMES", "FreezeHandle", "apply_freezing", "resolve_freeze"]
 
@@ -56,7 +56,7 @@ def apply_freezing(model: nn.Module, specs: Sequence[str]) -> FreezeHandle:
       only one tensor, and freezing it would freeze the head. For a model without a head of a
       recognised name, the last child module that has parameters is the head.
     * ``blocks:K``: the first ``K`` repeated blocks (transformer layers) found by
-      :func:`~memfit.strategies.blocks.find_blocks`.
+      :func:`~memfit.blocks.find_blocks`.
     * anything else: an ``fnmatch`` pattern over parameter names (``bert.encoder.layer.[0-5].*``,
       ``*.bias``). A pattern that names a module (``bert.embeddings``) freezes all its
       parameters. Names tied parameters go by any of their names (``lm_head.weight`` selects

@@ -1,7 +1,7 @@
 """Parameter offload (ZeRO-Infinity on one device): block parameters live on the host.
 
 :func:`apply_parameter_offload` copies the parameters of the model's repeated blocks
-(:func:`~memfit.strategies.blocks.find_blocks`) into host buffers and releases their device
+(:func:`~memfit.blocks.find_blocks`) into host buffers and releases their device
 memory. Each parameter keeps its identity (the ``nn.Parameter`` object and its storage
 object): releasing resizes the storage to zero bytes (``untyped_storage().resize_(0)``) and
 fetching resizes it back and copies the host values in. So every reference autograd keeps to a
@@ -78,7 +78,7 @@ from torch.utils._pytree import tree_leaves
 from .. import device as dev
 from ..accounting.tiers import host_tier, mark_host
 from ..accounting.tracker import label_open, storage_resized
-from .blocks import find_blocks
+from ..blocks import find_blocks
 from .offload import OffloadConfig, set_host_copy
 
 __all__ = ["ParameterOffloadHandle", "apply_parameter_offload"]

@@ -47,9 +47,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
+from ..optim.config import OptimizerConfig
 from ..optim.rounding import stochastic_round_to_bf16
 from .loss_scaling import DynamicLossScaler, clip_gradients, optimizer_params
-from .optimizer import OptimizerConfig
 
 __all__ = [
     "Bf16PureRuntime",
