@@ -18,6 +18,7 @@ from typing import Any
 from .distributed.config import ParallelConfig
 from .optim.config import OptimizerConfig
 from .strategies.checkpointing import CheckpointConfig
+from .strategies.compiling import COMPILE_BACKENDS
 from .strategies.fused_loss import FusedLossConfig
 from .strategies.offload import OffloadConfig
 from .strategies.precision import PrecisionConfig
@@ -27,13 +28,6 @@ __all__ = ["COMPILE_BACKENDS", "Plan", "PlanError"]
 
 _CLIP_MODES = ("exact", "approx")
 _NORMALIZATIONS = ("mean", "tokens")
-
-#: ``torch.compile`` backends a plan may name: ``inductor`` (what ``compile: true`` means:
-#: generated kernels), ``aot_eager_decomp_partition`` (inductor's decompositions and min-cut
-#: partitioner with eager kernels: the same saved activations, no code generation) and
-#: ``aot_eager`` (AOTAutograd's default partition, eager kernels).
-COMPILE_BACKENDS = ("inductor", "aot_eager_decomp_partition", "aot_eager")
-
 
 class PlanError(ValueError):
     """A plan is malformed or combines techniques that cannot work together."""

@@ -22,12 +22,19 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..plan import COMPILE_BACKENDS
+__all__ = [
+    "COMPILE_BACKENDS",
+    "CompileHandle",
+    "apply_compile",
+    "compiled_saved_ratio",
+    "saved_bytes",
+]
 
-__all__ = ["BACKENDS", "CompileHandle", "apply_compile", "compiled_saved_ratio", "saved_bytes"]
-
-#: The backends a plan may name (see :data:`memfit.plan.COMPILE_BACKENDS`).
-BACKENDS = COMPILE_BACKENDS
+#: ``torch.compile`` backends a plan may name: ``inductor`` (what ``compile: true`` means:
+#: generated kernels), ``aot_eager_decomp_partition`` (inductor's decompositions and min-cut
+#: partitioner with eager kernels: the same saved activations, no code generation) and
+#: ``aot_eager`` (AOTAutograd's default partition, eager kernels).
+COMPILE_BACKENDS = ("inductor", "aot_eager_decomp_partition", "aot_eager")
 
 
 @dataclass
@@ -48,13 +55,13 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> CompileHandle:
     Args:
         model: The model, with the plan's other techniques already applied (compiling last
             lets dynamo trace their wrappers).
-        backend: One of :data:`BACKENDS`.
+        backend: One of :data:`COMPILE_BACKENDS`.
 
     Raises:
         ValueError: for an unknown backend.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"compile backend {backend!r} is not known; use one of {', '.join(BACKENDS)}")
+    if backend not in COMPILE_BACKENDS:
+        raise ValueError(f"compile backend {backend!r} is not known; use one of {', '.join(COMPILE_BACKENDS)}")
     model.compile(backend=backend)
     return CompileHandle(model, backend)
 
