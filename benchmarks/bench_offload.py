@@ -81,7 +81,7 @@ class Stack(torch.nn.Module):
 def run_tier(tier: str, args: argparse.Namespace) -> dict[str, Any]:
     """Train ``args.steps + 2`` steps with optimizer offload to ``tier`` (in this process)."""
     import memfit
-    from memfit.strategies.compose import apply_plan
+    from memfit.apply.compose import apply_plan
 
     torch.manual_seed(0)
     model = Stack(args.layers, args.hidden)

@@ -55,7 +55,7 @@ __all__ = [
 _LAZY = {
     "dry_run": ("memfit.estimate.dryrun", "dry_run"),
     "measure": ("memfit.estimate.dryrun", "measure"),
-    "apply_plan": ("memfit.strategies.compose", "apply_plan"),
+    "apply_plan": ("memfit.apply.compose", "apply_plan"),
     "optimizer_in_backward": ("memfit.strategies.fused_step", "optimizer_in_backward"),
     "Trainer": ("memfit.train", "Trainer"),
     "prepare": ("memfit.train", "prepare"),

@@ -7,7 +7,7 @@ what the engines lack for memfit:
   on each repeated block and the root, with or without resharding after forward), so the rest
   of memfit sees a module to run, an optimizer to shard and a stepper;
 * gradient synchronisation only on a step's last micro-batch, for both engines (DDP decides in
-  its forward, FSDP2 in its backward), behind the :class:`~memfit.strategies.stepper.Stepper`
+  its forward, FSDP2 in its backward), behind the :class:`~memfit.apply.stepper.Stepper`
   protocol;
 * the global batch split into this rank's share (:func:`local_batch`) and the loss averaged
   back (:func:`mean_over_ranks`), so a data-parallel step computes the same loss and gradient

@@ -2,7 +2,7 @@
 
 A frozen parameter gets ``requires_grad_(False)``: autograd computes no gradient for it (and no
 gradient of anything only it needs), and an optimizer built afterwards from the parameters that
-require gradients (as :func:`memfit.strategies.compose.apply_plan` does) holds no state for it.
+require gradients (as :func:`memfit.apply.compose.apply_plan` does) holds no state for it.
 Freezing ``body`` in an Adam fine-tune removes about 12 bytes per frozen parameter: 4 of gradient
 and 8 of optimizer state; the weights themselves (4 bytes) stay.
 

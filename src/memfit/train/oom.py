@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
+from ..apply.compose import TrainingSetup, apply_plan
 from ..plan import Plan, PlanError
-from ..strategies.compose import TrainingSetup, apply_plan
 from ..workload import Batch, batch_size_of
 from .checkpoint import restore_rng_state, rng_state
 

@@ -43,8 +43,8 @@ import torch
 from torch import nn
 
 from ..plan import Plan
+from ..strategies.removable import Removable
 from ..workload import Batch, batch_size_of, loss_from_output
-from .removable import Removable
 from .stepper import Stepper, make_stepper, run_step
 
 __all__ = ["LossFn", "TrainingSetup", "apply_plan", "check_plan_arguments"]
@@ -209,24 +209,24 @@ def apply_plan(
     info: dict[str, Any] = {}
     handles: list[tuple[str, Removable]] = []
     try:
-        from .kv_cache import apply_kv_cache_off
+        from ..strategies.kv_cache import apply_kv_cache_off
 
         # Training never reads a KV cache, and a checkpointed block would write it twice.
         handles.append(("kv_cache_off", apply_kv_cache_off(model)))
         if plan.freeze:
-            from .freezing import apply_freezing
+            from ..strategies.freezing import apply_freezing
 
             frozen = apply_freezing(model, plan.freeze)
             handles.append(("freeze", frozen))
             info["frozen"] = frozen.names
         if plan.fused_pointwise:
-            from .fused_pointwise import apply_fused_pointwise
+            from ..strategies.fused_pointwise import apply_fused_pointwise
 
             fused = apply_fused_pointwise(model)
             handles.append(("fused_pointwise", fused))
             info["fused_pointwise"] = fused.norms + fused.mlps + fused.activations
         if plan.fused_loss is not None:
-            from .fused_loss import apply_fused_loss
+            from ..strategies.fused_loss import apply_fused_loss
 
             # Before precision and checkpointing: it patches only the head's and the model's
             # instance attributes, which neither touches, and a model it cannot take is
@@ -234,26 +234,26 @@ def apply_plan(
             fused_loss = apply_fused_loss(model, plan.fused_loss)
             handles.append(("fused_loss", fused_loss))
             info["fused_loss"] = fused_loss.head_name
-        from .precision import apply_precision
+        from ..strategies.precision import apply_precision
 
         precision = apply_precision(
             model, plan.precision, keep_original_weights=keep_original_weights
         )
         handles.append(("precision", precision))
         if plan.checkpointing.mode != "none":
-            from .checkpointing import apply_checkpointing
+            from ..strategies.checkpointing import apply_checkpointing
 
             checkpointed = apply_checkpointing(model, plan.checkpointing)
             handles.append(("checkpointing", checkpointed))
             info["checkpointed"] = checkpointed.names
         if plan.offload is not None and plan.offload.parameters is not None:
-            from .parameter_offload import apply_parameter_offload
+            from ..strategies.parameter_offload import apply_parameter_offload
 
             streamed = apply_parameter_offload(model, plan.offload)
             handles.append(("parameter_offload", streamed))
             info["parameter_offload"] = streamed.blocks
         if plan.offload is not None and plan.offload.activations:
-            from .activation_offload import apply_activation_offload
+            from ..strategies.activation_offload import apply_activation_offload
 
             act = apply_activation_offload(model, plan.offload)
             handles.append(("activation_offload", act))
@@ -262,7 +262,7 @@ def apply_plan(
             from torch._guards import active_fake_mode
 
             if active_fake_mode() is None:
-                from .compiling import apply_compile
+                from ..strategies.compiling import apply_compile
 
                 handles.append(("compile", apply_compile(model, plan.compile_backend)))
                 info["compiled"] = plan.compile_backend
@@ -271,7 +271,7 @@ def apply_plan(
                 # applies the compiled step's measured saving (memfit.estimate.dryrun).
                 info["compiled"] = "eager in the dry run (saving measured for real)"
         if plan.grad_buffer:
-            from .grad_buffer import apply_grad_buffer
+            from ..strategies.grad_buffer import apply_grad_buffer
 
             grad_buffer = apply_grad_buffer(model, plan.grad_buffer)
             handles.append(("grad_buffer", grad_buffer))
@@ -336,7 +336,7 @@ def _build_optimizer(
     model: nn.Module, plan: Plan, precision: Any, optimizer: Any, parallel: Any = None
 ) -> Any:
     if plan.offload is not None and plan.offload.optimizer is not None:
-        from .optimizer_offload import HostOffloadOptimizer, host_optimizer_builder
+        from ..strategies.optimizer_offload import HostOffloadOptimizer, host_optimizer_builder
 
         # fp32 masters on the host: the plan's optimizer as configured (no bf16 wrapper: the
         # host copy is the high-precision weight that bf16-pure's rounding stands in for).
@@ -345,7 +345,7 @@ def _build_optimizer(
         if plan.offload.optimizer == "disk":
             from torch._guards import active_fake_mode
 
-            from .disk_offload import DiskOffloadOptimizer
+            from ..strategies.disk_offload import DiskOffloadOptimizer
 
             if active_fake_mode() is not None:
                 # A dry run writes no files: the host tier's optimizer does the same on the
@@ -365,7 +365,7 @@ def _build_optimizer(
             max_grad_norm=plan.max_grad_norm,
         )
     if plan.optimizer_in_backward:
-        from .fused_step import optimizer_in_backward
+        from ..strategies.fused_step import optimizer_in_backward
 
         opt_cfg = precision.optimizer_config(plan.optimizer)
         return optimizer_in_backward(
