@@ -279,9 +279,12 @@ def apply_plan(
         parallel = None
         if plan.parallel.data > 1 or plan.parallel.zero_stage:
             from ..distributed.data import apply_data_parallel
+            from ..strategies.grad_buffer import apply_grad_buffer
 
             mixed = {"bf16-mixed": torch.bfloat16}.get(plan.precision.mode)
-            parallel = apply_data_parallel(model, plan.parallel, mixed_dtype=mixed)
+            parallel = apply_data_parallel(
+                model, plan.parallel, mixed_dtype=mixed, dry_stand_in=apply_grad_buffer
+            )
             handles.append(("data_parallel", parallel))
             info["data_parallel"] = plan.parallel.engine
         given = optimizer is not None

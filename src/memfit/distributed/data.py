@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar
 from typing import Any
 
@@ -291,7 +291,11 @@ class DataParallelStepper:
 
 
 def apply_data_parallel(
-    model: nn.Module, config: ParallelConfig, *, mixed_dtype: torch.dtype | None = None
+    model: nn.Module,
+    config: ParallelConfig,
+    *,
+    mixed_dtype: torch.dtype | None = None,
+    dry_stand_in: Callable[[nn.Module], Any] | None = None,
 ) -> DataParallel:
     """Put ``model`` under the data-parallel engine of ``config.zero_stage``.
 
@@ -306,12 +310,22 @@ def apply_data_parallel(
         config: The settings.
         mixed_dtype: With a mixed-precision plan, the compute dtype: FSDP2 then gathers
             parameters in it and reduces gradients in fp32 (``MixedPrecisionPolicy``).
+        dry_stand_in: What stands in for DDP (stages 0 and 1) in a dry run, built from the
+            model: a handle with ``reallocate()`` and ``remove()``. DDP's C++ constructor
+            reads parameter values, which a dry run's fake tensors lack; its memory is its
+            buckets (every gradient, contiguous, held for the whole run, zeroed in place),
+            which memfit's contiguous gradient buffer holds exactly, so
+            :func:`memfit.apply.compose.apply_plan` passes
+            :func:`~memfit.strategies.grad_buffer.apply_grad_buffer` (the all-reduce moves no
+            memory). Passed in, not imported: a parallel engine and a technique meet only
+            in :mod:`memfit.apply`.
 
     Returns:
         The :class:`DataParallel` handle.
 
     Raises:
-        ValueError: outside a process group of ``config.data`` ranks.
+        ValueError: outside a process group of ``config.data`` ranks, or in a dry run of
+            stages 0 and 1 without ``dry_stand_in``.
     """
     _, world = rank_and_world()
     if world != config.data or not dist.is_initialized():
@@ -322,13 +336,14 @@ def apply_data_parallel(
         )
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     if not config.sharded and _dry():
-        # DDP's C++ constructor reads parameter values, which a dry run's fake tensors lack.
-        # Its memory is its buckets: every gradient, contiguous, held for the whole run and
-        # zeroed in place. memfit's contiguous gradient buffer holds exactly that, so it stands
-        # in for DDP in a dry run (the all-reduce moves no memory).
-        from ..strategies.grad_buffer import apply_grad_buffer
-
-        return DataParallel(model, model, config, stand_in=apply_grad_buffer(model, True))
+        # DDP's C++ constructor reads parameter values, which a dry run's fake tensors lack:
+        # the caller's stand-in holds its buckets (see ``dry_stand_in``).
+        if dry_stand_in is None:
+            raise ValueError(
+                "a dry run cannot build DDP (its constructor reads parameter values, which "
+                "fake tensors lack); pass dry_stand_in, what holds its buckets instead"
+            )
+        return DataParallel(model, model, config, stand_in=dry_stand_in(model))
     if not config.sharded:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
