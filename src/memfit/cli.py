@@ -145,7 +145,7 @@ def profile(
     from .distributed.launch import under_launcher
 
     if under_launcher() and not dry_run:
-        from .distributed.profile import profile_under_launcher
+        from .commands.profile import profile_under_launcher
 
         _run_guarded(profile_under_launcher, workload, the_plan, steps, json_path, out)
         return
@@ -613,9 +613,9 @@ def _print_report(report: Any) -> None:
 
 
 def _register_train() -> None:
-    # The train command lives with the trainer (memfit/train/command.py); the CLI only names it
-    # (train/command.py imports nothing from here: shared helpers are in memfit/console.py).
-    from .train.command import train
+    # The train command lives in memfit/commands/train.py; the CLI only names it
+    # (commands/train.py imports nothing from here: shared helpers are in memfit/console.py).
+    from .commands.train import train
 
     app.command("train")(train)
 

@@ -15,10 +15,10 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ..distributed.launch import init_worker
 from ..plan import Plan
 from ..units import format_bytes
 from ..workload import Workload
-from .launch import init_worker
 
 __all__ = ["profile_under_launcher"]
 
