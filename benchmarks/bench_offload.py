@@ -81,7 +81,7 @@ class Stack(torch.nn.Module):
 def run_tier(tier: str, args: argparse.Namespace) -> dict[str, Any]:
     """Train ``args.steps + 2`` steps with optimizer offload to ``tier`` (in this process)."""
     import memfit
-    from memfit.strategies.compose import apply_plan
+    from memfit.apply.compose import apply_plan
 
     torch.manual_seed(0)
     model = Stack(args.layers, args.hidden)
@@ -143,7 +143,7 @@ def _shared_args(args: argparse.Namespace) -> list[str]:
 def host_step_part(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Median ``step()`` time per optimizer on the same parameters, one after the other."""
     from bench_optimizers import make_optimizer, make_params
-    from memfit.strategies.optimizer import OptimizerConfig
+    from memfit.optim.config import OptimizerConfig
     from memfit.strategies.optimizer_offload import host_optimizer_builder
 
     builders = {

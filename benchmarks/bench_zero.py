@@ -139,9 +139,9 @@ def run_memfit(rank: int, world: int, stage: int, args: argparse.Namespace) -> d
     :func:`run_deepspeed`."""
     import memfit
     from memfit import Plan
+    from memfit.apply.compose import apply_plan
     from memfit.distributed.data import batches_are_local
     from memfit.distributed.launch import init_worker
-    from memfit.strategies.compose import apply_plan
 
     init_worker("gloo")
     model, batch = _model_and_batch(args, rank, world)

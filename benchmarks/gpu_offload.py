@@ -184,7 +184,7 @@ def run_real(spec: dict[str, Any]) -> dict[str, Any]:
     """Train ``spec``'s steps (in a fresh subprocess) and measure; saves the final parameters
     (fp32, on the host) to ``spec["params_path"]`` and, when asked, the initial ones to
     ``spec["init_path"]``."""
-    from memfit.strategies.compose import apply_plan
+    from memfit.apply.compose import apply_plan
 
     # Kernels without a deterministic form (memory-efficient attention's backward) only warn.
     torch.use_deterministic_algorithms(True, warn_only=True)

@@ -267,7 +267,7 @@ def run_real(spec: dict[str, Any]) -> dict[str, Any]:
             model, batch = workload.build(seed=0)
             model = model.to(device)
             batch = tree_map_only(torch.Tensor, lambda t: t.to(device), batch)
-            from memfit.strategies.compose import apply_plan
+            from memfit.apply.compose import apply_plan
 
             setup = apply_plan(model, plan, loss_fn=workload.loss_fn)
             dev.synchronize(device)

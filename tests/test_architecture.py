@@ -1,13 +1,33 @@
-"""The layout's rules, checked on the source: no import cycles, CUDA in one module."""
+"""The layout's rules, checked on the source: floors, no import cycles, CUDA in one module,
+no long files (docs/architecture.md says why)."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "memfit"
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src" / "memfit"
+
+#: memfit's floors, low to high: a module imports only from its own floor or lower ones. Each
+#: name is a module or a package (all its modules) of src/memfit; ``__init__.py`` is the top
+#: package's own, the top floor's face. The same list as docs/architecture.md's headings (a
+#: test checks it): to move a module to another floor, change both.
+FLOORS: list[tuple[str, ...]] = [
+    ("units.py", "device.py", "console.py", "versions.py", "outputs.py"),
+    ("accounting/",),
+    ("workload.py", "optim/", "ops/", "targets/", "blocks.py", "techniques.py"),
+    ("strategies/", "distributed/"),
+    ("plan.py",),
+    ("apply/",),
+    ("estimate/",),
+    ("planner/",),
+    ("train/", "integrations/"),
+    ("commands/", "cli.py", "bench/", "__main__.py", "__init__.py"),
+]
 
 
 def _module_name(path: Path) -> str:
@@ -83,6 +103,47 @@ def test_torch_cuda_only_in_device_module():
 @pytest.mark.parametrize("path", sorted(SRC.rglob("*.py")), ids=lambda p: str(p.relative_to(SRC)))
 def test_no_module_over_800_lines(path):
     assert len(path.read_text().splitlines()) <= 800
+
+
+def _floor(module: str) -> int | None:
+    """The floor (1 = lowest) of a memfit module, by the file or package it lives in."""
+    parts = module.split(".")[1:]
+    if not parts:
+        name = "__init__.py"
+    elif (SRC / parts[0]).is_dir():
+        name = parts[0] + "/"
+    else:
+        name = parts[0] + ".py"
+    return next((i for i, names in enumerate(FLOORS, 1) if name in names), None)
+
+
+def test_every_module_stands_on_a_floor():
+    homeless = sorted(m for m in _imports() if _floor(m) is None)
+    assert not homeless, (
+        "modules on no floor (add their file or package to FLOORS and docs/architecture.md):\n"
+        + "\n".join(homeless)
+    )
+
+
+def test_no_import_from_a_higher_floor():
+    # Every memfit import, at module level and in function bodies alike: a lazy import that
+    # runs up a floor is the same dependency, only later. The fix is to move the shared piece
+    # down a floor (or pass it in from above), never an exception here.
+    upward = sorted(
+        f"{a} -> {b}"
+        for a, deps in _imports().items()
+        for b in deps
+        if None not in (_floor(a), _floor(b)) and _floor(b) > _floor(a)  # type: ignore[operator]
+    )
+    assert not upward, "imports from a higher floor (docs/architecture.md):\n" + "\n".join(upward)
+
+
+def test_the_floors_are_the_docs():
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    headings = re.findall(r"^### Floor (\d+): (.+)$", doc, flags=re.M)
+    documented = [tuple(re.findall(r"`([^`]+)`", names)) for _, names in headings]
+    assert [int(n) for n, _ in headings] == list(range(1, len(headings) + 1))
+    assert documented == FLOORS
 
 
 def test_nothing_imports_the_cli_but_main():

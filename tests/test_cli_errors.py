@@ -234,12 +234,12 @@ def no_work(monkeypatch):
         raise AssertionError("the work started before the output paths were checked")
 
     import memfit.bench.ladder
+    import memfit.commands.train
     import memfit.distributed.launch
-    import memfit.train.command
     import memfit.workload
 
     monkeypatch.setattr(memfit.workload, "load_workload", started)
-    monkeypatch.setattr(memfit.train.command, "prepare_run", started)
+    monkeypatch.setattr(memfit.commands.train, "prepare_run", started)
     monkeypatch.setattr(memfit.distributed.launch, "launch", started)
     monkeypatch.setattr(memfit.bench.ladder, "run_ladder", started)
 

@@ -12,9 +12,9 @@ import torch
 
 import memfit
 from memfit import techniques
+from memfit.apply.compose import apply_plan
 from memfit.estimate import dry_run
 from memfit.plan import BUILTIN_TECHNIQUES, Plan, PlanError
-from memfit.strategies.compose import apply_plan
 from memfit.techniques import BUILTIN_ORDER, Technique, TechniqueError, register
 from memfit.workload import load_workload
 
@@ -158,8 +158,8 @@ def test_the_tracker_measures_the_saving_it_claims(registered, workload):
 
 
 def test_engines_refuse_it_where_it_is_not_supported(registered):
+    from memfit.apply.compose import refuse_unsupported
     from memfit.integrations.lightning import check_plan
-    from memfit.strategies.compose import refuse_unsupported
 
     plan = Plan(extra={NAME: {}})
     refuse_unsupported(plan, "hf")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .versions import check_versions
+from .versions import __version__, check_versions
 
 check_versions()  # before anything uses torch: an unsupported one is named in one sentence
 
@@ -23,8 +23,6 @@ from .accounting import CATEGORIES, MemoryReport, MemoryTracker, track  # noqa: 
 from .plan import Plan, PlanError  # noqa: E402
 from .units import format_bytes, parse_size  # noqa: E402
 from .workload import PRESETS, Workload, WorkloadError, load_workload  # noqa: E402
-
-__version__ = "0.1.0"
 
 __all__ = [
     "CATEGORIES",
@@ -55,7 +53,7 @@ __all__ = [
 _LAZY = {
     "dry_run": ("memfit.estimate.dryrun", "dry_run"),
     "measure": ("memfit.estimate.dryrun", "measure"),
-    "apply_plan": ("memfit.strategies.compose", "apply_plan"),
+    "apply_plan": ("memfit.apply.compose", "apply_plan"),
     "optimizer_in_backward": ("memfit.strategies.fused_step", "optimizer_in_backward"),
     "Trainer": ("memfit.train", "Trainer"),
     "prepare": ("memfit.train", "prepare"),

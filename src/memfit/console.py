@@ -1,7 +1,7 @@
 """The terminal: the consoles every command prints to, and how a command fails.
 
-A floor below the commands (``cli.py`` and the per-command modules such as
-``train/command.py``), so that they share these without importing each other.
+A floor below the commands (``cli.py`` and the per-command modules in ``memfit/commands/``),
+so that they share these without importing each other.
 """
 
 from __future__ import annotations

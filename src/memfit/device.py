@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "active_values",
     "copy_stream",
     "copy_to_host",
     "cuda_available",
@@ -42,6 +43,8 @@ __all__ = [
     "stream_ready",
     "synchronize",
     "total_memory",
+    "values_closed",
+    "values_opened",
     "wait_event",
     "wait_for",
 ]
@@ -89,6 +92,29 @@ def is_fake(tensor: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(tensor, FakeTensor)
+
+
+# A dry run computes some fake tensors' values for real (a constant's shadow:
+# memfit.estimate.values.DryRunValues, which records itself here while open). The record
+# lives on this floor, below the workload, which asks about it while it builds a model on fake
+# tensors, and below the estimator, which opens it.
+_OPEN_VALUES: list[Any] = []
+
+
+def active_values() -> Any:
+    """The innermost open :class:`~memfit.estimate.values.DryRunValues` (the values a dry
+    run knows of some fake tensors), or ``None``."""
+    return _OPEN_VALUES[-1] if _OPEN_VALUES else None
+
+
+def values_opened(values: Any) -> None:
+    """Record ``values`` as open: :func:`active_values` returns it until :func:`values_closed`."""
+    _OPEN_VALUES.append(values)
+
+
+def values_closed(values: Any) -> None:
+    """Undo :func:`values_opened`."""
+    _OPEN_VALUES.remove(values)
 
 
 def synchronize(device: torch.device | str) -> None:

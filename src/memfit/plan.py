@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import techniques as _techniques
 from .distributed import data as _data_parallel
 from .distributed.config import ParallelConfig
+from .optim import config as _optimizer
+from .optim.config import OptimizerConfig
 from .strategies import (
     accumulation,
     activation_offload,
@@ -30,7 +31,6 @@ from .strategies import (
     grad_buffer,
     kv_cache,
     loss_scaling,
-    optimizer,
     optimizer_offload,
     parameter_offload,
     precision,
@@ -40,15 +40,23 @@ from .strategies.checkpointing import CheckpointConfig
 from .strategies.compiling import COMPILE_BACKENDS
 from .strategies.fused_loss import FusedLossConfig
 from .strategies.offload import OffloadConfig
-from .strategies.optimizer import OptimizerConfig
 from .strategies.precision import PrecisionConfig
 from .strategies.sequence import SequenceConfig
+from .techniques import (
+    Technique,
+    TechniqueError,
+    get,
+    is_builtin,
+    register,
+    registered,
+    techniques_of,
+)
 
 __all__ = ["BUILTIN_TECHNIQUES", "COMPILE_BACKENDS", "Plan", "PlanError"]
 
 #: memfit's own techniques (each defined in its own module, registered here, where their
 #: configs meet): adding a technique is its module plus one line here.
-BUILTIN_TECHNIQUES: tuple[_techniques.Technique, ...] = (
+BUILTIN_TECHNIQUES: tuple[Technique, ...] = (
     kv_cache.TECHNIQUE,
     freezing.TECHNIQUE,
     fused_pointwise.TECHNIQUE,
@@ -60,7 +68,7 @@ BUILTIN_TECHNIQUES: tuple[_techniques.Technique, ...] = (
     compiling.TECHNIQUE,
     grad_buffer.TECHNIQUE,
     _data_parallel.TECHNIQUE,
-    optimizer.TECHNIQUE,
+    _optimizer.TECHNIQUE,
     fused_step.TECHNIQUE,
     optimizer_offload.TECHNIQUE,
     accumulation.ACCUMULATION,
@@ -70,7 +78,7 @@ BUILTIN_TECHNIQUES: tuple[_techniques.Technique, ...] = (
     loss_scaling.CLIPPING,
 )
 for _technique in BUILTIN_TECHNIQUES:
-    _techniques.register(_technique, builtin=True)
+    register(_technique, builtin=True)
 
 _CLIP_MODES = ("exact", "approx")
 _NORMALIZATIONS = ("mean", "tokens")
@@ -389,10 +397,10 @@ class Plan:
                 "which steps each shard"
             )
 
-    def techniques(self) -> list[tuple[_techniques.Technique, Any]]:
+    def techniques(self) -> list[tuple[Technique, Any]]:
         """``(technique, config)`` for every registered technique this plan turns on, in
         apply order (:mod:`memfit.techniques`)."""
-        return list(_techniques.techniques_of(self))
+        return list(techniques_of(self))
 
     # ------------------------------------------------------------------ derived
     @property
@@ -535,7 +543,7 @@ class Plan:
                 "compiled" if self.compile_backend == "inductor" else f"compiled ({self.compile_backend})"
             )
         for technique, config in self.techniques():
-            if not _techniques.is_builtin(technique.name):
+            if not is_builtin(technique.name):
                 parts.append(technique.summary(config) if technique.summary else technique.name)
         return parts
 
@@ -580,21 +588,21 @@ def _extra(value: Any) -> tuple[tuple[str, Any], ...]:
     out = []
     for name, config in pairs:
         try:
-            technique = _techniques.get(name)
-        except _techniques.TechniqueError:
-            users = [t.name for t in _techniques.registered(builtin=False)]
+            technique = get(name)
+        except TechniqueError:
+            users = [t.name for t in registered(builtin=False)]
             raise PlanError(
                 f"extra names technique {name!r}, which is not registered; registered with "
                 f"memfit.techniques.register: {', '.join(users) if users else 'none'}"
             ) from None
-        if _techniques.is_builtin(name):
+        if is_builtin(name):
             raise PlanError(
                 f"extra holds the configs of users' techniques; {name!r} is memfit's own, "
                 f"set it with its own plan field"
             )
         try:
             out.append((name, technique.coerce(config)))
-        except _techniques.TechniqueError as e:
+        except TechniqueError as e:
             raise PlanError(str(e)) from None
     return tuple(sorted(out, key=lambda pair: pair[0]))
 

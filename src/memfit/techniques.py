@@ -97,6 +97,9 @@ class ApplyContext:
         optimizer: The optimizer the caller gave, then the one built (set by the optimizer
             technique).
         optimizer_given: Whether the caller gave the optimizer.
+        dry_stand_in: What stands in for DDP in a dry run (see
+            :func:`memfit.distributed.data.apply_data_parallel`): passed in by
+            :mod:`memfit.apply`, where a parallel engine and a technique meet.
     """
 
     plan: Any
@@ -107,6 +110,7 @@ class ApplyContext:
     parallel: Any = None
     optimizer: Any = None
     optimizer_given: bool = False
+    dry_stand_in: Any = None
 
 
 def _always(plan: Any) -> bool:

@@ -17,7 +17,11 @@ import re
 import warnings
 from importlib import metadata
 
-__all__ = ["SUPPORTED", "UnsupportedVersion", "check_versions", "parse_version"]
+__all__ = ["SUPPORTED", "UnsupportedVersion", "__version__", "check_versions", "parse_version"]
+
+#: memfit's own version (``memfit.__version__``), here so that any floor may name it without
+#: importing the top package (the device fingerprint of targets/profiles.py does).
+__version__ = "0.1.0"
 
 #: package -> (lowest supported, newest CI has run the suite against). Keep the lowest in step
 #: with pyproject.toml's ``>=`` bounds (a test checks they agree).

@@ -572,7 +572,7 @@ def _sampling_skipped_on_fake_tensors() -> Iterator[None]:
     from torch._subclasses.fake_tensor import FakeTensor
     from torch.nn import init
 
-    from .estimate.values import active_values
+    from .device import active_values
 
     name = "_no_grad_trunc_normal_" if hasattr(init, "_no_grad_trunc_normal_") else "trunc_normal_"
     original = getattr(init, name)

@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 __all__ = ["PRELOAD", "free_port", "run_ranks"]
 
 #: What the fork server imports once, so that no rank imports it again.
-PRELOAD = ["torch", "torch.distributed", "transformers", "memfit", "memfit.strategies.compose",
+PRELOAD = ["torch", "torch.distributed", "transformers", "memfit", "memfit.apply.compose",
            "memfit.estimate.dryrun", "tests.distributed.harness"]
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from memfit import Plan
+from memfit.apply.compose import apply_plan
 from memfit.distributed.data import local_batch
-from memfit.strategies.compose import apply_plan
 
 from ..models import Stack
 from .harness import run_ranks

@@ -75,8 +75,8 @@ def test_two_processes_train_like_one_on_the_global_batch(workdir: Path, stage: 
 def _assert_peaks_are_the_dry_runs(workdir: Path, stage: int, measured: list[int]) -> None:
     """Each process's measured peak is its own rank's dry-run prediction (FSDP2's shards
     differ by rank, and so do the peaks), not merely a positive number."""
+    from memfit.commands.train import build_config
     from memfit.estimate.distributed import predict_ranks
-    from memfit.train.command import build_config
     from memfit.train.run import text_workload
     from memfit.train.tokenizer import load_tokenizer
 

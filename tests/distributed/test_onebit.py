@@ -306,7 +306,7 @@ def test_converges_as_plain_adam():
 
 def _plan_run(rank: int, world: int) -> tuple[list[float], list[int], list[int]]:
     from memfit import Plan
-    from memfit.strategies.compose import apply_plan
+    from memfit.apply.compose import apply_plan
 
     from ..models import Stack
 

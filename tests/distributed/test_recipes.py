@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from memfit import Plan
+from memfit.apply.compose import apply_plan
 from memfit.distributed.recipes import (
     LargeBatchRecipe,
     ScaledSchedule,
@@ -19,7 +20,6 @@ from memfit.distributed.recipes import (
     scale_for_batch,
 )
 from memfit.optim import Lamb, Lars
-from memfit.strategies.compose import apply_plan
 
 from ..models import Stack
 from .harness import run_ranks

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memfit.estimate.compose import predict_peak
+from memfit.optim.config import OptimizerConfig
 from memfit.plan import Plan
 from memfit.planner.candidates import (
     RANK_DIMENSIONS,
@@ -27,7 +28,6 @@ from memfit.planner.candidates import (
 )
 from memfit.planner.result import Candidate
 from memfit.planner.search import plan, search
-from memfit.strategies.optimizer import OptimizerConfig
 from memfit.targets import DEVICES
 from memfit.workload import load_workload
 

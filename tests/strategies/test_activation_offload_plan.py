@@ -14,7 +14,7 @@ import torch
 import transformers
 
 import memfit
-from memfit.strategies.compose import apply_plan
+from memfit.apply.compose import apply_plan
 
 CONFIG = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 64,
           "n_layer": 2, "n_head": 2, "vocab_size": 256, "n_positions": 64,

@@ -9,8 +9,8 @@ import torch
 import transformers
 
 import memfit
+from memfit.apply.compose import apply_plan
 from memfit.strategies.compiling import apply_compile, compiled_saved_ratio, saved_bytes
-from memfit.strategies.compose import apply_plan
 
 SIZES = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=128)  # fmt: skip

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import memfit
+from memfit.apply.compose import apply_plan
 from memfit.strategies import disk_offload
-from memfit.strategies.compose import apply_plan
 from memfit.strategies.disk_offload import DiskOffloadOptimizer
 
 from .test_optimizer_offload import Net

@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import memfit
-from memfit.strategies.blocks import find_blocks
+from memfit.blocks import find_blocks
 from memfit.strategies.freezing import apply_freezing, resolve_freeze
 from memfit.workload import load_workload
 

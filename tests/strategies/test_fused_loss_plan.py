@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 import memfit
+from memfit.apply.compose import apply_plan
 from memfit.plan import Plan
-from memfit.strategies.compose import apply_plan
 from memfit.strategies.fused_loss import FusedLossConfig
 from memfit.train.oom import switch_plan
 from tests.strategies.test_remove import assert_like_fresh

@@ -15,7 +15,7 @@ import memfit
 from memfit import Plan, PlanError
 from memfit.accounting.allocator import SMALL_BUFFER, replay_records, round_size
 from memfit.accounting.trace import CATEGORIES
-from memfit.strategies.compose import apply_plan
+from memfit.apply.compose import apply_plan
 from memfit.strategies.grad_buffer import ALIGN_BYTES, apply_grad_buffer
 
 F32 = 4

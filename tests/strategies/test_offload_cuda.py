@@ -17,7 +17,7 @@ import transformers
 
 import memfit
 from memfit import device as dev
-from memfit.strategies.compose import apply_plan
+from memfit.apply.compose import apply_plan
 
 pytestmark = pytest.mark.skipif(not dev.cuda_available(), reason="needs a CUDA device")
 

@@ -11,7 +11,7 @@ import torch
 import transformers
 
 import memfit
-from memfit.strategies.compose import apply_plan
+from memfit.apply.compose import apply_plan
 from memfit.strategies.optimizer_offload import HostOffloadOptimizer, _buckets
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import memfit
-from memfit.strategies.compose import apply_plan
+from memfit.apply.compose import apply_plan
 from memfit.strategies.offload import host_copy_of
 from memfit.strategies.optimizer_offload import HostOffloadOptimizer
 

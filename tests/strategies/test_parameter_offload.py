@@ -10,8 +10,8 @@ import torch
 import transformers
 
 import memfit
+from memfit.apply.compose import apply_plan
 from memfit.strategies.checkpointing import CheckpointConfig, apply_checkpointing
-from memfit.strategies.compose import apply_plan
 from memfit.strategies.offload import OffloadConfig, host_copy_of
 from memfit.strategies.parameter_offload import apply_parameter_offload
 

@@ -12,8 +12,8 @@ import torch
 
 import memfit
 from memfit.optim import AdamW8bit, state_bytes
+from memfit.optim.config import PEER_OPTIMIZERS, OptimizerConfig
 from memfit.planner.candidates import state_bytes_per_parameter
-from memfit.strategies.optimizer import PEER_OPTIMIZERS, OptimizerConfig
 
 CONFIG = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 64,
           "n_layer": 2, "n_head": 2, "vocab_size": 256, "n_positions": 64}  # fmt: skip

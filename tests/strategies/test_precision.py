@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import memfit
-from memfit.strategies.optimizer import OptimizerConfig
+from memfit.optim.config import OptimizerConfig
 from memfit.strategies.precision import (
     Bf16PureRuntime,
     DynamicLossScaler,
@@ -448,8 +448,8 @@ def test_bf16_pure_casts_float_inputs_and_wraps_once():
 
 
 def test_plan_with_bf16_pure_steps(gpt2):
+    from memfit.apply.compose import apply_plan
     from memfit.plan import Plan
-    from memfit.strategies.compose import apply_plan
 
     model, batch = gpt2
     setup = apply_plan(

@@ -16,9 +16,9 @@ import pytest
 import torch
 from torch import nn
 
+from memfit.apply.compose import apply_plan
 from memfit.plan import Plan
 from memfit.strategies.checkpointing import CheckpointConfig, apply_checkpointing
-from memfit.strategies.compose import apply_plan
 from memfit.strategies.freezing import apply_freezing
 from memfit.strategies.fused_step import optimizer_in_backward
 from memfit.strategies.precision import (

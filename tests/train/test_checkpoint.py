@@ -191,7 +191,7 @@ def test_params_sha256_is_the_hash_of_the_parameter_bytes():
 def test_an_offloaded_optimizer_state_resumes_bit_exactly(tmp_path, tier):
     # Through apply_plan and the checkpoint functions directly (the Trainer's run is above).
     # The disk tier's state_dict reads its files into the host tier's format.
-    from memfit.strategies.compose import apply_plan
+    from memfit.apply.compose import apply_plan
 
     disk = tmp_path / "disk"
     disk.mkdir()

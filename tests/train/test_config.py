@@ -9,9 +9,9 @@ import pytest
 import yaml
 
 import memfit
+from memfit.commands.train import build_config
 from memfit.train import Trainer
 from memfit.train.callbacks import Callback
-from memfit.train.command import build_config
 from memfit.train.config import ConfigError, TrainConfig, field_help
 
 from ._helpers import text_dataset, tiny_gpt2
@@ -108,7 +108,7 @@ def test_command_line_flags_override_the_file_and_are_named_as_flags(tmp_path):
 
 def test_typer_options_are_the_config_fields():
     """Every option of ``memfit train`` that sets a setting names a TrainConfig field."""
-    from memfit.train.command import _FLAG_NAMES, train
+    from memfit.commands.train import _FLAG_NAMES, train
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     hints = typing.get_type_hints(train, include_extras=True)

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 import memfit
+from memfit.apply.compose import apply_plan
 from memfit.plan import Plan
 from memfit.strategies.checkpointing import checkpointed_blocks
-from memfit.strategies.compose import apply_plan
 from memfit.train import Trainer
 from memfit.train.oom import OOMFallback, step_down, switch_plan
 

@@ -104,7 +104,7 @@ def test_prepare_takes_the_plan_second_like_apply_plan():
 
 
 def test_apply_plan_and_prepare_refuse_arguments_of_the_wrong_kind():
-    from memfit.strategies.compose import apply_plan
+    from memfit.apply.compose import apply_plan
 
     model = tiny_gpt2()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

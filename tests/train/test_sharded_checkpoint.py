@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from memfit import Plan
-from memfit.strategies.compose import apply_plan
+from memfit.apply.compose import apply_plan
 from memfit.train.checkpoint import load_checkpoint, save_checkpoint
 
 from ..distributed.harness import run_ranks

@@ -180,8 +180,8 @@ def fusion_plans() -> list[tuple[str, Plan]]:
 
 def _applies(workload: Workload, plan: Plan) -> bool:
     """Whether ``plan`` can be applied to ``workload``'s model (checked on fake tensors)."""
+    from ..apply.compose import apply_plan
     from ..estimate.fake_kernels import dry_tensors
-    from ..strategies.compose import apply_plan
 
     with dry_tensors():
         model = workload.build_model()
@@ -251,7 +251,7 @@ def _time_untracked(
 ) -> None:
     import torch._dynamo
 
-    from ..strategies.compose import apply_plan
+    from ..apply.compose import apply_plan
 
     model, batch = workload.build(seed=0)
     torch._dynamo.reset()

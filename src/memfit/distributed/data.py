@@ -7,7 +7,7 @@ what the engines lack for memfit:
   on each repeated block and the root, with or without resharding after forward), so the rest
   of memfit sees a module to run, an optimizer to shard and a stepper;
 * gradient synchronisation only on a step's last micro-batch, for both engines (DDP decides in
-  its forward, FSDP2 in its backward), behind the :class:`~memfit.strategies.stepper.Stepper`
+  its forward, FSDP2 in its backward), behind the :class:`~memfit.apply.stepper.Stepper`
   protocol;
 * the global batch split into this rank's share (:func:`local_batch`) and the loss averaged
   back (:func:`mean_over_ranks`), so a data-parallel step computes the same loss and gradient
@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar
 from typing import Any
 
@@ -292,7 +292,11 @@ class DataParallelStepper:
 
 
 def apply_data_parallel(
-    model: nn.Module, config: ParallelConfig, *, mixed_dtype: torch.dtype | None = None
+    model: nn.Module,
+    config: ParallelConfig,
+    *,
+    mixed_dtype: torch.dtype | None = None,
+    dry_stand_in: Callable[[nn.Module], Any] | None = None,
 ) -> DataParallel:
     """Put ``model`` under the data-parallel engine of ``config.zero_stage``.
 
@@ -307,12 +311,22 @@ def apply_data_parallel(
         config: The settings.
         mixed_dtype: With a mixed-precision plan, the compute dtype: FSDP2 then gathers
             parameters in it and reduces gradients in fp32 (``MixedPrecisionPolicy``).
+        dry_stand_in: What stands in for DDP (stages 0 and 1) in a dry run, built from the
+            model: a handle with ``reallocate()`` and ``remove()``. DDP's C++ constructor
+            reads parameter values, which a dry run's fake tensors lack; its memory is its
+            buckets (every gradient, contiguous, held for the whole run, zeroed in place),
+            which memfit's contiguous gradient buffer holds exactly, so
+            :func:`memfit.apply.compose.apply_plan` passes
+            :func:`~memfit.strategies.grad_buffer.apply_grad_buffer` (the all-reduce moves no
+            memory). Passed in, not imported: a parallel engine and a technique meet only
+            in :mod:`memfit.apply`.
 
     Returns:
         The :class:`DataParallel` handle.
 
     Raises:
-        ValueError: outside a process group of ``config.data`` ranks.
+        ValueError: outside a process group of ``config.data`` ranks, or in a dry run of
+            stages 0 and 1 without ``dry_stand_in``.
     """
     _, world = rank_and_world()
     if world != config.data or not dist.is_initialized():
@@ -323,13 +337,14 @@ def apply_data_parallel(
         )
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     if not config.sharded and _dry():
-        # DDP's C++ constructor reads parameter values, which a dry run's fake tensors lack.
-        # Its memory is its buckets: every gradient, contiguous, held for the whole run and
-        # zeroed in place. memfit's contiguous gradient buffer holds exactly that, so it stands
-        # in for DDP in a dry run (the all-reduce moves no memory).
-        from ..strategies.grad_buffer import apply_grad_buffer
-
-        return DataParallel(model, model, config, stand_in=apply_grad_buffer(model, True))
+        # DDP's C++ constructor reads parameter values, which a dry run's fake tensors lack:
+        # the caller's stand-in holds its buckets (see ``dry_stand_in``).
+        if dry_stand_in is None:
+            raise ValueError(
+                "a dry run cannot build DDP (its constructor reads parameter values, which "
+                "fake tensors lack); pass dry_stand_in, what holds its buckets instead"
+            )
+        return DataParallel(model, model, config, stand_in=dry_stand_in(model))
     if not config.sharded:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -344,7 +359,7 @@ def apply_data_parallel(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from ..strategies.blocks import find_blocks
+    from ..blocks import find_blocks
 
     mesh = init_device_mesh(device.type, (world,))
     mp = (
@@ -406,7 +421,9 @@ def _apply_technique(model: nn.Module, ctx: ApplyContext) -> DataParallel | None
         return None  # Lightning's own strategy (DDP, FSDP) wraps the model
     plan = ctx.plan
     mixed = {"bf16-mixed": torch.bfloat16}.get(plan.precision.mode)
-    parallel = apply_data_parallel(model, plan.parallel, mixed_dtype=mixed)
+    parallel = apply_data_parallel(
+        model, plan.parallel, mixed_dtype=mixed, dry_stand_in=ctx.dry_stand_in
+    )
     ctx.parallel = parallel
     ctx.info["data_parallel"] = plan.parallel.engine
     return parallel

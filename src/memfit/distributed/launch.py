@@ -35,14 +35,14 @@ def init_worker(backend: str | None = None) -> tuple[int, int]:
         backend: ``gloo`` or ``nccl``; ``None``: NCCL when this process has a CUDA device,
             else gloo.
     """
-    from .. import device as dev
+    from ..device import cuda_available, set_device
 
     if not dist.is_initialized():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         if backend is None:
-            backend = "nccl" if dev.cuda_available() else "gloo"
+            backend = "nccl" if cuda_available() else "gloo"
         if backend == "nccl":
-            dev.set_device(local_rank)
+            set_device(local_rank)
         dist.init_process_group(backend)
     return dist.get_rank(), dist.get_world_size()
 

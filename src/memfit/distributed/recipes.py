@@ -39,8 +39,8 @@ from typing import Any, NamedTuple
 import torch
 
 from ..optim import build_optimizer as _build_named_optimizer
+from ..optim.config import OptimizerConfig
 from ..optim.schedule import lr_factor
-from ..strategies.optimizer import OptimizerConfig
 
 __all__ = [
     "RECIPE_OPTIMIZERS",

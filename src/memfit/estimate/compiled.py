@@ -49,8 +49,8 @@ def compiled_activation_scale(workload: Workload, plan: Plan, *, seed: int = 0) 
     Returns:
         ``{"scale", "eager_saved_bytes", "compiled_saved_bytes", "backend", "measured_at"}``.
     """
+    from ..apply.compose import apply_plan
     from ..strategies.compiling import compiled_saved_ratio
-    from ..strategies.compose import apply_plan
 
     backend = plan.compile_backend or "inductor"
     small = workload

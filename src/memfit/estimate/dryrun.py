@@ -163,7 +163,7 @@ def measure(
         ModelError: when the model itself fails; its own exception is the cause.
         PlanError: when the plan asks for what the target cannot do (bf16 on a T4).
     """
-    from ..strategies.compose import apply_plan
+    from ..apply.compose import apply_plan
     from ..workload import WorkloadError
 
     if isinstance(workload, str):

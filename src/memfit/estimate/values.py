@@ -43,12 +43,13 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..device import active_values, values_closed, values_opened
+
 __all__ = [
     "MAX_EXPERTS",
     "SHADOW_LIMIT",
     "DryRunValues",
     "PolicyUse",
-    "active_values",
     "dynamic_shape_rule",
 ]
 
@@ -127,14 +128,6 @@ class _Pending:
     records: list[tuple[str, Any]] = field(default_factory=list)
 
 
-_ACTIVE: list[DryRunValues] = []
-
-
-def active_values() -> DryRunValues | None:
-    """The innermost open :class:`DryRunValues`, if any."""
-    return _ACTIVE[-1] if _ACTIVE else None
-
-
 class DryRunValues(TorchFunctionMode):
     """Real shadows of constant tensors and the dry run's data-dependent policies.
 
@@ -166,14 +159,14 @@ class DryRunValues(TorchFunctionMode):
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> DryRunValues:
-        _ACTIVE.append(self)
+        values_opened(self)
         self._unpatch = _patch_transformers(self)
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
         self._unpatch()
-        _ACTIVE.remove(self)
+        values_closed(self)
 
     def record(self, op: str, policy: str) -> None:
         """Note that ``policy`` decided ``op``'s output here."""

@@ -91,7 +91,7 @@ def _memfit_side(plan: Plan) -> Plan:
 
 def _check_supported(plan: Plan) -> None:
     # Each technique says whether the Trainer's loop can run it (memfit.techniques).
-    from ..strategies.compose import refuse_unsupported
+    from ..apply.compose import refuse_unsupported
 
     refuse_unsupported(plan, "hf", ValueError)
 
@@ -118,7 +118,7 @@ def apply(plan: Plan, model: nn.Module, training_args: Any) -> tuple[Any, tuple[
         ValueError: for a combination the Trainer cannot run (offload, exact clipping with the
             fused step, ``max_seq_len``, token normalisation), or one apply_plan refuses.
     """
-    from ..strategies.compose import apply_plan
+    from ..apply.compose import apply_plan
 
     if not isinstance(plan, Plan):
         raise TypeError(f"apply(plan, model, training_args) takes a memfit.Plan first, got a "
@@ -204,7 +204,7 @@ class MemfitCallback(_trainer_callback_base()):  # type: ignore[misc]
 
     Args:
         plan: The plan applied (recorded in the report's meta).
-        setup: The :class:`~memfit.strategies.compose.TrainingSetup` (its optimizer is tracked).
+        setup: The :class:`~memfit.apply.compose.TrainingSetup` (its optimizer is tracked).
         track: Whether to track memory (the tracker slows training; off keeps only the bridge).
         plot: Whether to write the PNG.
     """

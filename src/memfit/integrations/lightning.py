@@ -99,7 +99,7 @@ def check_plan(plan: Plan) -> None:
         PlanError: naming the field and what to do instead.
     """
     # Each technique says whether a lightning.Trainer with this callback can run it.
-    from ..strategies.compose import refuse_unsupported
+    from ..apply.compose import refuse_unsupported
 
     refuse_unsupported(plan, "lightning", PlanError)
 
@@ -198,7 +198,7 @@ def _make_class() -> type:
             self._apply(self.target(pl_module))
 
         def _apply(self, model: nn.Module) -> None:
-            from ..strategies.compose import apply_techniques
+            from ..apply.compose import apply_techniques
             from ..techniques import ApplyContext
 
             # The registry's loop up to the optimizer, which configure_optimizers builds;

@@ -34,11 +34,14 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .. import techniques
+from ..optim.config import PEER_OPTIMIZERS, OptimizerConfig
 from ..plan import Plan
 from ..strategies.fused_loss import FusedLossConfig
 from ..strategies.offload import OffloadConfig
-from ..strategies.optimizer import PEER_OPTIMIZERS, OptimizerConfig
+from ..techniques import allow_names as _allow_names
+from ..techniques import forbid_names as _forbid_names
+from ..techniques import get as _technique
+from ..techniques import registered as _registered
 from ..workload import Workload
 
 __all__ = [
@@ -65,19 +68,19 @@ __all__ = [
 
 #: Techniques that change what is trained or how (only used when allowed): memfit's own, as
 #: the technique registry names them (:func:`allow_names` adds users' techniques).
-ALLOW: dict[str, str] = techniques.allow_names()
+ALLOW: dict[str, str] = _allow_names()
 #: Techniques on by default that a user may rule out (memfit's own; :func:`forbid_names`).
-FORBID: dict[str, str] = techniques.forbid_names()
+FORBID: dict[str, str] = _forbid_names()
 
 
 def allow_names() -> dict[str, str]:
     """Every ``--allow`` name the registry knows now (users' techniques included)."""
-    return techniques.allow_names()
+    return _allow_names()
 
 
 def forbid_names() -> dict[str, str]:
     """Every ``--forbid`` name the registry knows now (users' techniques included)."""
-    return techniques.forbid_names()
+    return _forbid_names()
 
 
 #: The dimensions of a rank vector, in order.
@@ -288,7 +291,7 @@ def extra_options(
     unless one of its ``--forbid`` names is given."""
     base_extra = dict(base.extra)
     dims: list[list[tuple[str, Any] | None]] = []
-    for technique in techniques.registered(builtin=False):
+    for technique in _registered(builtin=False):
         choices: list[tuple[str, Any] | None] = []
         if technique.name in base_extra:
             choices.append((technique.name, base_extra[technique.name]))
@@ -312,7 +315,7 @@ def _extra_rank(extra: tuple[tuple[str, Any], ...]) -> float:
     """What a combination of users' techniques saves (their ``memory_rank``, summed)."""
     total = 0.0
     for name, config in extra:
-        technique = techniques.get(name)
+        technique = _technique(name)
         total += technique.memory_rank(config) if technique.memory_rank is not None else 0.0
     return total
 

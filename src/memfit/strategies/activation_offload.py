@@ -27,7 +27,7 @@ kernels are emulated (a dry run or measurement for a GPU, :mod:`memfit.targets.k
 then the same copies are made one block ahead, synchronously, so the report counts the block
 copied back ahead as the GPU holds it. Tensors saved from another device than the model's
 (a CPU tensor in a CUDA model) and empty storages stay as they are. Blocks are the model's
-repeated blocks (:func:`~memfit.strategies.blocks.find_blocks`); without any, copies are made
+repeated blocks (:func:`~memfit.blocks.find_blocks`); without any, copies are made
 on demand.
 
 With activation checkpointing (apply it first, then activation offload) autograd saves only
@@ -58,11 +58,14 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from .. import device as dev
+# The module itself, not the top package (memfit/__init__), nor its names: a test stands in for
+# CUDA by replacing device functions, which calls through ``dev.`` then reach.
+import memfit.device as dev
+
 from ..accounting.tiers import host_tier
+from ..blocks import find_blocks
 from ..targets.kernels import cuda_emulation_active
 from ..techniques import BUILTIN_ORDER, ApplyContext, Technique
-from .blocks import find_blocks
 from .offload import OffloadConfig, offload_refusal
 
 __all__ = ["ActivationOffloadHandle", "OffloadCounters", "apply_activation_offload"]

@@ -44,9 +44,9 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from ..blocks import find_blocks
 from ..device import rng_states, set_rng_states
 from ..techniques import BUILTIN_ORDER, ApplyContext, Technique
-from .blocks import find_blocks
 from .kv_cache import KVCacheOff, apply_kv_cache_off
 from .recompute import in_function_modes, retryable
 
@@ -776,14 +776,12 @@ def _apply_technique(model: nn.Module, ctx: ApplyContext) -> CheckpointHandle:
 
 
 def _layout_refusal(plan: Any, engine: str) -> str | None:
-    # build_layout checkpoints whole blocks or their matmul outputs only.
     if engine == "layout" and plan.checkpointing.mode not in ("full", "selective"):
         return f"checkpointing {plan.checkpointing.mode!r} is not built by a tensor/pipeline layout"
     return None
 
 
-#: Checkpointing wraps blocks after freezing and precision (it sees the final dtypes and the
-#: frozen set). Swappable: its wrappers do not touch the parameters.
+#: After freezing and precision (it sees the final dtypes and the frozen set); swappable.
 TECHNIQUE = Technique(
     name="checkpointing",
     plan_field="checkpointing",

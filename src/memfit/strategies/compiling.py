@@ -25,15 +25,19 @@ from torch import nn
 
 from ..techniques import BUILTIN_ORDER, ApplyContext, Technique
 
-__all__ = ["BACKENDS", "COMPILE_BACKENDS", "CompileHandle", "apply_compile", "compiled_saved_ratio", "saved_bytes"]
+__all__ = [
+    "COMPILE_BACKENDS",
+    "CompileHandle",
+    "apply_compile",
+    "compiled_saved_ratio",
+    "saved_bytes",
+]
 
 #: ``torch.compile`` backends a plan may name: ``inductor`` (what ``compile: true`` means:
 #: generated kernels), ``aot_eager_decomp_partition`` (inductor's decompositions and min-cut
 #: partitioner with eager kernels: the same saved activations, no code generation) and
 #: ``aot_eager`` (AOTAutograd's default partition, eager kernels).
 COMPILE_BACKENDS = ("inductor", "aot_eager_decomp_partition", "aot_eager")
-#: The same, by its older name here.
-BACKENDS = COMPILE_BACKENDS
 
 
 @dataclass
@@ -54,13 +58,13 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> CompileHandle:
     Args:
         model: The model, with the plan's other techniques already applied (compiling last
             lets dynamo trace their wrappers).
-        backend: One of :data:`BACKENDS`.
+        backend: One of :data:`COMPILE_BACKENDS`.
 
     Raises:
         ValueError: for an unknown backend.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"compile backend {backend!r} is not known; use one of {', '.join(BACKENDS)}")
+    if backend not in COMPILE_BACKENDS:
+        raise ValueError(f"compile backend {backend!r} is not known; use one of {', '.join(COMPILE_BACKENDS)}")
     model.compile(backend=backend)
     return CompileHandle(model, backend)
 

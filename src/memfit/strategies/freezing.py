@@ -2,7 +2,7 @@
 
 A frozen parameter gets ``requires_grad_(False)``: autograd computes no gradient for it (and no
 gradient of anything only it needs), and an optimizer built afterwards from the parameters that
-require gradients (as :func:`memfit.strategies.compose.apply_plan` does) holds no state for it.
+require gradients (as :func:`memfit.apply.compose.apply_plan` does) holds no state for it.
 Freezing ``body`` in an Adam fine-tune removes about 12 bytes per frozen parameter: 4 of gradient
 and 8 of optimizer state; the weights themselves (4 bytes) stay.
 
@@ -18,8 +18,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from ..blocks import find_blocks
 from ..techniques import BUILTIN_ORDER, ApplyContext, Technique
-from .blocks import find_blocks
 
 __all__ = ["HEAD_NAMES", "FreezeHandle", "apply_freezing", "resolve_freeze"]
 
@@ -57,7 +57,7 @@ def apply_freezing(model: nn.Module, specs: Sequence[str]) -> FreezeHandle:
       only one tensor, and freezing it would freeze the head. For a model without a head of a
       recognised name, the last child module that has parameters is the head.
     * ``blocks:K``: the first ``K`` repeated blocks (transformer layers) found by
-      :func:`~memfit.strategies.blocks.find_blocks`.
+      :func:`~memfit.blocks.find_blocks`.
     * anything else: an ``fnmatch`` pattern over parameter names (``bert.encoder.layer.[0-5].*``,
       ``*.bias``). A pattern that names a module (``bert.embeddings``) freezes all its
       parameters. Names tied parameters go by any of their names (``lm_head.weight`` selects

@@ -16,7 +16,7 @@ buffer holds up to the gradient bytes more; at the optimizer step both hold ever
 Time: one fill of the buffer per step (instead of nothing), no extra compute.
 
 **Zeroing.** A torch optimizer's ``zero_grad(set_to_none=True)`` (what
-:class:`~memfit.strategies.stepper.PlainStepper` calls) sets every ``.grad`` to ``None``,
+:class:`~memfit.apply.stepper.PlainStepper` calls) sets every ``.grad`` to ``None``,
 which drops the views. The handle therefore re-attaches them before the next forward (a
 forward pre-hook on the model, only when gradients are enabled): a parameter whose ``.grad``
 is ``None`` gets its view back, zeroed (one fill per buffer when all were dropped). A loop of

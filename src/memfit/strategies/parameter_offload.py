@@ -1,7 +1,7 @@
 """Parameter offload (ZeRO-Infinity on one device): block parameters live on the host.
 
 :func:`apply_parameter_offload` copies the parameters of the model's repeated blocks
-(:func:`~memfit.strategies.blocks.find_blocks`) into host buffers and releases their device
+(:func:`~memfit.blocks.find_blocks`) into host buffers and releases their device
 memory. Each parameter keeps its identity (the ``nn.Parameter`` object and its storage
 object): releasing resizes the storage to zero bytes (``untyped_storage().resize_(0)``) and
 fetching resizes it back and copies the host values in. So every reference autograd keeps to a
@@ -75,11 +75,14 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from .. import device as dev
+# The module itself, not the top package (memfit/__init__), nor its names: a test stands in for
+# CUDA by replacing device functions, which calls through ``dev.`` then reach.
+import memfit.device as dev
+
 from ..accounting.tiers import host_tier, mark_host
 from ..accounting.tracker import label_open, storage_resized
+from ..blocks import find_blocks
 from ..techniques import BUILTIN_ORDER, ApplyContext, Technique
-from .blocks import find_blocks
 from .offload import OffloadConfig, offload_refusal, set_host_copy
 
 __all__ = ["ParameterOffloadHandle", "apply_parameter_offload"]

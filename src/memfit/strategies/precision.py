@@ -47,10 +47,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
+from ..optim.config import OptimizerConfig
 from ..optim.rounding import stochastic_round_to_bf16
 from ..techniques import BUILTIN_ORDER, ApplyContext, Technique
 from .loss_scaling import DynamicLossScaler, clip_gradients, optimizer_params
-from .optimizer import OptimizerConfig
 
 __all__ = [
     "PRECISION_MODES",

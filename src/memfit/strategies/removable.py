@@ -13,7 +13,7 @@ The handles are:
 * :class:`~memfit.strategies.grad_buffer.GradBufferHandle` (``apply_grad_buffer``): the
   gradient buffers, their re-attach and step hooks (gradients become plain tensors again).
 
-:meth:`memfit.strategies.compose.TrainingSetup.remove` removes a whole plan, last technique
+:meth:`memfit.apply.compose.TrainingSetup.remove` removes a whole plan, last technique
 first. After removal the model has the module types, hooks, instance attributes, dtypes and
 ``requires_grad`` of the model before ``apply``; its values are its current ones (what
 training made of them). Removing twice is a no-op.

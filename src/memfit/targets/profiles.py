@@ -292,7 +292,7 @@ def _machine_key() -> str:
             )
     except OSError:
         pass
-    from .. import __version__
+    from ..versions import __version__
 
     return (
         f"{model} | {os.cpu_count()} cpus | {torch.get_num_threads()} threads | "
@@ -399,9 +399,9 @@ def cpu_profile() -> DeviceProfile:
 
 def machine_device() -> DeviceProfile:
     """This machine's own compute device: its GPU's profile (closest by memory), else the CPU."""
-    from .. import device as _device
+    from ..device import default_device, total_memory
 
-    total = _device.total_memory(_device.default_device())
+    total = total_memory(default_device())
     if not total:
         return cpu_profile()
     return min(DEVICES.values(), key=lambda d: abs(d.memory_bytes - total))

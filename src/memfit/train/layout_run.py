@@ -190,9 +190,9 @@ class LayoutRunResult:
 
 
 def _device() -> torch.device:
-    from .. import device as dev
+    from ..device import cuda_available
 
-    if dev.cuda_available():
+    if cuda_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
 

@@ -3,7 +3,7 @@
 * :func:`step_down` is the next plan on a simple frontier: halve the micro-batch (doubling the
   accumulation steps, so the effective batch and the gradient are unchanged), then turn on
   ``selective`` checkpointing, then ``full``.
-* :func:`switch_plan` moves a :class:`~memfit.strategies.compose.TrainingSetup` to another plan
+* :func:`switch_plan` moves a :class:`~memfit.apply.compose.TrainingSetup` to another plan
   on the same model: what changes is removed and applied again (every technique's ``apply``
   returns a removable handle), and the optimizer object, with its state, carries over when
   the change allows it.
@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
+from ..apply.compose import TrainingSetup, apply_plan
 from ..plan import Plan, PlanError
-from ..strategies.compose import TrainingSetup, apply_plan
 from ..techniques import ApplyContext, Technique, get, registered
 from ..workload import Batch, batch_size_of
 from .checkpoint import restore_rng_state, rng_state
@@ -102,7 +102,7 @@ def switch_plan(setup: TrainingSetup, plan: Plan) -> tuple[TrainingSetup, bool]:
     with an ordinary optimizer, a precision among fp32 / bf16-mixed / fp16-mixed), only the
     changed handles are replaced and the same optimizer object (with its state) goes on. Any
     other change (optimizer, bf16-pure, freezing, the fused step) removes the whole plan
-    (:meth:`~memfit.strategies.compose.TrainingSetup.remove`: bf16 weights back to their dtype
+    (:meth:`~memfit.apply.compose.TrainingSetup.remove`: bf16 weights back to their dtype
     with their trained values, freezing lifted, hooks and wrappers gone) and applies ``plan``
     afresh: the plan's optimizer is rebuilt and its state restarts, while an optimizer the
     caller gave is kept (unless ``plan`` fuses the step into backward).

@@ -2,7 +2,7 @@
 
 ``prepare(model, plan=None, *, optimizer=None, loss_fn=None)`` takes the arguments of
 :func:`memfit.apply_plan` in the same order and wraps its
-:class:`~memfit.strategies.compose.TrainingSetup` in a :class:`Prepared`, which adds the
+:class:`~memfit.apply.compose.TrainingSetup` in a :class:`Prepared`, which adds the
 micro-batch API. Two ways to use it::
 
     prepared = memfit.prepare(model, plan)
@@ -22,8 +22,8 @@ or, when the loop computes its own loss, one micro-batch at a time::
 ``max_seq_len``, under the plan's autocast. A loop with its own forward does the same with
 ``prepared.prepare_batch(micro_batch)``, ``with prepared.autocast():`` and
 ``prepared.module(**micro_batch)``. Both ways run the plan's
-:class:`~memfit.strategies.stepper.Stepper` and its pieces of the one loop
-(:mod:`memfit.strategies.stepper`), as the trainer does, so under one plan they train alike
+:class:`~memfit.apply.stepper.Stepper` and its pieces of the one loop
+(:mod:`memfit.apply.stepper`), as the trainer does, so under one plan they train alike
 (tested against ``TrainingSetup.step`` for every plan field).
 
 Under data parallelism (``Plan(parallel={"data": N, "zero_stage": s})``, one process per rank)
@@ -49,9 +49,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..apply.compose import LossFn, TrainingSetup, apply_plan, check_plan_arguments
+from ..apply.stepper import Stepper, finish_step, forward_loss, prepare_batch
 from ..plan import Plan
-from ..strategies.compose import LossFn, TrainingSetup, apply_plan, check_plan_arguments
-from ..strategies.stepper import Stepper, finish_step, forward_loss, prepare_batch
 from ..workload import Batch
 
 __all__ = ["Prepared", "prepare"]
@@ -61,7 +61,7 @@ class Prepared:
     """A model with a plan applied, steppable whole-batch or micro-batch by micro-batch.
 
     Args:
-        setup: The :class:`~memfit.strategies.compose.TrainingSetup` to drive.
+        setup: The :class:`~memfit.apply.compose.TrainingSetup` to drive.
 
     Attributes:
         setup: The setup (plan, precision runtime, info).
@@ -115,7 +115,7 @@ class Prepared:
 
     @property
     def stepper(self) -> Stepper:
-        """The plan's :class:`~memfit.strategies.stepper.Stepper`."""
+        """The plan's :class:`~memfit.apply.stepper.Stepper`."""
         assert self.setup.stepper is not None
         return self.setup.stepper
 
@@ -257,7 +257,7 @@ def prepare(
     """Apply ``plan`` to ``model`` for a training loop you write yourself.
 
     The same arguments, in the same order, as :func:`memfit.apply_plan`, which returns the
-    bare :class:`~memfit.strategies.compose.TrainingSetup` this wraps.
+    bare :class:`~memfit.apply.compose.TrainingSetup` this wraps.
 
     Args:
         model: The model, in train mode.

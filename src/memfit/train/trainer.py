@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..apply.compose import TrainingSetup, apply_plan
 from ..plan import Plan
-from ..strategies.compose import TrainingSetup, apply_plan
 from ..workload import Batch, Workload
 from .callbacks import (
     Callback,

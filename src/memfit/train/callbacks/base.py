@@ -24,8 +24,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from ...apply.compose import TrainingSetup
 from ...plan import Plan
-from ...strategies.compose import TrainingSetup
 from ...workload import Batch
 from ..result import TrainResult
 

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ...apply.compose import TrainingSetup
 from ...plan import Plan
-from ...strategies.compose import TrainingSetup
 from ...workload import Batch
 from ..oom import OOMFallback, StepDown
 from .base import Callback, TrainerLike

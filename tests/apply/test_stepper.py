@@ -19,9 +19,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from memfit.apply.compose import apply_plan
+from memfit.apply.stepper import FusedStepper, PlainStepper, Stepper
 from memfit.plan import Plan
-from memfit.strategies.compose import apply_plan
-from memfit.strategies.stepper import FusedStepper, PlainStepper, Stepper
 from memfit.train.oom import OOMFallback
 from memfit.train.prepare import prepare
 from memfit.workload import split_batch

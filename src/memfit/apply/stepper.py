@@ -2,7 +2,7 @@
 
 Every way of training runs the same micro-batch loop, :func:`run_step` (truncation to
 ``max_seq_len``, the micro-batch split, the loss weights, the forward under autocast, backward
-through the stepper, the step): :meth:`~memfit.strategies.compose.TrainingSetup.step`,
+through the stepper, the step): :meth:`~memfit.apply.compose.TrainingSetup.step`,
 ``prepare()``'s ``step``, and the OOM fallback. A user's own loop (``prepare()``'s
 ``accumulate`` + ``backward``) uses the same pieces one micro-batch at a time:
 :func:`forward_loss` for the forward, the stepper's ``backward``, :func:`finish_step` for the
@@ -159,7 +159,7 @@ def prepare_batch(batch: Batch, max_seq_len: int | None) -> Batch:
     """The batch as the plan trains on it (truncated to ``max_seq_len`` when set)."""
     if max_seq_len is None:
         return batch
-    from .sequence import truncate
+    from ..strategies.sequence import truncate
 
     return truncate(batch, max_seq_len)
 
@@ -218,7 +218,7 @@ def run_step(
     Returns:
         The (detached) loss of the whole batch.
     """
-    from .accumulation import loss_weights
+    from ..strategies.accumulation import loss_weights
 
     batch = prepare_batch(batch, max_seq_len)
     size = batch_size_of(batch)

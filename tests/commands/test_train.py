@@ -8,7 +8,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from memfit.train.command import train
+from memfit.commands.train import train
 from memfit.train.config import TrainConfig
 
 app = typer.Typer()
@@ -123,7 +123,7 @@ def test_missing_config_file_and_bad_flags(tmp_path):
 
 
 def test_flags_override_the_file_and_name_the_flag(tmp_path):
-    from memfit.train.command import build_config
+    from memfit.commands.train import build_config
 
     path = tmp_path / "run.yaml"
     path.write_text("max_steps: 7\nseed: 3\ncheckpoint_every: 2\n")

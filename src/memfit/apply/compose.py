@@ -7,9 +7,9 @@ does): the KV cache off, freezing, the fused forwards, precision, checkpointing,
 activation offload, a user's techniques, ``torch.compile``, the contiguous gradient buffer,
 data parallelism, then the optimizer (fused into backward, or on the host), built by
 :func:`apply_plan` at its place in the order. Every step then runs
-:func:`~memfit.strategies.stepper.run_step` (sequence truncation, micro-batches with weighted
+:func:`~memfit.apply.stepper.run_step` (sequence truncation, micro-batches with weighted
 losses, autocast and loss scaling, clipping, the optimizer step and
-``zero_grad(set_to_none=True)``) through the plan's :class:`~memfit.strategies.stepper.Stepper`.
+``zero_grad(set_to_none=True)``) through the plan's :class:`~memfit.apply.stepper.Stepper`.
 The techniques of the step have no ``apply``: the registry still holds them, for the engines'
 refusals, the OOM fallback and the planner.
 
@@ -28,9 +28,10 @@ import torch
 from torch import nn
 
 from ..plan import Plan
+from ..strategies.grad_buffer import apply_grad_buffer
+from ..strategies.removable import Removable
 from ..techniques import ApplyContext
 from ..workload import Batch, batch_size_of, loss_from_output
-from .removable import Removable
 from .stepper import Stepper, make_stepper, run_step
 
 __all__ = [
@@ -55,7 +56,7 @@ class TrainingSetup:
         optimizer: The optimizer, or the optimizer-in-backward handle.
         loss_fn: Turns (output, batch) into a scalar loss.
         precision: The precision runtime (autocast context, loss scaler).
-        stepper: The :class:`~memfit.strategies.stepper.Stepper` that turns losses into
+        stepper: The :class:`~memfit.apply.stepper.Stepper` that turns losses into
             updates (built from the fields above when not given).
         info: What each technique did (``frozen``, ``checkpointed`` names), for reports.
         steps_done: Optimizer steps taken.
@@ -110,7 +111,7 @@ class TrainingSetup:
     def step(self, batch: Batch) -> torch.Tensor:
         """One optimizer step on ``batch`` (the effective batch): returns the (detached) loss.
 
-        Runs :func:`~memfit.strategies.stepper.run_step`, the one training loop.
+        Runs :func:`~memfit.apply.stepper.run_step`, the one training loop.
 
         Raises:
             RuntimeError: after :meth:`remove`.
@@ -207,6 +208,7 @@ def apply_plan(
         keep_original_weights=keep_original_weights,
         optimizer=optimizer,
         optimizer_given=optimizer is not None,
+        dry_stand_in=apply_grad_buffer,
     )
     handles: list[tuple[str, Removable]] = []
     try:
@@ -321,7 +323,7 @@ def _build_optimizer(
     model: nn.Module, plan: Plan, precision: Any, optimizer: Any, parallel: Any = None
 ) -> Any:
     if plan.offload is not None and plan.offload.optimizer is not None:
-        from .optimizer_offload import HostOffloadOptimizer, host_optimizer_builder
+        from ..strategies.optimizer_offload import HostOffloadOptimizer, host_optimizer_builder
 
         # fp32 masters on the host: the plan's optimizer as configured (no bf16 wrapper: the
         # host copy is the high-precision weight that bf16-pure's rounding stands in for).
@@ -330,7 +332,7 @@ def _build_optimizer(
         if plan.offload.optimizer == "disk":
             from torch._guards import active_fake_mode
 
-            from .disk_offload import DiskOffloadOptimizer
+            from ..strategies.disk_offload import DiskOffloadOptimizer
 
             if active_fake_mode() is not None:
                 # A dry run writes no files: the host tier's optimizer does the same on the
@@ -350,7 +352,7 @@ def _build_optimizer(
             max_grad_norm=plan.max_grad_norm,
         )
     if plan.optimizer_in_backward:
-        from .fused_step import optimizer_in_backward
+        from ..strategies.fused_step import optimizer_in_backward
 
         opt_cfg = precision.optimizer_config(plan.optimizer)
         return optimizer_in_backward(

@@ -5,8 +5,9 @@ A thin command over the Python API: the options and the ``--config`` YAML file m
 (model, text, plan) and its :class:`~memfit.train.Trainer` trains. With no arguments it trains
 memfit's built-in ``byte-gpt`` on the Python standard library's sources under a 48 MiB budget.
 
-Register it with ``app.command("train")(train)``; it imports nothing from ``memfit.cli`` (the
-consoles and the failure rule it shares with the other commands are in :mod:`memfit.console`).
+:mod:`memfit.cli` registers it (``app.command("train")(train)``); it imports nothing from there
+(the consoles and the failure rule it shares with the other commands are in
+:mod:`memfit.console`).
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ import typer
 
 from ..outputs import check_outputs as check_paths
 from ..outputs import write_text
+from ..train.config import ConfigError, TrainConfig, field_help
+from ..train.layout_run import check_layout_run, is_layout_plan
+from ..train.run import TrainRun, prepare_run
+from ..train.trainer import TrainingDiverged
 from ..workload import WorkloadError
-from .config import ConfigError, TrainConfig, field_help
-from .layout_run import check_layout_run, is_layout_plan
-from .run import TrainRun, prepare_run
-from .trainer import TrainingDiverged
 
 __all__ = ["build_config", "train"]
 
@@ -203,7 +204,7 @@ def _work_layout(
 
     from ..console import exit_without_teardown, fail
     from ..distributed.launch import finish_worker, init_worker
-    from .layout_run import predict_rank_peaks, train_layout
+    from ..train.layout_run import predict_rank_peaks, train_layout
 
     rank = int(os.environ.get("RANK", "0"))
     if rank != 0:

@@ -82,7 +82,7 @@ class OptimizerConfig:
                 kwargs.setdefault("scale_parameter", False)
         if self.name in PEER_OPTIMIZERS:
             return _build_peer(self.name, params, kwargs)
-        from ..optim import build_optimizer
+        from . import build_optimizer
 
         return build_optimizer(self.name, params, **kwargs)
 
@@ -94,7 +94,7 @@ def _build_peer(name: str, params: Any, kwargs: dict[str, Any]) -> torch.optim.O
     from torch._guards import active_fake_mode
 
     if active_fake_mode() is not None:
-        from ..optim import AdamW8bit
+        from .adamw8bit import AdamW8bit
 
         return AdamW8bit(params, block_size=256, min_8bit_size=4096, **kwargs)
     package, module, cls = PEER_OPTIMIZERS[name]

@@ -8,7 +8,7 @@ from torch import nn
 
 import memfit
 from memfit.optim import OneBitAdam
-from memfit.strategies.optimizer import OptimizerConfig
+from memfit.optim.config import OptimizerConfig
 
 
 def test_builds_each_optimizer():

@@ -1,0 +1,50 @@
+"""What every command checks the same way: sizes in range, a byte count, and the rule that
+turns a failure into an exit code (bad input: one sentence and exit 2; the model's own
+failure: exit 1)."""
+
+from __future__ import annotations
+
+import os
+import traceback
+from typing import Any
+
+from ..console import fail
+
+__all__ = ["check_sizes", "parse_cap", "run_guarded"]
+
+
+def run_guarded(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run ``fn``; turn bad input into one sentence and exit 2, a model's failure into exit 1."""
+    from ..estimate.dryrun import ModelError
+    from ..plan import PlanError
+    from ..workload import WorkloadError
+
+    try:
+        return fn(*args, **kwargs)
+    except (WorkloadError, PlanError) as e:
+        fail(str(e))
+    except ModelError as e:
+        if os.environ.get("MEMFIT_DEBUG"):
+            traceback.print_exception(e.__cause__)
+        fail(f"{e} (set MEMFIT_DEBUG=1 for its traceback)", code=1)
+    except ValueError as e:
+        fail(str(e))
+
+
+def check_sizes(batch_size: int, seq_len: int, steps: int = 1) -> None:
+    """Fail (exit 2) unless ``--batch-size``, ``--seq-len`` and ``--steps`` are at least 1."""
+    for flag, value in (("--batch-size", batch_size), ("--seq-len", seq_len), ("--steps", steps)):
+        if value < 1:
+            fail(f"{flag} must be a whole number >= 1, got {value}")
+
+
+def parse_cap(cap: str | None) -> int | None:
+    """``--cap`` in bytes (``None`` when not given); fail (exit 2) on a size that does not parse."""
+    if cap is None:
+        return None
+    from ..units import parse_size
+
+    try:
+        return parse_size(cap)
+    except ValueError as e:
+        fail(f"--cap: {e}")

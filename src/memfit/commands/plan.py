@@ -1,0 +1,271 @@
+"""``memfit plan``: find the fastest plan whose peak memory fits a budget, and say why."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from ..console import check_outputs, err, exit_without_teardown, fail, out, quiet_libraries
+from ..outputs import make_parent, write_text
+from ..plan import Plan
+from ..units import format_bytes
+from .checks import check_sizes, run_guarded
+
+__all__ = ["plan_command"]
+
+_Model = Annotated[
+    str,
+    typer.Option(
+        "--model",
+        "-m",
+        help="Preset name, path to a HF config.json, or package.module:function.",
+    ),
+]
+_Budget = Annotated[
+    str,
+    typer.Option(
+        "--budget",
+        help="Memory budget: 4GiB, 4GB, 4096MiB, 0.5TiB, bytes, or a device name (t4, a100, ...).",
+    ),
+]
+_BatchSize = Annotated[
+    int,
+    typer.Option(
+        "--batch-size", "-b", help="Samples per optimizer step (the effective batch)."
+    ),
+]
+_SeqLen = Annotated[int, typer.Option("--seq-len", "-l", help="Tokens per sample.")]
+_Allow = Annotated[
+    str,
+    typer.Option(
+        "--allow",
+        help="Comma-separated techniques that change training or need host memory: freeze, "
+        "shorter-seq, 8bit, factored, bf16-pure, offload.",
+    ),
+]
+_Forbid = Annotated[
+    str,
+    typer.Option(
+        "--forbid",
+        help="Comma-separated default techniques to rule out: accumulation, checkpointing, full-checkpointing, mixed-precision, fused-step, foreach-off, fused-loss.",
+    ),
+]
+_Device = Annotated[
+    str | None,
+    typer.Option(
+        "--device",
+        help="Target device: its kernels and caching allocator for the dry runs, its speed "
+        "for the cost model (cpu, h100, a100, a100-40gb, rtx4090, t4, or a custom GPU "
+        "description). Default: the budget's device, else this machine.",
+    ),
+]
+_Base = Annotated[
+    Path | None,
+    typer.Option("--plan", help="Start from this plan (its optimizer and settings are kept)."),
+]
+_Json = Annotated[Path | None, typer.Option("--json", help="Write the answer as JSON here.")]
+_Save = Annotated[
+    Path | None,
+    typer.Option(
+        "--save", help="Write the chosen plan here (JSON or YAML), for --plan elsewhere."
+    ),
+]
+_HostBudget = Annotated[
+    str | None,
+    typer.Option(
+        "--host-budget",
+        help="Host memory the offload tiers may use (4GiB, ...): plans over it do not fit.",
+    ),
+]
+_DiskDir = Annotated[
+    Path | None,
+    typer.Option(
+        "--disk-dir",
+        help="With --allow offload: a directory for optimizer state on disk, searched too.",
+    ),
+]
+_Jobs = Annotated[
+    int,
+    typer.Option(
+        "--jobs",
+        help="Processes the search may use: 2 lets a worker on a second core run half "
+        "of each prediction (same answer, sooner); 1 keeps to this process.",
+    ),
+]
+_Emit = Annotated[
+    str | None,
+    typer.Option(
+        "--emit",
+        help="Also print how to run the plan elsewhere: 'hf' (TrainingArguments lines and "
+        "the code for the Hugging Face Trainer).",
+    ),
+]
+_WorldSize = Annotated[
+    int | None,
+    typer.Option(
+        "--world-size",
+        help="Plan for N data-parallel processes (the budget is per process): chooses the "
+        "ZeRO stage too and predicts each rank's peak without launching anything.",
+    ),
+]
+_GpusPerNode = Annotated[
+    int | None,
+    typer.Option(
+        "--gpus-per-node",
+        help="With --world-size: devices per node. Searches data x tensor x pipeline "
+        "layouts too (tensor parallelism within a node), with the schedule and "
+        "micro-batches.",
+    ),
+]
+
+
+def plan_command(
+    model: _Model,
+    budget: _Budget,
+    batch_size: _BatchSize = 8,
+    seq_len: _SeqLen = 128,
+    allow: _Allow = "",
+    forbid: _Forbid = "",
+    device: _Device = None,
+    base: _Base = None,
+    json_path: _Json = None,
+    save: _Save = None,
+    host_budget: _HostBudget = None,
+    disk_dir: _DiskDir = None,
+    jobs: _Jobs = 2,
+    emit: _Emit = None,
+    world_size: _WorldSize = None,
+    gpus_per_node: _GpusPerNode = None,
+) -> None:
+    """Find the fastest plan whose peak memory fits a budget."""
+    # Nothing is left to finish once the answer is printed: the process then exits without
+    # the interpreter's teardown, which after a search frees every object its dry runs left
+    # behind, module by module (about a quarter of a second), only for the operating system to
+    # take the memory back anyway.
+    exit_without_teardown()
+    quiet_libraries()
+
+    if emit is not None and emit != "hf":
+        fail(f"--emit {emit!r} is not known; use 'hf' (the Hugging Face Trainer)")
+
+    from ..workload import load_workload
+
+    check_sizes(batch_size, seq_len)
+    # --disk-dir is written by training under the plan, not here, but must exist by then.
+    check_outputs({"--json": json_path, "--save": save}, existing_folders={"--disk-dir": disk_dir})
+    base_plan = run_guarded(Plan.load, base) if base is not None else None
+    workload = run_guarded(load_workload, model, batch_size, seq_len)
+    result = _search(
+        workload,
+        budget,
+        json_path,
+        allow=allow.split(","),
+        forbid=forbid.split(","),
+        base=base_plan,
+        device=device,
+        host_budget=host_budget,
+        disk_dir=None if disk_dir is None else str(disk_dir),
+        world_size=world_size,
+        gpus_per_node=gpus_per_node,
+        jobs=jobs,
+    )
+    _print_answer(result)
+    _write_answer(result, json_path, save, emit)
+
+
+def _search(workload: Any, budget: str, json_path: Path | None, **options: Any) -> Any:
+    """The planner's answer, its progress on a status line; when nothing fits, its evidence
+    written to ``json_path`` (when given) and the reason as the command's failure."""
+    import json
+
+    from rich.status import Status
+
+    from ..planner import NothingFits, plan
+
+    with Status("planning...", console=err) as status:
+        try:
+            return run_guarded(
+                plan, workload, budget, progress=lambda msg: status.update(msg), **options
+            )
+        except NothingFits as e:
+            status.stop()
+            if json_path is not None:
+                write_text(json_path, json.dumps(e.result.to_dict(), indent=2) + "\n")
+            fail(str(e))
+
+
+def _print_answer(result: Any) -> None:
+    """The explanation table, the chosen plan and its predicted peak, memory and step time."""
+    from ..planner import explain_table
+
+    if result.layout is not None:
+        from ..planner.layout import layout_table
+
+        out.print(layout_table(result))
+    else:
+        out.print(explain_table(result))
+    cats = ", ".join(
+        f"{k} {format_bytes(v)}" for k, v in result.predicted_peak_by_category.items() if v
+    )
+    total = ""
+    if result.predicted_device_total_bytes > result.predicted_peak_bytes:
+        total = (
+            f"[bold]on {result.device}:[/] {format_bytes(result.predicted_peak_reserved_bytes)} "
+            f"reserved by the caching allocator, "
+            f"{format_bytes(result.predicted_device_total_bytes)} device total with the CUDA "
+            f"context (fitted into {format_bytes(result.budget_bytes)})\n"
+        )
+    if result.predicted_host_bytes:
+        total += f"[bold]on the host:[/] {format_bytes(result.predicted_host_bytes)} at its peak\n"
+    out.print(
+        f"[bold]plan:[/] {result.plan.summary()}\n"
+        f"[bold]predicted peak:[/] {format_bytes(result.predicted_peak_bytes)} of tensors "
+        f"({cats})\n{total}"
+        f"[bold]predicted step time:[/] {result.predicted_step_time_ratio:.2f}x "
+        + ("the ideal (the work spread evenly, no bubble, no communication)"
+           if result.layout is not None else "the unoptimised plan")
+        + f" (cost model: {result.device}); searched in {result.seconds:.1f} s",
+        highlight=False,
+    )
+    if result.layout is not None and result.rank_peak_bytes is not None:
+        out.print("[bold]per stage:[/] " + _stages_line(result), highlight=False)
+    elif result.rank_peak_bytes is not None:
+        out.print(
+            "[bold]per process:[/] "
+            + ", ".join(f"rank {r} {format_bytes(b)}" for r, b in enumerate(result.rank_peak_bytes[:8]))
+            + (f", ... ({len(result.rank_peak_bytes)} ranks)" if len(result.rank_peak_bytes) > 8 else ""),
+            highlight=False,
+        )
+
+
+def _write_answer(result: Any, json_path: Path | None, save: Path | None, emit: str | None) -> None:
+    """The answer as JSON, the chosen plan as a file, and ``--emit hf``'s lines, when asked."""
+    import json
+
+    if json_path is not None:
+        write_text(json_path, json.dumps(result.to_dict(), indent=2) + "\n")
+        out.print(f"wrote {json_path}")
+    if save is not None:
+        make_parent(save)
+        if save.suffix.lower() in (".yaml", ".yml"):
+            result.plan.to_yaml(save)
+        else:
+            result.plan.to_json(save)
+        out.print(f"wrote {save}")
+    if emit == "hf":
+        from ..integrations.hf import emit as emit_hf
+
+        print(emit_hf(result.plan), end="")
+
+
+def _stages_line(result: Any) -> str:
+    """Each pipeline stage's ranks and their largest predicted peak, in one line."""
+    par = result.plan.parallel
+    per = par.data * par.tensor
+    peaks = result.rank_peak_bytes
+    return ", ".join(
+        f"stage {s} (ranks {s * per}-{s * per + per - 1}) {format_bytes(max(peaks[s * per:(s + 1) * per]))}"
+        for s in range(par.pipeline)
+    )

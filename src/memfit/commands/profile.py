@@ -1,0 +1,343 @@
+"""``memfit profile``: measure where a training step's memory goes, by category, phase and
+module, in this process, on fake tensors (``--dry-run``), per predicted rank
+(``--dry-run --world-size N``) or in every process of torch's launcher.
+
+Under the launcher, ``torchrun --nproc-per-node N -m memfit profile --model M [--plan P]
+[--json out.json]`` runs the plan's training steps on every process (the plan gets ``N``
+data-parallel processes when it names none), each measured by memfit's tracker
+(:func:`profile_under_launcher`). Each process writes its report as ``out.rank{r}.json``;
+process 0 prints a table of rank x category and writes ``out.json`` with every rank's peak and
+categories.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Annotated, Any
+
+import torch.distributed as dist
+import typer
+
+from ..console import check_outputs, err, fail, out, quiet_libraries
+from ..distributed.launch import init_worker
+from ..outputs import write_text
+from ..plan import Plan
+from ..units import format_bytes
+from ..workload import Workload
+from .checks import check_sizes, parse_cap, run_guarded
+
+__all__ = ["profile", "profile_under_launcher"]
+
+_Model = Annotated[
+    str,
+    typer.Option(
+        "--model",
+        "-m",
+        help="Preset name, path to a HF config.json, or package.module:function.",
+    ),
+]
+_BatchSize = Annotated[int, typer.Option("--batch-size", "-b", help="Samples per step.")]
+_SeqLen = Annotated[int, typer.Option("--seq-len", "-l", help="Tokens per sample.")]
+_DryRun = Annotated[
+    bool, typer.Option("--dry-run", help="Run on fake tensors: nothing is allocated.")
+]
+_Steps = Annotated[int, typer.Option("--steps", help="Full training steps to run.")]
+_PlanPath = Annotated[
+    Path | None, typer.Option("--plan", help="A saved plan (JSON or YAML) to apply.")
+]
+_Json = Annotated[Path | None, typer.Option("--json", help="Write the report as JSON here.")]
+_Plot = Annotated[
+    Path | None, typer.Option("--plot", help="Write a PNG of memory over the step here.")
+]
+_Cap = Annotated[
+    str | None,
+    typer.Option("--cap", help="Virtual memory cap (e.g. 4GiB): fail like a GPU would."),
+]
+_Top = Annotated[int, typer.Option("--top", help="Modules to list.")]
+_Device = Annotated[
+    str | None,
+    typer.Option(
+        "--device",
+        help="Target device whose memory to reproduce: h100, a100, a100-40gb, rtx4090, t4, "
+        "cpu, or a custom GPU (a JSON/YAML file, or name=...,memory=...,mem_bandwidth=...,"
+        "host_bandwidth=...,compute_capability=...,bf16=...). Default: this machine.",
+    ),
+]
+_ExpertLoad = Annotated[
+    float,
+    typer.Option(
+        "--expert-load",
+        help="With --dry-run, mixture-of-experts routing: 1 spreads tokens evenly; c > 1 "
+        "gives one expert c times its share (a worst case).",
+    ),
+]
+_WorldSize = Annotated[
+    int | None,
+    typer.Option(
+        "--world-size",
+        help="With --dry-run: predict each of N data-parallel processes (the plan's ZeRO "
+        "stage, stage 0 by default) without launching them; --batch-size is the global batch.",
+    ),
+]
+
+
+def profile(
+    model: _Model,
+    batch_size: _BatchSize = 8,
+    seq_len: _SeqLen = 128,
+    dry_run: _DryRun = False,
+    steps: _Steps = 2,
+    plan: _PlanPath = None,
+    json_path: _Json = None,
+    plot: _Plot = None,
+    cap: _Cap = None,
+    top: _Top = 8,
+    device: _Device = None,
+    expert_load: _ExpertLoad = 1.0,
+    world_size: _WorldSize = None,
+) -> None:
+    """Measure where a training step's memory goes, by category, phase and module."""
+    quiet_libraries()
+    from ..estimate.dryrun import measure
+    from ..workload import load_workload
+
+    check_sizes(batch_size, seq_len, steps)
+    check_outputs({"--json": json_path, "--plot": plot})
+    if top < 0:
+        fail(f"--top must be a whole number >= 0, got {top}")
+    cap_bytes = parse_cap(cap)
+    from ..targets import get_device
+
+    target = run_guarded(get_device, device)
+    the_plan = run_guarded(Plan.load, plan) if plan is not None else None
+    workload = run_guarded(load_workload, model, batch_size, seq_len)
+    if world_size is not None:
+        _profile_ranks(workload, the_plan, world_size, dry_run, steps, target, json_path)
+        return
+    from ..distributed.launch import under_launcher
+
+    if under_launcher() and not dry_run:
+        run_guarded(profile_under_launcher, workload, the_plan, steps, json_path, out)
+        return
+    report = _with_progress(
+        f"{'dry-running' if dry_run else 'running'} {workload.name} "
+        f"(batch {batch_size}, length {seq_len}) for {target.name}",
+        steps,
+        lambda progress: run_guarded(
+            measure,
+            workload,
+            the_plan,
+            steps=steps,
+            dry=dry_run,
+            cap=cap_bytes,
+            device=target,
+            progress=progress,
+            expert_load=expert_load,
+        ),
+    )
+    _print_report(report)
+    title = f"memfit profile: {workload.name}, batch {batch_size}, length {seq_len}"
+    _write_report(report, json_path, plot, title)
+
+
+def _write_report(report: Any, json_path: Path | None, plot: Path | None, title: str) -> None:
+    """The dry run's data-dependent policies, then the report's JSON and PNG when asked."""
+    for use in report.meta.get("data_dependent") or ():
+        where = f" in {use['module']}" if use["module"] else ""
+        out.print(
+            f"dry-run policy: {use['op']}{where}: {use['policy']} ({use['count']}x)",
+            highlight=False,
+        )
+    if json_path is not None:
+        report.to_json(json_path)
+        out.print(f"wrote {json_path}")
+    if plot is not None:
+        report.plot(plot, title=title)
+        out.print(f"wrote {plot}")
+
+
+def _profile_ranks(
+    workload: Any, plan: Any, world: int, dry: bool, steps: int, target: Any, json_path: Any
+) -> None:
+    """``memfit profile --dry-run --world-size N``: every rank's predicted memory, a table of
+    rank x category and, with ``--json``, one JSON with each rank's peak and categories."""
+    import json
+
+    from rich.table import Table
+
+    from ..estimate.distributed import predict_ranks
+
+    if not dry:
+        fail(
+            "--world-size predicts processes without launching them and needs --dry-run; to "
+            "measure real processes, run memfit train --nproc-per-node N"
+        )
+    if isinstance(world, bool) or world < 1:
+        fail(f"--world-size must be a whole number >= 1, got {world}")
+    plan = plan or Plan()
+    if plan.parallel.tensor > 1 or plan.parallel.pipeline > 1:
+        _profile_layout(workload, plan, world, json_path)
+        return
+    if plan.parallel.data == 1:
+        plan = plan.replace(parallel=dataclasses.replace(plan.parallel, data=world))
+    elif plan.parallel.data != world:
+        fail(f"the plan is for {plan.parallel.data} processes but --world-size is {world}")
+    with err.status(f"dry-running {world} ranks of {workload.name}"):
+        pred = run_guarded(predict_ranks, workload, plan, steps=max(steps, 3), device=target)
+    categories = [c for c in next(iter(pred.reports.values())).peak_by_category]
+    table = Table(title=f"{workload.name}: {plan.summary()} (predicted per rank)")
+    for col in ["rank", "peak", *categories]:
+        table.add_column(col, justify="right")
+    for r in range(world):
+        rep = pred.reports.get(r)
+        cells = [format_bytes(rep.peak_by_category.get(c, 0)) if rep else "as rank 0" for c in categories]
+        table.add_row(str(r), format_bytes(pred.peak_bytes[r]), *cells)
+    out.print(table)
+    if json_path is not None:
+        data = {"model": workload.name, "plan": plan.to_dict(), "world_size": world, **pred.to_dict()}
+        data["reports"] = {str(r): rep.to_dict(max_points=200) for r, rep in pred.reports.items()}
+        write_text(json_path, json.dumps(data, indent=2) + "\n")
+        out.print(f"wrote {json_path}")
+
+
+def _profile_layout(workload: Any, plan: Any, world: int, json_path: Any) -> None:
+    """``memfit profile --dry-run --world-size N`` for a tensor/pipeline plan: each rank's
+    predicted peak from dry runs of its own program (:func:`memfit.estimate.layout.
+    predict_layout`)."""
+    import json
+
+    from rich.table import Table
+
+    from ..estimate.layout import predict_layout
+
+    par = plan.parallel
+    if par.world_size != world:
+        fail(
+            f"the plan's data {par.data} x tensor {par.tensor} x pipeline {par.pipeline} is "
+            f"{par.world_size} processes but --world-size is {world}; give --world-size "
+            f"{par.world_size}"
+        )
+    if (plan.precision.mode != "fp32" or plan.checkpointing.mode != "none"
+            or plan.optimizer.name not in ("adamw", "sgd")):
+        fail(
+            "a tensor/pipeline plan's ranks are dry-run in fp32 without checkpointing, with "
+            "adamw or sgd; for other plans, memfit plan --world-size N --gpus-per-node G with "
+            "--plan gives the layout model's per-rank figures"
+        )
+    with err.status(f"dry-running the {par.pipeline} pipeline stages of {workload.name}"):
+        pred = run_guarded(predict_layout, workload, par, optimizer=plan.optimizer.name)
+    table = Table(title=f"{workload.name}: {plan.summary()} (predicted per rank)")
+    for col in ("rank", "stage", "replica", "shard", "peak"):
+        table.add_column(col, justify="right")
+    for r, peak in enumerate(pred.peak_bytes):
+        where = par.coordinates(r)
+        table.add_row(str(r), *(str(where[k]) for k in ("stage", "replica", "shard")),
+                      format_bytes(peak))
+    out.print(table)
+    if json_path is not None:
+        data = {"model": workload.name, "plan": plan.to_dict(), "world_size": world,
+                **pred.to_dict(), "predicted_rank_peak_bytes": list(pred.peak_bytes)}
+        write_text(json_path, json.dumps(data, indent=2) + "\n")
+        out.print(f"wrote {json_path}")
+
+
+def _with_progress(description: str, total: int, fn: Any) -> Any:
+    """Run ``fn(progress)`` under a progress bar advanced by ``progress(done, total)``."""
+    import torch
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    columns = (
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} steps"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=err, transient=True) as bar:
+        task = bar.add_task(description, total=total)
+        try:
+            return fn(lambda done, _total: bar.update(task, completed=done))
+        except torch.OutOfMemoryError as e:
+            bar.stop()
+            fail(str(e))
+
+
+def _print_report(report: Any) -> None:
+    meta = report.meta
+    mode = "dry run (fake tensors)" if meta.get("dry_run") else "real run"
+    backends = {k: v for k, v in meta.get("attention_backends", {}).items() if v}
+    attention = (
+        "; attention: " + ", ".join(f"{k} x{v}" for k, v in backends.items()) if backends else ""
+    )
+    out.print(
+        f"[bold]{meta.get('model')}[/]: {meta.get('num_parameters', 0):,} parameters, "
+        f"{mode}, {meta.get('steps')} steps, target {meta.get('target_device', report.device)}"
+        f"{attention}",
+        highlight=False,
+    )
+    out.print(report.table())
+    target = meta.get("target_device", report.device)
+    out.print(f"peak: [bold]{format_bytes(report.peak_bytes)}[/] of tensors", highlight=False)
+    if report.overhead_bytes or (report.peak_reserved_bytes or 0) > report.peak_bytes:
+        out.print(
+            f"on {target}: [bold]{format_bytes(report.peak_reserved_bytes or 0)}[/] reserved by "
+            f"the caching allocator (model), + {format_bytes(report.overhead_bytes)} CUDA "
+            f"context and workspaces = [bold]{format_bytes(report.device_total_bytes)}[/] "
+            "device total (what nvidia-smi shows)",
+            highlight=False,
+        )
+
+
+def profile_under_launcher(
+    workload: Workload, plan: Plan | None, steps: int, json_path: Path | None, console: Any
+) -> list[dict[str, Any]]:
+    """Measure this process's steps, gather every rank's figures, report them (rank 0).
+
+    Returns:
+        Per rank: ``rank``, ``peak_bytes``, ``peak_by_category``.
+
+    Raises:
+        ValueError: when the plan is for another number of processes.
+    """
+    import json
+
+    from rich.table import Table
+
+    from ..estimate.dryrun import measure
+
+    rank, world = init_worker()
+    plan = plan or Plan()
+    if plan.parallel.data == 1:
+        plan = plan.replace(parallel=dataclasses.replace(plan.parallel, data=world))
+    elif plan.parallel.data != world:
+        raise ValueError(f"the plan is for {plan.parallel.data} processes but {world} were started")
+    report = measure(workload, plan, steps=max(steps, 3))
+    mine = {
+        "rank": rank,
+        "peak_bytes": int(report.peak_bytes),
+        "peak_by_category": dict(report.peak_by_category),
+    }
+    if json_path is not None:
+        report.to_json(json_path.with_name(f"{json_path.stem}.rank{rank}{json_path.suffix}"))
+    rows: list[Any] = [None] * world
+    dist.all_gather_object(rows, mine)
+    if rank == 0:
+        categories = list(rows[0]["peak_by_category"])
+        table = Table(title=f"{workload.name}: {plan.summary()} (measured per process)")
+        for col in ["rank", "peak", *categories]:
+            table.add_column(col, justify="right")
+        for row in rows:
+            table.add_row(
+                str(row["rank"]),
+                format_bytes(row["peak_bytes"]),
+                *(format_bytes(row["peak_by_category"][c]) for c in categories),
+            )
+        console.print(table)
+        if json_path is not None:
+            data = {"model": workload.name, "plan": plan.to_dict(), "world_size": world,
+                    "ranks": rows, "per_rank_peak_bytes": [r["peak_bytes"] for r in rows]}
+            write_text(json_path, json.dumps(data, indent=2) + "\n")
+            console.print(f"wrote {json_path} and one report per rank")
+    dist.destroy_process_group()
+    return rows
