@@ -29,7 +29,6 @@ import contextlib
 import fnmatch
 import functools
 import math
-import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -47,7 +46,7 @@ from torch.utils.checkpoint import (
 from ..blocks import find_blocks
 from ..device import rng_states, set_rng_states
 from ..techniques import BUILTIN_ORDER, ApplyContext, Technique
-from .kv_cache import KVCacheOff, apply_kv_cache_off
+from .kv_cache import KVCacheOff, apply_kv_cache_off, drop_cache
 from .recompute import in_function_modes, retryable
 
 __all__ = [
@@ -197,40 +196,6 @@ def _call_forward(module: nn.Module, original: Any, args: tuple, kwargs: dict) -
     if original is not None:
         return original(*args, **kwargs)
     return type(module).forward(module, *args, **kwargs)
-
-
-# transformers' names for a block's KV-cache argument: ``cache`` since 5.24 (before it
-# ``past_key_values``, and ``past_key_value`` or ``layer_past`` in older blocks). Any other
-# keyword whose value is a transformers ``Cache`` is dropped too, whatever its name.
-_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
-
-
-def _is_cache(obj: Any) -> bool:
-    mod = sys.modules.get("transformers.cache_utils")
-    cache_cls = getattr(mod, "Cache", None) if mod is not None else None
-    return cache_cls is not None and isinstance(obj, cache_cls)
-
-
-def _drop_cache(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Remove KV-cache arguments: recomputation would append to the cache a second time."""
-    dropped = False
-    if any(_is_cache(a) for a in args):
-        args = tuple(None if _is_cache(a) else a for a in args)
-        dropped = True
-    for key, value in kwargs.items():
-        if value is not None and (key in _CACHE_KWARGS or _is_cache(value)):
-            kwargs = {**kwargs, key: None}
-            dropped = True
-    if kwargs.get("use_cache"):
-        kwargs = {**kwargs, "use_cache": False}
-        dropped = True
-    if dropped:
-        _warn_once(
-            "cache",
-            "memfit checkpointing: a KV cache cannot be used by a checkpointed block (the "
-            "recomputation would update it twice); the cache arguments are dropped in training",
-        )
-    return args, kwargs
 
 
 _WARNED: set[str] = set()
@@ -434,7 +399,7 @@ class _Wrapper:
         return _call_forward(self.module, self.original, args, kwargs)
 
     def checkpointed(self, args: tuple, kwargs: dict, fn: Callable[..., Any] | None = None) -> Any:
-        args, kwargs = _drop_cache(args, kwargs)
+        args, kwargs = drop_cache(args, kwargs, _warn_once)
         # Keyword arguments go in through a partial, so that none can collide with
         # checkpoint()'s own keywords (context_fn, debug, ...).
         run = in_function_modes(functools.partial(fn or self.plain, **kwargs))
@@ -489,7 +454,7 @@ class _SegmentHead(_Wrapper):
             m.pending = None
         if not torch.is_grad_enabled():
             return self.plain(*args, **kwargs)
-        args, kwargs = _drop_cache(args, kwargs)
+        args, kwargs = drop_cache(args, kwargs, _warn_once)
         outputs = self.checkpointed(args, kwargs, fn=self.run_segment)
         rng_after = self.rng_after
         # The segment's later blocks drew their random numbers ahead of time. Rewind the
@@ -516,7 +481,7 @@ class _SegmentMember(_Wrapper):
             return self.plain(*args, **kwargs)
         if pending is not None:
             exp_args, exp_kwargs, out, rng_after = pending
-            call_args, call_kwargs = _drop_cache(args, kwargs)
+            call_args, call_kwargs = drop_cache(args, kwargs, _warn_once)
             if _same_call(call_args, call_kwargs, exp_args, exp_kwargs):
                 set_rng_states(rng_after)
                 return out
@@ -643,9 +608,23 @@ def apply_checkpointing(
         )
     if config.mode == "none":
         return CheckpointHandle(model, None)
-    if config.mode == "budget" and not config.budget_bytes:
-        raise ValueError("checkpointing mode 'budget' needs budget_bytes (the activation bytes allowed)")
     blocks = _resolve_blocks(model, config.blocks)
+    _check_blocks(blocks)
+    state = _State(config=config, names=[], wrapped=list(blocks))
+    wrappers = _wrappers(config, blocks, state, estimator)
+    # As transformers does for its own gradient checkpointing: the model builds no KV cache
+    # while checkpointed (a recomputed block would write it twice); remove() turns it back on.
+    # (Here, after every check that can refuse: a refusal leaves the model as it was.)
+    state.cache_off = apply_kv_cache_off(model)
+    for block, wrapper in wrappers:
+        # An instance attribute shadows the class's forward for this block only.
+        block.forward = wrapper
+    model.__dict__["_memfit_checkpointing"] = state
+    return CheckpointHandle(model, state)
+
+
+def _check_blocks(blocks: list[tuple[str, nn.Module]]) -> None:
+    """Refuse blocks that some checkpointing already wraps."""
     for name, block in blocks:
         if isinstance(block.__dict__.get("forward"), _Wrapper):
             raise RuntimeError(
@@ -658,7 +637,11 @@ def apply_checkpointing(
                 "model.gradient_checkpointing_disable() before memfit's, or not both"
             )
 
-    state = _State(config=config, names=[], wrapped=list(blocks))
+
+def _wrappers(
+    config: CheckpointConfig, blocks: list[tuple[str, nn.Module]], state: _State, estimator: Any
+) -> list[tuple[nn.Module, _Wrapper]]:
+    """The forward wrapper of each block under ``config``'s mode (names go to ``state``)."""
     wrappers: list[tuple[nn.Module, _Wrapper]] = []
     if config.mode in ("full", "selective"):
         context = _selective_context if config.mode == "selective" else None
@@ -685,20 +668,7 @@ def apply_checkpointing(
         wrappers = [
             (b, _BudgetWrapper(n, b, state.budget, i)) for i, (n, b) in enumerate(blocks)
         ]
-    else:
-        raise ValueError(
-            f"checkpointing mode {config.mode!r} is not known; use none, full, selective, sqrt "
-            "or budget"
-        )
-    # As transformers does for its own gradient checkpointing: the model builds no KV cache
-    # while checkpointed (a recomputed block would write it twice); remove() turns it back on.
-    # (Here, after every check that can refuse: a refusal leaves the model as it was.)
-    state.cache_off = apply_kv_cache_off(model)
-    for block, wrapper in wrappers:
-        # An instance attribute shadows the class's forward for this block only.
-        block.forward = wrapper
-    model.__dict__["_memfit_checkpointing"] = state
-    return CheckpointHandle(model, state)
+    return wrappers  # (a mode outside these: CheckpointConfig refuses it when built)
 
 
 class CheckpointHandle:

@@ -17,13 +17,15 @@ config).
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
 from ..techniques import BUILTIN_ORDER, ApplyContext, Technique
 
-__all__ = ["KVCacheOff", "apply_kv_cache_off"]
+__all__ = ["KVCacheOff", "apply_kv_cache_off", "drop_cache"]
 
 
 class KVCacheOff:
@@ -70,6 +72,44 @@ def apply_kv_cache_off(model: nn.Module) -> KVCacheOff:
             config.use_cache = False
             changed.append(config)
     return KVCacheOff(changed)
+
+
+# transformers' names for a block's KV-cache argument: ``cache`` since 5.24 (before it
+# ``past_key_values``, and ``past_key_value`` or ``layer_past`` in older blocks). Any other
+# keyword whose value is a transformers ``Cache`` is dropped too, whatever its name.
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+def _is_cache(obj: Any) -> bool:
+    mod = sys.modules.get("transformers.cache_utils")
+    cache_cls = getattr(mod, "Cache", None) if mod is not None else None
+    return cache_cls is not None and isinstance(obj, cache_cls)
+
+
+def drop_cache(
+    args: tuple, kwargs: dict, warn_once: Callable[[str, str], None]
+) -> tuple[tuple, dict]:
+    """A block call's arguments without its KV cache (checkpointing's recomputation would
+    append to the cache a second time); ``warn_once(key, message)`` says so once."""
+    dropped = False
+    if any(_is_cache(a) for a in args):
+        args = tuple(None if _is_cache(a) else a for a in args)
+        dropped = True
+    for key, value in kwargs.items():
+        if value is not None and (key in _CACHE_KWARGS or _is_cache(value)):
+            kwargs = {**kwargs, key: None}
+            dropped = True
+    if kwargs.get("use_cache"):
+        kwargs = {**kwargs, "use_cache": False}
+        dropped = True
+    if dropped:
+        warn_once(
+            "cache",
+            "memfit checkpointing: a KV cache cannot be used by a checkpointed block (the "
+            "recomputation would update it twice); the cache arguments are dropped in training",
+        )
+    return args, kwargs
+
 
 
 def _apply_technique(model: nn.Module, ctx: ApplyContext) -> KVCacheOff:
