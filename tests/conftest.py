@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing.util
+import os
 import subprocess
 
 import pytest
@@ -64,6 +65,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
             f"{item.nodeid} started {started} process(es) (in the test or a fixture it uses) "
             "without @pytest.mark.subprocess or @pytest.mark.distributed"
         )
+
+
+# The same for the interpreters tests start (``memfit train`` in a subprocess, torchrun's
+# workers: the launcher sets its own share): on two busy cores a second thread per process
+# only spins. A caller's own setting stands.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(autouse=True, scope="session")
