@@ -471,17 +471,51 @@ def dry_run(
     workload: Workload | str,
     plan: Plan | None = None,
     steps: int = 2,
-    **kwargs: Any,
+    *,
+    cap: int | None = None,
+    seed: int = 0,
+    batch_size: int = 8,
+    seq_len: int = 128,
+    device: str | DeviceProfile | None = None,
+    progress: Progress | None = None,
+    expert_load: float = 1.0,
+    stop: str | None = None,
+    at_forward_end: Callable[[Any], bool] | None = None,
 ) -> MemoryReport:
     """Run ``steps`` full training steps on fake tensors and return the :class:`MemoryReport`.
 
     Nothing is allocated: the model, batch, gradients and optimizer state are fake tensors, so
-    any model size profiles in seconds. The peak equals the real run's.
+    any model size profiles in seconds. The peak equals the real run's. This is
+    ``measure(..., dry=True)``; the arguments are :func:`measure`'s.
 
     Args:
         workload: A :class:`~memfit.workload.Workload` or a ``--model`` SPEC.
         plan: The plan to apply (default: plain AdamW, fp32).
         steps: Training steps.
-        **kwargs: ``batch_size`` and ``seq_len`` (with a SPEC), ``seed``, ``cap``, ``progress``.
+        cap: Virtual memory cap in bytes (raises ``torch.OutOfMemoryError`` beyond it).
+        seed: Seed for model initialisation and the batch.
+        batch_size: With a SPEC: samples per step.
+        seq_len: With a SPEC: tokens per sample.
+        device: The target device whose memory behaviour the run reproduces (default: this
+            machine's own).
+        progress: Called after each step with (done, total).
+        expert_load: How a mixture-of-experts router spreads tokens (``1.0``: evenly).
+        stop: ``"forward"``: stop as the model's first forward returns.
+        at_forward_end: Called with the tracker each time a forward of the model returns;
+            returning true stops the run there.
     """
-    return measure(workload, plan, steps=steps, dry=True, **kwargs)
+    return measure(
+        workload,
+        plan,
+        steps=steps,
+        dry=True,
+        cap=cap,
+        seed=seed,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        device=device,
+        progress=progress,
+        expert_load=expert_load,
+        stop=stop,
+        at_forward_end=at_forward_end,
+    )
