@@ -150,3 +150,21 @@ def test_nothing_imports_the_cli_but_main():
     graph = _imports()
     users = sorted(a for a, deps in graph.items() if "memfit.cli" in deps)
     assert users in ([], ["memfit.__main__"])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="the functions being rewritten in issue 25 (cli.py's commands, apply_plan, "
+    "Plan.validate, candidates.generate, apply_checkpointing) are still over 100 lines; the "
+    "mark goes once they are merged",
+)
+def test_no_function_over_100_lines():
+    long = []
+    for path in sorted(SRC.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > 100:
+                    long.append(f"{path.relative_to(SRC)}:{node.lineno} {node.name}: {lines} lines")
+    assert long == [], "functions over 100 lines:\n" + "\n".join(long)

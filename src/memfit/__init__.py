@@ -13,7 +13,7 @@ fallback use. Both refuse a plan passed where the optimizer goes, and the revers
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .versions import __version__, check_versions
 
@@ -24,6 +24,16 @@ from .plan import Plan, PlanError  # noqa: E402
 from .units import format_bytes, parse_size  # noqa: E402
 from .workload import PRESETS, Workload, WorkloadError, load_workload  # noqa: E402
 
+if TYPE_CHECKING:  # the lazy names below, for type checkers and editors
+    from collections.abc import Callable, Iterable
+
+    from .apply.compose import TrainingSetup, apply_plan
+    from .estimate.dryrun import dry_run, measure
+    from .planner import NothingFits, PlanResult
+    from .strategies.fused_step import optimizer_in_backward
+    from .targets import DeviceProfile
+    from .train import Prepared, TrainConfig, Trainer, prepare
+
 __all__ = [
     "CATEGORIES",
     "PRESETS",
@@ -33,7 +43,10 @@ __all__ = [
     "Plan",
     "PlanError",
     "PlanResult",
+    "Prepared",
+    "TrainConfig",
     "Trainer",
+    "TrainingSetup",
     "Workload",
     "WorkloadError",
     "__version__",
@@ -54,16 +67,38 @@ _LAZY = {
     "dry_run": ("memfit.estimate.dryrun", "dry_run"),
     "measure": ("memfit.estimate.dryrun", "measure"),
     "apply_plan": ("memfit.apply.compose", "apply_plan"),
+    "TrainingSetup": ("memfit.apply.compose", "TrainingSetup"),
     "optimizer_in_backward": ("memfit.strategies.fused_step", "optimizer_in_backward"),
     "Trainer": ("memfit.train", "Trainer"),
+    "TrainConfig": ("memfit.train", "TrainConfig"),
     "prepare": ("memfit.train", "prepare"),
+    "Prepared": ("memfit.train", "Prepared"),
     "PlanResult": ("memfit.planner", "PlanResult"),
     "NothingFits": ("memfit.planner", "NothingFits"),
 }
 
 
-def plan(workload: Any, budget: int | str, **kwargs: Any) -> Any:
-    """Find the fastest plan whose peak fits ``budget``: see :func:`memfit.planner.plan`.
+def plan(
+    workload: Workload | str,
+    budget: int | str,
+    *,
+    world_size: int | None = None,
+    gpus_per_node: int | None = None,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    allow: Iterable[str] = (),
+    forbid: Iterable[str] = (),
+    base: Plan | None = None,
+    device: str | DeviceProfile | None = None,
+    max_predictions: int = 60,
+    progress: Callable[[str], None] | None = None,
+    host_budget: int | str | None = None,
+    disk_dir: str | None = None,
+    jobs: int = 2,
+) -> PlanResult:
+    """Find the fastest plan whose peak fits ``budget``: :func:`memfit.planner.plan`, whose
+    parameters these are (written out here so that ``import memfit`` does not load the
+    planner; a test keeps the two signatures equal).
 
     ``workload`` is a :class:`Workload` or a SPEC (then pass ``batch_size`` and ``seq_len``).
 
@@ -73,7 +108,23 @@ def plan(workload: Any, budget: int | str, **kwargs: Any) -> Any:
     """
     from .planner import plan as _plan
 
-    return _plan(workload, budget, **kwargs)
+    return _plan(
+        workload,
+        budget,
+        world_size=world_size,
+        gpus_per_node=gpus_per_node,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        allow=allow,
+        forbid=forbid,
+        base=base,
+        device=device,
+        max_predictions=max_predictions,
+        progress=progress,
+        host_budget=host_budget,
+        disk_dir=disk_dir,
+        jobs=jobs,
+    )
 
 
 plan.Plan = Plan  # type: ignore[attr-defined]
@@ -87,3 +138,8 @@ def __getattr__(name: str) -> Any:
         module, attr = _LAZY[name]
         return getattr(importlib.import_module(module), attr)
     raise AttributeError(f"module 'memfit' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    # The lazy names too, as if they were loaded (tab completion, help(), dir()).
+    return sorted({*globals(), *_LAZY})

@@ -18,15 +18,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["SCHEDULES", "ZERO_STAGES", "ParallelConfig"]
+__all__ = ["PIPELINE_SCHEDULES", "ZERO_STAGES", "ParallelConfig"]
 
 MiB = 1 << 20
 
 #: The ZeRO stages a plan may name.
 ZERO_STAGES = (0, 1, 2, 3)
 
-#: Pipeline schedules a plan may name.
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+#: Pipeline schedules a plan may name, and the torch.distributed.pipelining class each runs on.
+PIPELINE_SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved-1f1b": "ScheduleInterleaved1F1B",
+    "zero-bubble": "ScheduleZBVZeroBubble",
+}
 
 
 @dataclass(frozen=True)
@@ -98,9 +103,10 @@ class ParallelConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 out.append(f"parallel {name} must be a whole number >= 1, got {v!r}")
-        if self.schedule not in SCHEDULES:
+        if self.schedule not in PIPELINE_SCHEDULES:
             out.append(
-                f"parallel schedule {self.schedule!r} is not known; use one of {', '.join(SCHEDULES)}"
+                f"parallel schedule {self.schedule!r} is not known; use one of "
+                f"{', '.join(PIPELINE_SCHEDULES)}"
             )
         if self.microbatches is not None and (
             not isinstance(self.microbatches, int) or self.microbatches < 1

@@ -13,8 +13,9 @@ GPT-2 or Llama layout (Llama, Mistral, Qwen2 share it) and any ``nn.Sequential``
   ``lm_head``) is copied onto the later stage and the copies' gradients are summed after each
   step, so the copies stay equal.
 
-The schedules are torch.distributed.pipelining's (:data:`SCHEDULES` maps the names to them);
-every one runs on CPU with gloo. The settings, their checks and their theory (micro-batches
+The schedules are torch.distributed.pipelining's
+(:data:`~memfit.distributed.config.PIPELINE_SCHEDULES` maps the names to them); every one
+runs on CPU with gloo. The settings, their checks and their theory (micro-batches
 in flight per schedule, balanced cuts) are in :mod:`memfit.distributed.pipeline_plan`,
 re-exported here; the predictions without launching in :mod:`memfit.estimate.pipeline`.
 
@@ -37,8 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .config import PIPELINE_SCHEDULES
 from .pipeline_plan import (
-    SCHEDULES,
     BlockCost,
     PipelineConfig,
     PipelineError,
@@ -51,7 +52,7 @@ from .pipeline_plan import (
 )
 
 __all__ = [
-    "SCHEDULES",
+    "PIPELINE_SCHEDULES",
     "BlockCost",
     "Pipeline",
     "PipelineConfig",
@@ -387,7 +388,7 @@ def build_pipeline(model: nn.Module, config: PipelineConfig, *,
             prepare(stage)
     torch_stages = [pipelining.PipelineStage(m, s, config.num_stages, device, group=group)
                     for m, s in zip(stages, indices, strict=True)]
-    cls = getattr(pipelining, SCHEDULES[config.schedule])
+    cls = getattr(pipelining, PIPELINE_SCHEDULES[config.schedule])
     single = config.schedule in ("gpipe", "1f1b")
     schedule = cls(torch_stages[0] if single else torch_stages, config.num_microbatches,
                    loss_fn=loss_fn)

@@ -11,8 +11,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .config import PIPELINE_SCHEDULES
+
 __all__ = [
-    "SCHEDULES",
     "BlockCost",
     "PipelineConfig",
     "PipelineError",
@@ -22,15 +23,6 @@ __all__ = [
     "microbatches_in_flight",
     "predict_stage_activations",
 ]
-
-#: The schedules by name, and the torch.distributed.pipelining class each runs on.
-SCHEDULES = {
-    "gpipe": "ScheduleGPipe",
-    "1f1b": "Schedule1F1B",
-    "interleaved-1f1b": "ScheduleInterleaved1F1B",
-    "zero-bubble": "ScheduleZBVZeroBubble",
-}
-
 
 class PipelineError(ValueError):
     """A pipeline setting that cannot work; the message says what would."""
@@ -142,9 +134,9 @@ class PipelineConfig:
         if not _whole(p) or p < 2:
             return [f"pipeline degree must be a whole number >= 2 (the processes in the "
                     f"pipeline), got {p!r}"]
-        if self.schedule not in SCHEDULES:
+        if self.schedule not in PIPELINE_SCHEDULES:
             return [f"pipeline schedule {self.schedule!r} is not known; use one of "
-                    f"{', '.join(SCHEDULES)}"]
+                    f"{', '.join(PIPELINE_SCHEDULES)}"]
         v = self.stages_per_rank
         if v is not None and (not _whole(v) or v < 1):
             return [f"pipeline stages_per_rank must be a whole number >= 1 or null, got {v!r}"]
@@ -256,7 +248,7 @@ def microbatches_in_flight(schedule: str, degree: int, microbatches: int, rank: 
     if schedule == "zero-bubble":
         return min(2 * p, m + r + 1)
     raise PipelineError(f"pipeline schedule {schedule!r} is not known; use one of "
-                        f"{', '.join(SCHEDULES)}")
+                        f"{', '.join(PIPELINE_SCHEDULES)}")
 
 
 def predict_stage_activations(per_microbatch_activation_bytes: int, degree: int,

@@ -40,11 +40,10 @@ import torch
 
 from ..optim import build_optimizer as _build_named_optimizer
 from ..optim.config import OptimizerConfig
-from ..optim.schedule import lr_factor
+from ..optim.schedule import LR_SCHEDULES, lr_factor
 
 __all__ = [
     "RECIPE_OPTIMIZERS",
-    "RECIPE_SCHEDULES",
     "SCALING_RULES",
     "LargeBatchRecipe",
     "ScaledSchedule",
@@ -60,9 +59,6 @@ RECIPE_OPTIMIZERS = ("lamb", "lars", "adamw")
 
 #: How the learning rate grows with the batch.
 SCALING_RULES = ("linear", "sqrt")
-
-#: Decays after the warm-up (those of :func:`memfit.optim.schedule.lr_factor`).
-RECIPE_SCHEDULES = ("constant", "cosine", "linear", "poly")
 
 
 class ScaledSchedule(NamedTuple):
@@ -134,10 +130,10 @@ class LargeBatchRecipe:
             raise ValueError(
                 f"scaling {self.scaling!r} is not known; use one of {', '.join(SCALING_RULES)}"
             )
-        if self.schedule not in RECIPE_SCHEDULES:
+        if self.schedule not in LR_SCHEDULES:
             raise ValueError(
                 f"schedule {self.schedule!r} is not known; use one of "
-                f"{', '.join(RECIPE_SCHEDULES)}"
+                f"{', '.join(LR_SCHEDULES)}"
             )
         if not _is_number(self.base_lr) or not self.base_lr > 0:
             raise ValueError(f"base_lr must be a number > 0, got {self.base_lr!r}")

@@ -31,7 +31,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..accounting import CATEGORIES, PHASES
 from ..plan import Plan
@@ -288,90 +288,129 @@ def predict_peak(
     """
     plan = plan or Plan()
     target = get_device(device)
-    reserved: list[int] = []  # the shallow runs' reserved peaks...
-    shallow_peaks: list[int] = []  # ...and their tensor peaks
     small_wl, small_plan, scale = _reduced(workload, plan)
-    phases: dict[str, dict[str, int]] = {}
-    host = 0
-    extra: dict[str, Any] = {}
     if compose and composes(workload, plan):
+        runs = _ShallowRuns(workload, plan, target, budget_bytes, remote, share)
+        composed = runs.predict()
+        if composed is not None:
+            return composed
+    report = dry_run(small_wl, small_plan, steps=2, device=target)
+    return _from_report(report, scale, target, "dry-run")
+
+
+class _Shallow(NamedTuple):
+    """What :func:`predict_peak` keeps of one shallow run."""
+
+    phases: dict[str, dict[str, float]]  # each phase's categories (full batch's inputs)
+    reserved: int  # the allocator's reserved peak (the tensor peak without one)
+    peak: int  # the tensor peak
+    host: int  # the host tier's peak
+
+
+class _ShallowRuns:
+    """:func:`predict_peak`'s shallow runs of one workload and plan, each made once (here,
+    or taken from ``remote``), and their composition to the full depth."""
+
+    def __init__(
+        self,
+        workload: Workload,
+        plan: Plan,
+        target: DeviceProfile,
+        budget_bytes: int | None,
+        remote: Callable[[int], Any] | None,
+        share: Callable[[Any], None] | None,
+    ) -> None:
         assert workload.with_depth is not None and workload.depth is not None
-        n = workload.depth
-        pattern = block_pattern(workload) or [0] * n
-        depths = profile_depths(pattern)
-        runs: dict[int, tuple[dict[str, dict[str, float]], int, int, int]] = {}
-        traces: dict[int, Any] = {}
-        watch = _watch_for(workload, plan, target, budget_bytes)
-        if watch is not None:
-            watch.share = share
+        self.workload, self.target, self.remote = workload, target, remote
+        self.small_wl, self.small_plan, self.scale = _reduced(workload, plan)
+        self.pattern = block_pattern(workload) or [0] * workload.depth
+        self.depths = profile_depths(self.pattern)
+        self.runs: dict[int, _Shallow] = {}
+        self.traces: dict[int, Any] = {}
+        self.watch = _watch_for(workload, plan, target, budget_bytes)
+        if self.watch is not None:
+            self.watch.share = share
 
-        def shallow_run(d: int) -> tuple[dict[str, dict[str, float]], int, int, int]:
-            if d not in runs:
-                report = None if remote is None else remote(d)
-                if isinstance(report, StoppedOver):
-                    if watch is None:  # (not asked for: not a stop this run would make)
-                        report = None
-                    else:
-                        watch.floor, watch.stopped_at = report.floor, report.forward
-                if report is None:
-                    report = _watched_run(workload, small_plan, small_wl, d, target, watch)
-                if watch is not None and watch.floor is not None:
-                    raise _OverBudget
-                runs[d] = (
-                    _by_phase(report, scale),
-                    report.peak_reserved_bytes or report.peak_bytes,
-                    report.peak_bytes,
-                    report.peak_by_tier.get("host", 0),
-                )
-                traces[d] = report.trace
-            return runs[d]
+    def run(self, d: int) -> _Shallow:
+        """The run at depth ``d``; raises :class:`_OverBudget` when the watch stopped it."""
+        if d in self.runs:
+            return self.runs[d]
+        watch = self.watch
+        report = None if self.remote is None else self.remote(d)
+        if isinstance(report, StoppedOver):
+            if watch is None:  # (not asked for: not a stop this run would make)
+                report = None
+            else:
+                watch.floor, watch.stopped_at = report.floor, report.forward
+        if report is None:
+            report = _watched_run(
+                self.workload, self.small_plan, self.small_wl, d, self.target, watch
+            )
+        if watch is not None and watch.floor is not None:
+            raise _OverBudget
+        self.runs[d] = _Shallow(
+            _by_phase(report, self.scale),
+            report.peak_reserved_bytes or report.peak_bytes,
+            report.peak_bytes,
+            report.peak_by_tier.get("host", 0),
+        )
+        self.traces[d] = report.trace
+        return self.runs[d]
 
+    def predict(self) -> Prediction | None:
+        """The composed prediction (or the floor over the budget); ``None`` when no choice
+        of shallow depths is in the linear regime (then the full depth is dry-run)."""
         # A phase's peak may fall at another moment in the shallowest run (with the step in
         # backward, depth 2's optimizer phase peaks at the embedding's step, deeper ones while
         # the last blocks' activations live): then the same depths, one deeper, are tried
         # before the full-depth run.
-        for tried in _depth_choices(depths, pattern):
+        for tried in _depth_choices(self.depths, self.pattern):
             try:
-                shallow = [shallow_run(d) for d in tried]
+                shallow = [self.run(d) for d in tried]
             except _OverBudget:
-                assert watch is not None and watch.floor is not None
-                return _floor_prediction(watch.floor, target, watch.stopped_at)
+                assert self.watch is not None and self.watch.floor is not None
+                return _floor_prediction(self.watch.floor, self.target, self.watch.stopped_at)
             except Cancelled:
                 # The caller may cancel the depth-2 run once the depth-3 run made elsewhere
                 # stopped over the budget: that verdict is the prediction.
-                over = None if remote is None or watch is None or 3 in runs else remote(3)
+                over = self._stopped_elsewhere()
                 if not isinstance(over, StoppedOver):
                     raise
-                return _floor_prediction(over.floor, target, over.forward)
-            phases = _compose_phases(tried, [s[0] for s in shallow], pattern)
+                return _floor_prediction(over.floor, self.target, over.forward)
+            phases = _compose_phases(tried, [s.phases for s in shallow], self.pattern)
             if phases:
-                reserved = [s[1] for s in shallow]
-                shallow_peaks = [s[2] for s in shallow]
-                at_host = {d: r[3] for d, r in zip(tried, shallow, strict=True)}
-                host = round(compose_pattern(at_host, pattern))
-                if len(set(pattern)) == 1 and len(tried) == 2:
-                    extra["traces"] = {d: traces[d] for d in tried}
-                break
-    if not phases:
-        report = dry_run(small_wl, small_plan, steps=2, device=target)
-        return _from_report(report, scale, target, "dry-run")
-    # The allocator's slack (reserved minus tensors) is not linear in depth: it depends on
-    # which cached blocks happen to fit. Take the larger slack of the two shallow runs.
-    slack = max(r - p for r, p in zip(reserved, shallow_peaks, strict=True))
-    phase_peaks = {k: sum(v.values()) for k, v in phases.items()}
-    peak_phase = max(phase_peaks, key=lambda k: phase_peaks[k])
-    return Prediction(
-        peak_bytes=phase_peaks[peak_phase],
-        by_category=phases[peak_phase],
-        phase_peaks=phase_peaks,
-        peak_phase=peak_phase,
-        method="composed",
-        reserved_bytes=phase_peaks[peak_phase] + max(slack, 0),
-        overhead_bytes=target.overhead_bytes if target.is_cuda else 0,
-        target_device=target.name,
-        host_bytes=host,
-        extra=extra,
-    )
+                return self._composed(tried, shallow, phases)
+        return None
+
+    def _stopped_elsewhere(self) -> Any:
+        if self.remote is None or self.watch is None or 3 in self.runs:
+            return None
+        return self.remote(3)
+
+    def _composed(
+        self, tried: list[int], shallow: list[_Shallow], phases: dict[str, dict[str, int]]
+    ) -> Prediction:
+        at_host = {d: r.host for d, r in zip(tried, shallow, strict=True)}
+        extra: dict[str, Any] = {}
+        if len(set(self.pattern)) == 1 and len(tried) == 2:
+            extra["traces"] = {d: self.traces[d] for d in tried}
+        # The allocator's slack (reserved minus tensors) is not linear in depth: it depends on
+        # which cached blocks happen to fit. Take the larger slack of the two shallow runs.
+        slack = max(s.reserved - s.peak for s in shallow)
+        phase_peaks = {k: sum(v.values()) for k, v in phases.items()}
+        peak_phase = max(phase_peaks, key=lambda k: phase_peaks[k])
+        return Prediction(
+            peak_bytes=phase_peaks[peak_phase],
+            by_category=phases[peak_phase],
+            phase_peaks=phase_peaks,
+            peak_phase=peak_phase,
+            method="composed",
+            reserved_bytes=phase_peaks[peak_phase] + max(slack, 0),
+            overhead_bytes=self.target.overhead_bytes if self.target.is_cuda else 0,
+            target_device=self.target.name,
+            host_bytes=round(compose_pattern(at_host, self.pattern)),
+            extra=extra,
+        )
 
 
 def composes(workload: Workload, plan: Plan) -> bool:

@@ -289,112 +289,196 @@ def step_cost(
         trainable_fraction: Share of parameters that train (freezing): backward work and the
             optimizer scale with it.
     """
+    s = _step_sizes(profile, plan, device, batch_size, trainable_fraction)
+    opt = _optimizer_figures(plan.optimizer.name)
+    optimizer = _device_step(plan, device, s, opt)
+    off = plan.offload
+    offload = 0.0
+    if off is not None and off.optimizer is not None:
+        offload = _host_step(plan, device, s, opt)
+        optimizer = 0.0  # no step on the device
+    if off is not None and off.parameters is not None:
+        offload += _parameter_fetches(profile, plan, device, s)
+    if off is not None and off.activations:
+        offload += _activation_trips(device, s)
+    return StepCost(
+        _matmul(profile, plan, s),
+        _pointwise(plan, device, s),
+        _launch(profile, plan, device, s),
+        optimizer,
+        _extra_backward(plan, device, s),
+        offload,
+    )
+
+
+@dataclass(frozen=True)
+class _Step:
+    """The sizes of one optimizer step that :func:`step_cost`'s terms share."""
+
+    batch_size: int  # samples per optimizer step
+    seq_scale: float  # the plan's sequence length over the profile's (1 or less)
+    n_micro: int  # micro-batches per step
+    rate: float  # matmul FLOP/s at the micro-batch's size
+    fwd: float  # forward FLOPs of the step
+    bwd: float  # backward FLOPs of the step (trainable share only)
+    act_bytes: float  # activation bytes kept by the step, at the compute precision
+    params: float  # trainable parameters
+    tensors: float  # trainable parameter tensors
+
+
+def _step_sizes(
+    profile: WorkloadProfile,
+    plan: Plan,
+    device: DeviceProfile,
+    batch_size: int,
+    trainable_fraction: float,
+) -> _Step:
     seq_scale = 1.0
     if plan.max_seq_len is not None and plan.max_seq_len < profile.seq_len:
         seq_scale = plan.max_seq_len / profile.seq_len
     micro = min(plan.micro_batch_for(batch_size), batch_size)
-    n_micro = -(-batch_size // micro)
     tokens = micro * profile.seq_len * seq_scale
     efficiency = tokens / (tokens + device.half_tokens)
-    rate = device.flops[_compute_dtype(plan)] * device.matmul_efficiency * efficiency
+    act_bytes = profile.act_bytes_per_sample * batch_size * seq_scale
+    if plan.precision.mode != "fp32":
+        act_bytes /= 2
+    return _Step(
+        batch_size=batch_size,
+        seq_scale=seq_scale,
+        n_micro=-(-batch_size // micro),
+        rate=device.flops[_compute_dtype(plan)] * device.matmul_efficiency * efficiency,
+        fwd=profile.fwd_flops_per_sample * batch_size * seq_scale,
+        bwd=profile.bwd_flops_per_sample * batch_size * seq_scale * trainable_fraction,
+        act_bytes=act_bytes,
+        params=profile.num_parameters * trainable_fraction,
+        tensors=profile.num_tensors * trainable_fraction,
+    )
 
-    fwd = profile.fwd_flops_per_sample * batch_size * seq_scale
-    bwd = profile.bwd_flops_per_sample * batch_size * seq_scale * trainable_fraction
-    mode = plan.checkpointing.mode
+
+def _matmul(profile: WorkloadProfile, plan: Plan, s: _Step) -> float:
+    """Forward, backward and recomputed FLOPs at the matmul rate."""
     recompute = 0.0
-    if mode in ("full", "sqrt", "budget"):
-        recompute = profile.block_fwd_flops_per_sample * batch_size * seq_scale
+    if plan.checkpointing.mode in ("full", "sqrt", "budget"):
+        recompute = profile.block_fwd_flops_per_sample * s.batch_size * s.seq_scale
     if plan.fused_loss is not None:
         # memfit.ops.chunked_cross_entropy keeps no logits for backward and recomputes them
         # there, one vocabulary block at a time: one more forward matmul of the head, 4 passes
         # of tokens x hidden x vocabulary instead of 3 (see the trade-off in
         # memfit/ops/cross_entropy.py's docstring; issue 12 states the same cost).
-        recompute += profile.head_fwd_flops_per_sample * batch_size * seq_scale
-    matmul = (fwd + bwd + recompute) / rate
+        recompute += profile.head_fwd_flops_per_sample * s.batch_size * s.seq_scale
+    return (s.fwd + s.bwd + recompute) / s.rate
 
-    act_bytes = profile.act_bytes_per_sample * batch_size * seq_scale
-    if plan.precision.mode != "fp32":
-        act_bytes /= 2
-    traffic = 2 * act_bytes  # written in forward, read in backward
-    if mode != "none":
-        traffic += act_bytes  # recomputed activations are written again
-    pointwise = traffic / device.mem_bandwidth
 
-    ops = profile.ops_per_micro_batch * n_micro
-    if mode != "none":
-        ops += profile.block_ops * n_micro
-    launch = ops * device.launch_overhead
+def _pointwise(plan: Plan, device: DeviceProfile, s: _Step) -> float:
+    """Activation traffic at memory bandwidth."""
+    traffic = 2 * s.act_bytes  # written in forward, read in backward
+    if plan.checkpointing.mode != "none":
+        traffic += s.act_bytes  # recomputed activations are written again
+    return traffic / device.mem_bandwidth
 
-    params = profile.num_parameters * trainable_fraction
-    tensors = profile.num_tensors * trainable_fraction
-    name = plan.optimizer.name
-    opt_bytes = _OPT_BYTES.get(name, 28.0)
+
+def _launch(profile: WorkloadProfile, plan: Plan, device: DeviceProfile, s: _Step) -> float:
+    """Per-op overhead of every micro-batch's ops (and of recomputation's)."""
+    ops = profile.ops_per_micro_batch * s.n_micro
+    if plan.checkpointing.mode != "none":
+        ops += profile.block_ops * s.n_micro
+    return ops * device.launch_overhead
+
+
+@dataclass(frozen=True)
+class _OptimizerFigures:
+    """One optimizer's figures from the tables above (AdamW's where they have none)."""
+
+    step_bytes: float  # bytes read + written per parameter by one fp32 step
+    state_bytes: float  # bytes of state kept per parameter
+    ops_per_tensor: int  # ops per tensor when it loops over tensors
+    foreach: bool  # whether it can step all tensors at once (torch's foreach kernels)
+
+
+def _optimizer_figures(name: str) -> _OptimizerFigures:
+    return _OptimizerFigures(
+        step_bytes=_OPT_BYTES.get(name, 28.0),
+        state_bytes=_STATE_BYTES.get(name, 8.0),
+        ops_per_tensor=_OPT_OPS_PER_TENSOR.get(name, 10),
+        foreach=name in ("adamw", "adam", "sgd"),
+    )
+
+
+def _device_step(plan: Plan, device: DeviceProfile, s: _Step, opt: _OptimizerFigures) -> float:
+    """The optimizer's bytes at memory bandwidth, plus launches when it loops over tensors."""
+    opt_bytes = opt.step_bytes
     if plan.precision.mode == "bf16-pure":
         opt_bytes = opt_bytes / 2 + 4  # half-size tensors, plus stochastic rounding's draw
-    optimizer = params * opt_bytes / device.mem_bandwidth
-    loops = (
-        plan.optimizer.foreach is False
-        or plan.optimizer_in_backward
-        or name
-        not in (
-            "adamw",
-            "adam",
-            "sgd",
-        )
-    )
+    optimizer = s.params * opt_bytes / device.mem_bandwidth
+    loops = plan.optimizer.foreach is False or plan.optimizer_in_backward or not opt.foreach
     if loops:
-        optimizer += tensors * _OPT_OPS_PER_TENSOR.get(name, 10) * device.launch_overhead
+        optimizer += s.tensors * opt.ops_per_tensor * device.launch_overhead
+    return optimizer
 
-    extra = 0.0
+
+def _extra_backward(plan: Plan, device: DeviceProfile, s: _Step) -> float:
+    """Exact clipping with the step in backward: a norm-only backward first."""
     if (
         plan.optimizer_in_backward
         and plan.max_grad_norm is not None
         and plan.grad_clip_mode == "exact"
     ):
-        extra = bwd / rate + act_bytes / device.mem_bandwidth
-    offload = 0.0
+        return s.bwd / s.rate + s.act_bytes / device.mem_bandwidth
+    return 0.0
+
+
+def _host_step(plan: Plan, device: DeviceProfile, s: _Step, opt: _OptimizerFigures) -> float:
+    """The optimizer on the host (ZeRO-Offload): gradients down, the host step, weights up,
+    each showing only beyond the backward it overlaps."""
     off = plan.offload
-    if off is not None and off.optimizer is not None:
-        weight_bytes = 2.0 if plan.precision.mode == "bf16-pure" else 4.0
-        moves = n_micro if off.gradients_on_host else 1
-        down = params * weight_bytes / device.host_bandwidth  # one micro-batch's gradients
-        up = params * weight_bytes / device.host_bandwidth
-        bwd_micro = bwd / rate / n_micro
-        # The host step streams the fp32 masters and state (the same bytes as on the device
-        # in fp32) plus the gradients' fp32 copy, at host memory bandwidth.
-        host_step = params * (_OPT_BYTES.get(name, 28.0) + 4) / device.host_mem_bandwidth
-        if off.optimizer == "disk":
-            # Masters and state are read and written back every step; the next group's read
-            # overlaps the current group's step, so the slower of the two sets the pace.
-            state = _STATE_BYTES.get(name, 8.0) + 4.0
-            host_step = max(host_step, 2 * params * state / device.disk_bandwidth)
-        # Each move overlaps its micro-batch's backward; only the excess shows.
-        offload = (moves - 1) * max(0.0, down - bwd_micro)
-        if plan.optimizer_in_backward:
-            # Buckets step on the host as they land: the link down, the host step and the
-            # link up run as a pipeline beside the last backward; its slowest stage sets the
-            # pace (ZeRO-Offload's and torchao's overlapped step).
-            offload += max(0.0, max(down, host_step, up) - bwd_micro)
-        else:
-            offload += max(0.0, down - bwd_micro) + up + host_step
-        optimizer = 0.0  # no step on the device
-    if off is not None and off.parameters is not None:
-        # Every block parameter comes up before its block's forward and again before its
-        # backward, each micro-batch, the next block prefetched while the current computes:
-        # each pass's fetches show only beyond that pass's compute. (Non-block parameters,
-        # embeddings and head, stay; counted as moving too, so this errs slow.)
-        weight_bytes = 2.0 if plan.precision.mode == "bf16-pure" else 4.0
-        fetch = profile.num_parameters * weight_bytes / device.host_bandwidth
-        fwd_micro = fwd / rate / n_micro
-        bwd_micro = bwd / rate / n_micro
-        offload += n_micro * (max(0.0, fetch - fwd_micro) + max(0.0, fetch - bwd_micro))
-    if off is not None and off.activations:
-        # Saved tensors go down during forward and come back during backward, each trip
-        # overlapped with that pass's compute (a side stream on CUDA). Counted as every kept
-        # activation byte: with checkpointing only the block inputs move, so this errs slow.
-        trip = act_bytes / device.host_bandwidth
-        offload += max(0.0, trip - fwd / rate) + max(0.0, trip - bwd / rate)
-    return StepCost(matmul, pointwise, launch, optimizer, extra, offload)
+    assert off is not None
+    weight_bytes = 2.0 if plan.precision.mode == "bf16-pure" else 4.0
+    moves = s.n_micro if off.gradients_on_host else 1
+    down = s.params * weight_bytes / device.host_bandwidth  # one micro-batch's gradients
+    up = s.params * weight_bytes / device.host_bandwidth
+    bwd_micro = s.bwd / s.rate / s.n_micro
+    # The host step streams the fp32 masters and state (the same bytes as on the device
+    # in fp32) plus the gradients' fp32 copy, at host memory bandwidth.
+    host_step = s.params * (opt.step_bytes + 4) / device.host_mem_bandwidth
+    if off.optimizer == "disk":
+        # Masters and state are read and written back every step; the next group's read
+        # overlaps the current group's step, so the slower of the two sets the pace.
+        state = opt.state_bytes + 4.0
+        host_step = max(host_step, 2 * s.params * state / device.disk_bandwidth)
+    # Each move overlaps its micro-batch's backward; only the excess shows.
+    offload = (moves - 1) * max(0.0, down - bwd_micro)
+    if plan.optimizer_in_backward:
+        # Buckets step on the host as they land: the link down, the host step and the
+        # link up run as a pipeline beside the last backward; its slowest stage sets the
+        # pace (ZeRO-Offload's and torchao's overlapped step).
+        offload += max(0.0, max(down, host_step, up) - bwd_micro)
+    else:
+        offload += max(0.0, down - bwd_micro) + up + host_step
+    return offload
+
+
+def _parameter_fetches(
+    profile: WorkloadProfile, plan: Plan, device: DeviceProfile, s: _Step
+) -> float:
+    """Parameter offload: every parameter fetched before each forward and each backward."""
+    # Every block parameter comes up before its block's forward and again before its
+    # backward, each micro-batch, the next block prefetched while the current computes:
+    # each pass's fetches show only beyond that pass's compute. (Non-block parameters,
+    # embeddings and head, stay; counted as moving too, so this errs slow.)
+    weight_bytes = 2.0 if plan.precision.mode == "bf16-pure" else 4.0
+    fetch = profile.num_parameters * weight_bytes / device.host_bandwidth
+    fwd_micro = s.fwd / s.rate / s.n_micro
+    bwd_micro = s.bwd / s.rate / s.n_micro
+    return s.n_micro * (max(0.0, fetch - fwd_micro) + max(0.0, fetch - bwd_micro))
+
+
+def _activation_trips(device: DeviceProfile, s: _Step) -> float:
+    """Activation offload: saved tensors down in forward and back in backward."""
+    # Saved tensors go down during forward and come back during backward, each trip
+    # overlapped with that pass's compute (a side stream on CUDA). Counted as every kept
+    # activation byte: with checkpointing only the block inputs move, so this errs slow.
+    trip = s.act_bytes / device.host_bandwidth
+    return max(0.0, trip - s.fwd / s.rate) + max(0.0, trip - s.bwd / s.rate)
 
 
 def describe(cost: StepCost) -> dict[str, Any]:

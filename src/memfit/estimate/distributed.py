@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from ..accounting.report import MemoryReport
 from ..plan import Plan
+from ..targets import DeviceProfile
 from ..workload import Workload, load_workload
 
 __all__ = [
@@ -102,7 +103,8 @@ def predict_ranks(
     steps: int = 3,
     batch_size: int | None = None,
     seq_len: int | None = None,
-    **kwargs: Any,
+    device: str | DeviceProfile | None = None,
+    seed: int = 0,
 ) -> RankPrediction:
     """Predict each rank's peak for ``plan`` (its ``parallel.data`` ranks) by dry runs.
 
@@ -113,7 +115,9 @@ def predict_ranks(
         steps: Steps per dry run (3: DDP rebuilds its buckets once, at the second step).
         batch_size: With a SPEC: the global batch (default 8).
         seq_len: With a SPEC: tokens per sample (default 128).
-        **kwargs: Passed to :func:`~memfit.estimate.dryrun.measure` (``device``, ``seed``).
+        device: The target device of the dry runs (:func:`~memfit.estimate.dryrun.measure`'s;
+            default: this machine's own).
+        seed: Seed for model initialisation and the batch.
 
     Raises:
         ValueError: when the data-parallel degree does not divide the batch.
@@ -129,7 +133,7 @@ def predict_ranks(
             f"processes; use a batch size that is a multiple of {world}"
         )
     if world == 1 and plan.parallel.zero_stage == 0:
-        report = measure(workload, plan, steps=steps, dry=True, **kwargs)
+        report = measure(workload, plan, steps=steps, dry=True, device=device, seed=seed)
         return RankPrediction(plan, [int(report.peak_bytes)], {0: report})
     if world <= EVERY_RANK_UP_TO:
         ranks = list(range(world))
@@ -140,7 +144,7 @@ def predict_ranks(
     reports: dict[int, MemoryReport] = {}
     for rank in ranks:
         with fake_process_group(world, rank):
-            reports[rank] = measure(workload, plan, steps=steps, dry=True, **kwargs)
+            reports[rank] = measure(workload, plan, steps=steps, dry=True, device=device, seed=seed)
     peaks = [int(reports.get(r, reports[0]).peak_bytes) for r in range(world)]
     return RankPrediction(plan, peaks, reports)
 

@@ -164,7 +164,6 @@ def measure(
         PlanError: when the plan asks for what the target cannot do (bf16 on a T4).
     """
     from ..apply.compose import apply_plan
-    from ..workload import WorkloadError
 
     if isinstance(workload, str):
         workload = load_workload(workload, batch_size, seq_len)
@@ -174,29 +173,80 @@ def measure(
         raise ValueError(f"stop must be 'forward' or None, got {stop!r}")
     target = get_device(device)
     plan = plan_for_target(plan or Plan(), target)
-    losses: list[float | None] = []
-    emulation = emulate(target)
-    tracker = None
-    stopped = False
-    values = _values(dry, expert_load, lambda: tracker and tracker.current_module)
+    run = _Run(workload, plan, target, dry=dry, progress=progress)
+    values = _values(dry, expert_load, run.current_module)
     with _fake_mode() if dry else contextlib.nullcontext(), values:
-        try:
-            model, batch = workload.build(seed=seed)
-        except WorkloadError:
-            raise
-        except Exception as e:
-            limitation = _dry_limitation(e, "while the model was built")
-            if limitation is None:
-                raise
-            raise limitation from e
-        num_parameters = sum(p.numel() for p in model.parameters())
+        model, batch = _build(workload, seed)
+        run.num_parameters = sum(p.numel() for p in model.parameters())
         setup = apply_plan(model, plan, loss_fn=workload.loss_fn)
-        hooks = contextlib.ExitStack()
         watch = (lambda _: True) if stop == "forward" else at_forward_end
+        run.train(model, batch, setup, steps=steps, cap=cap, watch=watch)
+    report = run.report(steps, values, stopped_by=stop or "at_forward_end")
+    if dry and plan.offload is not None and plan.offload.optimizer == "disk":
+        _disk_tier_estimate(report, setup.optimizer, plan)
+    if plan.compile_backend is not None:
+        # Neither a dry run (fake tensors) nor the tracker's dispatch mode (under which dynamo
+        # runs the model eagerly) sees compiled code: both apply the saving measured for real.
+        _apply_compiled_saving(report, workload, plan, seed)
+    return report
+
+
+def _build(workload: Workload, seed: int) -> tuple[Any, Any]:
+    """``workload``'s model and batch; fake tensors' own failure is a :class:`DryRunLimitation`."""
+    from ..workload import WorkloadError
+
+    try:
+        return workload.build(seed=seed)
+    except WorkloadError:
+        raise
+    except Exception as e:
+        limitation = _dry_limitation(e, "while the model was built")
+        if limitation is None:
+            raise
+        raise limitation from e
+
+
+class _Run:
+    """One run of :func:`measure`: its training steps under the tracker, and their report."""
+
+    def __init__(
+        self,
+        workload: Workload,
+        plan: Plan,
+        target: DeviceProfile,
+        *,
+        dry: bool,
+        progress: Progress | None,
+    ) -> None:
+        self.workload, self.plan, self.target = workload, plan, target
+        self.dry, self.progress = dry, progress
+        self.emulation = emulate(target)
+        self.tracker: Any = None  # once the run is tracked
+        self.losses: list[float | None] = []
+        self.stopped = False  # whether ``watch`` stopped the run
+        self.num_parameters = 0  # of the model as built, before the plan
+
+    def current_module(self) -> str | None:
+        """The module running now (``None`` before the run is tracked)."""
+        return self.tracker and self.tracker.current_module
+
+    def train(
+        self,
+        model: Any,
+        batch: Any,
+        setup: Any,
+        *,
+        steps: int,
+        cap: int | None,
+        watch: Callable[[Any], bool] | None,
+    ) -> None:
+        """Run ``steps`` steps of ``setup`` on ``batch`` under the tracker; ``watch(tracker)``
+        at each forward's end stops the run when true."""
+        hooks = contextlib.ExitStack()
         if watch is not None:
 
             def at_end(*args: Any) -> None:
-                if watch(tracker):
+                if watch(self.tracker):
                     raise _Stopped
 
             hooks.callback(model.register_forward_hook(at_end).remove)
@@ -207,57 +257,63 @@ def measure(
                 lambda *_: check()
             )
             hooks.callback(on_forward.remove)
-        with hooks, track(model, setup.optimizer, cap=cap) as tracker, emulation:
+        with hooks, track(model, setup.optimizer, cap=cap) as tracker, self.emulation:
+            self.tracker = tracker
             tracker.poll = check
             tracker.add_inputs(batch)
             for i in range(steps):
                 try:
-                    loss = setup.step(batch)
+                    loss = self._step(setup, batch)
                 except _Stopped:
-                    stopped = True
+                    self.stopped = True
                     break
-                except (WorkloadError, torch.OutOfMemoryError):
-                    raise
-                except Exception as e:
-                    if _cancelled(e):
-                        raise Cancelled from None
-                    where = tracker.failed_module or tracker.current_module
-                    limitation = _dry_limitation(
-                        e, f"inside module {where!r}" if where else "in the training step"
-                    )
-                    raise (limitation or model_error(e)) from e
-                losses.append(None if dry else float(loss))
+                self.losses.append(None if self.dry else float(loss))
                 del loss
-                if progress is not None:
-                    progress(i + 1, steps)
-    report = tracker.report()
-    report.meta.update(
-        model=workload.name,
-        batch_size=workload.batch_size,
-        seq_len=workload.seq_len,
-        steps=steps,
-        num_parameters=int(num_parameters),
-        dry_run=bool(dry),
-        plan=plan.to_dict(),
-        losses=losses,
-        target_device=target.name,
-        attention_backends=dict(getattr(emulation, "backends", {})),
-    )
-    if stopped:
-        report.meta["stopped"] = stop or "at_forward_end"
-    if dry:
-        report.meta["data_dependent"] = values.summary()
-        report.trace = tracker.trace()
-    from .target import add_device_memory
+                if self.progress is not None:
+                    self.progress(i + 1, steps)
 
-    add_device_memory(report, tracker, target)
-    if dry and plan.offload is not None and plan.offload.optimizer == "disk":
-        _disk_tier_estimate(report, setup.optimizer, plan)
-    if plan.compile_backend is not None:
-        # Neither a dry run (fake tensors) nor the tracker's dispatch mode (under which dynamo
-        # runs the model eagerly) sees compiled code: both apply the saving measured for real.
-        _apply_compiled_saving(report, workload, plan, seed)
-    return report
+    def _step(self, setup: Any, batch: Any) -> Any:
+        """One step of ``setup``; the model's own failure is named as the model's."""
+        from ..workload import WorkloadError
+
+        try:
+            return setup.step(batch)
+        except (_Stopped, WorkloadError, torch.OutOfMemoryError):
+            raise
+        except Exception as e:
+            if _cancelled(e):
+                raise Cancelled from None
+            tracker = self.tracker
+            where = tracker.failed_module or tracker.current_module
+            limitation = _dry_limitation(
+                e, f"inside module {where!r}" if where else "in the training step"
+            )
+            raise (limitation or model_error(e)) from e
+
+    def report(self, steps: int, values: Any, *, stopped_by: str) -> MemoryReport:
+        """The tracker's report, with the run's facts in ``meta`` and the target's memory."""
+        from .target import add_device_memory
+
+        report = self.tracker.report()
+        report.meta.update(
+            model=self.workload.name,
+            batch_size=self.workload.batch_size,
+            seq_len=self.workload.seq_len,
+            steps=steps,
+            num_parameters=int(self.num_parameters),
+            dry_run=bool(self.dry),
+            plan=self.plan.to_dict(),
+            losses=self.losses,
+            target_device=self.target.name,
+            attention_backends=dict(getattr(self.emulation, "backends", {})),
+        )
+        if self.stopped:
+            report.meta["stopped"] = stopped_by
+        if self.dry:
+            report.meta["data_dependent"] = values.summary()
+            report.trace = self.tracker.trace()
+        add_device_memory(report, self.tracker, self.target)
+        return report
 
 
 def _cancelled(exc: BaseException | None) -> bool:
@@ -415,17 +471,51 @@ def dry_run(
     workload: Workload | str,
     plan: Plan | None = None,
     steps: int = 2,
-    **kwargs: Any,
+    *,
+    cap: int | None = None,
+    seed: int = 0,
+    batch_size: int = 8,
+    seq_len: int = 128,
+    device: str | DeviceProfile | None = None,
+    progress: Progress | None = None,
+    expert_load: float = 1.0,
+    stop: str | None = None,
+    at_forward_end: Callable[[Any], bool] | None = None,
 ) -> MemoryReport:
     """Run ``steps`` full training steps on fake tensors and return the :class:`MemoryReport`.
 
     Nothing is allocated: the model, batch, gradients and optimizer state are fake tensors, so
-    any model size profiles in seconds. The peak equals the real run's.
+    any model size profiles in seconds. The peak equals the real run's. This is
+    ``measure(..., dry=True)``; the arguments are :func:`measure`'s.
 
     Args:
         workload: A :class:`~memfit.workload.Workload` or a ``--model`` SPEC.
         plan: The plan to apply (default: plain AdamW, fp32).
         steps: Training steps.
-        **kwargs: ``batch_size`` and ``seq_len`` (with a SPEC), ``seed``, ``cap``, ``progress``.
+        cap: Virtual memory cap in bytes (raises ``torch.OutOfMemoryError`` beyond it).
+        seed: Seed for model initialisation and the batch.
+        batch_size: With a SPEC: samples per step.
+        seq_len: With a SPEC: tokens per sample.
+        device: The target device whose memory behaviour the run reproduces (default: this
+            machine's own).
+        progress: Called after each step with (done, total).
+        expert_load: How a mixture-of-experts router spreads tokens (``1.0``: evenly).
+        stop: ``"forward"``: stop as the model's first forward returns.
+        at_forward_end: Called with the tracker each time a forward of the model returns;
+            returning true stops the run there.
     """
-    return measure(workload, plan, steps=steps, dry=True, **kwargs)
+    return measure(
+        workload,
+        plan,
+        steps=steps,
+        dry=True,
+        cap=cap,
+        seed=seed,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        device=device,
+        progress=progress,
+        expert_load=expert_load,
+        stop=stop,
+        at_forward_end=at_forward_end,
+    )

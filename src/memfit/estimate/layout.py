@@ -293,109 +293,161 @@ def _role_costs(src: _Source, parallel: ParallelConfig, pipe_rank: int, depth: i
 def _run_role(stages: dict[int, nn.Module], num_stages: int, parallel: ParallelConfig,
               mesh: Any, m: int, mb: int, seq_len: int, loss_fn: LossFn | None,
               optimizer: Any, foreach: bool | None, piped: bool) -> RoleCosts:
-    import torch.distributed as dist
+    """Run two micro-batches through the rank's ``stages`` under the tracker, then the
+    gradient reduction and the optimizer step, and read each event's costs off the trace."""
     from torch.distributed.fsdp import FSDPModule
 
     # torch's pipeline stage drives FSDP2 itself: no gradient sync and no resharding in each
     # micro-batch's backward, one reduction after the last (PipelineStage.perform_reduce_grad).
     fsdp = [st for st in stages.values() if piped and isinstance(st, FSDPModule)]
+    params = list({id(p): p for stage in stages.values() for p in stage.parameters()}.values())
+    opt, state_bytes = _primed_optimizer(optimizer, params, foreach)
+    if loss_fn is None:
+        loss_fn = shifted_cross_entropy if parallel.tensor > 1 else causal_lm_loss
+    run = _RoleRun(stages, num_stages, m, mb, seq_len, loss_fn, fsdp)
+    ctx = contextlib.nullcontext()
+    if parallel.tensor > 1:
+        from torch.distributed.tensor.parallel import loss_parallel
 
-    seen: dict[int, nn.Parameter] = {}
-    for stage in stages.values():
-        for p in stage.parameters():
-            seen.setdefault(id(p), p)
-    params = list(seen.values())
+        ctx = loss_parallel()
+    with track(None, opt) as tracker, ctx:
+        run.tracker = tracker
+        tracker.label(params, "parameters")
+        static = run.inputs_and_buffers(params)
+        for i in range(min(m, 2)):
+            run.forwards(i)
+            run.backwards(i)
+        a = tracker.event_stamp
+        for st in fsdp:
+            _fsdp_reduce(st)
+        grad_bytes = _reduce_gradients(params, parallel, mesh, m)
+        opt.step()
+        run.marks["O"] = (a, tracker.event_stamp)
+    return _read_costs(_curve(tracker), run.marks, stages, m, static=static,
+                       parameter_bytes=_nbytes(params), gradient_bytes=grad_bytes,
+                       state_bytes=state_bytes)
+
+
+def _primed_optimizer(optimizer: Any, params: list[nn.Parameter],
+                      foreach: bool | None) -> tuple[Any, int]:
+    """The optimizer after the step before (its state made, the gradients set to ``None``),
+    and its state's bytes."""
     opt = _make_optimizer(optimizer, params, foreach)
-    # The step before: the optimizer's state exists, the gradients were set to None.
     for p in params:
         p.grad = torch.zeros_like(p)
     opt.step()
     opt.zero_grad(set_to_none=True)
     state_bytes = _nbytes(t for s in opt.state.values() for t in s.values()
                           if isinstance(t, torch.Tensor))
-    if loss_fn is None:
-        loss_fn = shifted_cross_entropy if parallel.tensor > 1 else causal_lm_loss
-    dtype = next((p.dtype for p in params if p.is_floating_point()), torch.float32)
-    hf = next(iter(stages.values()))
-    hidden = getattr(getattr(hf, "hf_config", None) or getattr(hf, "config", None),
-                     "hidden_size", None)
-    first, last = min(stages) == 0, max(stages) == num_stages - 1
-    local_batch = mb * m
-    ctx = contextlib.nullcontext()
-    if parallel.tensor > 1:
-        from torch.distributed.tensor.parallel import loss_parallel
+    return opt, state_bytes
 
-        ctx = loss_parallel()
-    marks: dict[Any, tuple[int, int]] = {}
-    with track(None, opt) as tracker, ctx:
-        tracker.label(params, "parameters")
+
+class _RoleRun:
+    """A pipeline rank's micro-batches through its stages, as torch's pipeline stage runs
+    them, with each forward's and backward's span of the tracker's events in ``marks``."""
+
+    def __init__(self, stages: dict[int, nn.Module], num_stages: int, m: int, mb: int,
+                 seq_len: int, loss_fn: LossFn, fsdp: list[Any]) -> None:
+        self.stages, self.num_stages, self.m, self.mb = stages, num_stages, m, mb
+        self.seq_len, self.loss_fn, self.fsdp = seq_len, loss_fn, fsdp
+        self.order = sorted(stages)
+        self.tracker: Any = None
+        self.marks: dict[Any, tuple[int, int]] = {}
+        self.cache: dict[tuple[int, int], Any] = {}
+        self.ids: Any = None  # the batch's input ids (first stage only)...
+        self.labels: Any = None  # ...and labels (last stage only)
+        self.recv: dict[tuple[int, int], torch.Tensor] = {}
+        self.grad_recv: dict[tuple[int, int], torch.Tensor] = {}
+
+    def inputs_and_buffers(self, params: list[nn.Parameter]) -> int:
+        """Make the batch and the receive buffers; returns the live bytes then (the static)."""
+        stages, m, mb, seq_len, tracker = self.stages, self.m, self.mb, self.seq_len, self.tracker
+        dtype = next((p.dtype for p in params if p.is_floating_point()), torch.float32)
+        hf = next(iter(stages.values()))
+        hidden = getattr(getattr(hf, "hf_config", None) or getattr(hf, "config", None),
+                         "hidden_size", None)
+        first, last = min(stages) == 0, max(stages) == self.num_stages - 1
+        local_batch = mb * m
         # The batch: input ids on the first stage, labels on the last (one tensor each).
-        ids = torch.empty((local_batch, seq_len), dtype=torch.long) if first else None
-        labels = torch.empty((local_batch, seq_len), dtype=torch.long) if last else None
-        tracker.add_inputs((ids, labels))
+        self.ids = torch.empty((local_batch, seq_len), dtype=torch.long) if first else None
+        self.labels = torch.empty((local_batch, seq_len), dtype=torch.long) if last else None
+        tracker.add_inputs((self.ids, self.labels))
         # torch's PipelineStage receives each micro-batch's input, and each output gradient,
         # into its own buffer, allocated once and kept.
-        recv: dict[tuple[int, int], torch.Tensor] = {}
-        grad_recv: dict[tuple[int, int], torch.Tensor] = {}
         for s in stages:
             for i in range(m):
                 if s > 0:
-                    recv[s, i] = torch.empty((mb, seq_len, hidden), dtype=dtype,
-                                             requires_grad=True)
-                if s < num_stages - 1:
-                    grad_recv[s, i] = torch.empty((mb, seq_len, hidden), dtype=dtype)
-        tracker.label((list(recv.values()), list(grad_recv.values())), "other")
-        static = tracker.live_bytes
-        cache: dict[tuple[int, int], Any] = {}
-        order = sorted(stages)
-        for i in range(min(m, 2)):
-            for s in order:
-                a = tracker.event_stamp
-                x = ids[i * mb:(i + 1) * mb] if s == 0 else recv[s, i]
-                if s > 0 and s - 1 in stages:
-                    x = cache[s - 1, i][0]  # the same rank's previous stage feeds it directly
-                out = stages[s](x)
-                out = getattr(out, "logits", out)
-                loss = None
-                if s == num_stages - 1:
-                    loss = loss_fn(out, labels[i * mb:(i + 1) * mb])
-                cache[s, i] = (out, x, loss)
-                marks["F", s, i] = (a, tracker.event_stamp)
-            for s in reversed(order):
-                a = tracker.event_stamp
-                out, x, loss = cache.pop((s, i))
-                if stages[s] in fsdp:
-                    stages[s].set_is_last_backward(False)
-                    stages[s].set_reshard_after_backward(False)
-                    stages[s].set_requires_gradient_sync(False)
-                if loss is not None:
-                    loss.backward()
-                elif s + 1 in stages:
-                    pass  # run with the next stage's backward, as one graph
-                else:
-                    torch.autograd.backward(out, grad_recv[s, i])
-                grad_in = x.grad if x.requires_grad else None
-                if x.requires_grad and x.is_leaf:
-                    x.grad = None  # sent to the previous stage, then freed
-                del out, x, loss, grad_in
-                marks["B", s, i] = (a, tracker.event_stamp)
-        a = tracker.event_stamp
-        for st in fsdp:
-            _fsdp_reduce(st)
-        for p in params:  # the schedule's scaling by the micro-batch count, in place
+                    self.recv[s, i] = torch.empty((mb, seq_len, hidden), dtype=dtype,
+                                                  requires_grad=True)
+                if s < self.num_stages - 1:
+                    self.grad_recv[s, i] = torch.empty((mb, seq_len, hidden), dtype=dtype)
+        tracker.label((list(self.recv.values()), list(self.grad_recv.values())), "other")
+        return tracker.live_bytes
+
+    def forwards(self, i: int) -> None:
+        """Micro-batch ``i``'s forward through each of the rank's stages, in order."""
+        mb, tracker, cache = self.mb, self.tracker, self.cache
+        for s in self.order:
+            a = tracker.event_stamp
+            x = self.ids[i * mb:(i + 1) * mb] if s == 0 else self.recv[s, i]
+            if s > 0 and s - 1 in self.stages:
+                x = cache[s - 1, i][0]  # the same rank's previous stage feeds it directly
+            out = self.stages[s](x)
+            out = getattr(out, "logits", out)
+            loss = None
+            if s == self.num_stages - 1:
+                loss = self.loss_fn(out, self.labels[i * mb:(i + 1) * mb])
+            cache[s, i] = (out, x, loss)
+            self.marks["F", s, i] = (a, tracker.event_stamp)
+
+    def backwards(self, i: int) -> None:
+        """Micro-batch ``i``'s backward through each of the rank's stages, last first."""
+        tracker = self.tracker
+        for s in reversed(self.order):
+            a = tracker.event_stamp
+            out, x, loss = self.cache.pop((s, i))
+            stage = self.stages[s]
+            if stage in self.fsdp:
+                stage.set_is_last_backward(False)
+                stage.set_reshard_after_backward(False)
+                stage.set_requires_gradient_sync(False)
+            if loss is not None:
+                loss.backward()
+            elif s + 1 in self.stages:
+                pass  # run with the next stage's backward, as one graph
+            else:
+                torch.autograd.backward(out, self.grad_recv[s, i])
+            grad_in = x.grad if x.requires_grad else None
+            if x.requires_grad and x.is_leaf:
+                x.grad = None  # sent to the previous stage, then freed
+            del out, x, loss, grad_in
+            self.marks["B", s, i] = (a, tracker.event_stamp)
+
+
+def _reduce_gradients(params: list[nn.Parameter], parallel: ParallelConfig, mesh: Any,
+                      m: int) -> int:
+    """The schedule's scaling by the micro-batch count and, unsharded, the data-parallel
+    all-reduce; returns the gradients' bytes."""
+    import torch.distributed as dist
+
+    for p in params:  # the schedule's scaling by the micro-batch count, in place
+        if p.grad is not None:
+            p.grad.div_(m)
+    if parallel.data > 1 and not parallel.sharded:
+        group = mesh["dp"].get_group()
+        for p in params:
             if p.grad is not None:
-                p.grad.div_(m)
-        if parallel.data > 1 and not parallel.sharded:
-            group = mesh["dp"].get_group()
-            for p in params:
-                if p.grad is not None:
-                    g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                    dist.all_reduce(g, group=group)
-                    g.div_(parallel.data)
-        grad_bytes = _nbytes(p.grad for p in params if p.grad is not None)
-        opt.step()
-        marks["O"] = (a, tracker.event_stamp)
-    live = _curve(tracker)
+                g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                dist.all_reduce(g, group=group)
+                g.div_(parallel.data)
+    return _nbytes(p.grad for p in params if p.grad is not None)
+
+
+def _read_costs(live: list[int], marks: dict[Any, tuple[int, int]],
+                stages: dict[int, nn.Module], m: int, *, static: int, parameter_bytes: int,
+                gradient_bytes: int, state_bytes: int) -> RoleCosts:
+    """The events' costs from the live-bytes curve: each marked span's rise over its start
+    (``over``) and its change (``delta``), beside the rank's own figures."""
 
     def over(key: Any) -> int:
         a, b = marks[key]
@@ -413,8 +465,8 @@ def _run_role(stages: dict[int, nn.Module], num_stages: int, parallel: ParallelC
         backward_over={s: (over(("B", s, 0)), over(("B", s, later))) for s in stages},
         backward_delta={s: (delta(("B", s, 0)), delta(("B", s, later))) for s in stages},
         optimizer_over=over("O"),
-        parameter_bytes=_nbytes(params),
-        gradient_bytes=grad_bytes,
+        parameter_bytes=parameter_bytes,
+        gradient_bytes=gradient_bytes,
         optimizer_state_bytes=state_bytes,
     )
 

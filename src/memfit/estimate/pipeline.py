@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from ..accounting import track
+from ..distributed.config import PIPELINE_SCHEDULES
 from ..distributed.pipeline import (
-    SCHEDULES,
     BlockCost,
     PipelineConfig,
     build_stage,
@@ -345,7 +345,7 @@ def _schedule_orders(config: PipelineConfig) -> dict[int, list[Any]]:
         stages = [pipelining.PipelineStage(nn.Identity(), s, config.num_stages,
                                            torch.device("cpu"))
                   for s in config.stage_indices(0)]
-        cls = getattr(pipelining, SCHEDULES[config.schedule])
+        cls = getattr(pipelining, PIPELINE_SCHEDULES[config.schedule])
         single = config.schedule in ("gpipe", "1f1b")
         schedule = cls(stages[0] if single else stages, config.num_microbatches,
                        loss_fn=causal_lm_loss)

@@ -148,211 +148,217 @@ def __getattr__(name: str) -> Any:
 def _make_class() -> type:
     import lightning as L
 
-    class _MemfitCallback(L.Callback):
+    class _MemfitCallback(_CallbackMethods, L.Callback):
         __doc__ = _CALLBACK_DOC
-
-        def __init__(
-            self,
-            plan: Plan,
-            *,
-            report_dir: str | Path | None = None,
-            model_attr: str = "model",
-            log: bool = True,
-            check_trainer: bool = True,
-        ) -> None:
-            if not isinstance(plan, Plan):
-                raise TypeError(f"MemfitCallback takes a memfit.Plan, got a {type(plan).__name__}")
-            check_plan(plan)
-            self.plan = plan
-            self.report_dir = None if report_dir is None else Path(report_dir)
-            self.model_attr = model_attr
-            self.log = log
-            self.check_trainer = check_trainer
-            self.handles: list[tuple[str, Any]] = []
-            self.precision: Any = None
-            self.tracker: MemoryTracker | None = None
-            self.report: Any = None
-            self.info: dict[str, Any] = {}
-            self._checked_batch = False
-            self._last_step = 0
-            self._handle: Any = None
-            self._micro = 0  # micro-batches done in the current fused step
-
-        # ------------------------------------------------------------ model side
-        def target(self, pl_module: nn.Module) -> nn.Module:
-            """The module the techniques apply to (``pl_module.<model_attr>`` or itself)."""
-            inner = getattr(pl_module, self.model_attr, None)
-            return inner if isinstance(inner, nn.Module) else pl_module
-
-        def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-            if stage != "fit" or self.handles:
-                return
-            if self.plan.optimizer_in_backward and pl_module.automatic_optimization:
-                raise PlanError(
-                    "optimizer_in_backward needs manual optimization in Lightning: set "
-                    "self.automatic_optimization = False in the LightningModule and call "
-                    "callback.backward(self, loss) in training_step"
-                )
-            if self.check_trainer:
-                _check_trainer(trainer, self.plan)
-            self._apply(self.target(pl_module))
-
-        def _apply(self, model: nn.Module) -> None:
-            from ..apply.compose import apply_techniques
-            from ..techniques import ApplyContext
-
-            # The registry's loop up to the optimizer, which configure_optimizers builds;
-            # Lightning's precision plugin autocasts (only bf16-pure changes the model) and
-            # its strategy does data parallelism.
-            ctx = ApplyContext(plan=self.plan, engine="lightning", info=self.info)
-            self.handles.extend(apply_techniques(model, self.plan, ctx, until="optimizer"))
-            self.precision = ctx.precision
-
-        def remove(self) -> None:
-            """Take the techniques off the model, last first (idempotent)."""
-            while self.handles:
-                self.handles.pop()[1].remove()
-            self.precision = None
-            self._handle = None
-
-        def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-            if stage == "fit":
-                self.remove()
-
-        def configure_optimizers(self, pl_module: nn.Module) -> torch.optim.Optimizer:
-            """The plan's optimizer over the module's trainable parameters.
-
-            Call it from the LightningModule's ``configure_optimizers`` (Lightning calls that
-            after the callback's ``setup``, so frozen parameters are already left out and
-            ``bf16-pure`` weights are already bf16).
-            """
-            if self.plan.optimizer_in_backward:
-                return self._fused(pl_module)
-            params = [p for p in pl_module.parameters() if p.requires_grad]
-            if self.precision is not None:
-                cfg = self.precision.optimizer_config(self.plan.optimizer)
-                return self.precision.wrap_optimizer(cfg.build(params))
-            return self.plan.optimizer.build(params)
-
-        def _fused(self, pl_module: nn.Module) -> Any:
-            from ..strategies.fused_step import optimizer_in_backward
-
-            plan, runtime = self.plan, self.precision
-            cfg = plan.optimizer if runtime is None else runtime.optimizer_config(plan.optimizer)
-
-            def build(params: Any) -> Any:
-                opt = cfg.build(params)
-                return opt if runtime is None else runtime.wrap_optimizer(opt)
-
-            handle = optimizer_in_backward(
-                pl_module,
-                build,
-                grad_accum_steps=plan.grad_accum_steps,
-                max_grad_norm=plan.max_grad_norm,
-                clip_mode=plan.grad_clip_mode,
-                track_grad_norm=True,  # logged as memfit/grad_norm: nothing else can measure it
-            )
-            self.handles.append(("optimizer_in_backward", handle))
-            self._handle = handle
-            fused_step = handle.step
-
-            def step(closure: Any = None) -> None:
-                # Lightning's manual step passes a closure that does nothing (the backward ran
-                # in training_step); the handle refuses closures, so run it here and step.
-                if closure is not None:
-                    closure()
-                fused_step()
-
-            handle.step = step  # on the instance: gone with the handle at teardown
-            return handle
-
-        def backward(self, pl_module: Any, loss: torch.Tensor) -> None:
-            """Backward of one micro-batch's loss with the fused step (manual optimization).
-
-            The loss is weighted by ``1/grad_accum_steps`` (the plan's ``mean``); on the last
-            micro-batch of a step the parameters are updated inside this backward.
-
-            Raises:
-                RuntimeError: when the plan has no ``optimizer_in_backward`` or
-                    ``configure_optimizers`` did not return :meth:`configure_optimizers`.
-            """
-            handle = self._handle
-            if handle is None:
-                raise RuntimeError(
-                    "callback.backward is for plans with optimizer_in_backward whose "
-                    "configure_optimizers returns callback.configure_optimizers(self)"
-                )
-            k = self.plan.grad_accum_steps
-            last = self._micro + 1 >= k
-            self._micro = 0 if last else self._micro + 1
-            handle.backward(loss / k, last=last)
-            if last:
-                # A no-op step (the parameters moved in backward) that Lightning counts.
-                pl_module.optimizers().step()
-
-        # ------------------------------------------------------------ memory
-        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-            self._last_step = trainer.global_step
-            self.tracker = MemoryTracker(pl_module, list(trainer.optimizers) or None)
-            self.tracker.__enter__()
-
-        def on_train_batch_start(
-            self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
-        ) -> None:
-            if not self._checked_batch:
-                self._checked_batch = True
-                mb = self.plan.micro_batch_size
-                if mb is not None and batch_size_of(batch) != mb:
-                    raise PlanError(
-                        f"the plan's micro_batch_size is {mb} but the DataLoader gives batches "
-                        f"of {batch_size_of(batch)}; set the DataLoader's batch_size to {mb}"
-                    )
-            if self.tracker is not None:
-                self.tracker.add_inputs(batch)
-
-        def on_train_batch_end(
-            self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
-        ) -> None:
-            stepped = trainer.global_step != self._last_step
-            if stepped:
-                # An optimizer step ran on this batch. Lightning zeroes gradients inside the
-                # next step's closure, after that step's forward: the old gradients would
-                # then live through a whole forward (gradients + activations at once). Drop
-                # them now, as memfit's own loop does; Lightning's later zero_grad is a no-op.
-                self._last_step = trainer.global_step
-                for opt in trainer.optimizers:
-                    opt.zero_grad(set_to_none=True)
-            if not self.log:
-                return
-            t = self.tracker
-            if t is not None:
-                # Logged as floats in MiB-free bytes; on_step only, so nothing accumulates.
-                live, peak = float(t.live_bytes), float(t.peak_bytes)
-                pl_module.log("memfit/live_bytes", live, on_step=True, on_epoch=False)
-                pl_module.log("memfit/peak_bytes", peak, on_step=True, on_epoch=False)
-            norm = None if self._handle is None else self._handle.last_norm
-            if stepped and norm is not None:
-                pl_module.log("memfit/grad_norm", norm, on_step=True, on_epoch=False)
-
-        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-            t, self.tracker = self.tracker, None
-            if t is None:
-                return
-            t.__exit__(None, None, None)
-            self.report = t.report()
-            if self.report_dir is not None:
-                self.report_dir.mkdir(parents=True, exist_ok=True)
-                self.report.to_json(self.report_dir / "memory_report.json")
-                self.report.plot(self.report_dir / "memory_report.png", title="memfit: Lightning")
-
-        def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-            if self.tracker is not None:
-                self.tracker.__exit__(None, None, None)
-                self.tracker = None
-            self.remove()
 
     _MemfitCallback.__name__ = _MemfitCallback.__qualname__ = "MemfitCallback"
     return _MemfitCallback
+
+
+class _CallbackMethods:
+    """``MemfitCallback``'s methods. The class itself (:func:`_make_class`) puts them before
+    ``lightning.Callback`` in its bases, so that ``lightning`` is imported only when the class
+    is made, and its hooks are these."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        *,
+        report_dir: str | Path | None = None,
+        model_attr: str = "model",
+        log: bool = True,
+        check_trainer: bool = True,
+    ) -> None:
+        if not isinstance(plan, Plan):
+            raise TypeError(f"MemfitCallback takes a memfit.Plan, got a {type(plan).__name__}")
+        check_plan(plan)
+        self.plan = plan
+        self.report_dir = None if report_dir is None else Path(report_dir)
+        self.model_attr = model_attr
+        self.log = log
+        self.check_trainer = check_trainer
+        self.handles: list[tuple[str, Any]] = []
+        self.precision: Any = None
+        self.tracker: MemoryTracker | None = None
+        self.report: Any = None
+        self.info: dict[str, Any] = {}
+        self._checked_batch = False
+        self._last_step = 0
+        self._handle: Any = None
+        self._micro = 0  # micro-batches done in the current fused step
+
+    # ------------------------------------------------------------ model side
+    def target(self, pl_module: nn.Module) -> nn.Module:
+        """The module the techniques apply to (``pl_module.<model_attr>`` or itself)."""
+        inner = getattr(pl_module, self.model_attr, None)
+        return inner if isinstance(inner, nn.Module) else pl_module
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage != "fit" or self.handles:
+            return
+        if self.plan.optimizer_in_backward and pl_module.automatic_optimization:
+            raise PlanError(
+                "optimizer_in_backward needs manual optimization in Lightning: set "
+                "self.automatic_optimization = False in the LightningModule and call "
+                "callback.backward(self, loss) in training_step"
+            )
+        if self.check_trainer:
+            _check_trainer(trainer, self.plan)
+        self._apply(self.target(pl_module))
+
+    def _apply(self, model: nn.Module) -> None:
+        from ..apply.compose import apply_techniques
+        from ..techniques import ApplyContext
+
+        # The registry's loop up to the optimizer, which configure_optimizers builds;
+        # Lightning's precision plugin autocasts (only bf16-pure changes the model) and its
+        # strategy does data parallelism.
+        ctx = ApplyContext(plan=self.plan, engine="lightning", info=self.info)
+        self.handles.extend(apply_techniques(model, self.plan, ctx, until="optimizer"))
+        self.precision = ctx.precision
+
+    def remove(self) -> None:
+        """Take the techniques off the model, last first (idempotent)."""
+        while self.handles:
+            self.handles.pop()[1].remove()
+        self.precision = None
+        self._handle = None
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage == "fit":
+            self.remove()
+
+    def configure_optimizers(self, pl_module: nn.Module) -> torch.optim.Optimizer:
+        """The plan's optimizer over the module's trainable parameters.
+
+        Call it from the LightningModule's ``configure_optimizers`` (Lightning calls that
+        after the callback's ``setup``, so frozen parameters are already left out and
+        ``bf16-pure`` weights are already bf16).
+        """
+        if self.plan.optimizer_in_backward:
+            return self._fused(pl_module)
+        params = [p for p in pl_module.parameters() if p.requires_grad]
+        if self.precision is not None:
+            cfg = self.precision.optimizer_config(self.plan.optimizer)
+            return self.precision.wrap_optimizer(cfg.build(params))
+        return self.plan.optimizer.build(params)
+
+    def _fused(self, pl_module: nn.Module) -> Any:
+        from ..strategies.fused_step import optimizer_in_backward
+
+        plan, runtime = self.plan, self.precision
+        cfg = plan.optimizer if runtime is None else runtime.optimizer_config(plan.optimizer)
+
+        def build(params: Any) -> Any:
+            opt = cfg.build(params)
+            return opt if runtime is None else runtime.wrap_optimizer(opt)
+
+        handle = optimizer_in_backward(
+            pl_module,
+            build,
+            grad_accum_steps=plan.grad_accum_steps,
+            max_grad_norm=plan.max_grad_norm,
+            clip_mode=plan.grad_clip_mode,
+            track_grad_norm=True,  # logged as memfit/grad_norm: nothing else can measure it
+        )
+        self.handles.append(("optimizer_in_backward", handle))
+        self._handle = handle
+        fused_step = handle.step
+
+        def step(closure: Any = None) -> None:
+            # Lightning's manual step passes a closure that does nothing (the backward ran
+            # in training_step); the handle refuses closures, so run it here and step.
+            if closure is not None:
+                closure()
+            fused_step()
+
+        handle.step = step  # on the instance: gone with the handle at teardown
+        return handle
+
+    def backward(self, pl_module: Any, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's loss with the fused step (manual optimization).
+
+        The loss is weighted by ``1/grad_accum_steps`` (the plan's ``mean``); on the last
+        micro-batch of a step the parameters are updated inside this backward.
+
+        Raises:
+            RuntimeError: when the plan has no ``optimizer_in_backward`` or
+                ``configure_optimizers`` did not return :meth:`configure_optimizers`.
+        """
+        handle = self._handle
+        if handle is None:
+            raise RuntimeError(
+                "callback.backward is for plans with optimizer_in_backward whose "
+                "configure_optimizers returns callback.configure_optimizers(self)"
+            )
+        k = self.plan.grad_accum_steps
+        last = self._micro + 1 >= k
+        self._micro = 0 if last else self._micro + 1
+        handle.backward(loss / k, last=last)
+        if last:
+            # A no-op step (the parameters moved in backward) that Lightning counts.
+            pl_module.optimizers().step()
+
+    # ------------------------------------------------------------ memory
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._last_step = trainer.global_step
+        self.tracker = MemoryTracker(pl_module, list(trainer.optimizers) or None)
+        self.tracker.__enter__()
+
+    def on_train_batch_start(
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not self._checked_batch:
+            self._checked_batch = True
+            mb = self.plan.micro_batch_size
+            if mb is not None and batch_size_of(batch) != mb:
+                raise PlanError(
+                    f"the plan's micro_batch_size is {mb} but the DataLoader gives batches "
+                    f"of {batch_size_of(batch)}; set the DataLoader's batch_size to {mb}"
+                )
+        if self.tracker is not None:
+            self.tracker.add_inputs(batch)
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        stepped = trainer.global_step != self._last_step
+        if stepped:
+            # An optimizer step ran on this batch. Lightning zeroes gradients inside the
+            # next step's closure, after that step's forward: the old gradients would
+            # then live through a whole forward (gradients + activations at once). Drop
+            # them now, as memfit's own loop does; Lightning's later zero_grad is a no-op.
+            self._last_step = trainer.global_step
+            for opt in trainer.optimizers:
+                opt.zero_grad(set_to_none=True)
+        if not self.log:
+            return
+        t = self.tracker
+        if t is not None:
+            # Logged as floats in MiB-free bytes; on_step only, so nothing accumulates.
+            live, peak = float(t.live_bytes), float(t.peak_bytes)
+            pl_module.log("memfit/live_bytes", live, on_step=True, on_epoch=False)
+            pl_module.log("memfit/peak_bytes", peak, on_step=True, on_epoch=False)
+        norm = None if self._handle is None else self._handle.last_norm
+        if stepped and norm is not None:
+            pl_module.log("memfit/grad_norm", norm, on_step=True, on_epoch=False)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        t, self.tracker = self.tracker, None
+        if t is None:
+            return
+        t.__exit__(None, None, None)
+        self.report = t.report()
+        if self.report_dir is not None:
+            self.report_dir.mkdir(parents=True, exist_ok=True)
+            self.report.to_json(self.report_dir / "memory_report.json")
+            self.report.plot(self.report_dir / "memory_report.png", title="memfit: Lightning")
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        if self.tracker is not None:
+            self.tracker.__exit__(None, None, None)
+            self.tracker = None
+        self.remove()
 
 
 def _check_trainer(trainer: Any, plan: Plan) -> None:

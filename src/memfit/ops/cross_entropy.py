@@ -173,7 +173,12 @@ def fused_linear_loss(
     *,
     shift: bool = False,
     num_items_in_batch: int | torch.Tensor | None = None,
-    **options: Any,
+    chunk_size: int | None = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    reduction: str | None = None,
 ) -> torch.Tensor:
     """The loss of a model whose output head is ``head`` (an ``nn.Linear``), without logits.
 
@@ -192,8 +197,13 @@ def fused_linear_loss(
             ``labels[..., t + 1]`` and the last position predicts nothing.
         num_items_in_batch: If given, the loss is the sum divided by this (Hugging Face's
             token-weighted gradient accumulation) instead of the mean.
-        **options: Passed on to :func:`chunked_cross_entropy` (``chunk_size``,
-            ``ignore_index``, ``label_smoothing``, ``z_loss``, ``softcap``, ``reduction``).
+        chunk_size: As :func:`chunked_cross_entropy`'s.
+        ignore_index: As :func:`chunked_cross_entropy`'s.
+        label_smoothing: As :func:`chunked_cross_entropy`'s.
+        z_loss: As :func:`chunked_cross_entropy`'s.
+        softcap: As :func:`chunked_cross_entropy`'s.
+        reduction: As :func:`chunked_cross_entropy`'s; ``None``: ``"mean"``, or ``"sum"``
+            with ``num_items_in_batch`` (the only reduction it goes with).
 
     Returns:
         The loss, fp32.
@@ -201,18 +211,29 @@ def fused_linear_loss(
     if not isinstance(head, nn.Linear):
         raise ValueError(f"fused_linear_loss needs an nn.Linear head, got {type(head).__name__}.")
     if shift:
-        ignore = options.get("ignore_index", -100)
         # Pad-and-slice (not hidden[..., :-1, :]), so the hidden states are not copied.
-        labels = F.pad(labels, (0, 1), value=ignore)[..., 1:]
+        labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     if num_items_in_batch is not None:
-        if options.get("reduction", "sum") != "sum":
+        if reduction not in (None, "sum"):
             raise ValueError("num_items_in_batch goes with the sum reduction only.")
-        options["reduction"] = "sum"
-        loss = chunked_cross_entropy(hidden, head.weight, labels, bias=head.bias, **options)
-        if isinstance(num_items_in_batch, torch.Tensor):
-            num_items_in_batch = num_items_in_batch.to(loss.device)
-        return loss / num_items_in_batch
-    return chunked_cross_entropy(hidden, head.weight, labels, bias=head.bias, **options)
+        reduction = "sum"
+    loss = chunked_cross_entropy(
+        hidden,
+        head.weight,
+        labels,
+        bias=head.bias,
+        chunk_size=chunk_size,
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        z_loss=z_loss,
+        softcap=softcap,
+        reduction=reduction if reduction is not None else "mean",
+    )
+    if num_items_in_batch is None:
+        return loss
+    if isinstance(num_items_in_batch, torch.Tensor):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
 
 
 # ---------------------------------------------------------------------------------- checks

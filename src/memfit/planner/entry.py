@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Any
 
+from ..plan import Plan
+from ..targets import DeviceProfile
 from ..workload import Workload
 from . import search
 from .parallel import plan_parallel
@@ -19,7 +22,17 @@ def plan(
     *,
     world_size: int | None = None,
     gpus_per_node: int | None = None,
-    **kwargs: Any,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    allow: Iterable[str] = (),
+    forbid: Iterable[str] = (),
+    base: Plan | None = None,
+    device: str | DeviceProfile | None = None,
+    max_predictions: int = 60,
+    progress: Callable[[str], None] | None = None,
+    host_budget: int | str | None = None,
+    disk_dir: str | None = None,
+    jobs: int = 2,
 ) -> PlanResult:
     """Find the fastest plan whose peak fits ``budget``.
 
@@ -35,22 +48,50 @@ def plan(
             tensor parallelism stays within a node. That search keeps the plan's precision
             and optimizer and offloads nothing: it refuses ``allow`` values and ``disk_dir``
             with a ``ValueError`` rather than ignore them.
-        **kwargs: The search's settings (``batch_size``, ``seq_len``, ``allow``, ``forbid``,
-            ``base``, ``device``, ``max_predictions``, ``progress``, ``host_budget``,
-            ``disk_dir``, ``jobs``): see :func:`memfit.planner.search.plan`.
+        batch_size: With a SPEC: samples per optimizer step (default 8), over all processes.
+        seq_len: With a SPEC: tokens per sample (default 128).
+        allow: Techniques that change training or use host memory, and need consent:
+            ``freeze``, ``shorter-seq``, ``8bit``, ``factored``, ``bf16-pure``, ``offload``.
+        forbid: Default techniques to rule out: ``accumulation``, ``checkpointing``,
+            ``full-checkpointing``, ``mixed-precision``, ``fused-step``, ``foreach-off``,
+            ``fused-loss``.
+        base: The user's plan to start from (its optimizer family and settings are kept).
+        device: Device profile for the cost model (default: the budget's device if it names
+            one, else the current device; ``cpu`` is measured here).
+        max_predictions: Most memory predictions before giving the best found.
+        progress: Called with a short message as the search advances.
+        host_budget: Host memory the offload tiers may use (bytes or a size string; ``None``:
+            not checked).
+        disk_dir: With ``offload`` allowed, a directory for the ``disk`` tier.
+        jobs: Processes the search may use (see :func:`memfit.planner.search.plan`).
+
+    The settings from ``batch_size`` on are :func:`memfit.planner.search.plan`'s, and mean
+    the same to the searches over several processes.
 
     Raises:
-        TypeError: for a keyword none of the searches takes.
         ValueError: for a malformed budget, an unknown allow/forbid value, an option the
             chosen search cannot honour, or a world size that does not divide the batch.
         NothingFits: when no allowed plan fits; ``.result`` holds the closest plan.
     """
+    settings: dict[str, Any] = dict(
+        batch_size=batch_size,
+        seq_len=seq_len,
+        allow=allow,
+        forbid=forbid,
+        base=base,
+        device=device,
+        max_predictions=max_predictions,
+        progress=progress,
+        host_budget=host_budget,
+        disk_dir=disk_dir,
+        jobs=jobs,
+    )
     if gpus_per_node is not None:
         if world_size is None:
             raise ValueError("--gpus-per-node describes the machines of --world-size; give both")
         from .layout import plan_layout
 
-        return plan_layout(workload, budget, world_size, gpus_per_node, **kwargs)
+        return plan_layout(workload, budget, world_size, gpus_per_node, **settings)
     if world_size is not None:
-        return plan_parallel(workload, budget, world_size, **kwargs)
-    return search.plan(workload, budget, **kwargs)
+        return plan_parallel(workload, budget, world_size, **settings)
+    return search.plan(workload, budget, **settings)

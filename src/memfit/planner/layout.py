@@ -16,7 +16,6 @@ dry runs of its own program in a fake process group when
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -176,15 +175,10 @@ def plan_layout(
         WorkloadError: for a model the planner cannot split.
         NothingFits: when no layout fits; ``.result`` holds the closest.
     """
-    from ..estimate.dryrun import plan_for_target
     from ..targets import get_device, parse_budget
 
     started = time.perf_counter()
-    say = progress or (lambda msg: None)
-    for name, value in (("--world-size", world_size), ("--gpus-per-node", gpus_per_node)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                  or value < 1):
-            raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+    _check_whole_numbers(("--world-size", world_size), ("--gpus-per-node", gpus_per_node))
     forbid = _check_search_options(allow, forbid, host_budget, disk_dir, jobs)
     if not isinstance(max_predictions, int) or isinstance(max_predictions, bool) or max_predictions < 0:
         raise ValueError(f"max_predictions must be a whole number >= 0, got {max_predictions!r}")
@@ -198,84 +192,143 @@ def plan_layout(
         workload = load_workload(workload, batch_size or 8, seq_len or 128)
     budget_bytes, budget_device = parse_budget(budget)
     target = get_device(device) if device else (budget_device or get_device(None))
-    # On a GPU: the CUDA context and workspaces outside the allocator, and its rounding.
-    limit = (budget_bytes * _ALLOCATOR_SLACK - target.overhead_bytes if target.is_cuda
-             else budget_bytes)
+    base, precision = _base_plan(base, target, forbid)
+    search = _LayoutSearch(workload, world_size, g, base, precision, target, budget_bytes,
+                           forbid, progress or (lambda msg: None))
+    result = search.run(confirm=confirm, max_predictions=max_predictions)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _check_whole_numbers(*named: tuple[str, int | None]) -> None:
+    for name, value in named:
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or value < 1):
+            raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+
+
+def _base_plan(base: Plan | None, target: Any, forbid: tuple[str, ...]) -> tuple[Plan, str]:
+    """The user's plan as it runs on ``target``, in bf16-mixed where an fp32 plan may change
+    precision on a GPU with bf16; and that precision."""
+    from ..estimate.dryrun import plan_for_target
+
     base = base or Plan()
     precision = base.precision.mode
     if (precision == "fp32" and target.is_cuda and target.supports_bf16
             and "mixed-precision" not in forbid):
         precision = "bf16-mixed"  # what every multi-GPU recipe trains in
-    base = plan_for_target(base.replace(precision=precision), target)
-    say("reading the model's shapes")
-    shape = model_shape(workload)
-    layouts = list(_layouts(world_size, g))
-    fixed = base.parallel if base.parallel.tensor > 1 or base.parallel.pipeline > 1 else None
-    if fixed is not None:
-        layouts = [_fixed_layout(fixed, world_size, shape, workload.batch_size, g)]
-    # A layout's checkpointing is full or none: forbidding either kind leaves none.
-    ckpts = (False,) if {"checkpointing", "full-checkpointing"} & set(forbid) else (False, True)
-    candidates: list[LayoutCandidate] = []
-    refused: list[str] = []
-    for d, t, p in layouts:
-        settings = list(_settings(d, t, p, workload.batch_size, base.parallel, shape, g,
-                                  fixed=fixed is not None,
-                                  accumulate="accumulation" not in forbid))
-        if not settings:
-            trial = dataclasses.replace(base.parallel, data=d, tensor=t, pipeline=p,
-                                        microbatches=2 * p if p > 1 else None)
-            problems = layout_problems(shape, trial, workload.batch_size, g)
-            refused.append(f"data {d} x tensor {t} x pipeline {p}: "
-                           + (problems[0] if problems else "no setting works"))
-            continue
-        say(f"pricing data {d} x tensor {t} x pipeline {p}")
-        for par, m in settings:
-            for ckpt in ckpts:
-                cand = estimate_layout(
-                    shape, par, batch_size=workload.batch_size, seq_len=workload.seq_len,
-                    checkpointing=ckpt, device=target, precision=precision,
-                    optimizer=base.optimizer.name, gpus_per_node=g, microbatches=m,
-                )
-                cand.fits = cand.max_peak_bytes <= limit
-                candidates.append(cand)
-    if not candidates:
-        raise ValueError(
-            f"no layout of {world_size} processes can split {workload.name} at a batch of "
-            f"{workload.batch_size}: " + "; ".join(refused[:3])
-        )
-    # Equal times go to the lower ZeRO stage (it moves no more data), then the smaller peak.
-    candidates.sort(key=lambda c: (round(c.step_seconds, 12), c.parallel.zero_stage,
-                                   c.max_peak_bytes))
-    fitting = [c for c in candidates if c.fits]
-    result_of = functools.partial(_result, workload=workload, base=base, budget=budget_bytes,
-                                  target=target, candidates=candidates)
-    if not fitting:
-        closest = min(candidates, key=lambda c: c.max_peak_bytes)
-        raise NothingFits(
-            result_of(closest, fits=False, explanation=""),
-            f"no layout of {world_size} processes fits {format_bytes(budget_bytes)} per "
-            f"process; the closest ({closest.describe()}) needs "
-            f"{format_bytes(closest.max_peak_bytes)} on its largest rank. Use more processes, "
-            "a smaller batch or sequence length, or a device with more memory.",
-        )
-    best = fitting[0]
-    confirmed = None
-    if confirm:
-        for cand in fitting[:min(3, max_predictions)]:
-            peaks = _confirm(workload, result_of(cand, fits=True, explanation="").plan, target, say)
-            if peaks is None:
-                break
-            if max(peaks) <= limit:
-                best, confirmed = cand, peaks
-                break
-    runner_up = next((c for c in fitting if _layout_key(c) != _layout_key(best)), None)
-    why = _explain(best, runner_up, world_size, g, confirmed is not None)
-    result = result_of(best, fits=True, explanation=why)
-    if confirmed is not None:
-        result.rank_peak_bytes = list(confirmed)
-        result.predicted_peak_bytes = max(confirmed)
-    result.seconds = time.perf_counter() - started
-    return result
+    return plan_for_target(base.replace(precision=precision), target), precision
+
+
+@dataclasses.dataclass
+class _LayoutSearch:
+    """One :func:`plan_layout` search, its arguments checked: every layout's settings
+    priced, the fastest that fits chosen (and confirmed by dry runs where they apply)."""
+
+    workload: Workload
+    world_size: int
+    g: int  # devices per node
+    base: Plan  # the user's plan, as it runs on the target, in ``precision``
+    precision: str
+    target: Any
+    budget_bytes: int
+    forbid: tuple[str, ...]
+    say: Callable[[str], None]
+
+    @property
+    def limit(self) -> float:
+        """What a rank may hold: on a GPU, the budget less the CUDA context and workspaces
+        outside the allocator, and its rounding."""
+        target, budget_bytes = self.target, self.budget_bytes
+        return (budget_bytes * _ALLOCATOR_SLACK - target.overhead_bytes if target.is_cuda
+                else budget_bytes)
+
+    def run(self, *, confirm: bool, max_predictions: int) -> PlanResult:
+        """The winner's :class:`PlanResult` (without ``seconds``).
+
+        Raises:
+            NothingFits: when no layout fits; ``.result`` holds the closest.
+        """
+        self.say("reading the model's shapes")
+        candidates = self._price(model_shape(self.workload))
+        # Equal times go to the lower ZeRO stage (it moves no more data), then the smaller peak.
+        candidates.sort(key=lambda c: (round(c.step_seconds, 12), c.parallel.zero_stage,
+                                       c.max_peak_bytes))
+        fitting = [c for c in candidates if c.fits]
+        if not fitting:
+            closest = min(candidates, key=lambda c: c.max_peak_bytes)
+            raise NothingFits(
+                self._result(closest, candidates, fits=False, explanation=""),
+                f"no layout of {self.world_size} processes fits "
+                f"{format_bytes(self.budget_bytes)} per process; the closest "
+                f"({closest.describe()}) needs {format_bytes(closest.max_peak_bytes)} on its "
+                "largest rank. Use more processes, a smaller batch or sequence length, or a "
+                "device with more memory.",
+            )
+        best = fitting[0]
+        confirmed = None
+        if confirm:
+            for cand in fitting[:min(3, max_predictions)]:
+                plan = self._result(cand, candidates, fits=True, explanation="").plan
+                peaks = _confirm(self.workload, plan, self.target, self.say)
+                if peaks is None:
+                    break
+                if max(peaks) <= self.limit:
+                    best, confirmed = cand, peaks
+                    break
+        runner_up = next((c for c in fitting if _layout_key(c) != _layout_key(best)), None)
+        why = _explain(best, runner_up, self.world_size, self.g, confirmed is not None)
+        result = self._result(best, candidates, fits=True, explanation=why)
+        if confirmed is not None:
+            result.rank_peak_bytes = list(confirmed)
+            result.predicted_peak_bytes = max(confirmed)
+        return result
+
+    def _price(self, shape: ModelShape) -> list[LayoutCandidate]:
+        """Every setting of every layout the world allows (or of the plan's own), priced."""
+        workload, base, g = self.workload, self.base, self.g
+        layouts = list(_layouts(self.world_size, g))
+        fixed = base.parallel if base.parallel.tensor > 1 or base.parallel.pipeline > 1 else None
+        if fixed is not None:
+            layouts = [_fixed_layout(fixed, self.world_size, shape, workload.batch_size, g)]
+        # A layout's checkpointing is full or none: forbidding either kind leaves none.
+        forbid = set(self.forbid)
+        ckpts = (False,) if {"checkpointing", "full-checkpointing"} & forbid else (False, True)
+        candidates: list[LayoutCandidate] = []
+        refused: list[str] = []
+        for d, t, p in layouts:
+            settings = list(_settings(d, t, p, workload.batch_size, base.parallel, shape, g,
+                                      fixed=fixed is not None,
+                                      accumulate="accumulation" not in forbid))
+            if not settings:
+                trial = dataclasses.replace(base.parallel, data=d, tensor=t, pipeline=p,
+                                            microbatches=2 * p if p > 1 else None)
+                problems = layout_problems(shape, trial, workload.batch_size, g)
+                refused.append(f"data {d} x tensor {t} x pipeline {p}: "
+                               + (problems[0] if problems else "no setting works"))
+                continue
+            self.say(f"pricing data {d} x tensor {t} x pipeline {p}")
+            for par, m in settings:
+                for ckpt in ckpts:
+                    cand = estimate_layout(
+                        shape, par, batch_size=workload.batch_size, seq_len=workload.seq_len,
+                        checkpointing=ckpt, device=self.target, precision=self.precision,
+                        optimizer=base.optimizer.name, gpus_per_node=g, microbatches=m,
+                    )
+                    cand.fits = cand.max_peak_bytes <= self.limit
+                    candidates.append(cand)
+        if not candidates:
+            raise ValueError(
+                f"no layout of {self.world_size} processes can split {workload.name} at a "
+                f"batch of {workload.batch_size}: " + "; ".join(refused[:3])
+            )
+        return candidates
+
+    def _result(self, cand: LayoutCandidate, candidates: list[LayoutCandidate], *,
+                fits: bool, explanation: str) -> PlanResult:
+        return _result(cand, fits=fits, explanation=explanation, workload=self.workload,
+                       base=self.base, budget=self.budget_bytes, target=self.target,
+                       candidates=candidates)
 
 
 def _check_search_options(allow: Iterable[str], forbid: Iterable[str],

@@ -122,11 +122,9 @@ def plan(
         ValueError: for a malformed budget or an unknown allow/forbid value.
         NothingFits: when no allowed plan fits; ``.result`` holds the closest plan.
     """
-    from ..estimate.cost import deeper_half, has_profile, profile_workload
     from ..targets import get_device, parse_budget
 
     started = time.perf_counter()
-    say = progress or (lambda msg: None)
     if not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"--jobs must be a whole number >= 1, got {jobs!r}")
     if isinstance(workload, str):
@@ -138,33 +136,160 @@ def plan(
     budget_bytes, budget_device = parse_budget(budget)
     host_bytes = None if host_budget is None else parse_budget(host_budget)[0]
     if disk_dir is not None:
-        import os
-
-        if "offload" not in allow:
-            raise ValueError("--disk-dir is where offload puts state on disk: add --allow offload")
-        if not os.path.isdir(disk_dir):
-            raise ValueError(f"--disk-dir {disk_dir!r} is not an existing directory; create it first")
+        _check_disk_dir(disk_dir, allow)
     target = get_device(device) if device else (budget_device or get_device(None))
     base = _base_for(base or Plan(), target)
-
+    planner = _Planner(workload, target, budget_bytes, host_bytes, progress or (lambda msg: None))
     # 1. Candidates.
-    space = options(workload, base, allow, forbid, target, disk_dir=disk_dir)
-    trainable = None
-    if len(space.freezes) > 1 or base.freeze:
-        trainable = trainable_fractions(workload, space.freezes)
-        usable = tuple(f for f in space.freezes if f in trainable or f == tuple(base.freeze))
-        space = dataclasses.replace(space, freezes=usable)
-    pairs = generate(workload, base, space, trainable, device=target)
-    candidates = [Candidate(plan=p, rank=r, step_time=0.0) for p, r in pairs]
-    # The most frugal candidates get their peak, never a floor: when nothing fits, the answer
-    # quotes the closest one's.
-    frugal = {id(candidates[i]) for i in maximal([c.rank for c in candidates])}
+    candidates, trainable = planner.candidates(base, allow, forbid, disk_dir)
+    # 2. to 4. Costing, prediction and confirmation.
+    candidates, winner, predicted = planner.run(
+        candidates, base, trainable, jobs=jobs, max_predictions=max_predictions
+    )
+    for c in predicted:
+        c.composed = None  # the shallow traces are not part of the answer
+    predicted.sort(key=lambda c: c.step_time)
+    seconds = time.perf_counter() - started
+    if winner is None:
+        raise planner.nothing_fits(predicted, candidates, allow, seconds)
+    frontier = [winner.plan] + [c.plan for c in predicted if c.fits and c.plan != winner.plan]
+    result = _result(winner, True, budget_bytes, predicted, frontier, target, seconds)
+    # Faster candidates the tie rule put after the winner (candidates are in search order).
+    after = candidates[[id(c) for c in candidates].index(id(winner)) + 1 :]
+    ties = [c for c in after if c.step_time < winner.step_time and tied(c, winner)]
+    result.explanation = why_it_won(winner, predicted, budget_bytes, target, ties)
+    return result
 
-    def predict_one(c: Candidate) -> bool:
-        say(f"predicting memory: {c.plan.summary()}")
+
+def _check_disk_dir(disk_dir: str, allow: tuple[str, ...]) -> None:
+    import os
+
+    if "offload" not in allow:
+        raise ValueError("--disk-dir is where offload puts state on disk: add --allow offload")
+    if not os.path.isdir(disk_dir):
+        raise ValueError(f"--disk-dir {disk_dir!r} is not an existing directory; create it first")
+
+
+class _Planner:
+    """One :func:`plan` call's search: its workload, target and budgets, the worker that
+    shares the work (``ahead``), and each candidate's prediction, floor and confirmation."""
+
+    def __init__(
+        self,
+        workload: Workload,
+        target: DeviceProfile,
+        budget_bytes: int,
+        host_bytes: int | None,
+        say: Callable[[str], None],
+    ) -> None:
+        self.workload, self.target, self.say = workload, target, say
+        self.budget_bytes, self.host_bytes = budget_bytes, host_bytes
+        self.frugal: set[int] = set()  # the most frugal candidates' ids
+        self.ahead: Ahead | None = None
+
+    def candidates(
+        self, base: Plan, allow: tuple[str, ...], forbid: tuple[str, ...], disk_dir: str | None
+    ) -> tuple[list[Candidate], dict[tuple[str, ...], float] | None]:
+        """Every candidate of the allowed space (not yet costed), and the share of parameters
+        that trains under each freezing choice (``None``: no choice)."""
+        workload, target = self.workload, self.target
+        space = options(workload, base, allow, forbid, target, disk_dir=disk_dir)
+        trainable = None
+        if len(space.freezes) > 1 or base.freeze:
+            trainable = trainable_fractions(workload, space.freezes)
+            usable = tuple(f for f in space.freezes if f in trainable or f == tuple(base.freeze))
+            space = dataclasses.replace(space, freezes=usable)
+        pairs = generate(workload, base, space, trainable, device=target)
+        candidates = [Candidate(plan=p, rank=r, step_time=0.0) for p, r in pairs]
+        # The most frugal candidates get their peak, never a floor: when nothing fits, the
+        # answer quotes the closest one's.
+        self.frugal = {id(candidates[i]) for i in maximal([c.rank for c in candidates])}
+        return candidates, trainable
+
+    def run(
+        self,
+        candidates: list[Candidate],
+        base: Plan,
+        trainable: dict[tuple[str, ...], float] | None,
+        *,
+        jobs: int,
+        max_predictions: int,
+    ) -> tuple[list[Candidate], Candidate | None, list[Candidate]]:
+        """Cost the candidates, then predict and confirm them in search order (with the
+        worker when ``jobs > 1``): the candidates in search order, the winner (``None``:
+        nothing fits) and every candidate predicted."""
+        from ..estimate.cost import has_profile, profile_workload
+
+        workload = self.workload
+        with contextlib.ExitStack() as stack:
+            if jobs > 1:
+                self.ahead = self._start_worker(candidates)
+            ahead = self.ahead
+            if ahead is not None:
+                stack.enter_context(ahead)
+                if not has_profile(workload):
+                    ahead.run("profile")
+                # Dry runs compute next to nothing: a second intra-op thread only spins, on
+                # the core the worker runs on.
+                stack.callback(torch.set_num_threads, torch.get_num_threads())
+                torch.set_num_threads(1)
+            # 2. Costing.
+            self.say("profiling the workload (FLOPs, activations) on fake tensors")
+            profile = profile_workload(
+                workload, deeper=None if ahead is None else lambda: ahead.result("profile")
+            )
+            candidates = cost_into(
+                candidates,
+                profile,
+                self.target,
+                batch_size=workload.batch_size,
+                baseline=Plan(optimizer=base.optimizer),
+                trainable=trainable,
+            )
+            # 3. and 4. Prediction and confirmation, in search order.
+            winner, predicted = search(
+                candidates,
+                self.predict,
+                self.confirm,
+                max_predictions=max_predictions,
+                # With the worker, a prediction stops where a floor would: at the first
+                # forward's end, the depth-2 and depth-3 runs' traces are a probe's, so none
+                # comes first.
+                probe=self.probe if ahead is None else None,
+            )
+        return candidates, winner, predicted
+
+    def _start_worker(self, candidates: list[Candidate]) -> Ahead | None:
+        """The forked worker (``None`` where none can be forked)."""
+        from ..estimate.cost import deeper_half
+
+        workload = self.workload
+        if workload.scalable and (workload.depth or 0) > 3:
+            block_pattern(workload)  # built once here, not again in each process
+        # Forked before costing, the worker measures the deeper half of the cost profile
+        # while this process measures the other.
+        return start(
+            candidates,
+            {
+                "profile": lambda: deeper_half(workload),
+                "depth3": lambda c, inbox: shallow_report(
+                    workload,
+                    c.plan,
+                    3,
+                    device=self.target,
+                    budget_bytes=self.budget_bytes if id(c) not in self.frugal else None,
+                    fetch=inbox,
+                ),
+            },
+        )
+
+    def predict(self, c: Candidate) -> bool:
+        """Predict ``c``'s memory (see :func:`memfit.planner.predict.predict`)."""
+        self.say(f"predicting memory: {c.plan.summary()}")
+        ahead = self.ahead
         # The worker runs the depth-3 run meanwhile, watched against the budget with this
         # process's depth-2 marks; this process stops its depth-2 run once that one stopped.
-        helped = ahead is not None and composes(workload, c.plan)
+        helped = ahead is not None and composes(self.workload, c.plan)
         if helped:
             ahead.run("depth3", c)
 
@@ -181,11 +306,11 @@ def plan(
             with cancel_when(stopped_over) if helped else contextlib.nullcontext():
                 return predict(
                     c,
-                    workload,
-                    target,
-                    budget_bytes,
-                    host_bytes,
-                    floor=id(c) not in frugal,
+                    self.workload,
+                    self.target,
+                    self.budget_bytes,
+                    self.host_bytes,
+                    floor=id(c) not in self.frugal,
                     remote=remote if helped else None,
                     share=share if helped else None,
                 )
@@ -193,76 +318,31 @@ def plan(
             if helped:
                 ahead.discard("depth3", c)
 
-    def confirm_one(c: Candidate) -> bool:
-        say(f"confirming at full size: {c.plan.summary()}")
-        return confirm(c, workload, target, budget_bytes, host_bytes)
+    def confirm(self, c: Candidate) -> bool:
+        """Check ``c`` at full size (see :func:`memfit.planner.predict.confirm`)."""
+        self.say(f"confirming at full size: {c.plan.summary()}")
+        return confirm(c, self.workload, self.target, self.budget_bytes, self.host_bytes)
 
-    def probe_one(c: Candidate) -> bool:
-        say(f"checking the first forward: {c.plan.summary()}")
-        return probe(c, workload, target, budget_bytes)
+    def probe(self, c: Candidate) -> bool:
+        """``c``'s floor (see :func:`memfit.planner.predict.probe`)."""
+        self.say(f"checking the first forward: {c.plan.summary()}")
+        return probe(c, self.workload, self.target, self.budget_bytes)
 
-    ahead: Ahead | None = None
-    with contextlib.ExitStack() as stack:
-        if jobs > 1:
-            if workload.scalable and (workload.depth or 0) > 3:
-                block_pattern(workload)  # built once here, not again in each process
-            # Forked before costing, the worker measures the deeper half of the cost profile
-            # while this process measures the other.
-            ahead = start(
-                candidates,
-                {
-                    "profile": lambda: deeper_half(workload),
-                    "depth3": lambda c, inbox: shallow_report(
-                        workload,
-                        c.plan,
-                        3,
-                        device=target,
-                        budget_bytes=budget_bytes if id(c) not in frugal else None,
-                        fetch=inbox,
-                    ),
-                },
-            )
-        if ahead is not None:
-            stack.enter_context(ahead)
-            if not has_profile(workload):
-                ahead.run("profile")
-            # Dry runs compute next to nothing: a second intra-op thread only spins, on the
-            # core the worker runs on.
-            stack.callback(torch.set_num_threads, torch.get_num_threads())
-            torch.set_num_threads(1)
-        # 2. Costing.
-        say("profiling the workload (FLOPs, activations) on fake tensors")
-        profile = profile_workload(
-            workload, deeper=None if ahead is None else lambda: ahead.result("profile")
-        )
-        candidates = cost_into(
-            candidates,
-            profile,
-            target,
-            batch_size=workload.batch_size,
-            baseline=Plan(optimizer=base.optimizer),
-            trainable=trainable,
-        )
-        # 3. and 4. Prediction and confirmation, in search order.
-        winner, predicted = search(
-            candidates,
-            predict_one,
-            confirm_one,
-            max_predictions=max_predictions,
-            # With the worker, a prediction stops where a floor would: at the first forward's
-            # end, the depth-2 and depth-3 runs' traces are a probe's, so none comes first.
-            probe=probe_one if ahead is None else None,
-        )
-    for c in predicted:
-        c.composed = None  # the shallow traces are not part of the answer
-    predicted.sort(key=lambda c: c.step_time)
-    seconds = time.perf_counter() - started
-    if winner is None:
+    def nothing_fits(
+        self,
+        predicted: list[Candidate],
+        candidates: list[Candidate],
+        allow: tuple[str, ...],
+        seconds: float,
+    ) -> NothingFits:
+        """The answer when nothing fits: the closest candidate with a peak to quote, and why
+        (``predicted`` gains a most frugal candidate when none was predicted in full)."""
+        budget_bytes, host_bytes, target = self.budget_bytes, self.host_bytes, self.target
         # (A candidate ruled out by a floor has no peak to quote; the most frugal ones do.)
         full = [c for c in predicted if c.device_total_bytes is not None and not c.at_least]
         if not full:  # a most frugal candidate was skipped: an equal-ranked floor ruled it out
-            seed = next(c for c in candidates if id(c) in frugal)
-            predict(seed, workload, target, budget_bytes, host_bytes, floor=False)
+            seed = next(c for c in candidates if id(c) in self.frugal)
+            predict(seed, self.workload, target, budget_bytes, host_bytes, floor=False)
             predicted.append(seed)
             full = [seed]
         closest = min(full, key=lambda c: c.device_total_bytes or 0)
@@ -278,14 +358,7 @@ def plan(
                 "--disk-dir for optimizer state on disk."
             )
         result.explanation = message
-        raise NothingFits(result, message)
-    frontier = [winner.plan] + [c.plan for c in predicted if c.fits and c.plan != winner.plan]
-    result = _result(winner, True, budget_bytes, predicted, frontier, target, seconds)
-    # Faster candidates the tie rule put after the winner (candidates are in search order).
-    after = candidates[[id(c) for c in candidates].index(id(winner)) + 1 :]
-    ties = [c for c in after if c.step_time < winner.step_time and tied(c, winner)]
-    result.explanation = why_it_won(winner, predicted, budget_bytes, target, ties)
-    return result
+        return NothingFits(result, message)
 
 
 def search(
@@ -313,95 +386,118 @@ def search(
         The winner (``None`` when nothing fits) and every candidate predicted, in the order
         predicted.
     """
-    predicted: list[Candidate] = []
-    misfits: list[tuple[int, ...]] = []
-    # Every candidate is dominated by a most frugal one (a seed): if none of those fits, none
-    # fits. But one of the first candidates in line usually fits, so the seeds wait: their
-    # floors until SEED_FLOORS_AFTER candidates in line were ruled out by theirs, their
-    # predictions until SEEDS_AFTER were predicted and misfit.
-    seeds = [candidates[i] for i in maximal([c.rank for c in candidates])]
-    seed_ids = {id(s) for s in seeds}
-    line_misfits = 0  # candidates in line predicted in full that misfit...
-    line_floors = 0  # ...and ruled out by their floors
+    return _Search(candidates, predict, confirm, probe).run(max_predictions)
 
-    def note(c: Candidate) -> bool:
-        nonlocal line_misfits, line_floors
-        predicted.append(c)
+
+class _Search:
+    """:func:`search`'s state: the candidates predicted, the known misfits' ranks, and the
+    seeds (the most frugal candidates), whose turn waits."""
+
+    def __init__(
+        self,
+        candidates: Sequence[Candidate],
+        predict: Callable[[Candidate], bool],
+        confirm: Callable[[Candidate], bool],
+        probe: Callable[[Candidate], bool] | None,
+    ) -> None:
+        self.candidates = candidates
+        self.predict_fn, self.confirm_fn, self.probe_fn = predict, confirm, probe
+        self.predicted: list[Candidate] = []
+        self.misfits: list[tuple[int, ...]] = []
+        # Every candidate is dominated by a most frugal one (a seed): if none of those fits,
+        # none fits. But one of the first candidates in line usually fits, so the seeds wait:
+        # their floors until SEED_FLOORS_AFTER candidates in line were ruled out by theirs,
+        # their predictions until SEEDS_AFTER were predicted and misfit.
+        self.seeds = [candidates[i] for i in maximal([c.rank for c in candidates])]
+        self.seed_ids = {id(s) for s in self.seeds}
+        self.line_misfits = 0  # candidates in line predicted in full that misfit...
+        self.line_floors = 0  # ...and ruled out by their floors
+        self.floors_taken = probe is None  # the seeds' floors
+        self.seeds_tried = False  # the seeds' predictions
+
+    def run(self, max_predictions: int) -> tuple[Candidate | None, list[Candidate]]:
+        """The winner (``None`` when nothing fits) and every candidate predicted."""
+        candidates, predicted = self.candidates, self.predicted
+        i = 0
+        while i < len(candidates):
+            c = candidates[i]
+            if c.fits is None:
+                if dominated(c.rank, self.misfits):
+                    i += 1
+                    continue
+                seeds_open = [] if self.seeds_tried else self._open_seeds()
+                last_chance = max_predictions - len(predicted) <= len(seeds_open)
+                if seeds_open and (self.line_misfits >= SEEDS_AFTER or last_chance):
+                    if self._seeds_turn(seeds_open):
+                        return None, predicted
+                    continue
+                if seeds_open and not self.floors_taken and self.line_floors >= SEED_FLOORS_AFTER:
+                    if self._seed_floors(seeds_open):
+                        return None, predicted
+                    continue
+                if len(predicted) >= max_predictions:
+                    break
+                if not self._predict(c, first_probe=id(c) not in self.seed_ids):
+                    i += 1
+                    continue
+            if c.fits and self._confirm(c):
+                return c, predicted
+            i += 1
+        # Out of predictions: the fastest predicted to fit (a seed fits, so there is one).
+        for c in sorted(predicted, key=lambda c: c.step_time):
+            if c.fits and self._confirm(c):
+                return c, predicted
+        return None, predicted
+
+    def _seeds_turn(self, seeds_open: list[Candidate]) -> bool:
+        """The seeds' turn, each seed's floor first unless all were taken: until one fits.
+        Whether none does (then nothing does)."""
+        self.seeds_tried = True
+        probe_first, self.floors_taken = not self.floors_taken, True
+        return (
+            not any(self._predict(s, first_probe=probe_first) for s in seeds_open if s.fits is None)
+            and self._seeds_rule_out_all()
+        )
+
+    def _seed_floors(self, seeds_open: list[Candidate]) -> bool:
+        """Floors only (cheap): whether they all pass the budget (then nothing fits)."""
+        self.floors_taken = True
+        assert self.probe_fn is not None
+        for s in seeds_open:
+            if self.probe_fn(s):
+                self._note(s)
+        return all(s.fits is False for s in self.seeds) and self._seeds_rule_out_all()
+
+    def _note(self, c: Candidate) -> bool:
+        self.predicted.append(c)
         if not c.fits and (c.at_least or not c.host_misfit):
-            misfits.append(c.rank)
-        if not c.fits and id(c) not in seed_ids:
+            self.misfits.append(c.rank)
+        if not c.fits and id(c) not in self.seed_ids:
             if c.probed:
-                line_floors += 1
+                self.line_floors += 1
             else:
-                line_misfits += 1
+                self.line_misfits += 1
         return bool(c.fits)
 
-    def predict_and_note(c: Candidate, first_probe: bool = False) -> bool:
-        if not (first_probe and probe is not None and probe(c)):
-            predict(c)
-        return note(c)
+    def _predict(self, c: Candidate, first_probe: bool = False) -> bool:
+        if not (first_probe and self.probe_fn is not None and self.probe_fn(c)):
+            self.predict_fn(c)
+        return self._note(c)
 
-    def confirm_and_note(c: Candidate) -> bool:
-        if confirm(c):
+    def _confirm(self, c: Candidate) -> bool:
+        if self.confirm_fn(c):
             return True
         if not c.host_misfit:
-            misfits.append(c.rank)
+            self.misfits.append(c.rank)
         return False
 
-    def seeds_rule_out_all() -> bool:
+    def _seeds_rule_out_all(self) -> bool:
         # (A seed that only misses the host budget proves nothing: a plan that offloads less
         # uses less host memory, so the search goes on.)
-        return not any(s.fits or s.host_misfit for s in seeds)
+        return not any(s.fits or s.host_misfit for s in self.seeds)
 
-    def open_seeds() -> list[Candidate]:
-        return [s for s in seeds if s.fits is None and not dominated(s.rank, misfits)]
-
-    floors_taken = probe is None  # the seeds' floors
-    seeds_tried = False  # the seeds' predictions
-    i = 0
-    while i < len(candidates):
-        c = candidates[i]
-        if c.fits is None:
-            if dominated(c.rank, misfits):
-                i += 1
-                continue
-            seeds_open = [] if seeds_tried else open_seeds()
-            last_chance = max_predictions - len(predicted) <= len(seeds_open)
-            if seeds_open and (line_misfits >= SEEDS_AFTER or last_chance):
-                # The seeds' turn, each seed's floor first unless all were taken: until one
-                # fits. If none does, nothing does.
-                seeds_tried = True
-                probe_first, floors_taken = not floors_taken, True
-                if not any(
-                    predict_and_note(s, first_probe=probe_first)
-                    for s in seeds_open
-                    if s.fits is None
-                ) and seeds_rule_out_all():
-                    return None, predicted
-                continue
-            if seeds_open and not floors_taken and line_floors >= SEED_FLOORS_AFTER:
-                # Floors only (cheap): when they all pass the budget, nothing fits.
-                floors_taken = True
-                assert probe is not None
-                for s in seeds_open:
-                    if probe(s):
-                        note(s)
-                if all(s.fits is False for s in seeds) and seeds_rule_out_all():
-                    return None, predicted
-                continue
-            if len(predicted) >= max_predictions:
-                break
-            if not predict_and_note(c, first_probe=id(c) not in seed_ids):
-                i += 1
-                continue
-        if c.fits and confirm_and_note(c):
-            return c, predicted
-        i += 1
-    # Out of predictions: the fastest predicted to fit (a seed fits, so there is one).
-    for c in sorted(predicted, key=lambda c: c.step_time):
-        if c.fits and confirm_and_note(c):
-            return c, predicted
-    return None, predicted
+    def _open_seeds(self) -> list[Candidate]:
+        return [s for s in self.seeds if s.fits is None and not dominated(s.rank, self.misfits)]
 
 
 #: Full predictions of candidates in line that misfit before the most frugal candidates are

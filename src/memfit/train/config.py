@@ -28,12 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..optim.schedule import LR_SCHEDULES
 from ..plan import Plan
 
-__all__ = ["DEFAULT_BATCH_SIZE", "SCHEDULES", "ConfigError", "TrainConfig", "field_help"]
-
-#: LR schedules the trainer knows.
-SCHEDULES = ("cosine", "linear", "constant")
+__all__ = ["DEFAULT_BATCH_SIZE", "ConfigError", "TrainConfig", "field_help"]
 
 #: Samples per step when neither the config nor a workload says.
 DEFAULT_BATCH_SIZE = 16
@@ -143,7 +141,8 @@ class TrainConfig:
     every plan a step-down moves to."""
 
     schedule: str = "cosine"
-    """Learning-rate decay after warm-up: ``cosine`` or ``linear`` to 0, or ``constant``."""
+    """Learning-rate decay after warm-up: ``cosine`` or ``linear`` to 0, ``poly`` (with power 1,
+    as ``linear``), or ``constant`` (:data:`memfit.optim.schedule.LR_SCHEDULES`)."""
 
     warmup_steps: int = 10
     """Steps of linear warm-up from ``lr / warmup_steps`` to ``lr``."""
@@ -203,8 +202,10 @@ class TrainConfig:
             raise ConfigError("lr", f"must be > 0, got {self.lr!r}")
         if not 0 <= self.eval_fraction < 1:
             raise ConfigError("eval_fraction", f"must be at least 0 and below 1, got {self.eval_fraction!r}")
-        if self.schedule not in SCHEDULES:
-            raise ConfigError("schedule", f"{self.schedule!r} is not known; use one of {', '.join(SCHEDULES)}")
+        if self.schedule not in LR_SCHEDULES:
+            raise ConfigError(
+                "schedule", f"{self.schedule!r} is not known; use one of {', '.join(LR_SCHEDULES)}"
+            )
         if self.data == ():
             raise ConfigError("data", "is an empty list; give at least one file, or leave it out")
         _ = self.budget_bytes, self.cap_bytes  # a size that does not parse fails here

@@ -13,10 +13,9 @@ import torch
 
 # The formula is shared with the large-batch recipes (memfit.distributed.recipes): it lives
 # in memfit.optim, below both.
-from ..optim.schedule import lr_factor
-from .config import SCHEDULES
+from ..optim.schedule import LR_SCHEDULES, lr_factor
 
-__all__ = ["SCHEDULES", "build_scheduler", "lr_factor"]
+__all__ = ["LR_SCHEDULES", "build_scheduler", "lr_factor"]
 
 
 def build_scheduler(
@@ -32,7 +31,8 @@ def build_scheduler(
     Args:
         optimizer: A torch optimizer, an optimizer-in-backward handle, or an offload engine
             (its host optimizer is scheduled).
-        schedule: ``cosine``, ``linear`` or ``constant``.
+        schedule: One of :data:`~memfit.optim.schedule.LR_SCHEDULES` (``cosine``, ``linear``,
+            ``constant``, ``poly``).
         warmup_steps: Steps of linear warm-up from ``lr / warmup_steps``.
         max_steps: Steps of the whole run (the decay ends there).
         start_step: Steps already done (to attach a schedule mid-run, e.g. to a rebuilt
@@ -41,8 +41,10 @@ def build_scheduler(
     Raises:
         ValueError: for an unknown schedule or negative warm-up.
     """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule {schedule!r} is not known; use one of {', '.join(SCHEDULES)}")
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(
+            f"schedule {schedule!r} is not known; use one of {', '.join(LR_SCHEDULES)}"
+        )
     if warmup_steps < 0:
         raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps!r}")
 

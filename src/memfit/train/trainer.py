@@ -55,11 +55,11 @@ from .data import BatchStream, collate
 from .manifest import params_sha256
 from .oom import switch_plan
 from .result import TrainResult
-from .schedule import SCHEDULES, build_scheduler, lr_factor
+from .schedule import LR_SCHEDULES, build_scheduler, lr_factor
 from .streams import IterableStream, WorkloadStream, count_tokens, is_map_style, to_device
 
 __all__ = [
-    "SCHEDULES",
+    "LR_SCHEDULES",
     "StepInfo",
     "TrainProgress",
     "TrainResult",
