@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .distributed.config import ParallelConfig
+from .optim.registry import get as optimizer_spec
 from .strategies.checkpointing import CheckpointConfig
 from .strategies.fused_loss import FusedLossConfig
 from .strategies.offload import OffloadConfig
@@ -330,25 +331,11 @@ class Plan:
                 "(their gradient hooks would run before the gradients are averaged across "
                 "processes); keep offload activations only, or use one process"
             )
-        if par.zero_stage == 1 and self.optimizer.name.startswith(("bnb-", "torchao-")):
-            raise PlanError(
-                f"optimizer {self.optimizer.name!r} cannot be sharded by ZeRO stage 1 "
-                "(ZeroRedundancyOptimizer rebuilds it from its class and settings, which the "
-                "peer's wrapper does not allow); it supports stage 0 only: use zero_stage 0 or "
-                "memfit's adamw8bit"
-            )
-        if par.zero_stage > 0 and self.optimizer.name == "onebit-adam":
-            raise PlanError(
-                "optimizer 'onebit-adam' compresses DDP's gradient all-reduce (a communication "
-                "hook) and steps every parameter on every process; it supports stage 0 only: "
-                "use zero_stage 0"
-            )
-        if par.zero_stage >= 2 and self.optimizer.name.startswith(("bnb-", "torchao-")):
-            raise PlanError(
-                f"optimizer {self.optimizer.name!r} cannot step FSDP2's sharded parameters "
-                "(DTensors); it supports stage 0 only: use zero_stage 0 or memfit's adamw8bit, "
-                "which steps each shard"
-            )
+        # Which ZeRO stages can shard the optimizer is the registry's (a peer's wrapper cannot
+        # be rebuilt or step DTensors; 1-bit Adam's communication hook is DDP's).
+        problem = optimizer_spec(self.optimizer.name).zero_problem(par.zero_stage)
+        if problem is not None:
+            raise PlanError(problem)
 
     # ------------------------------------------------------------------ derived
     @property

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..optim.registry import get as optimizer_spec
 from ..plan import Plan
 from ..targets import DeviceProfile
 from ..workload import Workload, call_model
@@ -43,45 +44,6 @@ __all__ = [
     "profile_workload",
     "step_cost",
 ]
-
-# Bytes read + written per trainable parameter by one optimizer step, for fp32 parameters,
-# counted from each algorithm's update (a step is memory-bound: bytes / bandwidth is its time).
-# AdamW: read p, g, m, v (16) and write p, m, v (12). SGD: read p, g (8) and write p (4), plus
-# the momentum buffer when there is one (read and written: 8); 16 sits between the two.
-_OPT_BYTES = {
-    "adamw": 28.0,
-    "adam": 28.0,
-    "sgd": 16.0,
-    "lamb": 36.0,  # a second pass for the trust ratio
-    "lars": 20.0,
-    "adamw8bit": 18.0,  # 1-byte moments read and written, fp32 weights and gradient
-    "adafactor": 20.0,  # update temporaries, row/column statistics are negligible
-    # Peers' 8-bit AdamWs (bitsandbytes, torchao): the same bytes as memfit's.
-    "bnb-adamw8bit": 18.0,
-    "bnb-paged-adamw8bit": 18.0,
-    "torchao-adamw8bit": 18.0,
-}
-# Bytes of optimizer state kept per parameter (what the disk tier stores besides the fp32
-# master): AdamW's two fp32 moments, 8-bit AdamW's two 1-byte codes (block scales are
-# negligible), SGD's momentum, Adafactor's factored statistics (about nothing per parameter).
-_STATE_BYTES = {"adamw": 8.0, "adam": 8.0, "sgd": 4.0, "lamb": 8.0, "lars": 4.0,
-                "adamw8bit": 2.0, "adafactor": 0.0, "bnb-adamw8bit": 2.0,
-                "bnb-paged-adamw8bit": 2.0, "torchao-adamw8bit": 2.0}  # fmt: skip
-# Ops per parameter tensor when an optimizer loops over tensors one by one: counted from the
-# kernels of torch's single-tensor implementations (torch/optim/adamw.py _single_tensor_adamw:
-# weight decay mul_, lerp_, mul_, addcmul_, step counter, bias corrections, sqrt, div_, add_,
-# addcdiv_ = 10) and of memfit's optimizers (quantise/dequantise and the factored statistics
-# add their own), each costing one launch overhead.
-_OPT_OPS_PER_TENSOR = {
-    "adamw": 10,
-    "adam": 10,
-    "sgd": 3,
-    "lamb": 14,
-    "lars": 8,
-    "adamw8bit": 16,
-    "adafactor": 16,
-}
-
 
 @dataclass(frozen=True)
 class WorkloadProfile:
@@ -327,23 +289,16 @@ def step_cost(
 
     params = profile.num_parameters * trainable_fraction
     tensors = profile.num_tensors * trainable_fraction
-    name = plan.optimizer.name
-    opt_bytes = _OPT_BYTES.get(name, 28.0)
+    # Bytes read + written per trainable parameter by one step, for fp32 parameters (a step
+    # is memory-bound: bytes / bandwidth is its time), and ops per tensor: the registry's.
+    spec = optimizer_spec(plan.optimizer.name)
+    opt_bytes = spec.step_bytes
     if plan.precision.mode == "bf16-pure":
         opt_bytes = opt_bytes / 2 + 4  # half-size tensors, plus stochastic rounding's draw
     optimizer = params * opt_bytes / device.mem_bandwidth
-    loops = (
-        plan.optimizer.foreach is False
-        or plan.optimizer_in_backward
-        or name
-        not in (
-            "adamw",
-            "adam",
-            "sgd",
-        )
-    )
+    loops = plan.optimizer.foreach is False or plan.optimizer_in_backward or not spec.foreach
     if loops:
-        optimizer += tensors * _OPT_OPS_PER_TENSOR.get(name, 10) * device.launch_overhead
+        optimizer += tensors * spec.ops_per_tensor * device.launch_overhead
 
     extra = 0.0
     if (
@@ -362,11 +317,12 @@ def step_cost(
         bwd_micro = bwd / rate / n_micro
         # The host step streams the fp32 masters and state (the same bytes as on the device
         # in fp32) plus the gradients' fp32 copy, at host memory bandwidth.
-        host_step = params * (_OPT_BYTES.get(name, 28.0) + 4) / device.host_mem_bandwidth
+        host_step = params * spec.host_step_bytes() / device.host_mem_bandwidth
         if off.optimizer == "disk":
             # Masters and state are read and written back every step; the next group's read
             # overlaps the current group's step, so the slower of the two sets the pace.
-            state = _STATE_BYTES.get(name, 8.0) + 4.0
+            # The fp32 master and the state the optimizer keeps per parameter.
+            state = spec.bytes_per_parameter(plan.optimizer.kwargs) + 4.0
             host_step = max(host_step, 2 * params * state / device.disk_bandwidth)
         # Each move overlaps its micro-batch's backward; only the excess shows.
         offload = (moves - 1) * max(0.0, down - bwd_micro)

@@ -234,7 +234,7 @@ def plan_layout(
                 cand = estimate_layout(
                     shape, par, batch_size=workload.batch_size, seq_len=workload.seq_len,
                     checkpointing=ckpt, device=target, precision=precision,
-                    optimizer=base.optimizer.name, gpus_per_node=g, microbatches=m,
+                    optimizer=base.optimizer, gpus_per_node=g, microbatches=m,
                 )
                 cand.fits = cand.max_peak_bytes <= limit
                 candidates.append(cand)
