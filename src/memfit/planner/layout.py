@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..distributed.config import ParallelConfig
+from ..optim.registry import get as optimizer_spec
 from ..plan import Plan
 from ..units import format_bytes
 from ..workload import Workload, load_workload
@@ -317,7 +318,8 @@ def _confirm(workload: Workload, plan: Plan, target: Any,
              say: Callable[[str], None]) -> list[int] | None:
     """Each rank's peak from dry runs of its own program in a fake process group
     (:func:`memfit.estimate.layout.predict_layout`), for what those dry runs model: a
-    tensor or pipeline split in fp32, without checkpointing, with AdamW or SGD, replicas
+    tensor or pipeline split in fp32, without checkpointing, with an optimizer the layout path
+    trains with (the registry's ``layout`` ones: torch's AdamW, Adam, SGD), replicas
     all-reducing (stage 0). ``None`` otherwise (the layout model's figures stand)."""
     from ..estimate.layout import predict_layout
 
@@ -327,12 +329,12 @@ def _confirm(workload: Workload, plan: Plan, target: Any,
         or par.zero_stage != 0
         or plan.precision.mode != "fp32"
         or plan.checkpointing.mode != "none"
-        or plan.optimizer.name not in ("adamw", "sgd")
+        or not optimizer_spec(plan.optimizer.name).layout
     ):
         return None
     say(f"predicting every rank of {plan.summary()}")
     try:
-        pred = predict_layout(workload, par, optimizer=plan.optimizer.name,
+        pred = predict_layout(workload, par, optimizer=plan.optimizer,
                               foreach=True if target.is_cuda else None)
     except ValueError:
         return None

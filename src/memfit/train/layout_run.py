@@ -147,12 +147,11 @@ def predict_rank_peaks(run: TrainRun, plan: Plan) -> list[int] | None:
     try:
         from ..estimate.layout import predict_layout
 
-        name = "sgd" if plan.optimizer.name == "sgd" else "adamw"  # Adam's state is AdamW's
         w = run.workload
         with torch.device("meta"):  # only its class and config are used
             model = w.build_model()
         prediction = predict_layout(model, plan.parallel, batch_size=w.batch_size,
-                                    seq_len=w.seq_len, optimizer=name,
+                                    seq_len=w.seq_len, optimizer=plan.optimizer,
                                     foreach=plan.optimizer.foreach)
         return [int(p) for p in prediction.peak_bytes]
     except Exception:  # a figure for the report only: the run does not depend on it
