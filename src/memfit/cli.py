@@ -237,7 +237,7 @@ def _profile_layout(workload: Any, plan: Any, world: int, json_path: Any) -> Non
     from rich.table import Table
 
     from .estimate.layout import predict_layout
-    from .optim.registry import get as optimizer_spec
+    from .optim import registry as optim_registry
     from .units import format_bytes
 
     par = plan.parallel
@@ -248,10 +248,11 @@ def _profile_layout(workload: Any, plan: Any, world: int, json_path: Any) -> Non
             f"{par.world_size}"
         )
     if (plan.precision.mode != "fp32" or plan.checkpointing.mode != "none"
-            or not optimizer_spec(plan.optimizer.name).layout):
+            or not optim_registry.get(plan.optimizer.name).layout):
+        layout = ", ".join(s.name for s in optim_registry.specs() if s.layout)
         _fail(
             "a tensor/pipeline plan's ranks are dry-run in fp32 without checkpointing, with "
-            "torch's adamw, adam or sgd; for other plans, memfit plan --world-size N --gpus-per-node G with "
+            f"one of {layout}; for other plans, memfit plan --world-size N --gpus-per-node G with "
             "--plan gives the layout model's per-rank figures"
         )
     with err.status(f"dry-running the {par.pipeline} pipeline stages of {workload.name}"):

@@ -18,11 +18,10 @@ class OptimizerConfig:
     """The optimizer, its learning rate and implementation switches.
 
     Attributes:
-        name: A registered optimizer: torch's ``adamw``, ``adam``, ``sgd``; memfit's
-            ``adamw8bit``, ``adafactor``, ``lamb``, ``lars``, ``onebit-adam``; the peers'
-            8-bit AdamWs when installed; or a user's own. :mod:`memfit.optim.registry` says
-            what each keeps and costs (:func:`~memfit.optim.registry.get`). Any spelling it
-            accepts (``"AdamW_8bit"``, ``"onebitadam"``) is stored as the canonical name.
+        name: A registered optimizer (:func:`memfit.optim.registry.names`: torch's, memfit's,
+            the peers' 8-bit AdamWs when installed, or a user's own); the registry says what
+            each keeps and costs (:func:`~memfit.optim.registry.get`). Any spelling it accepts
+            (case, ``-`` and ``_`` ignored) is stored as the canonical name.
         lr: Learning rate.
         foreach: torch's multi-tensor implementation. ``None`` is torch's default (on where
             supported): fastest, but it materialises intermediates for all parameters at once,
