@@ -239,11 +239,11 @@ def options(
         precisions.append(mixed)
     if "bf16-pure" in allow:
         precisions.append("bf16-pure")
-    opts = [base.optimizer]
+    optimizers = [base.optimizer]
     for spec in optim_registry.specs():
         if spec.allow is not None and spec.allow in allow:
             # Another optimizer gets the base's learning rate, not its (foreign) arguments.
-            opts.append(OptimizerConfig(name=spec.name, lr=base.optimizer.lr))
+            optimizers.append(OptimizerConfig(name=spec.name, lr=base.optimizer.lr))
     if freezes is None:
         freezes = [tuple(base.freeze)] + ([("embeddings",), ("body",)] if "freeze" in allow else [])
     seqs: list[int | None] = [base.max_seq_len]
@@ -266,7 +266,7 @@ def options(
         micros=tuple(micros),
         checkpointing=_unique(ckpts),
         precisions=_unique(precisions),
-        optimizers=_unique(opts, key=lambda o: o.name),
+        optimizers=_unique(optimizers, key=lambda o: o.name),
         fused=(False, True) if "fused-step" not in forbid else (False,),
         foreach=_unique([base.optimizer.foreach] + ([False] if "foreach-off" not in forbid else [])),
         freezes=_unique(tuple(f) for f in freezes),
