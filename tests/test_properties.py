@@ -12,7 +12,7 @@ import yaml
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from memfit.optim import OPTIMIZERS
+from memfit.optim import registry as optim_registry
 from memfit.plan import Plan, PlanError
 from memfit.targets import parse_budget
 from memfit.targets.profiles import DEVICES
@@ -101,7 +101,7 @@ plan_fields = st.fixed_dictionaries(
             },
         ),
         "optimizer": st.fixed_dictionaries(
-            {"name": st.sampled_from(sorted(OPTIMIZERS))},
+            {"name": st.sampled_from([*optim_registry.names(), "onebitadam", "AdamW_8bit"])},
             optional={"lr": st.floats(1e-6, 1.0), "foreach": st.one_of(st.none(), st.booleans())},
         ),
         "optimizer_in_backward": st.booleans(),

@@ -19,6 +19,7 @@ from .distributed import data as _data_parallel
 from .distributed.config import ParallelConfig
 from .optim import config as _optimizer
 from .optim.config import OptimizerConfig
+from .optim.registry import get as optimizer_spec
 from .strategies import (
     accumulation,
     activation_offload,
@@ -377,25 +378,11 @@ class Plan:
                 "(their gradient hooks would run before the gradients are averaged across "
                 "processes); keep offload activations only, or use one process"
             )
-        if par.zero_stage == 1 and self.optimizer.name.startswith(("bnb-", "torchao-")):
-            raise PlanError(
-                f"optimizer {self.optimizer.name!r} cannot be sharded by ZeRO stage 1 "
-                "(ZeroRedundancyOptimizer rebuilds it from its class and settings, which the "
-                "peer's wrapper does not allow); it supports stage 0 only: use zero_stage 0 or "
-                "memfit's adamw8bit"
-            )
-        if par.zero_stage > 0 and self.optimizer.name == "onebit-adam":
-            raise PlanError(
-                "optimizer 'onebit-adam' compresses DDP's gradient all-reduce (a communication "
-                "hook) and steps every parameter on every process; it supports stage 0 only: "
-                "use zero_stage 0"
-            )
-        if par.zero_stage >= 2 and self.optimizer.name.startswith(("bnb-", "torchao-")):
-            raise PlanError(
-                f"optimizer {self.optimizer.name!r} cannot step FSDP2's sharded parameters "
-                "(DTensors); it supports stage 0 only: use zero_stage 0 or memfit's adamw8bit, "
-                "which steps each shard"
-            )
+        # Which ZeRO stages can shard the optimizer is the registry's (a peer's wrapper cannot
+        # be rebuilt or step DTensors; 1-bit Adam's communication hook is DDP's).
+        problem = optimizer_spec(self.optimizer.name).zero_problem(par.zero_stage)
+        if problem is not None:
+            raise PlanError(problem)
 
     def techniques(self) -> list[tuple[Technique, Any]]:
         """``(technique, config)`` for every registered technique this plan turns on, in

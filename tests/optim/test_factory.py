@@ -9,7 +9,6 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from memfit.optim import (
-    OPTIMIZERS,
     Adafactor,
     AdamW8bit,
     Lamb,
@@ -54,13 +53,11 @@ def test_build_optimizer(name: str, cls: type) -> None:
 
 
 def test_build_optimizer_unknown_name_lists_accepted() -> None:
-    with pytest.raises(ValueError, match="unknown optimizer 'rmsprop'") as info:
+    # The registry's sentence (memfit.optim.registry.get), one for every way to name one.
+    with pytest.raises(ValueError, match="optimizer 'rmsprop' is not known") as info:
         build_optimizer("rmsprop", nn.Linear(2, 2).parameters())
-    for name in ("adamw", "adam", "sgd", "adamw8bit", "adafactor", "lamb", "lars"):
+    for name in ("adamw", "adam", "sgd", "adamw8bit", "adafactor", "lamb", "lars", "onebit-adam"):
         assert repr(name) in str(info.value)
-    assert set(OPTIMIZERS) == {
-        "adamw", "adam", "sgd", "adamw8bit", "adafactor", "lamb", "lars", "onebitadam"
-    }
 
 
 def test_state_bytes_counts_each_storage_once() -> None:

@@ -210,6 +210,7 @@ def _profile_layout(workload: Any, plan: Any, world: int, json_path: Any) -> Non
     from rich.table import Table
 
     from ..estimate.layout import predict_layout
+    from ..optim import registry as optim_registry
 
     par = plan.parallel
     if par.world_size != world:
@@ -219,14 +220,15 @@ def _profile_layout(workload: Any, plan: Any, world: int, json_path: Any) -> Non
             f"{par.world_size}"
         )
     if (plan.precision.mode != "fp32" or plan.checkpointing.mode != "none"
-            or plan.optimizer.name not in ("adamw", "sgd")):
+            or not optim_registry.get(plan.optimizer.name).layout):
+        layout = ", ".join(s.name for s in optim_registry.specs() if s.layout)
         fail(
             "a tensor/pipeline plan's ranks are dry-run in fp32 without checkpointing, with "
-            "adamw or sgd; for other plans, memfit plan --world-size N --gpus-per-node G with "
+            f"one of {layout}; for other plans, memfit plan --world-size N --gpus-per-node G with "
             "--plan gives the layout model's per-rank figures"
         )
     with err.status(f"dry-running the {par.pipeline} pipeline stages of {workload.name}"):
-        pred = run_guarded(predict_layout, workload, par, optimizer=plan.optimizer.name)
+        pred = run_guarded(predict_layout, workload, par, optimizer=plan.optimizer)
     table = Table(title=f"{workload.name}: {plan.summary()} (predicted per rank)")
     for col in ("rank", "stage", "replica", "shard", "peak"):
         table.add_column(col, justify="right")

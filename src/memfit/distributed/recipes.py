@@ -39,11 +39,11 @@ from typing import Any, NamedTuple
 import torch
 
 from ..optim import build_optimizer as _build_named_optimizer
+from ..optim import registry as optim_registry
 from ..optim.config import OptimizerConfig
 from ..optim.schedule import LR_SCHEDULES, lr_factor
 
 __all__ = [
-    "RECIPE_OPTIMIZERS",
     "SCALING_RULES",
     "LargeBatchRecipe",
     "ScaledSchedule",
@@ -51,11 +51,16 @@ __all__ = [
     "build_scheduler",
     "lr_lambda",
     "optimizer_config",
+    "recipe_optimizers",
     "scale_for_batch",
 ]
 
-#: Optimizers a recipe may name.
-RECIPE_OPTIMIZERS = ("lamb", "lars", "adamw")
+
+def recipe_optimizers() -> tuple[str, ...]:
+    """Optimizers a recipe may name: the registry's layer-wise ones (trust ratio per tensor,
+    :attr:`~memfit.optim.registry.OptimizerSpec.layer_wise`), then torch's AdamW, the
+    small-batch reference the large-batch papers compare with."""
+    return (*(s.name for s in optim_registry.specs() if s.layer_wise), "adamw")
 
 #: How the learning rate grows with the batch.
 SCALING_RULES = ("linear", "sqrt")
@@ -121,10 +126,10 @@ class LargeBatchRecipe:
     """Further keyword arguments for the optimizer (``betas``, ``momentum``, ``eta``, ...)."""
 
     def __post_init__(self) -> None:
-        if self.optimizer not in RECIPE_OPTIMIZERS:
+        known = recipe_optimizers()
+        if self.optimizer not in known:
             raise ValueError(
-                f"optimizer {self.optimizer!r} is not known; use one of "
-                f"{', '.join(RECIPE_OPTIMIZERS)}"
+                f"optimizer {self.optimizer!r} is not known; use one of {', '.join(known)}"
             )
         if self.scaling not in SCALING_RULES:
             raise ValueError(

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..optim.registry import get as optimizer_spec
 from ..plan import Plan
 from ..targets import DeviceProfile
 from ..workload import Workload, call_model
@@ -43,45 +44,6 @@ __all__ = [
     "profile_workload",
     "step_cost",
 ]
-
-# Bytes read + written per trainable parameter by one optimizer step, for fp32 parameters,
-# counted from each algorithm's update (a step is memory-bound: bytes / bandwidth is its time).
-# AdamW: read p, g, m, v (16) and write p, m, v (12). SGD: read p, g (8) and write p (4), plus
-# the momentum buffer when there is one (read and written: 8); 16 sits between the two.
-_OPT_BYTES = {
-    "adamw": 28.0,
-    "adam": 28.0,
-    "sgd": 16.0,
-    "lamb": 36.0,  # a second pass for the trust ratio
-    "lars": 20.0,
-    "adamw8bit": 18.0,  # 1-byte moments read and written, fp32 weights and gradient
-    "adafactor": 20.0,  # update temporaries, row/column statistics are negligible
-    # Peers' 8-bit AdamWs (bitsandbytes, torchao): the same bytes as memfit's.
-    "bnb-adamw8bit": 18.0,
-    "bnb-paged-adamw8bit": 18.0,
-    "torchao-adamw8bit": 18.0,
-}
-# Bytes of optimizer state kept per parameter (what the disk tier stores besides the fp32
-# master): AdamW's two fp32 moments, 8-bit AdamW's two 1-byte codes (block scales are
-# negligible), SGD's momentum, Adafactor's factored statistics (about nothing per parameter).
-_STATE_BYTES = {"adamw": 8.0, "adam": 8.0, "sgd": 4.0, "lamb": 8.0, "lars": 4.0,
-                "adamw8bit": 2.0, "adafactor": 0.0, "bnb-adamw8bit": 2.0,
-                "bnb-paged-adamw8bit": 2.0, "torchao-adamw8bit": 2.0}  # fmt: skip
-# Ops per parameter tensor when an optimizer loops over tensors one by one: counted from the
-# kernels of torch's single-tensor implementations (torch/optim/adamw.py _single_tensor_adamw:
-# weight decay mul_, lerp_, mul_, addcmul_, step counter, bias corrections, sqrt, div_, add_,
-# addcdiv_ = 10) and of memfit's optimizers (quantise/dequantise and the factored statistics
-# add their own), each costing one launch overhead.
-_OPT_OPS_PER_TENSOR = {
-    "adamw": 10,
-    "adam": 10,
-    "sgd": 3,
-    "lamb": 14,
-    "lars": 8,
-    "adamw8bit": 16,
-    "adafactor": 16,
-}
-
 
 @dataclass(frozen=True)
 class WorkloadProfile:
@@ -290,7 +252,7 @@ def step_cost(
             optimizer scale with it.
     """
     s = _step_sizes(profile, plan, device, batch_size, trainable_fraction)
-    opt = _optimizer_figures(plan.optimizer.name)
+    opt = _optimizer_figures(plan.optimizer)
     optimizer = _device_step(plan, device, s, opt)
     off = plan.offload
     offload = 0.0
@@ -387,20 +349,23 @@ def _launch(profile: WorkloadProfile, plan: Plan, device: DeviceProfile, s: _Ste
 
 @dataclass(frozen=True)
 class _OptimizerFigures:
-    """One optimizer's figures from the tables above (AdamW's where they have none)."""
+    """One optimizer's figures, from the optimizer registry (:mod:`memfit.optim.registry`)."""
 
     step_bytes: float  # bytes read + written per parameter by one fp32 step
-    state_bytes: float  # bytes of state kept per parameter
+    host_step_bytes: float  # bytes the offloaded host step streams per parameter
+    state_bytes: float  # bytes of state kept per parameter (with the plan's settings)
     ops_per_tensor: int  # ops per tensor when it loops over tensors
     foreach: bool  # whether it can step all tensors at once (torch's foreach kernels)
 
 
-def _optimizer_figures(name: str) -> _OptimizerFigures:
+def _optimizer_figures(config: Any) -> _OptimizerFigures:
+    spec = optimizer_spec(config.name)
     return _OptimizerFigures(
-        step_bytes=_OPT_BYTES.get(name, 28.0),
-        state_bytes=_STATE_BYTES.get(name, 8.0),
-        ops_per_tensor=_OPT_OPS_PER_TENSOR.get(name, 10),
-        foreach=name in ("adamw", "adam", "sgd"),
+        step_bytes=spec.step_bytes,
+        host_step_bytes=spec.host_step_bytes(),
+        state_bytes=spec.bytes_per_parameter(config.kwargs),
+        ops_per_tensor=spec.ops_per_tensor,
+        foreach=spec.foreach,
     )
 
 
@@ -439,7 +404,7 @@ def _host_step(plan: Plan, device: DeviceProfile, s: _Step, opt: _OptimizerFigur
     bwd_micro = s.bwd / s.rate / s.n_micro
     # The host step streams the fp32 masters and state (the same bytes as on the device
     # in fp32) plus the gradients' fp32 copy, at host memory bandwidth.
-    host_step = s.params * (opt.step_bytes + 4) / device.host_mem_bandwidth
+    host_step = s.params * opt.host_step_bytes / device.host_mem_bandwidth
     if off.optimizer == "disk":
         # Masters and state are read and written back every step; the next group's read
         # overlaps the current group's step, so the slower of the two sets the pace.

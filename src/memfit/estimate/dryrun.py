@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..accounting import MemoryReport, track
+from ..optim.registry import get as optimizer_spec
 from ..plan import Plan, PlanError
 from ..targets import DeviceProfile, emulate, get_device
 from ..workload import Workload, load_workload
@@ -460,7 +461,7 @@ def plan_for_target(plan: Plan, target: DeviceProfile) -> Plan:
             "fp16-mixed (or fp32)"
         )
     opt = plan.optimizer
-    if target.is_cuda and opt.name in ("adamw", "adam", "sgd") and opt.foreach is None:
+    if target.is_cuda and optimizer_spec(opt.name).foreach and opt.foreach is None:
         fused = bool(dict(opt.kwargs).get("fused"))
         if not fused:
             plan = plan.replace(optimizer=dataclasses.replace(opt, foreach=True))

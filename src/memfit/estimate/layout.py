@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,6 +60,8 @@ from ..distributed.layout import (
 )
 from ..distributed.pipeline import PipelineConfig, build_stage, causal_lm_loss
 from ..distributed.tensor import TensorParallelConfig, apply_tensor_parallel, shifted_cross_entropy
+from ..optim import registry as optim_registry
+from ..optim.config import OptimizerConfig
 from ..workload import Workload, load_workload
 from .distributed import fake_process_group
 from .pipeline import _fake, _schedule_orders
@@ -211,16 +214,17 @@ def _shallow(parallel: ParallelConfig, num_blocks: int, mine: tuple[int, ...],
 
 
 # --------------------------------------------------------------------------- one role
-def _make_optimizer(name: str | Callable[..., Any], params: list[nn.Parameter],
-                    foreach: bool | None) -> Any:
-    if callable(name):
-        return name(params)
-    if name == "adamw":
-        return torch.optim.AdamW(params, foreach=foreach)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=foreach)
-    raise LayoutError(f"predict_layout knows the optimizers adamw and sgd (or takes a "
-                      f"callable params -> optimizer), got {name!r}")
+def _make_optimizer(optimizer: str | OptimizerConfig | Callable[..., Any],
+                    params: list[nn.Parameter], foreach: bool | None) -> Any:
+    if callable(optimizer):
+        return optimizer(params)
+    config = OptimizerConfig(name=optimizer) if isinstance(optimizer, str) else optimizer
+    if not optim_registry.get(config.name).layout:
+        known = ", ".join(s.name for s in optim_registry.specs() if s.layout)
+        raise LayoutError(f"predict_layout builds the optimizers the layout path trains with "
+                          f"({known}) or takes a callable params -> optimizer, got "
+                          f"{config.name!r}")
+    return dataclasses.replace(config, foreach=foreach).build(params)
 
 
 def _curve(tracker: Any) -> list[int]:
@@ -563,7 +567,7 @@ def predict_layout(
     *,
     batch_size: int | None = None,
     seq_len: int | None = None,
-    optimizer: str | Callable[[list[nn.Parameter]], Any] = "adamw",
+    optimizer: str | OptimizerConfig | Callable[[list[nn.Parameter]], Any] = "adamw",
     loss_fn: LossFn | None = None,
     foreach: bool | None = None,
 ) -> LayoutPrediction:
@@ -584,8 +588,10 @@ def predict_layout(
             ``microbatches`` and ``zero_stage`` (0, 2 or 3).
         batch_size: The global batch (over all replicas); a workload's by default.
         seq_len: Tokens per sample; a workload's by default.
-        optimizer: ``"adamw"`` (two fp32 moments per parameter), ``"sgd"`` (momentum), or a
-            callable making the optimizer from the parameters.
+        optimizer: One the layout path trains with (the registry's ``layout`` ones: torch's
+            AdamW, Adam, SGD), by name (its default settings: SGD without momentum keeps no
+            state) or as a plan's ``OptimizerConfig`` (its settings), or a callable making
+            the optimizer from the parameters.
         loss_fn: The last stage's loss, as given to ``build_layout`` (default: the causal LM's).
         foreach: The optimizer's ``foreach`` (``None``: torch's default for CPU tensors, the
             per-tensor loop; pass ``True`` for a CUDA target's default).

@@ -11,57 +11,50 @@ AdamW8bit, Adafactor, Lamb and Lars also step parameters sharded by FSDP2's ``fu
 shard, with the unsharded result up to rounding; AdamW8bit's quantisation blocks start at each
 shard's first element instead (:mod:`memfit.optim.sharding`).
 
-:func:`build_optimizer` creates any of them (or torch's AdamW/Adam/SGD) by name and
-:func:`state_bytes` measures how much memory an optimizer's state takes.
+:func:`build_optimizer` creates any of them (or torch's AdamW/Adam/SGD, or a peer's 8-bit
+AdamW) by name, from :mod:`memfit.optim.registry`, which holds what memfit knows of each
+optimizer (state size, step cost, sharding); :func:`state_bytes` measures how much memory an
+optimizer's state takes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from . import registry
 from .adafactor import Adafactor
 from .adamw8bit import AdamW8bit, StableEmbedding
 from .lamb import Lamb
 from .lars import Lars
 from .onebit_adam import OneBitAdam
+from .registry import OptimizerSpec
 
 __all__ = [
-    "OPTIMIZERS",
     "Adafactor",
     "AdamW8bit",
     "Lamb",
     "Lars",
     "OneBitAdam",
+    "OptimizerSpec",
     "StableEmbedding",
     "build_optimizer",
+    "registry",
     "state_bytes",
 ]
-
-#: Optimizer classes by the names :func:`build_optimizer` accepts.
-OPTIMIZERS: dict[str, Callable[..., Optimizer]] = {
-    "adamw": torch.optim.AdamW,
-    "adam": torch.optim.Adam,
-    "sgd": torch.optim.SGD,
-    "adamw8bit": AdamW8bit,
-    "adafactor": Adafactor,
-    "lamb": Lamb,
-    "lars": Lars,
-    "onebitadam": OneBitAdam,
-}
 
 
 def build_optimizer(name: str, params: Iterable[Any], **kwargs: Any) -> Optimizer:
     """Create an optimizer by name.
 
     Args:
-        name: One of ``"adamw"``, ``"adam"``, ``"sgd"`` (torch's own), ``"adamw8bit"``,
-            ``"adafactor"``, ``"lamb"``, ``"lars"``, ``"onebitadam"``.  Case, ``-`` and ``_``
-            are ignored, so ``"AdamW_8bit"`` and ``"onebit-adam"`` work too.
+        name: A registered optimizer (:func:`memfit.optim.registry.names`: torch's, memfit's,
+            the peers' 8-bit AdamWs, or a user's own). Case, ``-`` and ``_`` are ignored, so
+            ``"AdamW_8bit"`` and ``"onebitadam"`` work too.
         params: Parameters or parameter groups, as for any torch optimizer.
         **kwargs: Passed to the optimizer's constructor (e.g. ``lr``).
 
@@ -69,19 +62,13 @@ def build_optimizer(name: str, params: Iterable[Any], **kwargs: Any) -> Optimize
         The optimizer.
 
     Raises:
-        ValueError: If ``name`` is not one of the accepted names.
+        ValueError: If ``name`` is not a registered optimizer, or a peer's library is missing.
 
     Example:
         >>> model = torch.nn.Linear(4, 4)
         >>> opt = build_optimizer("adamw8bit", model.parameters(), lr=1e-3)
     """
-    key = name.lower().replace("-", "").replace("_", "")
-    try:
-        factory = OPTIMIZERS[key]
-    except KeyError:
-        accepted = ", ".join(repr(n) for n in OPTIMIZERS)
-        raise ValueError(f"unknown optimizer {name!r}; accepted names: {accepted}") from None
-    return factory(params, **kwargs)
+    return registry.get(name).build(params, **kwargs)
 
 
 def state_bytes(optimizer: Optimizer) -> int:

@@ -2,33 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..techniques import BUILTIN_ORDER, Technique
+from .registry import get
 
-__all__ = ["OPTIMIZER_NAMES", "PEER_OPTIMIZERS", "OptimizerConfig"]
-
-#: Peers' 8-bit optimizers a plan may name when their library is installed: name -> (package
-#: to install, module, class). Their state has memfit's AdamW8bit layout (8-bit codes, an fp32
-#: maximum per 256-element block, fp32 state for tensors under 4096 elements), so a dry run,
-#: which needs no peer library, builds memfit's AdamW8bit in their place (bitsandbytes' two
-#: 1 KiB code maps per tensor and the peers' step temporaries are not modelled).
-PEER_OPTIMIZERS: dict[str, tuple[str, str, str]] = {
-    "bnb-adamw8bit": ("bitsandbytes", "bitsandbytes.optim", "AdamW8bit"),
-    "bnb-paged-adamw8bit": ("bitsandbytes", "bitsandbytes.optim", "PagedAdamW8bit"),
-    "torchao-adamw8bit": ("torchao", "torchao.optim", "AdamW8bit"),
-}
-
-#: Optimizer names a plan accepts (torch's own first, then memfit's memory-light ones, then
-#: the peers').
-OPTIMIZER_NAMES: tuple[str, ...] = (
-    "adamw", "adam", "sgd", "adamw8bit", "adafactor", "lamb", "lars", "onebit-adam",
-    *PEER_OPTIMIZERS,
-)  # fmt: skip
+__all__ = ["OptimizerConfig"]
 
 
 @dataclass(frozen=True)
@@ -36,14 +19,10 @@ class OptimizerConfig:
     """The optimizer, its learning rate and implementation switches.
 
     Attributes:
-        name: ``adamw`` / ``adam`` (8 bytes of state per parameter), ``sgd`` (4 with momentum,
-            0 without), ``adamw8bit`` (about 2.03: block-wise quantised moments), ``adafactor``
-            (factored second moment: O(n+m) per matrix, well under 1 byte per parameter),
-            ``lamb`` / ``lars`` (layer-wise trust ratio for large batches; 8 / 4 bytes);
-            ``onebit-adam`` (Adam, then frozen variance: 1-bit Adam's optimizer, 8 bytes; its
-            compressed communication is :func:`memfit.distributed.onebit.register_onebit_adam`);
-            ``bnb-adamw8bit``, ``bnb-paged-adamw8bit`` (bitsandbytes) and
-            ``torchao-adamw8bit`` (torchao) when installed (about 2.03, as ``adamw8bit``).
+        name: A registered optimizer (:func:`memfit.optim.registry.names`: torch's, memfit's,
+            the peers' 8-bit AdamWs when installed, or a user's own); the registry says what
+            each keeps and costs (:func:`~memfit.optim.registry.get`). Any spelling it accepts
+            (case, ``-`` and ``_`` ignored) is stored as the canonical name.
         lr: Learning rate.
         foreach: torch's multi-tensor implementation. ``None`` is torch's default (on where
             supported): fastest, but it materialises intermediates for all parameters at once,
@@ -57,55 +36,39 @@ class OptimizerConfig:
     kwargs: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.name not in OPTIMIZER_NAMES:
-            raise ValueError(
-                f"optimizer {self.name!r} is not known; use one of {', '.join(OPTIMIZER_NAMES)}"
-            )
+        # The canonical name, so a plan stores one spelling (a ValueError naming the known ones).
+        object.__setattr__(self, "name", get(self.name).name)
         if not self.lr > 0:
             raise ValueError(f"learning rate must be > 0, got {self.lr!r}")
 
     def build(self, params: Iterable[torch.nn.Parameter] | Iterable[dict]) -> torch.optim.Optimizer:
-        """Build the optimizer over ``params``."""
+        """Build the optimizer over ``params`` (a dry run's stand-in for a peer's)."""
+        spec = get(self.name)
         kwargs: dict[str, Any] = {"lr": self.lr, **dict(self.kwargs)}
-        if self.name in ("adamw", "adam", "sgd"):
-            cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
-            if self.foreach is not None:
-                kwargs["foreach"] = self.foreach
-            return cls[self.name](params, **kwargs)
-        if self.name == "adafactor" and kwargs.get("relative_step") is not False:
-            # The plan always names a learning rate, so Adafactor's own relative step size
-            # (which needs lr=None) is off unless the kwargs ask for it explicitly.
-            if kwargs.get("relative_step"):
-                kwargs["lr"] = None
-            else:
-                kwargs.setdefault("relative_step", False)
-                kwargs.setdefault("scale_parameter", False)
-        if self.name in PEER_OPTIMIZERS:
-            return _build_peer(self.name, params, kwargs)
-        from . import build_optimizer
-
-        return build_optimizer(self.name, params, **kwargs)
+        if spec.foreach and self.foreach is not None:
+            kwargs["foreach"] = self.foreach
+        if spec.plan_settings is not None:
+            kwargs = spec.plan_settings(kwargs)
+        return spec.build(params, **kwargs)
 
 
-def _build_peer(name: str, params: Any, kwargs: dict[str, Any]) -> torch.optim.Optimizer:
-    """A peer's optimizer; memfit's AdamW8bit with the same state layout in a dry run."""
-    import importlib
+class _AllowNames(Mapping[str, str]):
+    """The optimizer registry's ``--allow`` names, read when asked (a user's optimizer
+    registered later is included)."""
 
-    from torch._guards import active_fake_mode
+    def _names(self) -> dict[str, str]:
+        from .registry import specs
 
-    if active_fake_mode() is not None:
-        from .adamw8bit import AdamW8bit
+        return {s.allow: s.allow_help or s.name for s in specs() if s.allow}
 
-        return AdamW8bit(params, block_size=256, min_8bit_size=4096, **kwargs)
-    package, module, cls = PEER_OPTIMIZERS[name]
-    try:
-        found = importlib.import_module(module)
-    except ImportError:
-        raise ValueError(
-            f"optimizer {name!r} needs {package}, which is not installed here: pip install "
-            f"{package} (or use memfit's 'adamw8bit', the same state layout)"
-        ) from None
-    return getattr(found, cls)(params, **kwargs)
+    def __getitem__(self, key: str) -> str:
+        return self._names()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
 
 
 def _optimizer_summary(config: OptimizerConfig) -> str:
@@ -113,16 +76,14 @@ def _optimizer_summary(config: OptimizerConfig) -> str:
 
 
 #: The optimizer, built last (``memfit.apply``): it steps what the techniques before it left
-#: trainable, in their dtypes, sharded or offloaded.
+#: trainable, in their dtypes, sharded or offloaded. Its ``--allow`` names are the optimizer
+#: registry's (an optimizer that changes training needs consent to be switched to).
 TECHNIQUE = Technique(
     name="optimizer",
     plan_field="optimizer",
     order=BUILTIN_ORDER["optimizer"],
     is_on=lambda plan: True,
-    allow={
-        "8bit": "8-bit AdamW state",
-        "factored": "Adafactor's factored state",
-    },
+    allow=_AllowNames(),
     forbid={"foreach-off": "turning the multi-tensor optimizer off"},
     summary=_optimizer_summary,
 )

@@ -34,7 +34,8 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..optim.config import PEER_OPTIMIZERS, OptimizerConfig
+from ..optim import registry as optim_registry
+from ..optim.config import OptimizerConfig
 from ..plan import Plan
 from ..strategies.fused_loss import FusedLossConfig
 from ..strategies.offload import OffloadConfig
@@ -112,8 +113,6 @@ PRECISION_BYTES: dict[str, tuple[int, int]] = {
     "fp16-mixed": (10, 2),
     "bf16-pure": (4, 2),
 }
-# torch's optimizers with a multi-tensor (foreach) implementation; memfit's loop per tensor.
-_TORCH_FOREACH = ("adamw", "adam", "sgd")
 # What a checkpointing mode keeps for backward, in its order of size (not measured: each
 # mode's kept set contains the next one's): everything, the matmul outputs, block inputs.
 _CHECKPOINT_KEEPS = {"none": 2, "selective": 1, "full": 0}
@@ -178,11 +177,12 @@ def _measure_state_bytes(config: OptimizerConfig) -> float:
     for p in params:
         p.grad = torch.full_like(p, 1e-3)
     try:
-        # A peer's 8-bit optimizer has memfit's AdamW8bit layout; its library need not be
-        # installed where the plan is made.
+        # A peer's 8-bit optimizer is probed through its stand-in with the same layout; its
+        # library need not be installed where the plan is made.
+        spec = optim_registry.get(config.name)
         probe = (
-            OptimizerConfig(name="adamw8bit", kwargs={"block_size": 256, "min_8bit_size": 4096})
-            if config.name in PEER_OPTIMIZERS
+            OptimizerConfig(name=spec.stand_in, kwargs=dict(spec.stand_in_settings))
+            if spec.stand_in is not None
             else OptimizerConfig(name=config.name, kwargs=dict(config.kwargs))
         )
         optimizer = probe.build(params)
@@ -244,10 +244,10 @@ def options(
     if "bf16-pure" in allow:
         precisions.append("bf16-pure")
     optimizers = [base.optimizer]
-    for flag, name in (("8bit", "adamw8bit"), ("factored", "adafactor")):
-        if flag in allow:
+    for spec in optim_registry.specs():
+        if spec.allow is not None and spec.allow in allow:
             # Another optimizer gets the base's learning rate, not its (foreign) arguments.
-            optimizers.append(OptimizerConfig(name=name, lr=base.optimizer.lr))
+            optimizers.append(OptimizerConfig(name=spec.name, lr=base.optimizer.lr))
     if freezes is None:
         freezes = [tuple(base.freeze)] + ([("embeddings",), ("body",)] if "freeze" in allow else [])
     seqs: list[int | None] = [base.max_seq_len]
@@ -418,13 +418,14 @@ def generate(
         foreach_off = fe is False and base_foreach is not False
         # A step that loops per tensor has no parameter-sized multi-tensor temporaries: the
         # foreach switch turned off, memfit's optimizers, and torch's default off CUDA.
-        loops = fe is False or opt.name not in _TORCH_FOREACH or (fe is None and not cuda)
+        has_foreach = optim_registry.get(opt.name).foreach
+        loops = fe is False or not has_foreach or (fe is None and not cuda)
         if fu and (foreach_off or (accum > 1 and not _moves_optimizer(of))):
             # In backward the step runs per tensor anyway (foreach is moot), and accumulated
             # gradients must persist across micro-batches, so fusing saves nothing then (with
             # the optimizer on the host it still overlaps the host step with backward).
             continue
-        if foreach_off and opt.name not in _TORCH_FOREACH:
+        if foreach_off and not has_foreach:
             continue  # memfit's optimizers loop per tensor: foreach off is the same plan
         if fu and pr == "fp16-mixed":
             continue  # the loss scaler must see every gradient before any step

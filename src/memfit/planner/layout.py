@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..distributed.config import ParallelConfig
+from ..optim.registry import get as optimizer_spec
 from ..plan import Plan
 from ..units import format_bytes
 from ..workload import Workload, load_workload
@@ -313,7 +314,7 @@ class _LayoutSearch:
                     cand = estimate_layout(
                         shape, par, batch_size=workload.batch_size, seq_len=workload.seq_len,
                         checkpointing=ckpt, device=self.target, precision=self.precision,
-                        optimizer=base.optimizer.name, gpus_per_node=g, microbatches=m,
+                        optimizer=base.optimizer, gpus_per_node=g, microbatches=m,
                     )
                     cand.fits = cand.max_peak_bytes <= self.limit
                     candidates.append(cand)
@@ -370,7 +371,8 @@ def _confirm(workload: Workload, plan: Plan, target: Any,
              say: Callable[[str], None]) -> list[int] | None:
     """Each rank's peak from dry runs of its own program in a fake process group
     (:func:`memfit.estimate.layout.predict_layout`), for what those dry runs model: a
-    tensor or pipeline split in fp32, without checkpointing, with AdamW or SGD, replicas
+    tensor or pipeline split in fp32, without checkpointing, with an optimizer the layout path
+    trains with (the registry's ``layout`` ones: torch's AdamW, Adam, SGD), replicas
     all-reducing (stage 0). ``None`` otherwise (the layout model's figures stand)."""
     from ..estimate.layout import predict_layout
 
@@ -380,12 +382,12 @@ def _confirm(workload: Workload, plan: Plan, target: Any,
         or par.zero_stage != 0
         or plan.precision.mode != "fp32"
         or plan.checkpointing.mode != "none"
-        or plan.optimizer.name not in ("adamw", "sgd")
+        or not optimizer_spec(plan.optimizer.name).layout
     ):
         return None
     say(f"predicting every rank of {plan.summary()}")
     try:
-        pred = predict_layout(workload, par, optimizer=plan.optimizer.name,
+        pred = predict_layout(workload, par, optimizer=plan.optimizer,
                               foreach=True if target.is_cuda else None)
     except ValueError:
         return None

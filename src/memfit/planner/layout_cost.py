@@ -25,10 +25,14 @@ import contextlib
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..distributed.config import ParallelConfig
+from ..optim.registry import get as optimizer_spec
 from ..workload import Workload, WorkloadError
+
+if TYPE_CHECKING:
+    from ..optim.config import OptimizerConfig
 
 __all__ = [
     "LayoutCandidate",
@@ -41,8 +45,6 @@ __all__ = [
 
 #: Share of backward the data-parallel gradient reduction overlaps with.
 _DP_OVERLAP = 0.8
-#: Optimizer state bytes per parameter by optimizer name (fp32 AdamW: two moments).
-_STATE_BYTES = {"adamw": 8, "adam": 8, "adamw8bit": 2, "sgd": 0, "lion": 4, "adafactor": 0.1}
 
 
 @dataclass(frozen=True)
@@ -329,10 +331,12 @@ def rank_coordinates(rank: int, parallel: ParallelConfig) -> dict[str, int]:
 
 def estimate_layout(shape: ModelShape, parallel: ParallelConfig, *, batch_size: int,
                     seq_len: int, checkpointing: bool, device: Any, precision: str,
-                    optimizer: str, gpus_per_node: int,
+                    optimizer: OptimizerConfig | str, gpus_per_node: int,
                     microbatches: int | None = None) -> LayoutCandidate:
     """Price one layout (see the module docstring): every rank's peak and the step time.
 
+    ``optimizer``: the plan's (a name: its default settings); its state bytes per parameter
+    are the registry's (:meth:`~memfit.optim.registry.OptimizerSpec.bytes_per_parameter`).
     ``microbatches``: with one stage, the gradient-accumulation steps per step (default 1);
     with a pipeline, its ``parallel.microbatches``.
     """
@@ -346,7 +350,10 @@ def estimate_layout(shape: ModelShape, parallel: ParallelConfig, *, batch_size: 
     prof = _profile(shape, t, seq_len, dtype, device.name)
     act_bytes = 2 if dtype != "float32" else 4
     per_stage = shape.layers // p
-    state = _STATE_BYTES.get(optimizer, 8)
+    if isinstance(optimizer, str):
+        state = optimizer_spec(optimizer).bytes_per_parameter()
+    else:
+        state = optimizer_spec(optimizer.name).bytes_per_parameter(optimizer.kwargs)
     v = 1 if parallel.schedule in ("gpipe", "1f1b") else 2
     block_input = mb * seq_len * shape.hidden * act_bytes
 

@@ -50,6 +50,7 @@ import torch
 
 from ..estimate.compose import StoppedOver, block_pattern, composes, shallow_report
 from ..estimate.dryrun import cancel_when, raise_if_cancelled
+from ..optim.registry import get as optimizer_spec
 from ..plan import Plan
 from ..targets import DeviceProfile
 from ..units import format_bytes
@@ -516,7 +517,7 @@ def _base_for(base: Plan, target: DeviceProfile) -> Plan:
     if (
         target.name != "cpu"
         and base.optimizer.foreach is None
-        and base.optimizer.name in ("adamw", "adam", "sgd")
+        and optimizer_spec(base.optimizer.name).foreach
     ):
         # On a GPU torch's optimizers default to foreach, which costs a parameter-sized
         # temporary at the step and runs faster: the cost model and the dry runs plan for it.

@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from ..accounting.tiers import host_tier, mark_host
+from ..optim.registry import get as optimizer_spec
 from ..techniques import BUILTIN_ORDER, Technique
 from .offload import OffloadConfig, host_copy_of, offload_refusal
 
@@ -56,12 +57,13 @@ __all__ = ["HostOffloadOptimizer", "OffloadStepper", "host_optimizer_builder"]
 
 
 def host_optimizer_builder(config: Any) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
-    """How the host step builds the plan's optimizer (an ``OptimizerConfig``): torch's AdamW
-    and Adam take their fused CPU kernel (one pass over each tensor, several times faster than
-    the per-tensor loop torch picks by default on the CPU) unless the plan chose ``foreach`` or
-    an implementation in its kwargs; every other optimizer is built as configured."""
+    """How the host step builds the plan's optimizer (an ``OptimizerConfig``): one with a
+    fused CPU kernel (the registry's ``fused``: torch's AdamW and Adam) takes it (one pass
+    over each tensor, several times faster than the per-tensor loop torch picks by default on
+    the CPU) unless the plan chose ``foreach`` or an implementation in its kwargs; every other
+    optimizer is built as configured."""
     kwargs = dict(config.kwargs)
-    if config.name in ("adamw", "adam") and config.foreach is None and not (
+    if optimizer_spec(config.name).fused and config.foreach is None and not (
         {"fused", "foreach"} & set(kwargs)
     ):
         import dataclasses

@@ -32,22 +32,26 @@ from typing import Any
 
 import torch
 
+from ..optim import registry as optim_registry
 from ..plan import Plan
 from .config import DEFAULT_BATCH_SIZE, TrainConfig
 from .run import TrainRun
 
 __all__ = [
-    "LAYOUT_OPTIMIZERS",
     "LayoutRunError",
     "LayoutRunResult",
     "check_layout_run",
     "is_layout_plan",
+    "layout_optimizers",
     "predict_rank_peaks",
     "train_layout",
 ]
 
-#: The optimizers the layout path builds (torch's own: they step DTensor shards elementwise).
-LAYOUT_OPTIMIZERS = ("adamw", "adam", "sgd")
+
+def layout_optimizers() -> tuple[str, ...]:
+    """The optimizers the layout path builds (the registry's ``layout`` ones: torch's own,
+    which step DTensor shards elementwise)."""
+    return tuple(s.name for s in optim_registry.specs() if s.layout)
 
 
 class LayoutRunError(ValueError):
@@ -78,9 +82,9 @@ def check_layout_run(config: TrainConfig, plan: Plan) -> None:
             "compare the per-process peaks with the budget")
     if config.eval_every is not None:
         problems.append(f"{what} does not evaluate during training; leave eval_every unset")
-    if plan.optimizer.name not in LAYOUT_OPTIMIZERS:
+    if not optim_registry.get(plan.optimizer.name).layout:
         problems.append(
-            f"{what} builds torch's {', '.join(LAYOUT_OPTIMIZERS)} over the ranks' shards, not "
+            f"{what} builds torch's {', '.join(layout_optimizers())} over the ranks' shards, not "
             f"optimizer {plan.optimizer.name!r}; use one of those")
     ignored = _ignored_techniques(plan)
     if ignored:
@@ -128,12 +132,11 @@ def predict_rank_peaks(run: TrainRun, plan: Plan) -> list[int] | None:
     try:
         from ..estimate.layout import predict_layout
 
-        name = "sgd" if plan.optimizer.name == "sgd" else "adamw"  # Adam's state is AdamW's
         w = run.workload
         with torch.device("meta"):  # only its class and config are used
             model = w.build_model()
         prediction = predict_layout(model, plan.parallel, batch_size=w.batch_size,
-                                    seq_len=w.seq_len, optimizer=name,
+                                    seq_len=w.seq_len, optimizer=plan.optimizer,
                                     foreach=plan.optimizer.foreach)
         return [int(p) for p in prediction.peak_bytes]
     except Exception:  # a figure for the report only: the run does not depend on it
