@@ -152,13 +152,6 @@ def test_nothing_imports_the_cli_but_main():
     assert users in ([], ["memfit.__main__"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="the functions being rewritten in issue 25 (cli.py's commands, apply_plan, "
-    "Plan.validate, candidates.generate, apply_checkpointing) are still over 100 lines; the "
-    "mark goes once they are merged",
-)
 def test_no_function_over_100_lines():
     long = []
     for path in sorted(SRC.rglob("*.py")):

@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 import torch
-from memfit.optim.config import OptimizerConfig
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memfit.optim import AdamW8bit, registry, state_bytes
+from memfit.optim.config import OptimizerConfig
 from memfit.optim.registry import OptimizerSpec
 from memfit.optim.state_size import StateSize, per_tensor
 from memfit.plan import Plan, PlanError

@@ -356,6 +356,74 @@ def _unique(items: Iterable[Any], key: Any = None) -> tuple[Any, ...]:
     return tuple(out)
 
 
+@dataclass(frozen=True)
+class _Ranks:
+    """Each dimension's rank table (:func:`ordinal` over what its options keep)."""
+
+    micro: dict[Any, int]
+    ckpt: dict[Any, int]
+    param: dict[Any, int]
+    act: dict[Any, int]
+    state: dict[Any, int]
+    freeze: dict[Any, int]
+    seq: dict[Any, int]
+    fused_loss: dict[Any, int]
+    opt_off: dict[Any, int]
+    act_off: dict[Any, int]
+    par_off: dict[Any, int]
+    extra: dict[Any, int]
+
+    @classmethod
+    def of(
+        cls, workload: Workload, space: Space, trainable: Mapping[tuple[str, ...], float]
+    ) -> _Ranks:
+        offloads = space.offloads
+        return cls(
+            micro=ordinal({m: m for m in space.micros}),
+            ckpt=ordinal({c: _CHECKPOINT_KEEPS[c] for c in space.checkpointing}),
+            param=ordinal({p: PRECISION_BYTES[p][0] for p in space.precisions}),
+            act=ordinal({p: PRECISION_BYTES[p][1] for p in space.precisions}),
+            state=ordinal({o.name: state_bytes_per_parameter(o) for o in space.optimizers}),
+            freeze=ordinal({f: trainable.get(f, 1.0) for f in space.freezes}),
+            seq=ordinal({s: s or workload.seq_len for s in space.seq_lens}),
+            # The fused loss keeps one chunk of logits, the plain loss all of them.
+            fused_loss=ordinal({f: 0 if f is None else -1 for f in space.fused_losses}),
+            # Optimizer offload keeps no state and at most a bucket of gradients on the
+            # device; activation offload keeps only what is too small to move. One rank
+            # dimension each.
+            opt_off=ordinal({_moves_optimizer(o): -int(_moves_optimizer(o)) for o in offloads}),
+            act_off=ordinal(
+                {_moves_activations(o): -int(_moves_activations(o)) for o in offloads}
+            ),
+            par_off=ordinal(
+                {_moves_parameters(o): -int(_moves_parameters(o)) for o in offloads}
+            ),
+            extra=ordinal({e: -_extra_rank(e) for e in space.extras}),
+        )
+
+    def vector(
+        self, m: int, ck: str, pr: str, opt: str, fu: bool, loops: bool, fz: Any, sq: Any,
+        fl: Any, of: Any, ex: Any,
+    ) -> tuple[int, ...]:
+        """The rank vector of one combination, in :data:`RANK_DIMENSIONS`' order."""
+        return (
+            self.micro[m],
+            self.ckpt[ck],
+            self.param[pr],
+            self.act[pr],
+            self.state[opt],
+            int(fu),  # the fused step frees gradients (it only exists without accumulation)
+            int(loops),
+            self.freeze[fz],
+            self.seq[sq],
+            self.fused_loss[fl],
+            self.opt_off[_moves_optimizer(of)],
+            self.act_off[_moves_activations(of)],
+            self.par_off[_moves_parameters(of)],
+            self.extra[ex],
+        )
+
+
 def generate(
     workload: Workload,
     base: Plan,
@@ -378,22 +446,7 @@ def generate(
         ``(plan, rank)`` pairs; a higher rank keeps less memory in that dimension.
     """
     batch = workload.batch_size
-    trainable = trainable or {}
-    micro_rank = ordinal({m: m for m in space.micros})
-    ckpt_rank = ordinal({c: _CHECKPOINT_KEEPS[c] for c in space.checkpointing})
-    param_rank = ordinal({p: PRECISION_BYTES[p][0] for p in space.precisions})
-    act_rank = ordinal({p: PRECISION_BYTES[p][1] for p in space.precisions})
-    state_rank = ordinal({o.name: state_bytes_per_parameter(o) for o in space.optimizers})
-    freeze_rank = ordinal({f: trainable.get(f, 1.0) for f in space.freezes})
-    seq_rank = ordinal({s: s or workload.seq_len for s in space.seq_lens})
-    # The fused loss keeps one chunk of logits, the plain loss all of them.
-    fused_loss_rank = ordinal({f: 0 if f is None else -1 for f in space.fused_losses})
-    # Optimizer offload keeps no state and at most a bucket of gradients on the device;
-    # activation offload keeps only what is too small to move. One rank dimension each.
-    opt_off_rank = ordinal({_moves_optimizer(o): -int(_moves_optimizer(o)) for o in space.offloads})
-    act_off_rank = ordinal({_moves_activations(o): -int(_moves_activations(o)) for o in space.offloads})
-    par_off_rank = ordinal({_moves_parameters(o): -int(_moves_parameters(o)) for o in space.offloads})
-    extra_rank = ordinal({e: -_extra_rank(e) for e in space.extras})
+    ranks = _Ranks.of(workload, space, trainable or {})
     consented_pure = base.precision.mode == "bf16-pure" or space.pure_allowed
     base_foreach = base.optimizer.foreach
     cuda = bool(getattr(device, "is_cuda", False))
@@ -452,22 +505,7 @@ def generate(
             )
         except ValueError:
             continue  # an impossible combination: the Plan says so
-        rank = (
-            micro_rank[m],
-            ckpt_rank[ck],
-            param_rank[pr],
-            act_rank[pr],
-            state_rank[opt.name],
-            int(fu),  # the fused step frees gradients (it only exists without accumulation)
-            int(loops),
-            freeze_rank[fz],
-            seq_rank[sq],
-            fused_loss_rank[fl],
-            opt_off_rank[_moves_optimizer(of)],
-            act_off_rank[_moves_activations(of)],
-            par_off_rank[_moves_parameters(of)],
-            extra_rank[ex],
-        )
+        rank = ranks.vector(m, ck, pr, opt.name, fu, loops, fz, sq, fl, of, ex)
         out.append((plan, rank))
     return out
 

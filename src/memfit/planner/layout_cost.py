@@ -329,6 +329,23 @@ def rank_coordinates(rank: int, parallel: ParallelConfig) -> dict[str, int]:
     return parallel.coordinates(rank)
 
 
+def _state_bytes(optimizer: OptimizerConfig | str) -> float:
+    """Optimizer state bytes per parameter (the registry's; a name: its default settings)."""
+    if isinstance(optimizer, str):
+        return optimizer_spec(optimizer).bytes_per_parameter()
+    return optimizer_spec(optimizer.name).bytes_per_parameter(optimizer.kwargs)
+
+
+def _rank_peaks(parallel: ParallelConfig, peaks_by_stage: list[int]) -> list[int]:
+    """Every rank's peak: its stage's (all replicas and tensor shards of a stage alike)."""
+    peaks = [0] * parallel.world_size
+    for s in range(parallel.pipeline):
+        for r in range(parallel.data):
+            for k in range(parallel.tensor):
+                peaks[_rank_of(s, r, k, parallel)] = peaks_by_stage[s]
+    return peaks
+
+
 def estimate_layout(shape: ModelShape, parallel: ParallelConfig, *, batch_size: int,
                     seq_len: int, checkpointing: bool, device: Any, precision: str,
                     optimizer: OptimizerConfig | str, gpus_per_node: int,
@@ -350,10 +367,7 @@ def estimate_layout(shape: ModelShape, parallel: ParallelConfig, *, batch_size: 
     prof = _profile(shape, t, seq_len, dtype, device.name)
     act_bytes = 2 if dtype != "float32" else 4
     per_stage = shape.layers // p
-    if isinstance(optimizer, str):
-        state = optimizer_spec(optimizer).bytes_per_parameter()
-    else:
-        state = optimizer_spec(optimizer.name).bytes_per_parameter(optimizer.kwargs)
+    state = _state_bytes(optimizer)
     v = 1 if parallel.schedule in ("gpipe", "1f1b") else 2
     block_input = mb * seq_len * shape.hidden * act_bytes
 
@@ -423,11 +437,7 @@ def estimate_layout(shape: ModelShape, parallel: ParallelConfig, *, batch_size: 
     step = compute * (1 + bubble) + tp + pp + dp
     parts = {"compute": compute, "bubble": compute * bubble, "tensor": tp, "pipeline": pp,
              "data": dp}
-    peaks = [0] * parallel.world_size
-    for s in range(p):
-        for r in range(d):
-            for k in range(t):
-                peaks[_rank_of(s, r, k, parallel)] = peaks_by_stage[s]
+    peaks = _rank_peaks(parallel, peaks_by_stage)
     top = max(range(p), key=lambda i: peaks_by_stage[i])
     return LayoutCandidate(parallel, checkpointing, peaks, step, parts, microbatches=m,
                            by_category=cats_by_stage[top], stages=cats_by_stage,
