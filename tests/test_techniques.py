@@ -80,8 +80,26 @@ def test_builtins_are_registered_in_apply_order():
     assert names[:4] == ["kv_cache_off", "freeze", "fused_pointwise", "fused_loss"]
     assert names.index("precision") < names.index("checkpointing") < names.index("optimizer")
     assert len(names) == len(BUILTIN_TECHNIQUES)
-    orders = [BUILTIN_ORDER.get(n) for n in ("freeze", "precision", "checkpointing", "compile")]
-    assert orders == sorted(orders)
+    for technique in techniques.registered(builtin=True):
+        if technique.name in BUILTIN_ORDER:
+            assert technique.order == BUILTIN_ORDER[technique.name], technique.name
+
+
+def test_apply_plan_keeps_the_handles_and_reports_of_before_the_registry(workload):
+    """The handles, their order and the info keys apply_plan gave before the registry."""
+    model = workload.build_model()
+    plan = Plan(freeze="embeddings", fused_pointwise=True, fused_loss=True,
+                precision="bf16-mixed", checkpointing="full", grad_buffer=True)
+    setup = apply_plan(model, plan)
+    assert [n for n, _ in setup.handles] == [
+        "kv_cache_off", "freeze", "fused_pointwise", "fused_loss", "precision", "checkpointing",
+        "grad_buffer",
+    ]
+    assert set(setup.info) == {"frozen", "fused_pointwise", "fused_loss", "checkpointed",
+                               "grad_buffer_bytes"}
+    setup.remove()
+    fused = apply_plan(workload.build_model(), Plan(optimizer_in_backward=True))
+    assert [n for n, _ in fused.handles] == ["kv_cache_off", "precision", "optimizer_in_backward"]
 
 
 def test_plan_techniques_yields_what_the_plan_turns_on_in_order():
@@ -96,8 +114,9 @@ def test_plan_techniques_yields_what_the_plan_turns_on_in_order():
 def test_a_users_technique_round_trips_through_the_plan(registered):
     plan = Plan(extra={NAME: {"pattern": "wte"}})
     assert plan.extra == ((NAME, FreezeWte("wte")),)
-    assert [t.name for t, _ in plan.techniques()][-1] != NAME  # default order: before compile
-    assert NAME in [t.name for t, _ in plan.techniques()]
+    names = [t.name for t, _ in plan.techniques()]
+    # Its default place: after the model transforms, before the optimizer.
+    assert names.index("precision") < names.index(NAME) < names.index("optimizer")
     data = json.loads(plan.to_json())
     assert data["extra"] == {NAME: {"pattern": "wte"}}
     assert Plan.from_dict(data) == plan
@@ -257,3 +276,79 @@ def test_the_readme_example_runs():
         assert "freeze-embeddings" in [t.name for t, _ in scope["plan"].techniques()]
     finally:
         techniques.unregister("freeze-embeddings")
+
+
+@dataclass(frozen=True)
+class Layers:
+    """A config with a tuple field, as JSON gives it back as a list."""
+
+    names: tuple[str, ...] = ()
+
+
+def test_a_tuple_field_survives_json_and_a_name_is_given_once():
+    register(Technique(name="layers", config_type=Layers, apply=_apply,
+                       candidates=lambda plan, workload: [Layers(("h.0",))]))
+    try:
+        plan = Plan(extra={"layers": {"names": ["h.0", "h.1"]}})
+        assert dict(plan.extra)["layers"] == Layers(("h.0", "h.1"))
+        assert Plan.from_dict(json.loads(plan.to_json())) == plan
+        hash(dict(plan.extra)["layers"])  # the planner keys its dimensions by config
+        with pytest.raises(PlanError, match="twice"):
+            Plan(extra=[("layers", {}), ("layers", {"names": ["x"]})])
+    finally:
+        techniques.unregister("layers")
+
+
+def test_the_layout_path_refuses_a_users_technique(registered):
+    from memfit.train.layout_run import _ignored_techniques
+
+    plan = Plan(parallel={"tensor": 2}, extra={NAME: {}})
+    assert NAME in _ignored_techniques(plan)
+    assert _ignored_techniques(Plan(parallel={"tensor": 2})) == []
+
+
+def test_lightning_refuses_a_technique_after_the_optimizer():
+    from memfit.integrations.lightning import check_plan
+
+    register(_technique(order=BUILTIN_ORDER["optimizer"] + 5,
+                        engines=frozenset({"single", "lightning"})))
+    try:
+        with pytest.raises(PlanError, match="applies after the optimizer"):
+            check_plan(Plan(extra={NAME: {}}))
+    finally:
+        techniques.unregister(NAME)
+
+
+def test_each_users_technique_is_a_rank_dimension_of_its_own(registered, workload):
+    from memfit.planner.candidates import RANK_DIMENSIONS, generate, options
+
+    register(Technique(name="other", config_type=Layers, apply=_apply,
+                       allow={"other": "x"}, candidates=lambda plan, w: [Layers()],
+                       memory_rank=lambda config: 1))
+    try:
+        forbid = ["accumulation", "checkpointing", "mixed-precision", "fused-step",
+                  "foreach-off", "fused-loss"]
+        from memfit.targets import get_device
+
+        space = options(workload, Plan(), [NAME, "other"], forbid, get_device("cpu"))
+        ranks = {p.extra: r for p, r in generate(workload, Plan(), space, device="cpu")}
+        assert len(space.extras) == 4  # neither, either, both
+        n = len(RANK_DIMENSIONS)
+        both = ranks[(("freeze-wte", FreezeWte()), ("other", Layers()))]
+        one = ranks[(("freeze-wte", FreezeWte()),)]
+        other = ranks[(("other", Layers()),)]
+        assert len(both) == n + 2
+        # Neither of the two single ones dominates the other: separate dimensions.
+        assert (one[n:], other[n:]) == ((1, 0), (0, 1)) and both[n:] == (1, 1)
+    finally:
+        techniques.unregister("other")
+
+
+def test_a_plugin_that_cannot_be_imported_is_named_every_time(monkeypatch):
+    monkeypatch.setenv("MEMFIT_TECHNIQUES", "no_such_module_here")
+    monkeypatch.setattr(techniques, "_PLUGINS_LOADED", False)
+    for _ in range(2):
+        with pytest.raises(TechniqueError, match="'no_such_module_here'"):
+            techniques.registered()
+    assert techniques.registered(builtin=True)  # memfit's own need no plugin
+    monkeypatch.setattr(techniques, "_PLUGINS_LOADED", True)

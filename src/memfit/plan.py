@@ -572,6 +572,10 @@ def _extra(value: Any) -> tuple[tuple[str, Any], ...]:
         raise PlanError(
             f"extra must map registered technique names to their configs, got {value!r}"
         ) from None
+    names = [name for name, _ in pairs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise PlanError(f"extra names technique {twice[0]!r} twice; give each technique once")
     out = []
     for name, config in pairs:
         try:

@@ -141,7 +141,8 @@ class Technique:
             step, which ``run_step`` applies from the plan's fields.
         info_key: The key ``apply`` reports under in ``TrainingSetup.info`` (dropped when
             the OOM fallback swaps the technique).
-        engines: The engines that can apply it (:data:`ENGINES`).
+        engines: The engines that can apply it (:data:`ENGINES`; default: all but ``layout``,
+            whose tensor/pipeline path builds only its own techniques).
         refusal: ``refusal(plan, engine) -> sentence | None``: why ``engine`` cannot apply
             this plan's config of the technique and what to do instead (default: for an
             engine outside ``engines``, a sentence naming the technique).
@@ -158,7 +159,9 @@ class Technique:
             besides the plan's own (only built-ins' search is written in
             :mod:`memfit.planner.candidates`; a user's technique gets one dimension).
         memory_rank: ``memory_rank(config) -> number``: how much a config saves (higher
-            saves more; off is 0), for the planner's dominance pruning.
+            saves more; off is 0), for the planner's dominance pruning (each user's technique
+            is a dimension of its own). Without it the planner assumes the technique saves
+            nothing, and prunes it wherever the same plan without it does not fit.
         summary: ``summary(config) -> phrase`` naming the config in a plan's one-line
             summary.
     """
@@ -170,7 +173,7 @@ class Technique:
     is_on: Callable[[Any], bool] | None = None
     apply: Callable[[Any, ApplyContext], Any] | None = None
     info_key: str | None = None
-    engines: frozenset[str] = frozenset(ENGINES)
+    engines: frozenset[str] = frozenset(ENGINES) - {"layout"}
     refusal: Callable[[Any, str], str | None] | None = None
     label: Callable[[Any], str] | None = None
     allow: Mapping[str, str] = field(default_factory=dict)
@@ -227,7 +230,7 @@ class Technique:
         """How ``plan`` names this technique's config (for refusals listing several)."""
         if self.label is not None:
             return self.label(plan)
-        return self.plan_field or self.name
+        return " / ".join(self.fields) if self.plan_field is not None else self.name
 
     def refuses(self, plan: Any, engine: str) -> str | None:
         """Why ``engine`` cannot apply this technique as ``plan`` configures it (``None``:
@@ -236,9 +239,17 @@ class Technique:
             reason = self.refusal(plan, engine)
             if reason is not None:
                 return reason
+        where = _ENGINE_NAMES.get(engine, engine)
         if engine not in self.engines:
-            where = _ENGINE_NAMES.get(engine, engine)
             return f"technique {self.name!r} is not supported {where}; turn it off in the plan"
+        if engine == "lightning" and self.apply is not None and self.order > BUILTIN_ORDER["optimizer"]:
+            # Lightning's callback applies techniques up to the optimizer, which Lightning
+            # builds through configure_optimizers.
+            return (
+                f"technique {self.name!r} applies after the optimizer (order {self.order}), "
+                f"which the Lightning callback cannot do; give it an order below "
+                f"{BUILTIN_ORDER['optimizer']} or turn it off in the plan"
+            )
         return None
 
     def coerce(self, value: Any) -> Any:
@@ -246,9 +257,12 @@ class Technique:
         if self.config_type is None or isinstance(value, self.config_type):
             return value
         if isinstance(value, Mapping):
+            # Lists (from JSON) become tuples, so the config stays hashable and equal to the
+            # one it was written from.
+            fields = {k: tuple(v) if isinstance(v, list) else v for k, v in value.items()}
             try:
-                return self.config_type(**dict(value))
-            except TypeError as e:
+                return self.config_type(**fields)
+            except (TypeError, ValueError) as e:
                 raise TechniqueError(f"technique {self.name!r}: bad config {dict(value)}: {e}") from None
         if value is True:
             return self.config_type()
@@ -364,6 +378,7 @@ def load_plugins() -> None:
         try:
             importlib.import_module(name)
         except ImportError as e:
+            _PLUGINS_LOADED = False  # say so again next time, not only once
             raise TechniqueError(
                 f"technique module {name!r} (from MEMFIT_TECHNIQUES or a "
                 f"{ENTRY_POINT_GROUP!r} entry point) cannot be imported: {e}"
@@ -372,8 +387,10 @@ def load_plugins() -> None:
 
 def registered(*, builtin: bool | None = None) -> list[Technique]:
     """The registered techniques in apply order (``builtin``: only memfit's own when true,
-    only users' when false)."""
-    load_plugins()
+    only users' when false; the plugins are loaded first unless only memfit's own are
+    asked for)."""
+    if builtin is not True:
+        load_plugins()
     out = [
         t
         for t in _REGISTRY.values()
@@ -387,14 +404,16 @@ def is_builtin(name: str) -> bool:
     return name in _BUILTIN
 
 
-def allow_names() -> dict[str, str]:
-    """Every ``--allow`` name -> what it lets the planner do, in apply order."""
-    return {k: v for t in registered() for k, v in t.allow.items()}
+def allow_names(*, builtin: bool | None = None) -> dict[str, str]:
+    """Every ``--allow`` name -> what it lets the planner do, in apply order (``builtin``
+    as :func:`registered`)."""
+    return {k: v for t in registered(builtin=builtin) for k, v in t.allow.items()}
 
 
-def forbid_names() -> dict[str, str]:
-    """Every ``--forbid`` name -> what it rules out, in apply order."""
-    return {k: v for t in registered() for k, v in t.forbid.items()}
+def forbid_names(*, builtin: bool | None = None) -> dict[str, str]:
+    """Every ``--forbid`` name -> what it rules out, in apply order (``builtin`` as
+    :func:`registered`)."""
+    return {k: v for t in registered(builtin=builtin) for k, v in t.forbid.items()}
 
 
 def techniques_of(plan: Any) -> Iterator[tuple[Technique, Any]]:

@@ -20,7 +20,9 @@ removing one and applying another (:func:`memfit.train.oom.switch_plan`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +39,7 @@ from .stepper import Stepper, make_stepper, run_step
 __all__ = [
     "LossFn",
     "TrainingSetup",
+    "applied_by",
     "apply_plan",
     "apply_techniques",
     "check_plan_arguments",
@@ -150,6 +153,22 @@ class TrainingSetup:
         return total
 
 
+#: The engine applying plans in this context (:func:`applied_by`); ``None``: memfit's own.
+_ENGINE: ContextVar[str | None] = ContextVar("memfit_engine", default=None)
+
+
+@contextlib.contextmanager
+def applied_by(engine: str) -> Iterator[None]:
+    """Within this block, :func:`apply_plan` applies plans for ``engine`` (one of
+    :data:`memfit.techniques.ENGINES`, e.g. ``"hf"`` for the Hugging Face bridge): the
+    techniques see it in ``ctx.engine`` and refuse what that engine cannot run."""
+    token = _ENGINE.set(engine)
+    try:
+        yield
+    finally:
+        _ENGINE.reset(token)
+
+
 def apply_plan(
     model: nn.Module,
     plan: Plan | None = None,
@@ -200,7 +219,9 @@ def apply_plan(
             f"{plan.parallel.pipeline} processes, which apply_plan (one model per process) "
             "cannot do; build each rank's share with memfit.distributed.layout.build_layout"
         )
-    engine = "data" if plan.parallel.data > 1 or plan.parallel.zero_stage else "single"
+    engine = _ENGINE.get() or (
+        "data" if plan.parallel.data > 1 or plan.parallel.zero_stage else "single"
+    )
     refuse_unsupported(plan, engine, ValueError)
     ctx = ApplyContext(
         plan=plan,

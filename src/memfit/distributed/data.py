@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..accounting.tracker import label_open, storage_resized
-from ..techniques import BUILTIN_ORDER, ApplyContext, Technique
+from ..techniques import BUILTIN_ORDER, ENGINES, ApplyContext, Technique
 from ..workload import Batch, batch_size_of, split_batch
 from .config import ParallelConfig
 
@@ -434,6 +434,7 @@ def _apply_technique(model: nn.Module, ctx: ApplyContext) -> DataParallel | None
 #: steps FSDP2's shards or is sharded by ZeRO stage 1.
 TECHNIQUE = Technique(
     name="data_parallel",
+    engines=frozenset(ENGINES),
     plan_field="parallel",
     order=BUILTIN_ORDER["data_parallel"],
     is_on=lambda plan: (plan.parallel.data > 1 or bool(plan.parallel.zero_stage))

@@ -118,14 +118,15 @@ def apply(plan: Plan, model: nn.Module, training_args: Any) -> tuple[Any, tuple[
         ValueError: for a combination the Trainer cannot run (offload, exact clipping with the
             fused step, ``max_seq_len``, token normalisation), or one apply_plan refuses.
     """
-    from ..apply.compose import apply_plan
+    from ..apply.compose import applied_by, apply_plan
 
     if not isinstance(plan, Plan):
         raise TypeError(f"apply(plan, model, training_args) takes a memfit.Plan first, got a "
                         f"{type(plan).__name__}")
     _check_supported(plan)
     changes = args_changes(plan, _args_fields(training_args))
-    setup = apply_plan(model, _memfit_side(plan))
+    with applied_by("hf"):  # the techniques see the Trainer as their engine
+        setup = apply_plan(model, _memfit_side(plan))
     new_args = dataclasses.replace(training_args, **changes)
     callback = MemfitCallback(plan=plan, setup=setup)
     if plan.optimizer_in_backward:

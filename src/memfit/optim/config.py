@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..techniques import BUILTIN_ORDER, Technique
+from ..techniques import BUILTIN_ORDER, ENGINES, Technique
 from .registry import get
 
 __all__ = ["OptimizerConfig"]
@@ -80,6 +80,7 @@ def _optimizer_summary(config: OptimizerConfig) -> str:
 #: registry's (an optimizer that changes training needs consent to be switched to).
 TECHNIQUE = Technique(
     name="optimizer",
+    engines=frozenset(ENGINES),  # the tensor/pipeline path builds it too
     plan_field="optimizer",
     order=BUILTIN_ORDER["optimizer"],
     is_on=lambda plan: True,

@@ -69,9 +69,9 @@ __all__ = [
 
 #: Techniques that change what is trained or how (only used when allowed): memfit's own, as
 #: the technique registry names them (:func:`allow_names` adds users' techniques).
-ALLOW: dict[str, str] = _allow_names()
+ALLOW: dict[str, str] = _allow_names(builtin=True)
 #: Techniques on by default that a user may rule out (memfit's own; :func:`forbid_names`).
-FORBID: dict[str, str] = _forbid_names()
+FORBID: dict[str, str] = _forbid_names(builtin=True)
 
 
 def allow_names() -> dict[str, str]:
@@ -99,8 +99,9 @@ RANK_DIMENSIONS: tuple[str, ...] = (
     "offload_optimizer",
     "offload_activations",
     "offload_parameters",
-    "extra",
 )
+# After these, one dimension per user's technique in the search (memfit.techniques.register),
+# in name order: its ``memory_rank`` per config, off ranking 0.
 
 #: Bytes a precision mode keeps (per parameter: weights, gradients and, under autocast, the
 #: half-precision weight copies its matmuls save for backward; per activation element). From
@@ -311,13 +312,24 @@ def extra_options(
     return _unique(combos) or ((),)
 
 
-def _extra_rank(extra: tuple[tuple[str, Any], ...]) -> float:
-    """What a combination of users' techniques saves (their ``memory_rank``, summed)."""
-    total = 0.0
-    for name, config in extra:
+def _extra_ranks(
+    extras: Sequence[tuple[tuple[str, Any], ...]],
+) -> tuple[tuple[str, dict[Any, int]], ...]:
+    """One rank table per user's technique in ``extras``: each config (``None``: off, which
+    saves nothing) ranked by the technique's ``memory_rank`` (none given: it saves nothing).
+    Separate dimensions: two techniques' savings are not comparable."""
+    configs: dict[str, set[Any]] = {}
+    for combo in extras:
+        for name, config in combo:
+            configs.setdefault(name, set()).add(config)
+    tables = []
+    for name in sorted(configs):
         technique = _technique(name)
-        total += technique.memory_rank(config) if technique.memory_rank is not None else 0.0
-    return total
+        rank = technique.memory_rank or (lambda config: 0.0)
+        saves: dict[Any, float] = {None: 0.0}
+        saves.update({c: float(rank(c)) for c in configs[name]})
+        tables.append((name, ordinal({c: -v for c, v in saves.items()})))
+    return tuple(tables)
 
 
 _APPLIES: dict[tuple[str, int, int], bool] = {}
@@ -371,7 +383,7 @@ class _Ranks:
     opt_off: dict[Any, int]
     act_off: dict[Any, int]
     par_off: dict[Any, int]
-    extra: dict[Any, int]
+    extra: tuple[tuple[str, dict[Any, int]], ...]  # per user's technique: config -> rank
 
     @classmethod
     def of(
@@ -398,7 +410,7 @@ class _Ranks:
             par_off=ordinal(
                 {_moves_parameters(o): -int(_moves_parameters(o)) for o in offloads}
             ),
-            extra=ordinal({e: -_extra_rank(e) for e in space.extras}),
+            extra=_extra_ranks(space.extras),
         )
 
     def vector(
@@ -420,7 +432,7 @@ class _Ranks:
             self.opt_off[_moves_optimizer(of)],
             self.act_off[_moves_activations(of)],
             self.par_off[_moves_parameters(of)],
-            self.extra[ex],
+            *(table[dict(ex).get(name)] for name, table in self.extra),
         )
 
 

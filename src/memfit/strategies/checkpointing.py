@@ -45,7 +45,7 @@ from torch.utils.checkpoint import (
 
 from ..blocks import find_blocks
 from ..device import rng_states, set_rng_states
-from ..techniques import BUILTIN_ORDER, ApplyContext, Technique
+from ..techniques import BUILTIN_ORDER, ENGINES, ApplyContext, Technique
 from .kv_cache import KVCacheOff, apply_kv_cache_off, drop_cache
 from .recompute import in_function_modes, retryable
 
@@ -754,6 +754,7 @@ def _layout_refusal(plan: Any, engine: str) -> str | None:
 #: After freezing and precision (it sees the final dtypes and the frozen set); swappable.
 TECHNIQUE = Technique(
     name="checkpointing",
+    engines=frozenset(ENGINES),  # the tensor/pipeline path builds it too
     plan_field="checkpointing",
     order=BUILTIN_ORDER["checkpointing"],
     is_on=lambda plan: plan.checkpointing.mode != "none",

@@ -259,6 +259,15 @@ def _apply_technique(model: nn.Module, ctx: ApplyContext) -> GradBufferHandle:
     return handle
 
 
+def _refusal(plan: Any, engine: str) -> str | None:
+    if engine == "lightning":
+        return (
+            "grad_buffer is not applied by the Lightning callback (Lightning's loop owns the "
+            "optimizer step and zero_grad, which the buffer must follow); set grad_buffer false"
+        )
+    return None
+
+
 #: After precision and freezing: it sees the final dtypes and the trainable set. Not in a
 #: lightning.Trainer, whose optimizer loop memfit's callback does not wrap.
 TECHNIQUE = Technique(
@@ -268,5 +277,6 @@ TECHNIQUE = Technique(
     apply=_apply_technique,
     info_key="grad_buffer_bytes",
     engines=frozenset({"single", "hf"}),
+    refusal=_refusal,
     summary=lambda _: "contiguous gradient buffer",
 )

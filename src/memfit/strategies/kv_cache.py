@@ -23,7 +23,7 @@ from typing import Any
 
 from torch import nn
 
-from ..techniques import BUILTIN_ORDER, ApplyContext, Technique
+from ..techniques import BUILTIN_ORDER, ENGINES, ApplyContext, Technique
 
 __all__ = ["KVCacheOff", "apply_kv_cache_off", "drop_cache"]
 
@@ -120,6 +120,7 @@ def _apply_technique(model: nn.Module, ctx: ApplyContext) -> KVCacheOff:
 #: would write it twice. Lightning's callback and the Hugging Face Trainer apply it too.
 TECHNIQUE = Technique(
     name="kv_cache_off",
+    engines=frozenset(ENGINES),
     order=BUILTIN_ORDER["kv_cache_off"],
     is_on=lambda plan: True,
     apply=_apply_technique,

@@ -49,7 +49,7 @@ from torch.utils._pytree import tree_map_only
 
 from ..optim.config import OptimizerConfig
 from ..optim.rounding import stochastic_round_to_bf16
-from ..techniques import BUILTIN_ORDER, ApplyContext, Technique
+from ..techniques import BUILTIN_ORDER, ENGINES, ApplyContext, Technique
 from .loss_scaling import DynamicLossScaler, clip_gradients, optimizer_params
 
 __all__ = [
@@ -676,6 +676,7 @@ def _layout_refusal(plan: Any, engine: str) -> str | None:
 #: blocks of the final dtypes. Always on: fp32 is a precision too (its runtime is a no-op).
 TECHNIQUE = Technique(
     name="precision",
+    engines=frozenset(ENGINES),  # the tensor/pipeline path builds it too
     plan_field="precision",
     order=BUILTIN_ORDER["precision"],
     is_on=lambda plan: True,
