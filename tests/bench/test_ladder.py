@@ -11,7 +11,7 @@ from memfit.bench.ladder import ladder_markdown, run_ladder
 from memfit.cli import app
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once, whatever order xdist runs tests in
 def rows():
     result = run_ladder(
         "bert-tiny", batch_size=4, seq_len=32, short_seq=16, compute_steps=1, device="h100"

@@ -29,7 +29,7 @@ warmup_steps: 1
 TEXT = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(400))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once, whatever order xdist runs tests in
 def workdir(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("launch")
     (d / "data.txt").write_text(TEXT)

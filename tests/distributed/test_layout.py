@@ -72,12 +72,12 @@ def _ranks(rank: int, world: int) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once, whatever order xdist runs tests in
 def results() -> list[dict]:
     return run_ranks(_ranks, WORLD, timeout=400)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once, whatever order xdist runs tests in
 def reference() -> tuple[float, dict[str, torch.Tensor]]:
     model = _model()
     ids = _batch()

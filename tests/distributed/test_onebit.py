@@ -211,7 +211,7 @@ def _error_feedback(rank: int, world: int, numel: int, calls: int):
     return out, expected
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once, whatever order xdist runs tests in
 def quick_run():
     return run_ranks(_quick_run, WORLD, timeout=90)
 

@@ -142,7 +142,7 @@ def _composed(rank: int, checkpoint: bool) -> dict:
             "activation_peak": max(tracker.report().timeline["activations"])}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once, whatever order xdist runs tests in
 def results() -> list[dict]:
     return run_ranks(_ranks, P, timeout=240)
 

@@ -109,7 +109,7 @@ def _numerics_rank(rank: int, world: int) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once, whatever order xdist runs tests in
 def numerics() -> dict:
     return run_ranks(_numerics_rank, 2, timeout=240)
 
@@ -180,7 +180,7 @@ def _memory_rank(rank: int, world: int) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once, whatever order xdist runs tests in
 def memory() -> dict:
     return run_ranks(_memory_rank, 2, timeout=240)
 

@@ -50,7 +50,7 @@ main()
 """
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once, whatever order xdist runs tests in
 def workdir(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("crash")
     (d / "data.txt").write_text(TEXT)
@@ -110,7 +110,7 @@ def _kill_at(workdir: Path, run: str, step: int, sig: int = signal.SIGKILL) -> s
     return proc
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once, whatever order xdist runs tests in
 def reference(workdir) -> dict:
     return _train(workdir, "reference")
 

@@ -36,7 +36,7 @@ TP2_PP2 = {"tensor": 2, "pipeline": 2, "microbatches": 2}
 DP2_PP2 = {"data": 2, "pipeline": 2, "microbatches": 2}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once, whatever order xdist runs tests in
 def workdir(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("layout_run")
     (d / "data.txt").write_text(TEXT)
@@ -60,7 +60,7 @@ def _memfit(workdir: Path, *args: str, launcher: list[str] | None = None,
                           timeout=timeout)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once, whatever order xdist runs tests in
 def one_process(workdir: Path) -> dict:
     """The plain plan on one process: the reference every split run must reproduce."""
     run = _memfit(workdir, "--plan", "one.json", "--json", "one_out.json")
@@ -74,7 +74,7 @@ def _run(workdir: Path, name: str, *args: str) -> dict:
     return json.loads((workdir / f"{name}_out.json").read_text())
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once, whatever order xdist runs tests in
 def tp2pp2(workdir: Path) -> dict:
     return _run(workdir, "tp2pp2", "--nproc-per-node", "4", "--plan", "tp2pp2.json")
 
