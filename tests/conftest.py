@@ -44,6 +44,22 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: not any(item.get_closest_marker(m) for m in ("slow", *_MARKS)))
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker sends the collected ids
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # pytest-xdist's loadgroup puts a test in its group by suffixing its node id with
+    # "@group", through ``item._nodeid``; pytest 9 keeps node ids in ``item._id`` (a NodeId),
+    # so that suffix is lost and every group's tests are spread over the workers (two
+    # multi-process tests then fight for the two cores). Give such items the suffixed id here.
+    if not session.config.getvalue("loadgroup"):
+        return
+    for item in session.items:
+        groups = sorted({str(m.args[0]) for m in item.iter_markers("xdist_group") if m.args})
+        if groups and "@" not in item.nodeid and hasattr(item, "_id"):
+            from _pytest.nodes import NodeId
+
+            item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(groups)}")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item: pytest.Item):
     item.stash[_BEFORE] = _STARTED[0]
