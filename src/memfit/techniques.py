@@ -27,7 +27,6 @@ first time the registry is read.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -422,8 +421,3 @@ def techniques_of(plan: Any) -> Iterator[tuple[Technique, Any]]:
     for technique in registered():
         if technique.on(plan):
             yield technique, technique.config(plan)
-
-
-def replace_config(config: Any, **changes: Any) -> Any:
-    """``dataclasses.replace`` for frozen configs (a helper for techniques' candidates)."""
-    return dataclasses.replace(config, **changes)
