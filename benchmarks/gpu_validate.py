@@ -33,8 +33,13 @@ Run it on a machine with a CUDA GPU::
     python benchmarks/gpu_validate.py                 # 4 models x 4 plans, about 10 minutes
     python benchmarks/gpu_validate.py --models bert-base --plans baseline,best --steps 3
 
+To predict on the torch memfit supports and measure on the GPU machine's own, predict first
+(``--dry-only --target h200``) and pass that file to the GPU run (``--predictions FILE``): its
+rows are taken instead of computing them there.
+
 Options: ``--models``, ``--plans`` (``baseline``, ``bf16-selective``, ``best``,
-``accum-8bit``), ``--batch-size`` / ``--seq-len`` (override every model's), ``--target`` (the
+``accum-8bit``), ``--track-plans`` (the plans whose tracked run is repeated; default all),
+``--predictions``, ``--batch-size`` / ``--seq-len`` (override every model's), ``--target`` (the
 memfit profile to predict for; default: the one matching this GPU's name), ``--device-name``
 (the ``<device>`` in the file names), ``--out`` (default ``benchmarks/results``).
 
@@ -118,10 +123,11 @@ def target_for_gpu(
 
     Returns:
         ``(profile name, device name)``, for example ``("h100", "h100")`` or
-        ``("h100", "h200")`` for an H200.
+        ``("h100", "gh200-480gb")`` for a 95 GiB GH200 (the sm90 profile closest in memory).
     """
     known = (
         (r"\bH100\b|\bH800\b", "h100"),
+        (r"\bH200\b", "h200"),
         (r"\bA100\b|\bA800\b", "a100"),
         (r"\b4090\b", "rtx4090"),
         (r"\bT4\b", "t4"),
@@ -488,6 +494,15 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--dry-only", action="store_true", help="predictions only (no GPU)")
     parser.add_argument("--no-track", action="store_true", help="skip the tracked real runs")
+    parser.add_argument(
+        "--track-plans", default=None,
+        help="comma-separated plans whose real run is repeated under the tracker (default: all)",
+    )
+    parser.add_argument(
+        "--predictions", type=Path, default=None,
+        help="a --dry-only run's JSON: take its predictions for the same rows instead of "
+        "computing them here (predict on the supported torch, run on the GPU's own)",
+    )
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per real run")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
@@ -549,6 +564,11 @@ def main(argv: list[str] | None = None) -> int:
         device_name = target
     device_name = args.device_name or device_name
 
+    try:
+        earlier = _earlier_predictions(args.predictions, target)
+    except (OSError, ValueError) as e:
+        return _fail(f"--predictions {args.predictions}: {e}")
+    tracked_plans = set(plan_names if args.track_plans is None else args.track_plans.split(","))
     rows: list[dict[str, Any]] = []
     n = len(models) * len(plan_names)
     for model in models:
@@ -557,10 +577,12 @@ def main(argv: list[str] | None = None) -> int:
         for plan_name in plan_names:
             tag = f"[{len(rows) + 1}/{n}] {model} / {plan_name} ({batch} x {seq})"
             t0 = time.perf_counter()
-            try:
-                pred = predict(model, plan_name, batch, seq, args.steps, target)
-            except Exception as e:  # one failed prediction is a row, not the end of the run
-                pred = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
+            pred = earlier.get((model, plan_name, batch, seq, args.steps))
+            if pred is None:
+                try:
+                    pred = predict(model, plan_name, batch, seq, args.steps, target)
+                except Exception as e:  # one failed prediction is a row, not the end of the run
+                    pred = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
             row: dict[str, Any] = {
                 "model": model,
                 "plan": plan_name,
@@ -582,7 +604,8 @@ def main(argv: list[str] | None = None) -> int:
                     "target": target,
                 }
                 measured = _child(["--child", json.dumps(spec)], args.timeout)
-                if not args.no_track and not measured.get("oom") and "error" not in measured:
+                track = not args.no_track and plan_name in tracked_plans
+                if track and not measured.get("oom") and "error" not in measured:
                     tracked = _child(["--child", json.dumps({**spec, "track": True})], args.timeout)
                     measured["tracked"] = tracked.get("tracked") or {
                         "error": tracked.get("error", "no tracker report")
@@ -616,6 +639,28 @@ def main(argv: list[str] | None = None) -> int:
         print(table)
     print(f"wrote {args.out / (stem + '.json')}", file=sys.stderr)
     return 0
+
+
+def _earlier_predictions(
+    path: Path | None, target: str
+) -> dict[tuple[str, str, int, int, int], dict[str, Any]]:
+    """``--predictions``' rows by (model, plan, batch size, length, steps); empty without it.
+
+    Raises:
+        ValueError: the file is not a ``--dry-only`` result, or predicts for another target.
+    """
+    if path is None:
+        return {}
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict) or "rows" not in data:
+        raise ValueError("not a gpu_validate.py result (no 'rows')")
+    if data.get("target") != target:
+        raise ValueError(f"it predicts for {data.get('target')!r}, this run for {target!r}")
+    return {
+        (r["model"], r["plan"], r["batch_size"], r["seq_len"], r["steps"]): r["predicted"]
+        for r in data["rows"]
+        if "error" not in r["predicted"]
+    }
 
 
 def _summary(figures: dict[str, Any]) -> str:

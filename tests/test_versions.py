@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from memfit.versions import SUPPORTED, UnsupportedVersion, check_versions, parse_version
+from memfit.versions import ALLOW_OLDER, SUPPORTED, UnsupportedVersion, check_versions, parse_version
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 
@@ -32,6 +32,18 @@ def test_an_older_release_is_refused_in_one_sentence():
     with pytest.raises(UnsupportedVersion, match=rf"needs transformers {lowest} or newer .* "
                        rf"transformers {older} is installed; upgrade it with"):
         check_versions({"transformers": older})
+
+
+def test_the_environment_may_allow_an_older_release_with_a_warning(monkeypatch):
+    lowest = SUPPORTED["torch"][0]
+    older = ".".join(map(str, (parse_version(lowest)[0], parse_version(lowest)[1] - 2, 0)))
+    monkeypatch.delenv(ALLOW_OLDER, raising=False)
+    with pytest.raises(UnsupportedVersion, match=rf"or set {ALLOW_OLDER}=1"):
+        check_versions({"torch": older})
+    monkeypatch.setenv(ALLOW_OLDER, "1")
+    with pytest.warns(UserWarning, match=rf"torch {older} is installed.*running anyway"):
+        said = check_versions({"torch": older})
+    assert len(said) == 1
 
 
 def test_a_newer_release_warns_and_a_patch_release_does_not():

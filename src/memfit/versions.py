@@ -13,11 +13,12 @@ there would stop users from trying a release that works.
 
 from __future__ import annotations
 
+import os
 import re
 import warnings
 from importlib import metadata
 
-__all__ = ["SUPPORTED", "UnsupportedVersion", "__version__", "check_versions", "parse_version"]
+__all__ = ["ALLOW_OLDER", "SUPPORTED", "UnsupportedVersion", "__version__", "check_versions", "parse_version"]
 
 #: memfit's own version (``memfit.__version__``), here so that any floor may name it without
 #: importing the top package (the device fingerprint of targets/profiles.py does).
@@ -29,6 +30,16 @@ SUPPORTED: dict[str, tuple[str, str]] = {
     "torch": ("2.13.0", "2.13.0"),
     "transformers": ("5.18.0", "5.24.0"),
 }
+
+
+#: The environment variable that turns the refusal of an older release into a warning: for a
+#: machine whose torch cannot be upgraded (a cluster's CUDA build; the GPU validation harness
+#: ran on one), where what memfit uses happens to work. Not tested by CI.
+ALLOW_OLDER = "MEMFIT_ALLOW_OLDER_VERSIONS"
+
+
+def _older_allowed() -> bool:
+    return os.environ.get(ALLOW_OLDER, "").strip().lower() in ("1", "true", "yes")
 
 
 class UnsupportedVersion(ImportError):
@@ -50,7 +61,8 @@ def check_versions(installed: dict[str, str] | None = None) -> list[str]:
             is not installed is skipped: its import fails on its own, with its own message).
 
     Returns:
-        The warnings issued (newer than CI has proved).
+        The warnings issued (newer than CI has proved; older than the window, where
+        :data:`ALLOW_OLDER` is set).
 
     Raises:
         UnsupportedVersion: naming the package, its version and the supported window, when
@@ -68,11 +80,19 @@ def check_versions(installed: dict[str, str] | None = None) -> list[str]:
         if version is None:
             continue
         if parse_version(version) < parse_version(lowest):
-            raise UnsupportedVersion(
+            message = (
                 f"memfit needs {package} {lowest} or newer (tested up to {newest}), but "
                 f"{package} {version} is installed; upgrade it with "
                 f"pip install '{package}>={lowest}'"
             )
+            if not _older_allowed():
+                raise UnsupportedVersion(
+                    message + f" (or set {ALLOW_OLDER}=1 to run at your own risk)"
+                )
+            warnings.warn(message + f"; running anyway, since {ALLOW_OLDER} is set",
+                          stacklevel=2)
+            said.append(message)
+            continue
         # A patch release of the newest minor one is taken as tested: it fixes, not breaks.
         if parse_version(version)[:2] > parse_version(newest)[:2]:
             message = (

@@ -101,8 +101,10 @@ def test_the_best_plan_is_the_ladders(gv):
         ("NVIDIA A100-SXM4-40GB", (8, 0), 42_298_834_944, ("a100-40gb", "a100-40gb")),
         ("NVIDIA GeForce RTX 4090", (8, 9), 25_393_692_672, ("rtx4090", "rtx4090")),
         ("Tesla T4", (7, 5), 15_828_320_256, ("t4", "t4")),
-        # Unknown cards: the profile of their compute capability, files named after them.
-        ("NVIDIA H200", (9, 0), 150_754_820_096, ("h100", "h200")),
+        ("NVIDIA H200", (9, 0), 150_754_820_096, ("h200", "h200")),
+        # Unknown cards: the profile of their compute capability closest in memory, files
+        # named after them.
+        ("NVIDIA GH200 480GB", (9, 0), 102_005_473_280, ("h100", "gh200-480gb")),
         ("NVIDIA L4", (8, 9), 23_580_639_232, ("rtx4090", "l4")),
     ],
 )

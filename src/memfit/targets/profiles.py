@@ -224,6 +224,10 @@ def _gpu(
 DEVICES: dict[str, DeviceProfile] = {
     "h100": _gpu("h100", 79.6, 67e12, 989e12, 989e12, 3.35e12, 55e9, (9, 0), nvlink=450e9,
                  network=50e9),
+    # H200 SXM: the H100's chip with 141 GB of HBM3e at 4.8 TB/s (NVIDIA's datasheet);
+    # nvidia-smi shows 143771 MiB on the lent machine (KINDS.md), 140.4 GiB.
+    "h200": _gpu("h200", 140.4, 67e12, 989e12, 989e12, 4.8e12, 55e9, (9, 0), nvlink=450e9,
+                 network=50e9),
     "a100": _gpu("a100", 79.2, 19.5e12, 312e12, 312e12, 2.04e12, 25e9, (8, 0), nvlink=300e9,
                  network=25e9),
     "a100-40gb": _gpu("a100-40gb", 39.4, 19.5e12, 312e12, 312e12, 1.56e12, 25e9, (8, 0),
