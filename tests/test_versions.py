@@ -7,7 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from memfit.versions import ALLOW_OLDER, SUPPORTED, UnsupportedVersion, check_versions, parse_version
+from memfit.versions import (
+    ALLOW_OLDER,
+    SUPPORTED,
+    UnsupportedVersion,
+    check_versions,
+    parse_version,
+)
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 

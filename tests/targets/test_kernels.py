@@ -54,6 +54,18 @@ def test_backend_choice_head_dims():
     assert sdpa_backend(H100, q, k, v, is_causal=True) == "efficient"
 
 
+def test_grouped_query_heads_are_flash_or_math():
+    # Flash takes grouped-query heads; the memory-efficient kernel does not
+    # (check_batch_size_and_num_heads_dense<false>), so fp32 GQA falls to math.
+    q, k, v = _qkv(hk=2, dtype=torch.bfloat16)
+    assert q.shape[1] != k.shape[1]
+    assert sdpa_backend(H100, q, k, v, is_causal=True) == "flash"
+    q, k, v = _qkv(hk=2, dtype=torch.float32)
+    assert sdpa_backend(H100, q, k, v, is_causal=True) == "math"
+    q, k, v = _qkv(dtype=torch.float32)
+    assert sdpa_backend(H100, q, k, v, is_causal=True) == "efficient"
+
+
 @pytest.mark.parametrize(
     "kw",
     [

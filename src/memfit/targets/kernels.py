@@ -87,7 +87,12 @@ def sdpa_backend(
         and gqa_ok
     ):
         return "flash"
-    # can_use_mem_efficient_attention
+    # can_use_mem_efficient_attention: its dense constraints instantiate
+    # check_batch_size_and_num_heads_dense<false>, so grouped-query heads (fewer key/value
+    # heads than query heads, enable_gqa) are not its: fp32 GQA attention (Llama 3 in fp32)
+    # runs the math kernel, which saves the attention weights. Measured on an H200: a dry
+    # run that took efficient here under-predicted llama-1b's fp32 peak by 9%
+    # (benchmarks/results/gpu_h200.md).
     is_half = dtype in _LOW
     tensor_cores = cc >= (8, 0) or (cc >= (7, 0) and is_half)
     alignment = 4 if cc >= (8, 0) else 1  # minimum_gemm_alignment
@@ -103,7 +108,7 @@ def sdpa_backend(
         and d_q % alignment == 0
         and d_v % alignment == 0
         and dtype in dtypes
-        and gqa_ok
+        and query.shape[1] == key.shape[1] == value.shape[1]
     ):
         return "efficient"
     return "math"

@@ -147,8 +147,13 @@ class DeviceProfile:
 # The CUDA context with lazy module loading (CUDA >= 11.7, PyTorch's default) takes a few
 # hundred MiB: NVIDIA documents lazy loading as cutting it from over 1 GiB to a few hundred
 # MiB; the figure depends on the driver and the kernels a run touches. 500 MiB is the value
-# used until the GPU validation harness (benchmarks/gpu_validate.py) measures it on a device.
+# used for the GPUs the validation harness (benchmarks/gpu_validate.py) has not measured.
 _CONTEXT_BYTES = 500 * MiB
+# Measured on an H200 (benchmarks/results/gpu_h200.md; torch 2.11+cu130, driver 580.159.04):
+# the process held 617.6 MiB outside the caching allocator right after CUDA started and
+# 747.6-763.6 MiB after two training steps of llama-1b (cuBLAS, cuDNN and the kernels loaded
+# lazily); the larger is taken. The H100 is the same chip and software.
+_CONTEXT_BYTES_HOPPER = 764 * MiB
 # PyTorch's cuBLAS workspace per handle: 32 MiB on Hopper (sm90) and newer, else 4 MiB + 8 MiB
 # chunks (":4096:8" in CUBLAS_WORKSPACE_CONFIG's format); see
 # aten/src/ATen/cuda/CublasHandlePool.cpp, getChosenWorkspaceSize / getDefaultWorkspaceSize.
@@ -191,7 +196,11 @@ def _cuda(
         has_bf16=has_bf16,
         kind="cuda",
         compute_capability=cc,
-        context_bytes=_CONTEXT_BYTES if context_bytes is None else context_bytes,
+        context_bytes=(
+            (_CONTEXT_BYTES_HOPPER if cc[0] == 9 else _CONTEXT_BYTES)
+            if context_bytes is None
+            else context_bytes
+        ),
         workspace_bytes=workspace_bytes,
         intra_node_bandwidth=intra_node_bandwidth,
         network_bandwidth=network_bandwidth,
