@@ -8,7 +8,8 @@ the node's link bandwidth; data and pipeline groups run over the network once th
 nodes. Ranks are numbered as :mod:`memfit.distributed.layout` places them: ``rank = (stage x
 data + replica) x tensor + shard``.
 
-How a layout is priced: :mod:`memfit.planner.layout_cost`. The fastest layout whose every rank fits wins; the winner's every rank is then predicted by
+How a layout is priced: :mod:`memfit.estimate.layout_cost`. The fastest layout whose every
+rank fits wins; the winner's every rank is then predicted by
 dry runs of its own program in a fake process group when
 :func:`memfit.estimate.layout.predict_layout` is available, else by the model above.
 """
@@ -21,31 +22,21 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..distributed.config import ParallelConfig
-from ..optim.registry import get as optimizer_spec
-from ..plan import Plan
-from ..units import format_bytes
-from ..workload import Workload, load_workload
-from .layout_cost import (
+from ..estimate.layout_cost import (
     LayoutCandidate,
     ModelShape,
     _divisors,
     estimate_layout,
     layout_problems,
     model_shape,
-    rank_coordinates,
 )
+from ..optim.registry import get as optimizer_spec
+from ..plan import Plan
+from ..units import format_bytes
+from ..workload import Workload, load_workload
 from .result import NothingFits, PlanResult
 
-__all__ = [
-    "LayoutCandidate",
-    "ModelShape",
-    "estimate_layout",
-    "layout_problems",
-    "layout_table",
-    "model_shape",
-    "plan_layout",
-    "rank_coordinates",
-]
+__all__ = ["layout_table", "plan_layout"]
 
 #: Fraction of the budget a layout may use: the caching allocator's rounding and
 #: fragmentation, which the layout model does not follow block by block.

@@ -212,9 +212,9 @@ def _profile(shape: ModelShape, tensor: int, seq_len: int, dtype: str, device: s
     weights are never written, so they take address space, not memory)."""
     import torch
 
-    from ..estimate.pipeline import profile_blocks
     from ..targets import emulate, get_device
     from ..workload import _hf_model_from_config_impl
+    from .pipeline import profile_blocks
 
     cfg = _local_config(shape, tensor)
     with torch.device("meta"):
@@ -358,7 +358,7 @@ def estimate_layout(shape: ModelShape, parallel: ParallelConfig, *, batch_size: 
     with a pipeline, its ``parallel.microbatches``.
     """
     from ..distributed.pipeline_plan import microbatches_in_flight
-    from ..estimate.distributed import zero_model_state_bytes
+    from .distributed import zero_model_state_bytes
 
     t, p, d = parallel.tensor, parallel.pipeline, parallel.data
     m = _microbatches(parallel) if p > 1 else (microbatches or 1)
