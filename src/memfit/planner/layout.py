@@ -361,11 +361,11 @@ def _layout_key(c: LayoutCandidate) -> tuple[int, int, int]:
 def _confirm(workload: Workload, plan: Plan, target: Any,
              say: Callable[[str], None]) -> list[int] | None:
     """Each rank's peak from dry runs of its own program in a fake process group
-    (:func:`memfit.estimate.layout.predict_layout`), for what those dry runs model: a
+    (:class:`memfit.estimate.predictor.Layout`), for what those dry runs model: a
     tensor or pipeline split in fp32, without checkpointing, with an optimizer the layout path
     trains with (the registry's ``layout`` ones: torch's AdamW, Adam, SGD), replicas
     all-reducing (stage 0). ``None`` otherwise (the layout model's figures stand)."""
-    from ..estimate.layout import predict_layout
+    from ..estimate.predictor import Layout
 
     par = plan.parallel
     if (
@@ -378,11 +378,9 @@ def _confirm(workload: Workload, plan: Plan, target: Any,
         return None
     say(f"predicting every rank of {plan.summary()}")
     try:
-        pred = predict_layout(workload, par, optimizer=plan.optimizer,
-                              foreach=True if target.is_cuda else None)
+        return Layout().predict(workload, plan, target).ranks
     except ValueError:
         return None
-    return [int(x) for x in pred.peak_bytes]
 
 
 def _result(cand: LayoutCandidate, *, fits: bool, explanation: str, workload: Workload,
