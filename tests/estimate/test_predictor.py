@@ -62,4 +62,6 @@ def test_layout_model_is_estimate_layout():
                            device=get_device("a100"), precision="bf16-mixed",
                            optimizer=plan.optimizer, gpus_per_node=4)
     assert pred.ranks == cand.rank_peak_bytes and pred.by_category == cand.by_category
-    assert pred.device_total_bytes == pred.peak_bytes + get_device("a100").overhead_bytes
+    # The caching allocator is taken to reserve 1/0.95 of the tensors' peak.
+    reserved = -(-pred.peak_bytes * 100 // 95)
+    assert pred.device_total_bytes == reserved + get_device("a100").overhead_bytes

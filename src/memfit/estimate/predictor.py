@@ -31,14 +31,26 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ..plan import Plan
 from ..targets import DeviceProfile, get_device
 from ..workload import Workload
 from .prediction import Prediction
 
-__all__ = ["Composed", "DryRun", "Layout", "LayoutModel", "Prediction", "Predictor", "Ranks"]
+if TYPE_CHECKING:
+    from .layout_cost import LayoutCandidate
+
+__all__ = [
+    "Composed",
+    "DryRun",
+    "Layout",
+    "LayoutModel",
+    "Prediction",
+    "Predictor",
+    "Ranks",
+    "layout_prediction",
+]
 
 Target = DeviceProfile | str | None
 
@@ -125,7 +137,8 @@ class Ranks:
 class Layout:
     """Each pipeline rank's own program on fake tensors in a fake process group, replayed
     over its schedule: a tensor x pipeline layout in the plan's optimizer (the layout path's
-    ones), fp32, without checkpointing. Its figures are allocated bytes (no allocator)."""
+    ones), fp32, without checkpointing. Its figures are allocated bytes; a CUDA target's
+    allocator is taken to reserve :data:`ALLOCATED_SHARE` more."""
 
     def predict(self, workload: Workload, plan: Plan, target: Target) -> Prediction:
         """See :class:`Predictor`.
@@ -180,14 +193,27 @@ class LayoutModel:
             gpus_per_node=self.gpus_per_node,
             microbatches=plan.grad_accum_steps if par.pipeline == 1 else None,
         )
-        return _rank_prediction(list(cand.rank_peak_bytes), dict(cand.by_category),
-                                "layout-model", device, {"layout": cand})
+        return layout_prediction(cand, device)
+
+
+def layout_prediction(cand: LayoutCandidate, target: Target) -> Prediction:
+    """The :class:`Prediction` of a layout the 3-D planner's model priced
+    (:func:`~memfit.estimate.layout_cost.estimate_layout`)."""
+    return _rank_prediction(list(cand.rank_peak_bytes), dict(cand.by_category),
+                            "layout-model", get_device(target), {"layout": cand})
+
+
+#: Share of what a CUDA caching allocator reserves that the per-rank models' tensors fill:
+#: its rounding and fragmentation, which they do not follow block by block.
+ALLOCATED_SHARE = 0.95
 
 
 def _rank_prediction(peaks: list[int], by_category: dict[str, int], method: str,
                      device: DeviceProfile, extra: dict) -> Prediction:
-    """A prediction of allocated bytes per rank (no allocator model: reserved = allocated)."""
+    """A prediction of each rank's allocated bytes; on a CUDA target the allocator reserves
+    :data:`ALLOCATED_SHARE` more (the largest rank's)."""
     top = max(peaks)
+    reserved = -(-top * 100 // round(ALLOCATED_SHARE * 100)) if device.is_cuda else top
     return Prediction(
         peak_bytes=top,
         by_category=by_category,
@@ -195,7 +221,7 @@ def _rank_prediction(peaks: list[int], by_category: dict[str, int], method: str,
         peak_phase="",
         method=method,
         extra=extra,
-        reserved_bytes=top,
+        reserved_bytes=reserved,
         overhead_bytes=device.overhead_bytes if device.is_cuda else 0,
         target_device=device.name,
         rank_peak_bytes=peaks,
