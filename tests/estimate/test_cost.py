@@ -111,3 +111,32 @@ def test_the_deeper_half_measured_elsewhere_gives_the_same_profile():
     assert cost._profile(workload, deeper) == alone and asked
     assert cost._profile(workload, lambda: None) == alone
     assert cost.deeper_half(load_workload("gpt2-tiny", 2, 16).with_depth(2)) is None
+
+
+def _comm(plan: Plan, device: DeviceProfile = DEVICE, **kw) -> float:
+    return step_cost(PROFILE, plan, device, batch_size=B, **kw).communication
+
+
+def test_one_process_has_no_communication_and_the_same_total():
+    one = step_cost(PROFILE, Plan(), DEVICE, batch_size=B)
+    assert one.communication == one.bubble == 0.0
+    assert one.total == pytest.approx(sum(v for k, v in one.to_dict().items() if k != "total"))
+
+
+def test_the_gradient_reduction_shows_beyond_the_backward_it_overlaps():
+    """2 (N - 1) / N of the fp32 gradients per rank; ZeRO 1 and 2 move as much as DDP
+    (reduce-scatter, then the parameters' all-gather), ZeRO 3 half as much again."""
+    from memfit.estimate.cost import DP_OVERLAP
+
+    slow = DeviceProfile(**{**DEVICE.__dict__, "host_bandwidth": 1e8})
+    backward = 2e12 * B / (1e14 * _eff(B))
+    volume = 4 * 100_000_000 * 2 * 3 / 4
+    stages = [_comm(Plan(parallel={"data": 4, "zero_stage": z}), slow) for z in range(4)]
+    assert stages[0] == pytest.approx(volume / 1e8 - DP_OVERLAP * backward)
+    assert stages[0] == stages[1] == stages[2] < stages[3]
+    assert stages[3] == pytest.approx(1.5 * volume / 1e8 - DP_OVERLAP * backward)
+    # Within a node at intra_node_bandwidth, across nodes at network_bandwidth.
+    links = DeviceProfile(**{**slow.__dict__, "intra_node_bandwidth": 1e9,
+                             "network_bandwidth": 1e7})
+    plan = Plan(parallel={"data": 4})
+    assert _comm(plan, links, gpus_per_node=4) < _comm(plan, links, gpus_per_node=2)

@@ -1,4 +1,5 @@
-"""The 3-D planner (memfit.planner.layout): layouts, their checks, their prices, the answer."""
+"""The 3-D planner (memfit.planner.layout) and its pricing (memfit.estimate.layout_cost):
+layouts, their checks, their prices, the answer."""
 
 from __future__ import annotations
 
@@ -7,14 +8,14 @@ import dataclasses
 import pytest
 
 from memfit.distributed.config import ParallelConfig
-from memfit.plan import Plan
-from memfit.planner.layout import (
+from memfit.estimate.layout_cost import (
     estimate_layout,
     layout_problems,
     model_shape,
-    plan_layout,
     rank_coordinates,
 )
+from memfit.plan import Plan
+from memfit.planner.layout import plan_layout
 from memfit.planner.result import NothingFits
 from memfit.targets import get_device
 from memfit.workload import WorkloadError, load_workload

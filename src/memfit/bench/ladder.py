@@ -193,22 +193,16 @@ def _applies(workload: Workload, plan: Plan) -> bool:
 
 
 def _peak(workload: Workload, plan: Plan, device: DeviceProfile) -> dict[str, Any]:
-    """Full-scale peak on ``device`` from a dry run; accumulation is run with two micro-batches
-    (memory does not grow with more) and the inputs scaled back to the whole batch."""
-    from ..estimate.compose import _reduced
-    from ..estimate.dryrun import dry_run
+    """Full-scale peak on ``device`` from a dry run (:class:`memfit.estimate.predictor.DryRun`:
+    two micro-batches at most, the inputs scaled back to the whole batch)."""
+    from ..estimate.predictor import DryRun
 
-    small_wl, small_plan, scale = _reduced(workload, plan)
-    report = dry_run(small_wl, small_plan, steps=2, device=device)
-    by_cat = dict(report.peak_by_category)
-    grown = round(by_cat["inputs"] * scale) - by_cat["inputs"]
-    by_cat["inputs"] += grown
-    reserved = (report.peak_reserved_bytes or report.peak_bytes) + grown
+    pred = DryRun().predict(workload, plan, device)
     return {
-        "peak_bytes": sum(by_cat.values()),
-        "peak_by_category": by_cat,
-        "peak_reserved_bytes": reserved,
-        "device_total_bytes": reserved + report.overhead_bytes,
+        "peak_bytes": pred.peak_bytes,
+        "peak_by_category": dict(pred.by_category),
+        "peak_reserved_bytes": pred.reserved_bytes,
+        "device_total_bytes": pred.device_total_bytes,
     }
 
 

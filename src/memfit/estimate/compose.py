@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ..accounting import CATEGORIES, PHASES
@@ -39,9 +39,9 @@ from ..targets import DeviceProfile, get_device
 from ..workload import Workload
 from .depth import SHALLOW_DEPTHS, compose_pattern, layer_pattern, profile_depths
 from .dryrun import Cancelled, dry_run
+from .prediction import Prediction
 
 __all__ = [
-    "Prediction",
     "StoppedOver",
     "block_pattern",
     "composes",
@@ -50,46 +50,6 @@ __all__ = [
     "predict_peak",
     "shallow_report",
 ]
-
-
-@dataclass
-class Prediction:
-    """A predicted (or measured) peak.
-
-    Attributes:
-        peak_bytes: Predicted peak of live device bytes.
-        by_category: Bytes per category at that peak.
-        phase_peaks: Predicted peak of each phase.
-        peak_phase: The phase holding the peak.
-        method: ``composed`` (depth 2 and 3 extrapolated), ``extended`` (the full depth's
-            trace built from theirs, see :func:`confirm_peak`), ``dry-run`` (full size) or
-            ``at-least`` (a floor over the budget, see :func:`predict_peak`'s
-            ``budget_bytes``: ``peak_bytes`` and ``by_category`` are that floor's).
-        extra: ``traces``: a composed prediction's shallow allocation traces by depth, kept
-            for :func:`confirm_peak` (only for models of like blocks).
-        host_bytes: Predicted peak of the host tier (offload's masters, state, gradients and
-            activations), composed over depth like the device categories.
-        reserved_bytes: Predicted peak the target's caching allocator reserves (``peak_bytes``
-            on the CPU).
-        overhead_bytes: The target's memory outside the allocator (CUDA context, workspaces).
-        target_device: The target modelled.
-    """
-
-    peak_bytes: int
-    by_category: dict[str, int]
-    phase_peaks: dict[str, int]
-    peak_phase: str
-    method: str
-    extra: dict[str, Any] = field(default_factory=dict)
-    reserved_bytes: int = 0
-    overhead_bytes: int = 0
-    target_device: str = "cpu"
-    host_bytes: int = 0
-
-    @property
-    def device_total_bytes(self) -> int:
-        """What the device holds at the peak: reserved bytes plus the fixed overhead."""
-        return max(self.reserved_bytes, self.peak_bytes) + self.overhead_bytes
 
 
 def block_pattern(workload: Workload, model: Any = None) -> list[int] | None:

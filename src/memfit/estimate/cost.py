@@ -21,7 +21,17 @@ planner can say why one plan is slower than another:
   (with the step in backward, the three overlap the last backward as a pipeline);
   with parameter offload, every parameter's fetch before each forward and each backward; with
   activation offload, the saved tensors' trips down (during forward) and back (during
-  backward); each showing only where it exceeds the compute it overlaps.
+  backward); each showing only where it exceeds the compute it overlaps;
+* ``communication``: with several processes (:func:`communication`, shared with the 3-D
+  planner's :func:`~memfit.estimate.layout_cost.estimate_layout`): the data-parallel gradient
+  reduction (DDP's all-reduce; ZeRO 1 and 2 reduce-scatter the gradients and all-gather the
+  parameters after the step, the same volume; ZeRO 3 all-gathers the parameters in forward
+  and again in backward besides), showing only beyond the backward it overlaps; tensor
+  parallelism's all-reduces of each block's output; the pipeline's point-to-point
+  activations. Links within a node at ``intra_node_bandwidth``, across nodes at
+  ``network_bandwidth``. Zero with one process;
+* ``bubble``: the pipeline's idle share, ``(p - 1) / M`` of the compute for GPipe and 1F1B,
+  less for interleaved and zero-bubble schedules.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..distributed.config import ParallelConfig
 from ..optim.registry import get as optimizer_spec
 from ..plan import Plan
 from ..targets import DeviceProfile
@@ -39,6 +50,8 @@ from .depth import SHALLOW_DEPTHS, extrapolate
 __all__ = [
     "StepCost",
     "WorkloadProfile",
+    "bubble_fraction",
+    "communication",
     "deeper_half",
     "has_profile",
     "profile_workload",
@@ -63,6 +76,10 @@ class WorkloadProfile:
         head_fwd_flops_per_sample: Forward FLOPs of the output head (the model's
             ``get_output_embeddings()`` linear layer), what the fused loss computes again in
             backward; 0 for a model without one.
+        hidden_size: The width of a block's output (its config's ``hidden_size`` or
+            ``n_embd``; 0 when it has none): what tensor parallelism all-reduces and a
+            pipeline sends per token.
+        num_blocks: The model's blocks (its config's layer count; 0 when it has none).
     """
 
     fwd_flops_per_sample: float
@@ -75,6 +92,8 @@ class WorkloadProfile:
     num_tensors: int
     seq_len: int
     head_fwd_flops_per_sample: float = 0.0
+    hidden_size: int = 0
+    num_blocks: int = 0
 
 
 def _measure(workload: Workload) -> dict[str, float]:
@@ -101,6 +120,7 @@ def _measure(workload: Workload) -> dict[str, float]:
             hook.remove()
         n_params = sum(p.numel() for p in model.parameters())
         n_tensors = len(list(model.parameters()))
+        cfg = getattr(model, "config", None)
     return {
         "fwd": float(fwd_counter.get_total_flops()),
         "bwd": float(bwd_counter.get_total_flops()),
@@ -110,6 +130,9 @@ def _measure(workload: Workload) -> dict[str, float]:
         "params": float(n_params),
         "tensors": float(n_tensors),
         "head": head_flops[0],
+        "hidden": float(getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None) or 0),
+        "blocks": float(getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", None)
+                        or 0),
     }
 
 
@@ -173,6 +196,8 @@ def _profile(
         num_tensors=int(full["tensors"]),
         seq_len=workload.seq_len,
         head_fwd_flops_per_sample=full["head"],
+        hidden_size=round(full["hidden"]),
+        num_blocks=round(full["blocks"]),
     )
 
 
@@ -205,13 +230,15 @@ class StepCost:
     optimizer: float
     extra_backward: float
     offload: float = 0.0
+    communication: float = 0.0
+    bubble: float = 0.0
 
     @property
     def total(self) -> float:
         """Seconds per step."""
         return (
             self.matmul + self.pointwise + self.launch + self.optimizer + self.extra_backward
-            + self.offload
+            + self.offload + self.communication + self.bubble
         )
 
     def to_dict(self) -> dict[str, float]:
@@ -223,6 +250,8 @@ class StepCost:
             "optimizer": self.optimizer,
             "extra_backward": self.extra_backward,
             "offload": self.offload,
+            "communication": self.communication,
+            "bubble": self.bubble,
             "total": self.total,
         }
 
@@ -240,17 +269,25 @@ def step_cost(
     *,
     batch_size: int,
     trainable_fraction: float = 1.0,
+    gpus_per_node: int | None = None,
 ) -> StepCost:
     """Predict one optimizer step's time of a workload of ``profile`` under ``plan``.
+
+    With several processes (``plan.parallel``), one rank's communication and the pipeline's
+    bubble are added (:func:`communication`, :func:`bubble_fraction`); the other terms are
+    the step of ``batch_size`` samples (for data parallelism: pass one replica's share).
 
     Args:
         profile: The workload's measured sizes.
         plan: The plan.
         device: The device profile.
-        batch_size: Samples per optimizer step.
+        batch_size: Samples per optimizer step (over every replica).
         trainable_fraction: Share of parameters that train (freezing): backward work and the
             optimizer scale with it.
+        gpus_per_node: Devices per node (default: ``min(world size, 8)``): which links the
+            process groups use.
     """
+    par = plan.parallel
     s = _step_sizes(profile, plan, device, batch_size, trainable_fraction)
     opt = _optimizer_figures(plan.optimizer)
     optimizer = _device_step(plan, device, s, opt)
@@ -263,13 +300,22 @@ def step_cost(
         offload += _parameter_fetches(profile, plan, device, s)
     if off is not None and off.activations:
         offload += _activation_trips(device, s)
+    matmul = _matmul(profile, plan, s)
+    comm = 0.0
+    bubble = 0.0
+    if par.world_size > 1:
+        m = _microbatches(par, s)
+        comm = sum(_communication(profile, plan, device, s, m, gpus_per_node).values())
+        bubble = matmul * bubble_fraction(par.schedule, par.pipeline, m)
     return StepCost(
-        _matmul(profile, plan, s),
+        matmul,
         _pointwise(plan, device, s),
         _launch(profile, plan, device, s),
         optimizer,
         _extra_backward(plan, device, s),
         offload,
+        comm,
+        bubble,
     )
 
 
@@ -444,6 +490,104 @@ def _activation_trips(device: DeviceProfile, s: _Step) -> float:
     # activation byte: with checkpointing only the block inputs move, so this errs slow.
     trip = s.act_bytes / device.host_bandwidth
     return max(0.0, trip - s.fwd / s.rate) + max(0.0, trip - s.bwd / s.rate)
+
+
+#: Share of backward the data-parallel gradient reduction overlaps with (buckets reduced as
+#: backward produces them; the last buckets' reduction shows).
+DP_OVERLAP = 0.8
+
+
+def bubble_fraction(schedule: str, pipeline: int, microbatches: int) -> float:
+    """The pipeline's idle time over its compute: ``(p - 1) / M`` for GPipe and 1F1B, half
+    that interleaved (two chunks per rank), a sixth with zero-bubble's split backward; 0
+    without a pipeline."""
+    if pipeline <= 1:
+        return 0.0
+    per = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zero-bubble": 6}[schedule]
+    return (pipeline - 1) / (per * microbatches)
+
+
+def communication(
+    parallel: ParallelConfig,
+    device: DeviceProfile,
+    *,
+    gpus_per_node: int | None,
+    parameters: float,
+    block_output_bytes: float,
+    blocks: int,
+    microbatches: int,
+    checkpointing: bool,
+    backward_seconds: float,
+    gradient_bytes: float = 4.0,
+) -> dict[str, float]:
+    """One rank's seconds of communication per step, by kind (``tensor``, ``pipeline``,
+    ``data``): what :func:`step_cost` and the 3-D planner's
+    :func:`~memfit.estimate.layout_cost.estimate_layout` both add.
+
+    Args:
+        parallel: The degrees and ZeRO stage.
+        device: Its links: ``intra_node_bandwidth`` within a node, ``network_bandwidth``
+            across (:attr:`~memfit.targets.DeviceProfile.node_link_bandwidth`,
+            :attr:`~memfit.targets.DeviceProfile.cross_node_bandwidth`).
+        gpus_per_node: Devices per node (default ``min(world size, 8)``). Ranks are placed
+            tensor innermost, then data, then pipeline (:meth:`ParallelConfig.coordinates`).
+        parameters: Parameters whose gradients this rank's replicas reduce (its stage's, its
+            tensor shard's).
+        block_output_bytes: One micro-batch's block output (a hidden state), what tensor
+            parallelism all-reduces and a pipeline sends between stages.
+        blocks: Blocks on this rank's stage.
+        microbatches: Micro-batches per step.
+        checkpointing: Whether blocks are recomputed (a third forward all-reduce each).
+        backward_seconds: The backward's compute, which the gradient reduction overlaps.
+        gradient_bytes: Bytes per gradient element reduced (fp32: 4).
+    """
+    t, p, d = parallel.tensor, parallel.pipeline, parallel.data
+    g = gpus_per_node if gpus_per_node is not None else min(parallel.world_size, 8)
+    node, net = device.node_link_bandwidth, device.cross_node_bandwidth
+    m = microbatches
+    # Tensor parallelism: 2 all-reduces forward, 2 backward (3 forward with recomputation)
+    # of a block's output per micro-batch, each moving 2 (t - 1) / t of it per rank.
+    per_allreduce = block_output_bytes * 2 * (t - 1) / t / node if t > 1 else 0.0
+    tp = (6 if checkpointing else 4) * per_allreduce * blocks * m
+    # Pipeline: each micro-batch's hidden state forward and its gradient back, per boundary.
+    pp_bw = node if t * d < g else net
+    pp = 2 * block_output_bytes * m / pp_bw if p > 1 else 0.0
+    # Data parallelism: the gradients reduced once per step (an all-reduce, or ZeRO's
+    # reduce-scatter and the parameters' all-gather after the step: the same 2 (d - 1) / d);
+    # stage 3 also gathers the parameters in forward and in backward.
+    dp_bw = node if t * d <= g else net
+    volume = (gradient_bytes * max(parameters, 1) * 2 * (d - 1) / d
+              * (1.5 if parallel.zero_stage == 3 else 1))
+    dp_total = volume / dp_bw if d > 1 else 0.0
+    dp = max(0.0, dp_total - DP_OVERLAP * backward_seconds)
+    return {"tensor": tp, "pipeline": pp, "data": dp}
+
+
+def _microbatches(par: ParallelConfig, s: _Step) -> int:
+    """Micro-batches per step: the pipeline's (``2 p`` by default), else accumulation's."""
+    if par.pipeline > 1:
+        return par.microbatches or 2 * par.pipeline
+    return s.n_micro
+
+
+def _communication(
+    profile: WorkloadProfile, plan: Plan, device: DeviceProfile, s: _Step, m: int,
+    gpus_per_node: int | None,
+) -> dict[str, float]:
+    """:func:`communication` of one rank of ``plan`` over ``m`` micro-batches, from the
+    workload's profile."""
+    par = plan.parallel
+    act = 4 if plan.precision.mode == "fp32" else 2
+    micro = s.batch_size / m
+    # The replicas reduce the gradients of what trains, a tensor shard of a stage's share.
+    params = s.params / (par.tensor * par.pipeline)
+    return communication(
+        par, device, gpus_per_node=gpus_per_node, parameters=params,
+        block_output_bytes=micro * profile.seq_len * s.seq_scale * profile.hidden_size * act,
+        blocks=-(-profile.num_blocks // par.pipeline), microbatches=m,
+        checkpointing=plan.checkpointing.mode != "none", backward_seconds=s.bwd / s.rate,
+        gradient_bytes=2.0 if plan.precision.mode == "bf16-pure" else 4.0,
+    )
 
 
 def describe(cost: StepCost) -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""Pipeline parallelism predicted without launching: per-block profiles, balanced cuts and
-each rank's activations by schedule.
+"""Pipeline parallelism measured without launching: per-block profiles and the schedules'
+micro-batches in flight.
 
 Everything runs in one process on fake tensors (nothing allocated), under memfit's tracker:
 
@@ -7,12 +7,14 @@ Everything runs in one process on fake tensors (nothing allocated), under memfit
   forward keeps for backward (the tracker's ``activations`` before and after it), its
   parameter bytes and its forward FLOPs (``torch.utils.flop_counter``); the embeddings (before
   the first block) and the head with the loss (after the last) apart.
-* :func:`plan_cuts`: :func:`~memfit.distributed.pipeline_plan.choose_cuts` on that profile.
-* :func:`stage_activation_bytes` and :func:`predict_pipeline_activations`: each stage built as
-  the pipeline builds it, dry-run for one micro-batch (outputs feed the next stage), times the
-  micro-batches the schedule keeps in flight on its rank.
-* :func:`schedule_in_flight`: the same in-flight counts read off torch's own schedule objects,
-  built in a fake process group, which checks the theory against what torch will run.
+* :func:`schedule_in_flight`: the micro-batches each rank keeps in flight, read off torch's own
+  schedule objects built in a fake process group, which checks the closed form
+  (:func:`~memfit.distributed.pipeline_plan.microbatches_in_flight`, what
+  :mod:`memfit.estimate.layout_cost` counts with) against what torch will run.
+
+Each rank's whole program under a schedule is predicted by
+:func:`memfit.estimate.layout.predict_layout` (:class:`memfit.estimate.predictor.Layout`),
+which replays the same schedule orders.
 """
 
 from __future__ import annotations
@@ -33,21 +35,11 @@ from ..distributed.pipeline import (
     build_stage,
     causal_lm_loss,
     check_pipeline,
-    choose_cuts,
-    microbatches_in_flight,
     model_blocks,
 )
 from .distributed import fake_process_group
 
-__all__ = [
-    "PipelineProfile",
-    "RankActivations",
-    "plan_cuts",
-    "predict_pipeline_activations",
-    "profile_blocks",
-    "schedule_in_flight",
-    "stage_activation_bytes",
-]
+__all__ = ["PipelineProfile", "profile_blocks", "schedule_in_flight"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -194,128 +186,6 @@ def _first_params(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> set[
     stage = build_stage(model, config, 0)
     in_blocks = {id(p) for b in stage.blocks() for p in b.parameters()}
     return {id(p) for p in stage.parameters() if id(p) not in in_blocks}
-
-
-def plan_cuts(model: nn.Module, config: PipelineConfig, example_input: torch.Tensor,
-              example_target: torch.Tensor | None = None, *, loss_fn: LossFn | None = None,
-              state_factor: float = 4.0) -> tuple[int, ...]:
-    """Cut points for ``config`` that balance the stages' memory and compute, from a dry-run
-    profile of one micro-batch (:func:`profile_blocks`, :func:`choose_cuts`).
-
-    Args:
-        model: The model to split.
-        config: The pipeline settings (its own ``cuts`` are ignored).
-        example_input: One micro-batch of inputs.
-        example_target: Its targets.
-        loss_fn: The loss (default for causal LMs: their shifted cross-entropy).
-        state_factor: Bytes of training state per parameter byte (4: fp32 AdamW).
-    """
-    profile = profile_blocks(model, example_input, example_target, loss_fn=loss_fn)
-    return choose_cuts(profile.blocks, config.degree, schedule=config.schedule,
-                       microbatches=config.num_microbatches,
-                       stages_per_rank=config.local_stages, first=profile.first,
-                       last=profile.last, state_factor=state_factor)
-
-
-def stage_activation_bytes(stage: nn.Module, example_input: torch.Tensor,
-                           example_target: torch.Tensor | None = None, *,
-                           loss_fn: LossFn | None = None) -> tuple[int, torch.Tensor]:
-    """What one micro-batch's forward through ``stage`` keeps for backward, on fake tensors.
-
-    The input needs gradients unless the stage is the first (as a received hidden state
-    does); the last stage's loss counts when ``loss_fn`` and a target are given.
-
-    Returns:
-        The activation bytes and the (fake) output, to feed the next stage's dry run.
-    """
-    first = getattr(stage, "is_first", True)
-    with _fake() as mode:
-        state = _fake_state(stage, mode)
-        x = _like(example_input, requires_grad=not first)
-        with track(None) as tracker:
-            tracker.label(list(state.values()), "parameters")
-            target = None if example_target is None else _like(example_target, False)
-            tracker.label((x, target), "inputs")
-            out = torch.func.functional_call(stage, state, (x,))
-            loss = None
-            if loss_fn is not None and target is not None:
-                loss = loss_fn(out, target)
-            kept = tracker.snapshot()["activations"]
-            del loss
-        out = out.detach()
-    return kept, out
-
-
-@dataclass(frozen=True)
-class RankActivations:
-    """A rank's predicted activations under a schedule.
-
-    Attributes:
-        rank: The rank.
-        stages: The stages it holds.
-        per_microbatch_bytes: One micro-batch's activations through its stages, together.
-        in_flight: Micro-batches (chunks, with several stages per rank) it keeps at once.
-        peak_bytes: The predicted activation peak.
-    """
-
-    rank: int
-    stages: tuple[int, ...]
-    per_microbatch_bytes: int
-    in_flight: int
-    peak_bytes: int
-
-
-def predict_pipeline_activations(model: nn.Module, config: PipelineConfig,
-                                 example_input: torch.Tensor,
-                                 example_target: torch.Tensor | None = None, *,
-                                 loss_fn: LossFn | None = None) -> list[RankActivations]:
-    """Each rank's activation peak under ``config``'s schedule, predicted without launching.
-
-    Every stage is built as :func:`~memfit.distributed.pipeline.build_pipeline` builds it and
-    dry-run for one micro-batch (the slice of ``example_input`` a micro-batch is), each
-    stage's fake output feeding the next. Then torch's own schedule is built in a fake process
-    group and its order of actions replayed on each rank: a forward adds its stage's bytes per
-    micro-batch, a backward (input-gradient backward, in zero-bubble) removes them; the peak
-    of that sum is the rank's. In a process already in a process group (no fake one can open)
-    the closed forms stand in (:func:`~memfit.distributed.pipeline_plan.
-    predict_stage_activations`, every chunk an even share of the rank's bytes).
-
-    Args:
-        model: The model to split.
-        config: The pipeline settings.
-        example_input: The whole batch of inputs (split into ``config.num_microbatches``).
-        example_target: The whole batch's targets.
-        loss_fn: The loss (default for causal LMs: their shifted cross-entropy).
-    """
-    import torch.distributed as dist
-
-    check_pipeline(len(model_blocks(model)), config)
-    loss_fn = _default_loss(model, loss_fn)
-    m = config.num_microbatches
-    size = example_input.shape[0] // m
-    x: torch.Tensor = example_input[:size]
-    y = example_target[:size] if example_target is not None else None
-    per_stage = []
-    for s in range(config.num_stages):
-        stage = build_stage(model, config, s)
-        last = s == config.num_stages - 1
-        kept, x = stage_activation_bytes(stage, x, y if last else None,
-                                         loss_fn=loss_fn if last else None)
-        per_stage.append(kept)
-    orders = None if dist.is_initialized() else _schedule_orders(config)
-    out = []
-    v = config.local_stages
-    for rank in range(config.degree):
-        stages = config.stage_indices(rank)
-        per_mb = sum(per_stage[s] for s in stages)
-        if orders is None:
-            n = microbatches_in_flight(config.schedule, config.degree, m, rank, v)
-            peak = round(n * per_mb / v)
-        else:
-            n = _replay(orders[rank], lambda s: 1)
-            peak = _replay(orders[rank], per_stage.__getitem__)
-        out.append(RankActivations(rank, stages, per_mb, n, peak))
-    return out
 
 
 def schedule_in_flight(config: PipelineConfig) -> list[int]:

@@ -7,7 +7,7 @@ Two figures per optimizer, both read through :mod:`memfit.optim.registry`:
   from the shapes and dtypes alone (meta tensors do); ``tests/optim/test_registry.py`` steps
   every registered optimizer and compares;
 * the **per-parameter rule** the cost models use (:mod:`memfit.estimate.cost` for the disk
-  tier, :mod:`memfit.planner.layout_cost` for the ranks' state): the state's size in the limit
+  tier, :mod:`memfit.estimate.layout_cost` for the ranks' state): the state's size in the limit
   of large tensors, without per-tensor scalars, quantisation block maxima or factored
   statistics.
 

@@ -8,7 +8,8 @@ the node's link bandwidth; data and pipeline groups run over the network once th
 nodes. Ranks are numbered as :mod:`memfit.distributed.layout` places them: ``rank = (stage x
 data + replica) x tensor + shard``.
 
-How a layout is priced: :mod:`memfit.planner.layout_cost`. The fastest layout whose every rank fits wins; the winner's every rank is then predicted by
+How a layout is priced: :mod:`memfit.estimate.layout_cost`. The fastest layout whose every
+rank fits wins; the winner's every rank is then predicted by
 dry runs of its own program in a fake process group when
 :func:`memfit.estimate.layout.predict_layout` is available, else by the model above.
 """
@@ -21,36 +22,24 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..distributed.config import ParallelConfig
-from ..optim.registry import get as optimizer_spec
-from ..plan import Plan
-from ..units import format_bytes
-from ..workload import Workload, load_workload
-from .layout_cost import (
+from ..estimate.layout_cost import (
     LayoutCandidate,
     ModelShape,
     _divisors,
     estimate_layout,
     layout_problems,
     model_shape,
-    rank_coordinates,
 )
+from ..estimate.prediction import Prediction
+from ..estimate.predictor import Layout, layout_prediction
+from ..optim.registry import get as optimizer_spec
+from ..plan import Plan
+from ..units import format_bytes
+from ..workload import Workload, load_workload
+from .predict import fits
 from .result import NothingFits, PlanResult
 
-__all__ = [
-    "LayoutCandidate",
-    "ModelShape",
-    "estimate_layout",
-    "layout_problems",
-    "layout_table",
-    "model_shape",
-    "plan_layout",
-    "rank_coordinates",
-]
-
-#: Fraction of the budget a layout may use: the caching allocator's rounding and
-#: fragmentation, which the layout model does not follow block by block.
-_ALLOCATOR_SLACK = 0.95
-
+__all__ = ["layout_table", "plan_layout"]
 
 # -------------------------------------------------------------------------------- planning
 def _layouts(world: int, gpus_per_node: int) -> Iterable[tuple[int, int, int]]:
@@ -236,14 +225,6 @@ class _LayoutSearch:
     forbid: tuple[str, ...]
     say: Callable[[str], None]
 
-    @property
-    def limit(self) -> float:
-        """What a rank may hold: on a GPU, the budget less the CUDA context and workspaces
-        outside the allocator, and its rounding."""
-        target, budget_bytes = self.target, self.budget_bytes
-        return (budget_bytes * _ALLOCATOR_SLACK - target.overhead_bytes if target.is_cuda
-                else budget_bytes)
-
     def run(self, *, confirm: bool, max_predictions: int) -> PlanResult:
         """The winner's :class:`PlanResult` (without ``seconds``).
 
@@ -271,11 +252,11 @@ class _LayoutSearch:
         if confirm:
             for cand in fitting[:min(3, max_predictions)]:
                 plan = self._result(cand, candidates, fits=True, explanation="").plan
-                peaks = _confirm(self.workload, plan, self.target, self.say)
-                if peaks is None:
+                pred = _confirm(self.workload, plan, self.target, self.say)
+                if pred is None:
                     break
-                if max(peaks) <= self.limit:
-                    best, confirmed = cand, peaks
+                if fits(pred, self.budget_bytes):
+                    best, confirmed = cand, pred.ranks
                     break
         runner_up = next((c for c in fitting if _layout_key(c) != _layout_key(best)), None)
         why = _explain(best, runner_up, self.world_size, self.g, confirmed is not None)
@@ -316,7 +297,7 @@ class _LayoutSearch:
                         checkpointing=ckpt, device=self.target, precision=self.precision,
                         optimizer=base.optimizer, gpus_per_node=g, microbatches=m,
                     )
-                    cand.fits = cand.max_peak_bytes <= self.limit
+                    cand.fits = fits(layout_prediction(cand, self.target), self.budget_bytes)
                     candidates.append(cand)
         if not candidates:
             raise ValueError(
@@ -368,13 +349,12 @@ def _layout_key(c: LayoutCandidate) -> tuple[int, int, int]:
 
 
 def _confirm(workload: Workload, plan: Plan, target: Any,
-             say: Callable[[str], None]) -> list[int] | None:
+             say: Callable[[str], None]) -> Prediction | None:
     """Each rank's peak from dry runs of its own program in a fake process group
-    (:func:`memfit.estimate.layout.predict_layout`), for what those dry runs model: a
+    (:class:`memfit.estimate.predictor.Layout`), for what those dry runs model: a
     tensor or pipeline split in fp32, without checkpointing, with an optimizer the layout path
     trains with (the registry's ``layout`` ones: torch's AdamW, Adam, SGD), replicas
     all-reducing (stage 0). ``None`` otherwise (the layout model's figures stand)."""
-    from ..estimate.layout import predict_layout
 
     par = plan.parallel
     if (
@@ -387,11 +367,9 @@ def _confirm(workload: Workload, plan: Plan, target: Any,
         return None
     say(f"predicting every rank of {plan.summary()}")
     try:
-        pred = predict_layout(workload, par, optimizer=plan.optimizer,
-                              foreach=True if target.is_cuda else None)
+        return Layout().predict(workload, plan, target)
     except ValueError:
         return None
-    return [int(x) for x in pred.peak_bytes]
 
 
 def _result(cand: LayoutCandidate, *, fits: bool, explanation: str, workload: Workload,

@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..estimate.compose import Prediction, confirm_peak, first_forward_peak, predict_peak
+from ..estimate.compose import confirm_peak, first_forward_peak, predict_peak
+from ..estimate.prediction import Prediction
 from ..targets import DeviceProfile
 from ..workload import Workload
 from .result import Candidate

@@ -12,11 +12,14 @@ How a layout is priced, per rank:
   zero_model_state_bytes`), the activations of the micro-batches the schedule keeps in flight
   (:func:`~memfit.distributed.pipeline_plan.microbatches_in_flight`; with checkpointing only
   each block's input), and one block's backward working set.
-* **Time.** The stage's FLOPs at the device's rate (its efficiency falls for small
-  micro-batches), times the pipeline's bubble (``(M + p - 1) / M``, less for interleaved and
-  zero-bubble schedules), plus tensor parallelism's four all-reduces per block per
-  micro-batch, the point-to-point activations between stages, and the data-parallel gradient
-  reduction that backward does not hide (stage 3 gathers the parameters twice more).
+* **Time.** A :class:`~memfit.estimate.cost.StepCost`, as every plan's: the stage's FLOPs at
+  the device's rate (its efficiency falls for small micro-batches), the pipeline's bubble
+  (:func:`~memfit.estimate.cost.bubble_fraction`: ``(p - 1) / M`` of the compute, less for
+  interleaved and zero-bubble schedules), and the communication
+  (:func:`~memfit.estimate.cost.communication`): tensor parallelism's four all-reduces per
+  block per micro-batch, the point-to-point activations between stages, and the
+  data-parallel gradient reduction that backward does not hide (stage 3 gathers the
+  parameters twice more).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from ..distributed.config import ParallelConfig
 from ..optim.registry import get as optimizer_spec
 from ..workload import Workload, WorkloadError
+from .cost import StepCost, bubble_fraction, communication
 
 if TYPE_CHECKING:
     from ..optim.config import OptimizerConfig
@@ -42,10 +46,6 @@ __all__ = [
     "model_shape",
     "rank_coordinates",
 ]
-
-#: Share of backward the data-parallel gradient reduction overlaps with.
-_DP_OVERLAP = 0.8
-
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -212,9 +212,9 @@ def _profile(shape: ModelShape, tensor: int, seq_len: int, dtype: str, device: s
     weights are never written, so they take address space, not memory)."""
     import torch
 
-    from ..estimate.pipeline import profile_blocks
     from ..targets import emulate, get_device
     from ..workload import _hf_model_from_config_impl
+    from .pipeline import profile_blocks
 
     cfg = _local_config(shape, tensor)
     with torch.device("meta"):
@@ -358,7 +358,7 @@ def estimate_layout(shape: ModelShape, parallel: ParallelConfig, *, batch_size: 
     with a pipeline, its ``parallel.microbatches``.
     """
     from ..distributed.pipeline_plan import microbatches_in_flight
-    from ..estimate.distributed import zero_model_state_bytes
+    from .distributed import zero_model_state_bytes
 
     t, p, d = parallel.tensor, parallel.pipeline, parallel.data
     m = _microbatches(parallel) if p > 1 else (microbatches or 1)
@@ -415,26 +415,17 @@ def estimate_layout(shape: ModelShape, parallel: ParallelConfig, *, batch_size: 
     eff = device.matmul_efficiency * tokens / (tokens + device.half_tokens)
     busy = [f / (rate * eff) for f in stage_flops]
     compute = max(busy)
-    bubble = {"gpipe": (p - 1) / m, "1f1b": (p - 1) / m, "interleaved-1f1b": (p - 1) / (2 * m),
-              "zero-bubble": (p - 1) / (6 * m)}[parallel.schedule] if p > 1 else 0.0
-    node = device.node_link_bandwidth
-    net = device.cross_node_bandwidth
-    g = gpus_per_node
-    # Tensor parallelism: 2 all-reduces forward, 2 backward (3 forward with recomputation)
-    # of a block's output per micro-batch, each moving 2 (t - 1) / t of it per rank.
-    per_allreduce = block_input * 2 * (t - 1) / t / node if t > 1 else 0.0
-    tp = (6 if checkpointing else 4) * per_allreduce * per_stage * m
-    # Pipeline: each micro-batch's hidden state forward and its gradient back, per boundary.
-    pp_bw = node if t * d < g else net
-    pp = 2 * block_input * m / pp_bw if p > 1 else 0.0
-    # Data parallelism: the gradients (fp32) reduced once per step; stage 3 also gathers the
-    # parameters in forward and in backward.
-    local_params = max(per_stage * prof.block_params + prof.first_params, 1)
-    dp_bw = node if t * d <= g else net
-    volume = 4 * local_params * 2 * (d - 1) / d * (1.5 if parallel.zero_stage == 3 else 1)
-    dp_total = volume / dp_bw if d > 1 else 0.0
-    dp = max(0.0, dp_total - _DP_OVERLAP * compute * 2 / 3)
-    step = compute * (1 + bubble) + tp + pp + dp
+    bubble = bubble_fraction(parallel.schedule, p, m)
+    comm = communication(
+        parallel, device, gpus_per_node=gpus_per_node,
+        parameters=per_stage * prof.block_params + prof.first_params,
+        block_output_bytes=block_input, blocks=per_stage, microbatches=m,
+        checkpointing=checkpointing, backward_seconds=compute * 2 / 3,
+    )
+    tp, pp, dp = comm["tensor"], comm["pipeline"], comm["data"]
+    cost = StepCost(matmul=compute, pointwise=0.0, launch=0.0, optimizer=0.0,
+                    extra_backward=0.0, communication=tp + pp + dp, bubble=compute * bubble)
+    step = cost.total
     parts = {"compute": compute, "bubble": compute * bubble, "tensor": tp, "pipeline": pp,
              "data": dp}
     peaks = _rank_peaks(parallel, peaks_by_stage)
