@@ -125,6 +125,18 @@ class FusedStepper:
     def backward(self, loss: torch.Tensor, *, last: bool) -> None:
         self.handle.backward(loss, last=last)
 
+    def begin_step(self, last: bool) -> None:
+        """Before a micro-batch's backward that someone else's loop runs (``loss.backward()``
+        in the Hugging Face Trainer): whether it ends the step (the hooks then step each
+        parameter) or accumulates. See
+        :meth:`~memfit.strategies.fused_step.OptimizerInBackward.begin_step`."""
+        self.handle.begin_step(last)
+
+    def end_step(self) -> None:
+        """After the last backward of a step begun with :meth:`begin_step`: step the
+        parameters the last micro-batch left without a gradient, record the step's norm."""
+        self.handle.end_step()
+
     def step(self) -> None:
         """Nothing left: the parameters stepped during the last backward."""
 
