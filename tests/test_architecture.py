@@ -19,7 +19,7 @@ SRC = ROOT / "src" / "memfit"
 FLOORS: list[tuple[str, ...]] = [
     ("units.py", "device.py", "console.py", "versions.py", "outputs.py"),
     ("accounting/",),
-    ("workload.py", "optim/", "ops/", "targets/", "blocks.py", "techniques.py"),
+    ("workload.py", "optim/", "ops/", "targets/", "blocks.py", "techniques.py", "stepping.py"),
     ("strategies/", "distributed/"),
     ("plan.py",),
     ("apply/",),

@@ -238,3 +238,50 @@ def test_user_loop_token_weighting_needs_the_batch_and_no_fused_step():
     fused = prepare(tiny_gpt2(), Plan(optimizer_in_backward=True, loss_normalization="tokens"))
     with pytest.raises(ValueError, match=r"use prepared\.step"):
         fused.backward(fused.loss(micro), batch=micro)
+
+
+def test_a_stepper_that_owns_the_forward_gets_its_share_whole():
+    """``run_step`` with a stepper that runs its own schedule (``owns_forward``, as the
+    tensor/pipeline layout's does): the stepper's share of the batch, prepared, goes to its
+    ``forward_backward`` whole (no micro-batch split by the loop), then ``step`` and
+    ``zero_grad``, and the loss reported is ``reduce_loss`` of what it returned."""
+    from memfit.apply.stepper import BaseStepper, run_step
+
+    calls: list[str] = []
+
+    class Scheduled(BaseStepper):
+        owns_forward = True
+
+        def local_batch(self, batch):
+            calls.append("local")
+            return batch[:2]
+
+        def forward_backward(self, batch, *, autocast):
+            calls.append(f"schedule {tuple(batch.shape)}")
+            return torch.tensor(3.0)
+
+        def backward(self, loss, *, last):
+            raise AssertionError("the loop must not run backwards for a scheduled stepper")
+
+        def step(self):
+            calls.append("step")
+
+        def zero_grad(self):
+            calls.append("zero_grad")
+
+        def reduce_loss(self, loss):
+            return loss / 3
+
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state):
+            pass
+
+    stepper = Scheduled()
+    assert isinstance(stepper, Stepper)
+    loss = run_step(torch.nn.Identity(), torch.zeros(4, 5), stepper=stepper,
+                    autocast=torch.autocast, loss_fn=None, micro_batch_size=1,
+                    normalization="mean", max_seq_len=None)
+    assert calls == ["local", "schedule (2, 5)", "step", "zero_grad"]
+    assert float(loss) == 1.0

@@ -255,6 +255,27 @@ def test_approx_clipping_uses_the_previous_norm(accum):
     assert _max_diff(ref, fused) < 1e-6
 
 
+def test_begin_and_end_step_drive_a_loop_that_runs_backward_itself():
+    """A loop that calls ``loss.backward()`` itself (the Hugging Face Trainer) steps through
+    the public ``begin_step`` / ``end_step`` exactly as ``handle.backward`` does: the same
+    parameters, the same ``last_norm`` (approx clipping, two micro-batches)."""
+    factory = FACTORIES["sgd-momentum"]
+    ours, theirs = _mlp(), _mlp()
+    kwargs = {"max_grad_norm": 0.5, "clip_mode": "approx", "grad_accum_steps": 2}
+    handle = optimizer_in_backward(ours, factory, **kwargs)
+    outside = optimizer_in_backward(theirs, factory, **kwargs)
+    for x, y in _data(STEPS):
+        parts = split_batch((x, y), 3)
+        for i, part in enumerate(parts):
+            handle.backward(_loss(ours, *part) / 2)
+            outside.begin_step(last=i == len(parts) - 1)
+            (_loss(theirs, *part) / 2).backward()
+        outside.end_step()
+        assert all(p.grad is None for p in theirs.parameters())
+        assert torch.equal(handle.last_norm, outside.last_norm)
+    assert _max_diff(ours, theirs) == 0
+
+
 @pytest.mark.parametrize("accum", [1, 2])
 def test_track_grad_norm_without_clipping(accum):
     """No clipping, ``track_grad_norm``: after each step ``last_norm`` is the global norm of the

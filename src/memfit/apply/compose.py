@@ -33,7 +33,7 @@ from ..plan import Plan
 from ..strategies.grad_buffer import apply_grad_buffer
 from ..strategies.removable import Removable
 from ..techniques import ApplyContext
-from ..workload import Batch, batch_size_of, loss_from_output
+from ..workload import Batch, loss_from_output
 from .stepper import Stepper, make_stepper, run_step
 
 __all__ = [
@@ -126,30 +126,21 @@ class TrainingSetup:
             )
         plan = self.plan
         assert self.stepper is not None
-        module = self.model
-        if self.parallel is not None:
-            from ..distributed.data import batches_local, local_batch, rank_and_world
-
-            # ``batch`` is the global batch: this rank trains on its share, and the engine
-            # averages the gradients, so the step is the whole batch's.
-            if not batches_local():
-                batch = local_batch(batch, *rank_and_world())
-            module = self.parallel.module
+        # Under data parallelism ``batch`` is the global batch: the stepper takes this rank's
+        # share, the engine averages the gradients (so the step is the whole batch's) and the
+        # stepper averages the loss over the ranks.
+        module = self.model if self.parallel is None else self.parallel.module
         total = run_step(
             module,
             batch,
             stepper=self.stepper,
             autocast=self.precision.autocast,
             loss_fn=self.loss_fn,
-            micro_batch_size=plan.micro_batch_for(batch_size_of(batch)),
+            micro_batch_size=plan.micro_batch_for,  # of the rank's share
             normalization=plan.loss_normalization,
             max_seq_len=plan.max_seq_len,
         )
         self.steps_done += 1
-        if self.parallel is not None:
-            from ..distributed.data import mean_over_ranks
-
-            total = mean_over_ranks(total)
         return total
 
 

@@ -13,24 +13,31 @@ step. The :class:`Stepper` decides what backward and the step mean:
 * :class:`FusedStepper`: the optimizer step fused into backward
   (:func:`~memfit.strategies.fused_step.optimizer_in_backward`); ``step`` has nothing left.
 
-Engines that step differently plug in as further steppers, without another copy of the loop:
+The protocol and its defaults (:class:`~memfit.stepping.Stepper`,
+:class:`~memfit.stepping.BaseStepper`) stand a floor below the engines, in
+:mod:`memfit.stepping`, so that each engine's stepper lives with it. Engines that step
+differently plug in as further steppers, without another copy of the loop:
 an offload engine (gradients moved to the host in ``backward``, a host optimizer in
-``step``), DDP or FSDP2 (no gradient synchronisation unless ``last``, the sharded optimizer
-in ``step``), a pipeline schedule. A stepper owns everything between a weighted micro-batch
-loss and updated parameters, including its own checkpointable state.
+``step``), DDP or FSDP2 (a rank's share of the batch, no gradient synchronisation unless
+``last``, the sharded optimizer in ``step``, the loss averaged over the ranks), the
+tensor/pipeline layout (its pipeline schedule runs the forwards and backwards). A stepper owns
+everything between a weighted micro-batch loss and updated parameters, including its own
+checkpointable state.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 from torch import nn
 
+from ..stepping import BaseStepper, Stepper
 from ..workload import Batch, batch_size_of, call_model, split_batch
 
 __all__ = [
+    "BaseStepper",
     "FusedStepper",
     "PlainStepper",
     "Stepper",
@@ -42,34 +49,7 @@ __all__ = [
 ]
 
 
-@runtime_checkable
-class Stepper(Protocol):
-    """Turns micro-batch losses into one optimizer step.
-
-    Per optimizer step the loop calls ``backward`` once per micro-batch (``last=True`` on the
-    last one), then ``step`` and ``zero_grad``. Between ``backward(..., last=True)`` and
-    ``step`` the gradients (if the stepper keeps any) are the step's whole gradient, so a
-    caller may still rescale them (``prepare()``'s token weighting does).
-    """
-
-    def backward(self, loss: torch.Tensor, *, last: bool) -> None:
-        """Backpropagate one micro-batch's (weighted) loss; ``last`` ends the step's
-        micro-batches (a distributed engine synchronises gradients only then)."""
-
-    def step(self) -> None:
-        """Apply the accumulated gradients (unscaling, clipping, as configured)."""
-
-    def zero_grad(self) -> None:
-        """Drop the gradients (``set_to_none``): they hold no memory between steps."""
-
-    def state_dict(self) -> dict[str, Any]:
-        """Optimizer (and scaler) state, for checkpoints."""
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
-
-
-class PlainStepper:
+class PlainStepper(BaseStepper):
     """Backward, then clip, step and zero the gradients.
 
     Args:
@@ -111,7 +91,7 @@ class PlainStepper:
             scaler.load_state_dict(state["scaler"])
 
 
-class FusedStepper:
+class FusedStepper(BaseStepper):
     """The optimizer step fused into backward: each parameter steps when its gradient is
     ready, inside :meth:`backward` of the last micro-batch.
 
@@ -124,6 +104,18 @@ class FusedStepper:
 
     def backward(self, loss: torch.Tensor, *, last: bool) -> None:
         self.handle.backward(loss, last=last)
+
+    def begin_step(self, last: bool) -> None:
+        """Before a micro-batch's backward that someone else's loop runs (``loss.backward()``
+        in the Hugging Face Trainer): whether it ends the step (the hooks then step each
+        parameter) or accumulates. See
+        :meth:`~memfit.strategies.fused_step.OptimizerInBackward.begin_step`."""
+        self.handle.begin_step(last)
+
+    def end_step(self) -> None:
+        """After the last backward of a step begun with :meth:`begin_step`: step the
+        parameters the last micro-batch left without a gradient, record the step's norm."""
+        self.handle.end_step()
 
     def step(self) -> None:
         """Nothing left: the parameters stepped during the last backward."""
@@ -202,38 +194,75 @@ def run_step(
     *,
     stepper: Stepper,
     autocast: Callable[[], Any],
-    loss_fn: Callable[[Any, Batch], torch.Tensor],
-    micro_batch_size: int,
+    loss_fn: Callable[[Any, Batch], torch.Tensor] | None,
+    micro_batch_size: int | Callable[[int], int],
     normalization: str,
     max_seq_len: int | None,
 ) -> torch.Tensor:
     """One optimizer step over ``batch``: the one training loop.
 
-    Truncates to ``max_seq_len``, splits into micro-batches of ``micro_batch_size``, weighs
-    their losses (:func:`~memfit.strategies.accumulation.loss_weights`: ``n_i / N`` for
-    ``mean``, ``t_i / T`` label tokens for ``tokens``, so the weighted sum is the whole batch's
-    loss), runs each forward under ``autocast`` (:func:`forward_loss`), hands each weighted
-    loss to ``stepper``, then steps and zeroes the gradients (:func:`finish_step`).
+    Takes the stepper's share of ``batch`` (:meth:`~memfit.stepping.Stepper.local_batch`: a
+    data-parallel rank's slice), truncates it to ``max_seq_len``, splits it into micro-batches
+    of ``micro_batch_size``, weighs their losses
+    (:func:`~memfit.strategies.accumulation.loss_weights`: ``n_i / N`` for ``mean``,
+    ``t_i / T`` label tokens for ``tokens``, so the weighted sum is the whole batch's loss),
+    runs each forward under ``autocast`` (:func:`forward_loss`), hands each weighted loss to
+    ``stepper``, then steps and zeroes the gradients (:func:`finish_step`). A stepper that
+    runs the forwards and backwards itself (``owns_forward``: a pipeline schedule, which splits
+    the micro-batches its own way) gets the prepared share whole instead.
+
+    Args:
+        model: What the forwards run through.
+        batch: The step's batch (the global one, under data parallelism).
+        stepper: The engine's :class:`~memfit.stepping.Stepper`.
+        autocast: The precision's autocast context factory.
+        loss_fn: ``loss_fn(output, micro_batch)`` (unused when the stepper owns the forward).
+        micro_batch_size: Samples per micro-batch, or a function of the share's size giving it.
+        normalization: ``"mean"`` or ``"tokens"``.
+        max_seq_len: Truncate sequences to this length (``None``: as they come).
 
     Returns:
-        The (detached) loss of the whole batch.
+        The (detached) loss of the whole batch, as the stepper reports it
+        (:meth:`~memfit.stepping.Stepper.reduce_loss`: the mean over data-parallel replicas).
     """
+    batch = prepare_batch(stepper.local_batch(batch), max_seq_len)
+    if stepper.owns_forward:
+        total = stepper.forward_backward(batch, autocast=autocast)
+        finish_step(stepper, model)
+        return stepper.reduce_loss(total)
+    assert loss_fn is not None
+    total = _micro_batches(model, batch, stepper, autocast, loss_fn, micro_batch_size,
+                           normalization)
+    finish_step(stepper, model)
+    return stepper.reduce_loss(total)
+
+
+def _micro_batches(
+    model: nn.Module,
+    batch: Batch,
+    stepper: Stepper,
+    autocast: Callable[[], Any],
+    loss_fn: Callable[[Any, Batch], torch.Tensor],
+    micro_batch_size: int | Callable[[int], int],
+    normalization: str,
+) -> torch.Tensor:
+    """The loop's forwards and backwards over ``batch``'s weighted micro-batches; returns the
+    batch's loss (the weighted sum, detached)."""
     from ..strategies.accumulation import loss_weights
 
-    batch = prepare_batch(batch, max_seq_len)
     size = batch_size_of(batch)
+    if callable(micro_batch_size):
+        micro_batch_size = micro_batch_size(size)
     parts: Sequence[Batch] = split_batch(batch, micro_batch_size) if micro_batch_size < size else [batch]
     weights = loss_weights(parts, normalization)
     # A micro-batch without a loss term (every label ignored) has weight 0 and a NaN mean
     # loss: it is skipped, and the last one that counts ends the step.
     live = [i for i, w in enumerate(weights) if w > 0]
     total: torch.Tensor | None = None
-    # A data-parallel stepper decides before the forward whether its backward synchronises.
-    before_forward = getattr(stepper, "before_forward", None)
     for i in live:
         part, weight = parts[i], weights[i]
-        if before_forward is not None:
-            before_forward(i == live[-1])
+        # A data-parallel stepper decides before the forward whether its backward synchronises.
+        stepper.before_forward(i == live[-1])
         loss = forward_loss(model, part, autocast=autocast, loss_fn=loss_fn)
         stepper.backward(loss * weight, last=i == live[-1])
         contribution = loss.detach() * weight
@@ -242,6 +271,5 @@ def run_step(
         # then holds the same scalars, so two micro-batches (what a composed prediction runs)
         # show the peak of any number of them.
         del loss, contribution
-    finish_step(stepper, model)
     assert total is not None
     return total

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..accounting.tracker import label_open, storage_resized
+from ..stepping import BaseStepper
 from ..techniques import BUILTIN_ORDER, ENGINES, ApplyContext, Technique
 from ..workload import Batch, batch_size_of, split_batch
 from .config import ParallelConfig
@@ -257,13 +258,25 @@ class DataParallel:
             )
 
 
-class DataParallelStepper:
-    """A stepper that synchronises gradients on a step's last micro-batch only, then steps
-    through ``inner`` (plain or, for stage 1, the sharded optimizer)."""
+class DataParallelStepper(BaseStepper):
+    """A stepper that trains on this rank's share of the global batch, synchronises gradients
+    on a step's last micro-batch only, steps through ``inner`` (plain or, for stage 1, the
+    sharded optimizer) and reports the loss averaged over the ranks."""
 
     def __init__(self, inner: Any, parallel: DataParallel) -> None:
         self.inner = inner
         self.parallel = parallel
+
+    def local_batch(self, batch: Batch) -> Batch:
+        """This rank's share of the global ``batch`` (the batch itself inside
+        :func:`batches_are_local`)."""
+        if batches_local():
+            return batch
+        return local_batch(batch, *rank_and_world())
+
+    def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The mean of the ranks' losses: the global batch's."""
+        return mean_over_ranks(loss)
 
     def before_forward(self, last: bool) -> None:
         self.parallel.before_forward(last)

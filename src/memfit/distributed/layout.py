@@ -36,7 +36,7 @@ rank's peak without launching.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +44,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..stepping import BaseStepper
+from ..workload import Batch
 from .config import ParallelConfig
 from .pipeline import (
     Pipeline,
@@ -67,6 +69,7 @@ __all__ = [
     "MESH_DIMS",
     "Layout",
     "LayoutError",
+    "LayoutStepper",
     "build_layout",
     "check_layout",
     "layout_coords",
@@ -303,6 +306,70 @@ class Layout:
         return out
 
 
+class LayoutStepper(BaseStepper):
+    """The :class:`~memfit.stepping.Stepper` of a layout, for
+    :func:`~memfit.apply.stepper.run_step`: this replica's share of the global batch, the
+    step's forwards and backwards by :meth:`Layout.step` (the pipeline schedule, or gradient
+    accumulation without one, under ``loss_parallel`` with tensor parallelism; gradients
+    reduced over the data dimension), then the optimizer's step and ``zero_grad``.
+
+    Args:
+        layout: This rank's :class:`Layout`.
+        optimizer: The optimizer over :meth:`Layout.parameters`.
+        device: Where the batch goes (default: where the layout's parameters are).
+    """
+
+    #: The layout's schedule runs the forwards and backwards, and splits the micro-batches.
+    owns_forward = True
+
+    def __init__(self, layout: Layout, optimizer: Any, device: torch.device | None = None) -> None:
+        self.layout = layout
+        self.optimizer = optimizer
+        if device is None:
+            device = next((p.device for p in layout.parameters()), torch.device("cpu"))
+        self.device = device
+
+    def local_batch(self, batch: Batch) -> Batch:
+        """This replica's share of the global ``batch`` (every rank of the replica trains on
+        the same one), as ``{"input_ids", "labels"}`` on the device; the labels are the input
+        ids when the batch has none. Inside
+        :func:`~memfit.distributed.data.batches_are_local` the batch is the share already."""
+        from .data import batches_local, local_batch
+
+        share = batch
+        if not batches_local():
+            share = local_batch(batch, self.layout.coords["dp"], self.layout.parallel.data)
+        if isinstance(share, torch.Tensor):
+            ids = labels = share
+        else:
+            ids = share["input_ids"]
+            labels = share.get("labels", ids)
+        return {"input_ids": ids.to(self.device), "labels": labels.to(self.device)}
+
+    def forward_backward(self, batch: Batch, *, autocast: Callable[[], Any]) -> torch.Tensor:
+        """:meth:`Layout.step` on the share, under ``autocast`` (the whole schedule: its
+        forwards and backwards interleave); returns the step's loss, averaged over the
+        micro-batches and replicas, on every rank."""
+        with autocast():
+            return self.layout.step(batch["input_ids"], batch["labels"]).detach()
+
+    def backward(self, loss: torch.Tensor, *, last: bool) -> None:
+        """Not used: :meth:`forward_backward` runs the backwards."""
+        raise RuntimeError("a layout's schedule runs its own backwards; use run_step")
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
 def _make_mesh(parallel: ParallelConfig, device: torch.device) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -324,7 +391,8 @@ def build_layout(
     Every rank of the default process group (``parallel.world_size`` of them) calls this with
     the same model (same weights: seed alike) and settings. Create the optimizer afterwards over
     :meth:`Layout.parameters`, then per step: zero the gradients, :meth:`Layout.step`, step
-    the optimizer. Drop ``model`` afterwards: a rank keeps only its stages' modules.
+    the optimizer (or :func:`~memfit.apply.stepper.run_step` with a :class:`LayoutStepper`,
+    which does all three). Drop ``model`` afterwards: a rank keeps only its stages' modules.
 
     Memory per rank: its stages' parameters, gradients and optimizer state, divided by
     ``tensor`` (the blocks, embedding and head; norms are replicated) and, under ZeRO 2/3, by

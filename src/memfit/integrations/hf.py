@@ -135,10 +135,14 @@ def apply(plan: Plan, model: nn.Module, training_args: Any) -> tuple[Any, tuple[
 
 
 class _FusedBridge:
-    """Tells the fused step's hooks what the Trainer's next backward is (accumulate or step)."""
+    """Tells the fused step's hooks what the Trainer's next backward is (accumulate or step),
+    through the stepper's public begin/end of a step run by someone else's backward."""
 
     def __init__(self, handle: Any, model: nn.Module) -> None:
+        from ..apply.stepper import FusedStepper
+
         self.handle = handle
+        self.stepper = FusedStepper(handle)
         # The Trainer logs a grad_norm every logging step; only the hooks can measure it.
         handle.track_grad_norm = True
         self._hook = model.register_forward_pre_hook(self._before_forward)
@@ -149,28 +153,12 @@ class _FusedBridge:
 
         if not (module.training and torch.is_grad_enabled()):
             return
-        h = self.handle
-        last = GradientState().sync_gradients
-        if not last:
-            h._mode = "accumulate"
-            return
-        h._mode = "step"
-        h._stepped.clear()
-        h._norms.clear()
-        if h.max_grad_norm is not None and h.last_norm is not None:
-            from ..strategies.fused_step import _clip_coefficient
-
-            h._coef = _clip_coefficient(h.max_grad_norm, h.last_norm)
+        self.stepper.begin_step(last=GradientState().sync_gradients)
 
     def finish_step(self) -> None:
         """Before the Trainer's ``optimizer.step()``: leftovers, and this step's norm (logged,
         and approx clipping's coefficient for the next step)."""
-        h = self.handle
-        h._step_leftovers()
-        if h.gathers_norms:
-            h.last_norm = h._finish_norm()
-        h._coef = None
-        h._mode = None
+        self.stepper.end_step()
 
     def remove(self) -> None:
         self._hook.remove()

@@ -185,6 +185,7 @@ class _CallbackMethods:
         self._checked_batch = False
         self._last_step = 0
         self._handle: Any = None
+        self._stepper: Any = None  # the FusedStepper over _handle
         self._micro = 0  # micro-batches done in the current fused step
 
     # ------------------------------------------------------------ model side
@@ -223,6 +224,7 @@ class _CallbackMethods:
             self.handles.pop()[1].remove()
         self.precision = None
         self._handle = None
+        self._stepper = None
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage == "fit":
@@ -244,6 +246,7 @@ class _CallbackMethods:
         return self.plan.optimizer.build(params)
 
     def _fused(self, pl_module: nn.Module) -> Any:
+        from ..apply.stepper import FusedStepper
         from ..strategies.fused_step import optimizer_in_backward
 
         plan, runtime = self.plan, self.precision
@@ -263,6 +266,7 @@ class _CallbackMethods:
         )
         self.handles.append(("optimizer_in_backward", handle))
         self._handle = handle
+        self._stepper = FusedStepper(handle)
         fused_step = handle.step
 
         def step(closure: Any = None) -> None:
@@ -285,8 +289,8 @@ class _CallbackMethods:
             RuntimeError: when the plan has no ``optimizer_in_backward`` or
                 ``configure_optimizers`` did not return :meth:`configure_optimizers`.
         """
-        handle = self._handle
-        if handle is None:
+        stepper = self._stepper
+        if stepper is None:
             raise RuntimeError(
                 "callback.backward is for plans with optimizer_in_backward whose "
                 "configure_optimizers returns callback.configure_optimizers(self)"
@@ -294,7 +298,7 @@ class _CallbackMethods:
         k = self.plan.grad_accum_steps
         last = self._micro + 1 >= k
         self._micro = 0 if last else self._micro + 1
-        handle.backward(loss / k, last=last)
+        stepper.backward(loss / k, last=last)
         if last:
             # A no-op step (the parameters moved in backward) that Lightning counts.
             pl_module.optimizers().step()

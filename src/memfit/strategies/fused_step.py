@@ -234,6 +234,39 @@ class OptimizerInBackward(Optimizer):
         # gathered by the hooks, which the next step clips with.
         self.last_norm = norm if self.clip_mode == "exact" else self._finish_norm()
 
+    def begin_step(self, last: bool) -> None:
+        """Tell the hooks what the next backward is, for a loop that runs it itself.
+
+        :meth:`backward` does this around its own ``loss.backward()``. A loop that calls
+        ``loss.backward()`` itself (the Hugging Face Trainer, through accelerate) calls this
+        before each micro-batch's backward instead, and :meth:`end_step` after the step's
+        last one. Approximate clipping only: exact clipping needs the extra, norm-measuring
+        backward that only :meth:`backward` runs.
+
+        Args:
+            last: Whether this backward ends the optimizer step (the hooks step and free each
+                gradient); otherwise they leave it to accumulate.
+        """
+        if not last:
+            self._mode = "accumulate"
+            return
+        self._mode = "step"
+        self._stepped.clear()
+        self._norms.clear()
+        if self.max_grad_norm is not None and self.last_norm is not None:
+            self._coef = _clip_coefficient(self.max_grad_norm, self.last_norm)
+
+    def end_step(self) -> None:
+        """Finish a step whose last backward ran outside :meth:`backward` (after
+        :meth:`begin_step` with ``last=True``): step the parameters that got a gradient only in
+        earlier micro-batches, and record the step's norm in ``last_norm`` (for logging, and
+        approximate clipping's coefficient of the next step)."""
+        self._step_leftovers()
+        if self.gathers_norms:
+            self.last_norm = self._finish_norm()
+        self._coef = None
+        self._mode = None
+
     def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
         """No-op while fused: the parameters were updated during backward.
 

@@ -50,6 +50,7 @@ from torch import nn
 
 from ..accounting.tiers import host_tier, mark_host
 from ..optim.registry import get as optimizer_spec
+from ..stepping import BaseStepper
 from ..techniques import BUILTIN_ORDER, Technique
 from .offload import OffloadConfig, host_copy_of, offload_refusal
 
@@ -343,7 +344,7 @@ class HostOffloadOptimizer:
         return OffloadStepper(self, precision, max_grad_norm)
 
 
-class OffloadStepper:
+class OffloadStepper(BaseStepper):
     """The Stepper of optimizer offload: backward moves gradients, step runs on the host.
 
     Args:

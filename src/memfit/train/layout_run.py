@@ -12,6 +12,9 @@ A plan whose ``parallel.tensor`` or ``parallel.pipeline`` is above 1 does not ru
   (:func:`~memfit.distributed.data.local_batch`), as the data-parallel path splits batches;
 * the plan's optimizer (torch's AdamW, Adam or SGD) over :meth:`Layout.parameters`, with the
   run's learning-rate schedule (:func:`~memfit.train.schedule.build_scheduler`);
+* each step through :func:`~memfit.apply.stepper.run_step`, the loop every engine shares, with
+  the layout's :class:`~memfit.distributed.layout.LayoutStepper` (the replica's share, the
+  pipeline schedule's forwards and backwards, the optimizer's step);
 * memory measured by memfit's tracker on the steps :class:`~memfit.train.callbacks.memory.
   TrackWindow` picks (the first two, then every ``track_every``-th), each rank its own peak;
 * ``bf16-mixed``: the whole schedule (its forwards and backwards interleave) under autocast.
@@ -223,8 +226,9 @@ def train_layout(
     import torch.distributed as dist
 
     from ..accounting import track
-    from ..distributed.data import local_batch
-    from ..distributed.layout import build_layout
+    from ..apply.stepper import run_step
+    from ..distributed.data import batches_are_local
+    from ..distributed.layout import LayoutStepper, build_layout
     from .callbacks.memory import TrackWindow
     from .data import BatchStream
     from .schedule import build_scheduler
@@ -239,14 +243,7 @@ def train_layout(
     model, _ = run.workload.build(seed=cfg.seed)
     layout = build_layout(model, par, device=device, batch_size=batch_size)
     del model  # a rank keeps only its stages' modules
-    if plan.checkpointing.mode != "none":
-        # A stage keeps the model's own block names, so memfit's checkpointing finds its
-        # blocks as it finds the whole model's (a block recomputes its forward in backward).
-        from ..strategies.checkpointing import apply_checkpointing
-
-        for module in layout.modules:
-            blocks = tuple(getattr(module, "block_names", ())) or plan.checkpointing.blocks
-            apply_checkpointing(module, dataclasses.replace(plan.checkpointing, blocks=blocks))
+    _checkpoint_stages(layout.modules, plan)
     opt_cfg = plan.optimizer
     if cfg.lr is not None:  # the run's learning rate, as the Trainer applies it
         opt_cfg = dataclasses.replace(opt_cfg, lr=float(cfg.lr))
@@ -257,7 +254,7 @@ def train_layout(
                          group_by_length=plan.sequence.group_by_length)
     window = TrackWindow(cfg.track_every)
     autocast = _autocast(plan, device)
-    replica = layout.coords["dp"]
+    stepper = LayoutStepper(layout, optimizer, device)
     losses: list[float] = []
     peak, tokens = 0, 0
     bar = _Progress(cfg.max_steps, console) if progress else None
@@ -266,18 +263,20 @@ def train_layout(
         for step in range(cfg.max_steps):
             _, batch = stream.next_batch()
             tokens += count_tokens(batch)
-            share = local_batch(batch, replica, par.data)
-            ids = share["input_ids"].to(device)
-            labels = share.get("labels", share["input_ids"]).to(device)
+            # The replica's share, on the device before the tracker starts (it is an input).
+            share = stepper.local_batch(batch)
             tracked = window.records(step)
             with (track(optimizer=optimizer, device=device) if tracked else _nothing()) as tracker:
                 if tracker is not None:
                     tracker.label(layout.parameters(), "parameters")
-                    tracker.add_inputs((ids, labels))
-                with autocast():
-                    loss = float(layout.step(ids, labels))
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                    tracker.add_inputs((share["input_ids"], share["labels"]))
+                # The one loop: the layout's schedule runs the forwards and backwards (it
+                # splits the micro-batches), then the optimizer steps and drops the gradients.
+                with batches_are_local():
+                    loss = float(run_step(
+                        layout.modules[0], share, stepper=stepper, autocast=autocast,
+                        loss_fn=None, micro_batch_size=layout.microbatches,
+                        normalization=plan.loss_normalization, max_seq_len=plan.max_seq_len))
             if tracker is not None:
                 peak = max(peak, int(tracker.report().peak_bytes))
             window.step_done()
@@ -300,6 +299,19 @@ def train_layout(
         peak_bytes=peak, per_rank_peak_bytes=[int(p) for p in peaks],
         coords=dict(layout.coords), tokens=tokens, seconds=seconds, plan=plan.to_dict(),
     )
+
+
+def _checkpoint_stages(modules: list[torch.nn.Module], plan: Plan) -> None:
+    """The plan's activation checkpointing on each of the rank's modules. A stage keeps the
+    model's own block names, so memfit's checkpointing finds its blocks as it finds the whole
+    model's (a block recomputes its forward in backward)."""
+    if plan.checkpointing.mode == "none":
+        return
+    from ..strategies.checkpointing import apply_checkpointing
+
+    for module in modules:
+        blocks = tuple(getattr(module, "block_names", ())) or plan.checkpointing.blocks
+        apply_checkpointing(module, dataclasses.replace(plan.checkpointing, blocks=blocks))
 
 
 def _autocast(plan: Plan, device: torch.device) -> Any:

@@ -163,9 +163,8 @@ class Prepared:
             raise RuntimeError("prepared.accumulate() blocks cannot be nested")
         self._open = True
         self._forwards = 0
-        before_forward = getattr(self.stepper, "before_forward", None)
-        if before_forward is not None:  # DDP's no_sync for every micro-batch but the last
-            before_forward(self.sync_gradients)
+        # DDP's no_sync for every micro-batch but the last (a no-op for other steppers).
+        self.stepper.before_forward(self.sync_gradients)
         try:
             yield self
         finally:
