@@ -50,7 +50,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     # "@group", through ``item._nodeid``; pytest 9 keeps node ids in ``item._id`` (a NodeId),
     # so that suffix is lost and every group's tests are spread over the workers (two
     # multi-process tests then fight for the two cores). Give such items the suffixed id here.
-    if not session.config.getvalue("loadgroup"):
+    if not session.config.getoption("loadgroup", default=None):
         return
     for item in session.items:
         groups = sorted({str(m.args[0]) for m in item.iter_markers("xdist_group") if m.args})
