@@ -188,3 +188,15 @@ def test_split_batch():
 
 def test_every_preset_is_documented():
     assert all(p.about for p in PRESETS.values())
+
+
+@pytest.mark.parametrize(
+    ("name", "billions"),
+    # The published parameter counts of the three models' config.json.
+    [("llama-3.1-8b", 8.030), ("qwen2.5-7b", 7.616), ("mistral-7b", 7.248)],
+)
+def test_the_fine_tuning_presets_have_the_published_sizes(name, billions):
+    workload = load_workload(name, 1, 16)
+    with torch.device("meta"):
+        model = workload.build_model()
+    assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(billions, abs=5e-4)
