@@ -402,6 +402,23 @@ class Plan:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
 
+    def over_processes(self, world_size: int) -> Plan:
+        """This plan for ``world_size`` processes: a plan for one process spreads its data
+        dimension over all of them (its ZeRO stage kept); a plan for that many is itself.
+
+        Raises:
+            PlanError: the plan is for another number of processes (one sentence, which a
+                command completes with its own flag).
+        """
+        data = self.parallel.data
+        if data == world_size:
+            return self
+        if data != 1:
+            raise PlanError(
+                f"the plan is for {data} processes but {world_size} were started"
+            )
+        return self.replace(parallel=dataclasses.replace(self.parallel, data=world_size))
+
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict[str, Any]:
         """Plain data: sub-configs become dicts, tuples lists, ``offload`` ``None`` when off,

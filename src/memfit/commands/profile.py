@@ -12,7 +12,6 @@ categories.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -22,7 +21,7 @@ import typer
 from ..console import check_outputs, err, fail, out, quiet_libraries
 from ..distributed.launch import init_worker
 from ..outputs import write_text
-from ..plan import Plan
+from ..plan import Plan, PlanError
 from ..units import format_bytes
 from ..workload import Workload
 from .checks import check_sizes, parse_cap, run_guarded
@@ -179,9 +178,9 @@ def _profile_ranks(
     if plan.parallel.tensor > 1 or plan.parallel.pipeline > 1:
         _profile_layout(workload, plan, world, json_path)
         return
-    if plan.parallel.data == 1:
-        plan = plan.replace(parallel=dataclasses.replace(plan.parallel, data=world))
-    elif plan.parallel.data != world:
+    try:
+        plan = plan.over_processes(world)
+    except PlanError:
         fail(f"the plan is for {plan.parallel.data} processes but --world-size is {world}")
     with err.status(f"dry-running {world} ranks of {workload.name}"):
         pred = run_guarded(predict_ranks, workload, plan, steps=max(steps, 3), device=target)
@@ -310,10 +309,7 @@ def profile_under_launcher(
 
     rank, world = init_worker()
     plan = plan or Plan()
-    if plan.parallel.data == 1:
-        plan = plan.replace(parallel=dataclasses.replace(plan.parallel, data=world))
-    elif plan.parallel.data != world:
-        raise ValueError(f"the plan is for {plan.parallel.data} processes but {world} were started")
+    plan = plan.over_processes(world)  # PlanError is a ValueError: the launcher's sentence
     report = measure(workload, plan, steps=max(steps, 3))
     mine = {
         "rank": rank,
