@@ -54,6 +54,14 @@ _Cap = Annotated[
     typer.Option("--cap", help="Virtual memory cap (e.g. 4GiB): fail like a GPU would."),
 ]
 _Top = Annotated[int, typer.Option("--top", help="Modules to list.")]
+_Snapshot = Annotated[
+    Path | None,
+    typer.Option(
+        "--snapshot",
+        help="Write the run's allocations as a PyTorch memory snapshot (a pickle that "
+        "https://pytorch.org/memory_viz opens), modelled for the target's caching allocator.",
+    ),
+]
 _Device = Annotated[
     str | None,
     typer.Option(
@@ -95,6 +103,7 @@ def profile(
     device: _Device = None,
     expert_load: _ExpertLoad = 1.0,
     world_size: _WorldSize = None,
+    snapshot: _Snapshot = None,
 ) -> None:
     """Measure where a training step's memory goes, by category, phase and module."""
     quiet_libraries()
@@ -102,7 +111,7 @@ def profile(
     from ..workload import load_workload
 
     check_sizes(batch_size, seq_len, steps)
-    check_outputs({"--json": json_path, "--plot": plot})
+    check_outputs({"--json": json_path, "--plot": plot, "--snapshot": snapshot})
     if top < 0:
         fail(f"--top must be a whole number >= 0, got {top}")
     cap_bytes = parse_cap(cap)
@@ -111,6 +120,8 @@ def profile(
     target = run_guarded(get_device, device)
     the_plan = run_guarded(Plan.load, plan) if plan is not None else None
     workload = run_guarded(load_workload, model, batch_size, seq_len)
+    if snapshot is not None and world_size is not None:
+        fail("--snapshot writes one process's timeline; leave out --world-size")
     if world_size is not None:
         _profile_ranks(workload, the_plan, world_size, dry_run, steps, target, json_path)
         return
@@ -133,11 +144,23 @@ def profile(
             device=target,
             progress=progress,
             expert_load=expert_load,
+            keep_trace=snapshot is not None,
         ),
     )
     _print_report(report)
     title = f"memfit profile: {workload.name}, batch {batch_size}, length {seq_len}"
     _write_report(report, json_path, plot, title)
+    if snapshot is not None:
+        _write_snapshot(report, snapshot)
+
+
+def _write_snapshot(report: Any, path: Path) -> None:
+    from ..accounting.snapshot import write_snapshot
+
+    if report.trace is None:
+        fail("this run kept no allocation trace, so --snapshot has nothing to write")
+    write_snapshot(report.trace, path)
+    out.print(f"wrote the memory snapshot to {path} (open it at https://pytorch.org/memory_viz)")
 
 
 def _write_report(report: Any, json_path: Path | None, plot: Path | None, title: str) -> None:
