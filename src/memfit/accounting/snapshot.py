@@ -1,6 +1,6 @@
 """A run's allocations as PyTorch's memory snapshot, for PyTorch's own memory viewer.
 
-``torch.cuda.memory._snapshot()`` returns the caching allocator's segments and, when memory
+PyTorch's ``memory._snapshot()`` returns the caching allocator's segments and, when memory
 history is recorded, every allocation, free and segment event with the Python frames that
 caused it; https://pytorch.org/memory_viz draws both (the "Active Memory Timeline" and the
 allocator state). :func:`memory_snapshot` builds the same structure from a tracker's
@@ -104,7 +104,7 @@ class _Recorder:
 def memory_snapshot(
     trace: AllocationTrace, config: AllocatorConfig | None = None, *, device: int = 0
 ) -> dict[str, Any]:
-    """A tracked run as ``torch.cuda.memory._snapshot()`` returns it.
+    """A tracked run as PyTorch's ``memory._snapshot()`` returns it.
 
     Args:
         trace: The allocation trace of a tracked or dry run (its device-tier records are
@@ -166,5 +166,5 @@ def memory_snapshot(
 def write_snapshot(trace: AllocationTrace, path: str | Path,
                    config: AllocatorConfig | None = None) -> None:
     """Pickle :func:`memory_snapshot` to ``path`` (what https://pytorch.org/memory_viz opens,
-    like the file of ``torch.cuda.memory._dump_snapshot``)."""
+    like the file of PyTorch's ``memory._dump_snapshot``)."""
     Path(path).write_bytes(pickle.dumps(memory_snapshot(trace, config)))
