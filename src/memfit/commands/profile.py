@@ -308,9 +308,17 @@ def _print_report(report: Any) -> None:
             f"on {target}: [bold]{format_bytes(report.peak_reserved_bytes or 0)}[/] reserved by "
             f"the caching allocator (model), + {format_bytes(report.overhead_bytes)} CUDA "
             f"context and workspaces = [bold]{format_bytes(report.device_total_bytes)}[/] "
-            "device total (what nvidia-smi shows)",
+            f"device total (what nvidia-smi shows){_band(meta, 'predicted_device_total_bytes')}",
             highlight=False,
         )
+
+
+def _band(meta: dict[str, Any], key: str) -> str:
+    """`` (-0.5% to +3.1%, measured on GPUs)``: a figure's error band, when it has one."""
+    band = (meta.get("error_band") or {}).get(key)
+    if not band or (band["low"] == 0 and band["high"] == 0):
+        return ""
+    return f" ({band['low']:+.1%} to {band['high']:+.1%}, as measured on GPUs)"
 
 
 def profile_under_launcher(
