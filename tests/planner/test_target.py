@@ -6,6 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from memfit.cli import app
+from memfit.estimate.target import upper_edge
 from memfit.planner import NothingFits, plan
 from memfit.targets import DEVICES
 from memfit.units import MiB
@@ -17,11 +18,15 @@ H100 = DEVICES["h100"]
 def test_gpu_plans_fit_the_device_total():
     workload = load_workload("gpt2-tiny", 8, 64)
     overhead = H100.context_bytes + H100.workspace_bytes
-    budget = overhead // MiB + 100  # the CUDA context (measured) and 100 MiB for the run
+    # The CUDA context (measured), 100 MiB for the run, and the error band's upper edge.
+    budget = upper_edge(overhead + 100 * MiB, True) // MiB
     result = plan(workload, f"{budget}MiB", device="h100")
     assert result.fits
     assert result.predicted_device_total_bytes == result.predicted_peak_reserved_bytes + overhead
-    assert result.predicted_device_total_bytes <= budget * MiB
+    upper = upper_edge(result.predicted_device_total_bytes, True)
+    assert result.predicted_device_total_upper_bytes == upper <= budget * MiB
+    band = result.to_dict()["error_band"]["predicted_device_total_bytes"]
+    assert band["high"] == pytest.approx(upper / result.predicted_device_total_bytes - 1, abs=1e-3)
     # Segments are at least 2 MiB: reserved bytes exceed this small model's tensor peak.
     assert result.predicted_peak_reserved_bytes > result.predicted_peak_bytes
     assert "CUDA context" in result.explanation

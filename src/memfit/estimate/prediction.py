@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .target import upper_edge
+
 __all__ = ["Prediction"]
 
 
@@ -64,6 +66,13 @@ class Prediction:
     def device_total_bytes(self) -> int:
         """What the device holds at the peak: reserved bytes plus the fixed overhead."""
         return max(self.reserved_bytes, self.peak_bytes) + self.overhead_bytes
+
+    @property
+    def upper_device_total_bytes(self) -> int:
+        """The device total's error band's upper edge (on a GPU target: the device total plus
+        what the GPU harness saw real runs exceed predictions by; on the CPU the device total,
+        since dry runs are exact there). What a budget must hold."""
+        return upper_edge(self.device_total_bytes, self.overhead_bytes > 0)
 
     @property
     def ranks(self) -> list[int]:

@@ -92,6 +92,16 @@ def error_band(values: dict[str, int], target: DeviceProfile) -> dict[str, dict[
     return band
 
 
+def upper_edge(total_bytes: int, target_is_cuda: bool) -> int:
+    """The most a GPU may hold when ``total_bytes`` is predicted: the error band's upper edge
+    (:data:`UNDER`'s device-total term); on the CPU the prediction itself (dry runs are
+    exact there). What the planner fits into a budget."""
+    if not target_is_cuda:
+        return total_bytes
+    relative, absolute = UNDER["predicted_device_total_bytes"]
+    return int(total_bytes * (1 + relative)) + absolute
+
+
 def add_device_memory(report: MemoryReport, tracker: Any, target: DeviceProfile) -> None:
     """Fill ``report``'s device fields for ``target`` from ``tracker``'s allocation trace,
     with their error band (:func:`error_band`)."""

@@ -146,13 +146,15 @@ def nothing_fits_message(result: PlanResult, allow: Sequence[str], target: Devic
         if missing
         else "a smaller batch or sequence"
     )
-    need = result.predicted_device_total_bytes or result.predicted_peak_bytes
+    total = result.predicted_device_total_bytes or result.predicted_peak_bytes
+    need = result.predicted_device_total_upper_bytes or total
     what = (
-        f"the smallest device total reachable on {target.name} is {format_bytes(need)} "
+        f"the smallest device total reachable on {target.name} is {format_bytes(total)} "
         f"({format_bytes(result.predicted_peak_bytes)} of tensors; the caching allocator's "
-        "reserve and the CUDA context included)"
+        "reserve and the CUDA context included; up to "
+        f"{format_bytes(need)} at the upper edge of its error band)"
         if target.is_cuda
-        else f"the smallest peak reachable is {format_bytes(need)}"
+        else f"the smallest peak reachable is {format_bytes(total)}"
     )
     return (
         f"Nothing fits in {format_bytes(result.budget_bytes)}: {what}, with "

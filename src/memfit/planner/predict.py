@@ -25,11 +25,13 @@ __all__ = ["confirm", "fits", "predict", "probe", "record"]
 def fits(prediction: Prediction, budget_bytes: int, host_budget: int | None = None) -> bool:
     """Whether ``prediction`` fits ``budget_bytes``: the planner's one budget check.
 
-    What must fit is what the target device holds (:attr:`Prediction.device_total_bytes`): on a
-    GPU the caching allocator's reserved peak plus the CUDA context and workspaces; on the CPU
-    the tensors' peak. With a ``host_budget``, the host tier's peak (offload) must fit it too.
+    What must fit is what the target device holds, at the upper edge of its error band
+    (:attr:`Prediction.upper_device_total_bytes`): on a GPU the caching allocator's reserved
+    peak plus the CUDA context and workspaces, plus what real runs exceeded predictions by on
+    the GPU harness; on the CPU the tensors' peak, exact. With a ``host_budget``, the host
+    tier's peak (offload) must fit it too.
     """
-    if prediction.device_total_bytes > budget_bytes:
+    if prediction.upper_device_total_bytes > budget_bytes:
         return False
     return host_budget is None or prediction.host_bytes <= host_budget
 

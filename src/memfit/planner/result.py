@@ -102,6 +102,10 @@ class PlanResult:
             what was fitted into the budget.
         predicted_host_bytes: Predicted host-tier peak (offload's masters, state, gradients,
             activations).
+        predicted_device_total_upper_bytes: The device total's error band's upper edge: what
+            was fitted into the budget (the device total itself on the CPU).
+        error_band: Each predicted figure's relative error band
+            (:func:`~memfit.estimate.target.error_band`), keyed by its JSON name.
         rank_peak_bytes: For a plan over several processes: each rank's predicted peak, in
             rank order (``predicted_peak_bytes`` is then the largest).
         layout: For a 3-D plan (:mod:`memfit.planner.layout`): the predicted step time, its
@@ -122,6 +126,8 @@ class PlanResult:
     predicted_peak_reserved_bytes: int = 0
     predicted_device_total_bytes: int = 0
     predicted_host_bytes: int = 0
+    predicted_device_total_upper_bytes: int = 0
+    error_band: dict[str, dict[str, float]] | None = None
     rank_peak_bytes: list[int] | None = None
     layout: dict[str, Any] | None = None
 
@@ -160,6 +166,8 @@ class PlanResult:
             "predicted_peak_reserved_bytes": self.predicted_peak_reserved_bytes,
             "predicted_device_total_bytes": self.predicted_device_total_bytes,
             "predicted_host_bytes": self.predicted_host_bytes,
+            "predicted_device_total_upper_bytes": self.predicted_device_total_upper_bytes,
+            **({"error_band": self.error_band} if self.error_band is not None else {}),
             "predicted_step_time_ratio": self.predicted_step_time_ratio,
             "candidates": [c.to_dict() for c in self.candidates],
             "explanation": self.explanation,

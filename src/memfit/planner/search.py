@@ -50,6 +50,7 @@ import torch
 
 from ..estimate.compose import StoppedOver, block_pattern, composes, shallow_report
 from ..estimate.dryrun import cancel_when, raise_if_cancelled
+from ..estimate.target import error_band, upper_edge
 from ..optim.registry import get as optimizer_spec
 from ..plan import Plan
 from ..targets import DeviceProfile
@@ -549,6 +550,29 @@ def _result(
         predicted_peak_reserved_bytes=int(chosen.reserved_bytes or 0),
         predicted_device_total_bytes=int(chosen.device_total_bytes or 0),
         predicted_host_bytes=int(chosen.host_bytes or 0),
+        **_band(chosen, target),
     )
+
+
+def _band(chosen: Candidate, target: DeviceProfile) -> dict[str, Any]:
+    """The chosen prediction's upper device total and its figures' error band."""
+    total = int(chosen.device_total_bytes or 0)
+    reserved = int(chosen.reserved_bytes or 0)
+    band = error_band(
+        {
+            "peak_allocated_bytes": int(chosen.peak_bytes or 0),
+            "peak_reserved_bytes": reserved,
+            "predicted_device_total_bytes": total,
+        },
+        target,
+    )
+    return {
+        "predicted_device_total_upper_bytes": upper_edge(total, target.is_cuda),
+        "error_band": {
+            "predicted_peak_bytes": band["peak_allocated_bytes"],
+            "predicted_peak_reserved_bytes": band["peak_reserved_bytes"],
+            "predicted_device_total_bytes": band["predicted_device_total_bytes"],
+        },
+    }
 
 
