@@ -31,6 +31,7 @@ from .strategies import (
     fused_step,
     grad_buffer,
     kv_cache,
+    lora,
     loss_scaling,
     optimizer_offload,
     parameter_offload,
@@ -40,6 +41,7 @@ from .strategies import (
 from .strategies.checkpointing import CheckpointConfig
 from .strategies.compiling import COMPILE_BACKENDS
 from .strategies.fused_loss import FusedLossConfig
+from .strategies.lora import LoraConfig
 from .strategies.offload import OffloadConfig
 from .strategies.precision import PrecisionConfig
 from .strategies.sequence import SequenceConfig
@@ -59,6 +61,7 @@ __all__ = ["BUILTIN_TECHNIQUES", "COMPILE_BACKENDS", "Plan", "PlanError"]
 #: configs meet): adding a technique is its module plus one line here.
 BUILTIN_TECHNIQUES: tuple[Technique, ...] = (
     kv_cache.TECHNIQUE,
+    lora.TECHNIQUE,
     freezing.TECHNIQUE,
     fused_pointwise.TECHNIQUE,
     fused_loss.TECHNIQUE,
@@ -155,6 +158,10 @@ class Plan:
             gradient as soon as it is ready.
         parallel: Data, tensor and pipeline parallelism and ZeRO (see
             :class:`~memfit.distributed.config.ParallelConfig`).
+        lora: Low-rank adapters on a frozen base, LoRA or (``quantize_base: nf4``) QLoRA
+            (see :class:`~memfit.strategies.lora.LoraConfig`; needs ``memfit[peft]``):
+            the base keeps no gradient and no optimizer state, the adapters are small.
+            ``None``: off (and left out of the plan's JSON).
         extra: The configs of techniques registered with :func:`memfit.techniques.register`
             (a mapping of technique name to its config, or to a mapping of the config's
             fields); what each costs is its own docstring's. Stored as sorted
@@ -179,6 +186,7 @@ class Plan:
     compile: bool | str = False
     grad_buffer: bool = False
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoraConfig | None = None
     extra: Any = ()
 
     def __post_init__(self) -> None:
@@ -425,6 +433,8 @@ class Plan:
         ``extra`` (users' techniques) only when not empty."""
         data = _plain(dataclasses.asdict(self))
         extra = data.pop("extra")
+        if data["lora"] is None:
+            del data["lora"]  # off: plans without adapters keep the JSON they had
         if extra:
             data["extra"] = {name: config for name, config in extra}
         return data
@@ -513,6 +523,8 @@ class Plan:
             parts.append("optimizer step in backward")
         if self.max_grad_norm is not None:
             parts.append(f"clip {self.max_grad_norm} ({self.grad_clip_mode})")
+        if self.lora is not None:
+            parts.append(self.lora.summary())
         if self.freeze:
             parts.append("freeze " + ",".join(self.freeze))
         if self.max_seq_len is not None:

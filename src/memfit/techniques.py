@@ -55,6 +55,7 @@ ENGINES: tuple[str, ...] = ("single", "data", "layout", "hf", "lightning")
 #: transform, before compile, data parallelism and the optimizer).
 BUILTIN_ORDER: dict[str, int] = {
     "kv_cache_off": 0,
+    "lora": 5,
     "freeze": 10,
     "fused_pointwise": 20,
     "fused_loss": 30,

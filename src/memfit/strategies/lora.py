@@ -1,0 +1,484 @@
+"""LoRA and QLoRA: train low-rank adapters beside a frozen (optionally 4-bit) base.
+
+LoRA (Hu et al., 2021) freezes every weight of the model and adds, beside each targeted linear
+layer ``W`` (``out x in``), two small matrices ``A`` (``r x in``) and ``B`` (``out x r``) whose
+product, scaled by ``alpha / r``, is added to the layer's output. ``B`` starts at zero, so the
+model's output at the start equals the base model's. Only ``A`` and ``B`` train: the base has no
+gradient and no optimizer state, so under AdamW a base weight costs its 4 bytes (2 in half
+precision) instead of 16, and the adapters cost ``r x (in + out)`` parameters per layer times
+(weight + gradient + optimizer state) bytes. Backward still runs through every layer (the
+activations' gradients) but computes no weight gradient of the base: about a third of the
+backward's matmuls less.
+
+The adapters are ``peft``'s (a maintained library, the optional extra ``memfit[peft]``): its
+``LoraModel`` injects them into the model in place, so the model object that
+:func:`memfit.apply_plan` was given stays the one trained, and its
+:meth:`LoraHandle.remove` unloads them (the base layers go back, the adapters are dropped,
+nothing is merged). DoRA (``use_dora``) is peft's too.
+
+QLoRA (Dettmers et al., 2023; ``quantize_base="nf4"``) also stores each targeted layer's frozen
+weight as 4-bit NormalFloat, 64 weights per block, with the blocks' scales quantised again to
+8 bits (double quantisation, 256 scales per block of scales): 0.5 bytes per weight plus about
+1/64 byte of scales, where bf16 takes 2. Each forward and backward dequantises one layer's
+weight at a time (a temporary of the layer's size in the compute dtype). The implementation is
+torchao's ``NF4Tensor``, not bitsandbytes': it is a tensor subclass made of ordinary tensors
+whose operations are plain ATen ops, so it quantises, trains and dequantises on CPU (CI has no
+GPU), and it runs unchanged under ``FakeTensorMode``, so a dry run of a QLoRA model is exact to
+the byte like any other (bitsandbytes' ``Params4bit`` calls its own kernels, which fake tensors
+cannot run). On CUDA the same code runs torchao's dequantisation on the GPU.
+
+Under a mixed-precision plan (``bf16-mixed``, ``fp16-mixed``), the frozen base is stored in the
+half dtype: it never updates, so the fp32 master weights mixed precision keeps for the updates
+would only cost memory (2 bytes per base weight less); its matmuls run in the half dtype under
+autocast anyway. The adapters stay fp32 (they train). Under ``bf16-pure`` the precision
+technique casts everything, adapters included; under ``fp32`` nothing is cast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..techniques import BUILTIN_ORDER, ApplyContext, Technique
+
+__all__ = [
+    "ADAPTER_NAME",
+    "NF4_BLOCK",
+    "NF4_SCALER_BLOCK",
+    "LoraConfig",
+    "LoraHandle",
+    "apply_lora",
+    "find_lora",
+    "linear_names",
+    "resolve_targets",
+    "save_adapter",
+]
+
+#: The adapter's name inside peft (peft's own default, so ``PeftModel.from_pretrained`` of a
+#: saved adapter finds it under the name it expects).
+ADAPTER_NAME = "default"
+#: Weights per NF4 block (one 8-bit scale each): QLoRA's.
+NF4_BLOCK = 64
+#: Block scales per block of the double quantisation (one fp32 factor each): QLoRA's.
+NF4_SCALER_BLOCK = 256
+_QUANTIZE = ("nf4",)
+_SHOWN = 12  # linear layers listed in an error message
+#: Words that mark a module as part of attention, for ``target_modules="attention"``.
+_ATTENTION_WORDS = ("attn", "attention")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters on a frozen base (see :mod:`memfit.strategies.lora`).
+
+    Attributes:
+        rank: The adapters' rank ``r``. Memory: ``r x (in + out)`` adapter parameters per
+            targeted layer, each with its gradient and optimizer state (16 bytes under fp32
+            AdamW); time: two thin matmuls per targeted layer, small beside the layer's own.
+        alpha: Scale of the adapters' output (``alpha / rank``). No memory or time cost.
+        dropout: Dropout on the adapters' input (0: none). Memory: one mask (a bool per input
+            element) per targeted layer kept for backward while it is above 0; no extra time
+            worth counting.
+        target_modules: Which linear layers get adapters: ``"all-linear"`` (every linear
+            layer but the output head), ``"attention"`` (the linear layers inside attention
+            modules: q, k, v and o), or names: a layer's own name (``q_proj``), a qualified
+            name, or an ``fnmatch`` pattern over qualified names. More layers: more adapter
+            parameters and, under QLoRA, more of the base in 4 bits.
+        use_dora: Weight-decomposed adapters (DoRA, peft's): one magnitude vector per layer
+            more, and each forward computes the adapted weight's column norms (a temporary of
+            the layer's weight size: more time and memory than LoRA).
+        quantize_base: ``"nf4"`` stores each targeted layer's frozen weight in 4-bit NF4 with
+            double-quantised scales (QLoRA): 0.5 bytes per weight plus about 1/64 byte of
+            scales, instead of 2 (bf16) or 4 (fp32); each forward and backward dequantises one
+            layer at a time. ``None``: the base stays in its dtype.
+    """
+
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: str | tuple[str, ...] = "all-linear"
+    use_dora: bool = False
+    quantize_base: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.target_modules, list):
+            object.__setattr__(self, "target_modules", tuple(self.target_modules))
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"lora rank must be a whole number >= 1, got {self.rank!r}")
+        if not isinstance(self.alpha, (int, float)) or not self.alpha > 0:
+            raise ValueError(f"lora alpha must be a number > 0, got {self.alpha!r}")
+        if not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+            raise ValueError(f"lora dropout must be in [0, 1), got {self.dropout!r}")
+        t = self.target_modules
+        if not (isinstance(t, str) and t) and not (
+            isinstance(t, tuple) and t and all(isinstance(n, str) and n for n in t)
+        ):
+            raise ValueError(
+                "lora target_modules must be 'all-linear', 'attention' or a list of module "
+                f"names, got {t!r}"
+            )
+        if not isinstance(self.use_dora, bool):
+            raise ValueError(f"lora use_dora must be true or false, got {self.use_dora!r}")
+        if self.quantize_base is not None and self.quantize_base not in _QUANTIZE:
+            raise ValueError(
+                f"lora quantize_base {self.quantize_base!r} is not known; use 'nf4' (QLoRA) or "
+                "null (the base stays in its dtype)"
+            )
+
+    def targets(self) -> tuple[str, ...]:
+        """``target_modules`` as a tuple of specs."""
+        t = self.target_modules
+        return (t,) if isinstance(t, str) else t
+
+    def summary(self) -> str:
+        """How a plan's one-line summary names this config."""
+        name = "QLoRA (nf4)" if self.quantize_base else "LoRA"
+        targets = ",".join(self.targets())
+        return f"{name} r{self.rank} on {targets}" + (" (DoRA)" if self.use_dora else "")
+
+
+def _peft() -> Any:
+    try:
+        import peft
+    except ImportError:
+        raise ImportError(
+            "LoRA needs the peft library, which is not installed; install memfit's extra: "
+            "pip install 'memfit[peft]'"
+        ) from None
+    return peft
+
+
+def _nf4() -> Any:
+    try:
+        from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
+    except ImportError:
+        raise ImportError(
+            "QLoRA (quantize_base 'nf4') needs torchao's NF4 tensor, which is not installed; "
+            "install memfit's extra: pip install 'memfit[peft]' (it brings torchao)"
+        ) from None
+    return nf4_tensor
+
+
+# ---------------------------------------------------------------------------- targets
+def linear_names(model: nn.Module) -> list[str]:
+    """Qualified names of ``model``'s linear layers, in model order."""
+    return [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
+def _head_names(model: nn.Module) -> set[str]:
+    """The output head's module names (``all-linear`` leaves it alone, as peft does): the
+    module of ``get_output_embeddings()``, or one named ``lm_head``."""
+    head = None
+    getter = getattr(model, "get_output_embeddings", None)
+    if callable(getter):
+        try:
+            head = getter()
+        except (AttributeError, NotImplementedError):
+            head = None
+    return {
+        name
+        for name, m in model.named_modules()
+        if (head is not None and m is head) or name.rpartition(".")[2] == "lm_head"
+    }
+
+
+def resolve_targets(model: nn.Module, config: LoraConfig) -> list[str]:
+    """The qualified names of the linear layers ``config`` puts adapters on.
+
+    Raises:
+        ValueError: when a spec matches no linear layer, naming the model's linear layers.
+    """
+    linears = linear_names(model)
+    head = _head_names(model)
+    chosen: set[str] = set()
+    for spec in config.targets():
+        if spec == "all-linear":
+            found = {n for n in linears if n not in head}
+        elif spec == "attention":
+            found = {
+                n
+                for n in linears
+                if any(w in part.lower() for part in n.split(".")[:-1] for w in _ATTENTION_WORDS)
+            }
+        else:
+            found = {
+                n
+                for n in linears
+                if n == spec
+                or n.rpartition(".")[2] == spec
+                or fnmatch.fnmatchcase(n, spec)
+            }
+        if not found:
+            raise ValueError(_nothing_matched(spec, model, linears))
+        chosen |= found
+    return [n for n in linears if n in chosen]
+
+
+def _nothing_matched(spec: str, model: nn.Module, linears: list[str]) -> str:
+    own = list(dict.fromkeys(n.rpartition(".")[2] for n in linears))
+    shown = ", ".join(own[:_SHOWN]) + (f", ... ({len(own)} names in all)" if len(own) > _SHOWN else "")
+    if not linears:
+        return (
+            f"lora target_modules {spec!r}: {type(model).__name__} has no linear layer "
+            "(nn.Linear) to put adapters on"
+        )
+    return (
+        f"lora target_modules {spec!r} matches no linear layer of {type(model).__name__}; its "
+        f"linear layers are named {shown} (e.g. {linears[0]}); use 'all-linear', 'attention', "
+        "or some of those names"
+    )
+
+
+# ---------------------------------------------------------------------------- apply
+class LoraHandle:
+    """What :func:`apply_lora` did to a model, and how to undo it.
+
+    Attributes:
+        targets: The qualified names of the layers that got adapters.
+        config: The config applied.
+        tuner: peft's ``LoraModel`` that injected the adapters (it wraps the model; the model
+            itself is the one trained).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: LoraConfig,
+        targets: list[str],
+        tuner: Any,
+        requires_grad: list[tuple[nn.Parameter, bool]],
+        dtypes: dict[str, torch.dtype],
+    ) -> None:
+        self.model, self.config, self.targets, self.tuner = model, config, targets, tuner
+        self._requires_grad = requires_grad  # every base parameter's flag before
+        self._dtypes = dtypes  # qualified name -> dtype before, for those cast or quantised
+        self.removed = False
+
+    def adapter_parameters(self) -> list[nn.Parameter]:
+        """The adapters' parameters (what trains)."""
+        return [p for n, p in self.model.named_parameters() if "lora_" in n]
+
+    def remove(self) -> None:
+        """Unload the adapters (dropped, not merged) and give the base back its weights'
+        dtypes and ``requires_grad``. A quantised weight comes back dequantised (its 4-bit
+        rounding stays: the original values were not kept, as keeping them would cost what
+        quantising saved). Idempotent."""
+        if self.removed:
+            return
+        self.removed = True
+        nf4 = _nf4() if self.config.quantize_base else None
+        if nf4 is not None:
+            for name in self.targets:
+                layer = self.model.get_submodule(name).base_layer
+                w = layer.weight
+                if isinstance(w, nf4.NF4Tensor):
+                    layer.weight = nn.Parameter(w.get_original_weight(), requires_grad=False)
+        self.tuner.unload()  # the base layers back in place of peft's LoRA layers
+        if hasattr(self.model, "peft_config"):
+            del self.model.peft_config
+        params = dict(self.model.named_parameters())
+        for name, dtype in self._dtypes.items():
+            p = params.get(name)
+            if p is not None and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+        for p, flag in self._requires_grad:
+            p.requires_grad_(flag)
+
+    def __repr__(self) -> str:
+        return f"LoraHandle({len(self.targets)} layers, {self.config.summary()})"
+
+
+def apply_lora(
+    model: nn.Module, config: LoraConfig, *, base_dtype: torch.dtype | None = None
+) -> LoraHandle:
+    """Put ``config``'s adapters on ``model`` in place and freeze everything else.
+
+    Args:
+        model: The model; changed in place (:meth:`LoraHandle.remove` undoes it).
+        config: The adapters.
+        base_dtype: Store the frozen base in this dtype (the half dtype of a mixed-precision
+            plan; ``None``: leave it). The adapters keep the dtype the model had.
+
+    Returns:
+        The :class:`LoraHandle`.
+
+    Raises:
+        ValueError: when ``target_modules`` matches no linear layer.
+        ImportError: when peft (or, for QLoRA, torchao) is not installed, naming the extra.
+    """
+    peft = _peft()
+    nf4 = _nf4() if config.quantize_base else None
+    targets = resolve_targets(model, config)
+    before = [(p, p.requires_grad) for p in model.parameters()]
+    base_names = [n for n, _ in model.named_parameters()]
+    dtypes: dict[str, torch.dtype] = {}
+    peft_config = peft.LoraConfig(
+        r=config.rank,
+        lora_alpha=config.alpha,
+        lora_dropout=config.dropout,
+        target_modules=targets,
+        use_dora=config.use_dora,
+        bias="none",
+    )
+    # LoraModel injects into ``model`` itself (its ``model`` attribute is ours) and freezes
+    # everything but the adapters.
+    tuner = peft.tuners.lora.LoraModel(model, peft_config, ADAPTER_NAME)
+    params = dict(model.named_parameters())
+    for name in base_names:
+        # peft renames a targeted layer's weight to ``<layer>.base_layer.weight``.
+        key = name if name in params else _based(name, targets)
+        p = params[key]
+        p.grad = None  # frozen means no gradient (a stale one would hold its memory)
+        if base_dtype is not None and p.is_floating_point() and p.dtype != base_dtype:
+            dtypes[key] = p.dtype
+            p.data = p.data.to(base_dtype)
+    if nf4 is not None:
+        for name in targets:
+            layer = model.get_submodule(name).base_layer
+            w = layer.weight
+            if w.numel() % NF4_BLOCK:
+                continue  # cannot be cut into blocks: stays in its dtype (counted so)
+            dtypes.setdefault(f"{name}.base_layer.weight", w.dtype)
+            n_blocks = w.numel() // NF4_BLOCK
+            # torchao needs the scales to fill whole blocks of the double quantisation: the
+            # largest block of at most 256 scales that divides them (a tiny layer's fewer).
+            scaler = math.gcd(n_blocks, NF4_SCALER_BLOCK)
+            q = nf4.to_nf4(w.detach().contiguous(), NF4_BLOCK, scaler)
+            layer.weight = nn.Parameter(q, requires_grad=False)
+    return LoraHandle(model, config, targets, tuner, before, dtypes)
+
+
+def _based(name: str, targets: list[str]) -> str:
+    layer, _, leaf = name.rpartition(".")
+    if layer in targets:
+        return f"{layer}.base_layer.{leaf}"
+    raise KeyError(name)
+
+
+def find_lora(model: nn.Module) -> bool:
+    """Whether ``model`` carries memfit's (peft's) LoRA adapters."""
+    return isinstance(getattr(model, "peft_config", None), dict) and any(
+        "lora_" in n for n, _ in model.named_parameters()
+    )
+
+
+def save_adapter(model: nn.Module, directory: str | Path) -> Path:
+    """Save ``model``'s adapters in peft's own format: ``adapter_model.safetensors`` and
+    ``adapter_config.json`` in ``directory``, loadable by ``PeftModel.from_pretrained(base,
+    directory)`` over the same base model.
+
+    Returns:
+        The directory.
+    """
+    peft = _peft()
+    from safetensors.torch import save_file
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    config = model.peft_config[ADAPTER_NAME]
+    state = peft.get_peft_model_state_dict(model, adapter_name=ADAPTER_NAME)
+    # PeftModel's state-dict keys start with its own prefix (it wraps a LoraModel that wraps
+    # the model); ours come from the model itself.
+    state = {
+        f"base_model.model.{k}": v.detach().to("cpu").contiguous() for k, v in state.items()
+    }
+    save_file(state, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    name = getattr(getattr(model, "config", None), "_name_or_path", None)
+    config = dataclasses.replace(config, base_model_name_or_path=name or None)
+    config.save_pretrained(str(out))
+    return out
+
+
+# ---------------------------------------------------------------------------- technique
+_HALF = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+
+
+def _apply_technique(model: nn.Module, ctx: ApplyContext) -> LoraHandle:
+    config: LoraConfig = ctx.plan.lora
+    handle = apply_lora(model, config, base_dtype=_HALF.get(ctx.plan.precision.mode))
+    ctx.info["lora"] = handle.targets
+    return handle
+
+
+def _refusal(plan: Any, engine: str) -> str | None:
+    if engine in ("data", "layout") and plan.lora.quantize_base:
+        return (
+            "QLoRA's 4-bit base cannot be sharded or broadcast by the data-parallel engines "
+            "yet; use one process, or LoRA without quantize_base"
+        )
+    return None
+
+
+def _memory_rank(config: LoraConfig | None) -> float:
+    """Off saves nothing; adapters on attention only keep fewer adapter parameters than on
+    every linear layer; a 4-bit base saves more than either."""
+    if config is None:
+        return 0.0
+    return 1.0 + (2.0 if config.quantize_base else 0.0) + (
+        1.0 if config.targets() == ("attention",) else 0.0
+    )
+
+
+def _parse(value: Any) -> LoraConfig | None:
+    """``Plan.lora``'s canonical config: ``None``/``false`` off, ``true`` the defaults, a
+    mapping of :class:`LoraConfig`'s fields (lists become tuples)."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return LoraConfig()
+    if isinstance(value, LoraConfig):
+        return value
+    if isinstance(value, dict):
+        names = {f.name for f in dataclasses.fields(LoraConfig)}
+        unknown = [k for k in value if k not in names]
+        if unknown:
+            raise ValueError(
+                f"LoraConfig has no field {unknown[0]!r}; its fields are {', '.join(sorted(names))}"
+            )
+        fields = {k: tuple(v) if isinstance(v, list) else v for k, v in value.items()}
+        return LoraConfig(**fields)
+    raise ValueError(
+        f"lora must be true, false, null or a mapping of its fields (rank, alpha, dropout, "
+        f"target_modules, use_dora, quantize_base), got {value!r}"
+    )
+
+
+def _check(plan: Any) -> None:
+    """LoRA's rules against the plan's other techniques."""
+    lora, off = plan.lora, plan.offload
+    if lora is not None and lora.quantize_base and off is not None and off.parameters is not None:
+        raise ValueError(
+            "parameter offload cannot stream QLoRA's 4-bit base (its blocks are copied as "
+            "plain tensors); offload the optimizer or activations only, or set lora "
+            "quantize_base null"
+        )
+
+
+#: LoRA decides what trains, so it applies before everything that looks at the trainable set
+#: (freezing, precision's optimizer wrappers, the gradient buffer, the optimizer) and before
+#: checkpointing wraps the blocks that hold the layers it replaces.
+TECHNIQUE = Technique(
+    name="lora",
+    plan_field="lora",
+    order=BUILTIN_ORDER["lora"],
+    is_on=lambda plan: plan.lora is not None,
+    apply=_apply_technique,
+    info_key="lora",
+    engines=frozenset({"single", "data", "hf", "lightning"}),
+    refusal=_refusal,
+    allow={
+        "lora": "train low-rank adapters (LoRA) on a frozen base instead of every weight",
+        "qlora": "train low-rank adapters on a 4-bit NF4 base (QLoRA)",
+    },
+    memory_rank=_memory_rank,
+    summary=lambda config: config.summary(),
+    parse=_parse,
+    check=_check,
+)
