@@ -95,6 +95,7 @@ def plan(
     host_budget: int | str | None = None,
     disk_dir: str | None = None,
     jobs: int = 2,
+    lora_rank: int | None = None,
 ) -> PlanResult:
     """Find the fastest plan whose peak fits ``budget``: :func:`memfit.planner.plan`, whose
     parameters these are (written out here so that ``import memfit`` does not load the
@@ -124,6 +125,7 @@ def plan(
         host_budget=host_budget,
         disk_dir=disk_dir,
         jobs=jobs,
+        lora_rank=lora_rank,
     )
 
 

@@ -42,7 +42,7 @@ _Allow = Annotated[
     typer.Option(
         "--allow",
         help="Comma-separated techniques that change training or need host memory: freeze, "
-        "shorter-seq, 8bit, factored, bf16-pure, offload.",
+        "shorter-seq, 8bit, factored, bf16-pure, offload, lora, qlora.",
     ),
 ]
 _Forbid = Annotated[
@@ -102,6 +102,14 @@ _Emit = Annotated[
         "the code for the Hugging Face Trainer).",
     ),
 ]
+_LoraRank = Annotated[
+    int | None,
+    typer.Option(
+        "--lora-rank",
+        help="With --allow lora or qlora: the adapters' rank (default 16; it changes what "
+        "is trained, so it is yours to choose, not searched).",
+    ),
+]
 _WorldSize = Annotated[
     int | None,
     typer.Option(
@@ -138,6 +146,7 @@ def plan_command(
     emit: _Emit = None,
     world_size: _WorldSize = None,
     gpus_per_node: _GpusPerNode = None,
+    lora_rank: _LoraRank = None,
 ) -> None:
     """Find the fastest plan whose peak memory fits a budget."""
     # Nothing is left to finish once the answer is printed: the process then exits without
@@ -170,6 +179,7 @@ def plan_command(
         world_size=world_size,
         gpus_per_node=gpus_per_node,
         jobs=jobs,
+        lora_rank=lora_rank,
     )
     _print_answer(result)
     _write_answer(result, json_path, save, emit)

@@ -20,6 +20,10 @@ the user's plan, whatever it is); it is computed from what the option keeps:
   (:func:`state_bytes_per_parameter`);
 * the fused step (only without accumulation, where it frees the gradients), ``foreach`` off;
 * freezing: the share of parameters that still train, measured on fake tensors;
+* LoRA (``--allow lora``, ``--allow qlora``): off, adapters on attention only or on every
+  linear layer, each over a 4-bit base with ``qlora``; the rank is the user's
+  (``lora_rank``), the rest is searched. Ranked by :data:`memfit.strategies.lora.TECHNIQUE`'s
+  ``memory_rank`` (a 4-bit base saves most, then fewer adapted layers);
 * the fused loss: on keeps no logits (one chunk of them), off keeps them all. It is on by
   default in the search (it changes no numerics beyond rounding) for a model it applies to
   (:func:`fused_loss_applies`), and costs one more head matmul in backward, so the search
@@ -38,6 +42,8 @@ from ..optim import registry as optim_registry
 from ..optim.config import OptimizerConfig
 from ..plan import Plan
 from ..strategies.fused_loss import FusedLossConfig
+from ..strategies.lora import TECHNIQUE as _LORA
+from ..strategies.lora import LoraConfig
 from ..strategies.offload import OffloadConfig
 from ..techniques import allow_names as _allow_names
 from ..techniques import forbid_names as _forbid_names
@@ -99,6 +105,7 @@ RANK_DIMENSIONS: tuple[str, ...] = (
     "offload_optimizer",
     "offload_activations",
     "offload_parameters",
+    "lora",
 )
 # After these, one dimension per user's technique in the search (memfit.techniques.register),
 # in name order: its ``memory_rank`` per config, off ranking 0.
@@ -212,6 +219,7 @@ class Space:
     offloads: tuple[OffloadConfig | None, ...] = (None,)
     pure_allowed: bool = False  # bf16-pure on its own (not only beside host masters)
     extras: tuple[tuple[tuple[str, Any], ...], ...] = ((),)  # users' techniques' configs
+    loras: tuple[LoraConfig | None, ...] = (None,)
 
 
 def options(
@@ -223,13 +231,15 @@ def options(
     freezes: Sequence[tuple[str, ...]] | None = None,
     *,
     disk_dir: str | None = None,
+    lora_rank: int = 16,
 ) -> Space:
     """The options of every dimension, from ``base`` and the allowed and forbidden names.
 
     ``freezes`` are the freezing choices that apply to the model (default: the base plan's,
     plus the embeddings and the body when ``freeze`` is allowed). The fused loss is added to
     the base's choice unless ``fused-loss`` is forbidden or the model cannot take it
-    (:func:`fused_loss_applies`, a build on fake tensors).
+    (:func:`fused_loss_applies`, a build on fake tensors). LoRA's candidates, when allowed,
+    have rank ``lora_rank`` (:func:`lora_options`).
     """
     batch = workload.batch_size
     micros = micro_batches(batch) if "accumulation" not in forbid else [base.micro_batch_for(batch)]
@@ -280,7 +290,26 @@ def options(
         offloads=_unique(offloads, key=_offload_key),
         pure_allowed="bf16-pure" in allow,
         extras=extra_options(workload, base, allow, forbid),
+        loras=lora_options(base, allow, lora_rank),
     )
+
+
+def lora_options(base: Plan, allow: Sequence[str], rank: int = 16) -> tuple[LoraConfig | None, ...]:
+    """LoRA's choices: the base plan's, then (when allowed) adapters of rank ``rank`` on
+    every linear layer and on attention only, over the base's dtype (``lora``) and over a
+    4-bit base (``qlora``). Alpha, dropout and DoRA are the base plan's when it has LoRA on.
+    The rank is the user's: it changes what is trained, not only memory."""
+    out: list[LoraConfig | None] = [base.lora]
+    template = base.lora or LoraConfig(rank=rank)
+    kinds = [q for name, q in (("lora", None), ("qlora", "nf4")) if name in allow]
+    for quantize in kinds:
+        for targets in ("all-linear", "attention"):
+            out.append(
+                dataclasses.replace(
+                    template, rank=rank, target_modules=targets, quantize_base=quantize
+                )
+            )
+    return _unique(out)
 
 
 def extra_options(
@@ -384,6 +413,7 @@ class _Ranks:
     act_off: dict[Any, int]
     par_off: dict[Any, int]
     extra: tuple[tuple[str, dict[Any, int]], ...]  # per user's technique: config -> rank
+    lora: dict[Any, int] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(
@@ -411,11 +441,12 @@ class _Ranks:
                 {_moves_parameters(o): -int(_moves_parameters(o)) for o in offloads}
             ),
             extra=_extra_ranks(space.extras),
+            lora=ordinal({c: -_LORA.memory_rank(c) for c in space.loras}),
         )
 
     def vector(
         self, m: int, ck: str, pr: str, opt: str, fu: bool, loops: bool, fz: Any, sq: Any,
-        fl: Any, of: Any, ex: Any,
+        fl: Any, of: Any, ex: Any, lo: Any = None,
     ) -> tuple[int, ...]:
         """The rank vector of one combination, in :data:`RANK_DIMENSIONS`' order."""
         return (
@@ -432,6 +463,7 @@ class _Ranks:
             self.opt_off[_moves_optimizer(of)],
             self.act_off[_moves_activations(of)],
             self.par_off[_moves_parameters(of)],
+            self.lora.get(lo, 0),
             *(table[dict(ex).get(name)] for name, table in self.extra),
         )
 
@@ -464,7 +496,7 @@ def generate(
     cuda = bool(getattr(device, "is_cuda", False))
 
     out = []
-    for m, ck, pr, opt, fu, fe, fz, sq, fl, of, ex in itertools.product(
+    for m, ck, pr, opt, fu, fe, fz, sq, fl, of, ex, lo in itertools.product(
         space.micros,
         space.checkpointing,
         space.precisions,
@@ -476,6 +508,7 @@ def generate(
         space.fused_losses,
         space.offloads,
         space.extras,
+        space.loras,
     ):
         if pr == "bf16-pure" and not consented_pure and not _moves_optimizer(of):
             continue  # bf16 weights without consent only with their fp32 masters on the host
@@ -514,10 +547,11 @@ def generate(
                 fused_loss=fl,
                 offload=of,
                 extra=ex,
+                lora=lo,
             )
         except ValueError:
             continue  # an impossible combination: the Plan says so
-        rank = ranks.vector(m, ck, pr, opt.name, fu, loops, fz, sq, fl, of, ex)
+        rank = ranks.vector(m, ck, pr, opt.name, fu, loops, fz, sq, fl, of, ex, lo)
         out.append((plan, rank))
     return out
 
@@ -623,15 +657,23 @@ def trainable_fractions(
 
 
 def space_pairs(
-    workload: Workload, base: Plan, allow: Sequence[str], forbid: Sequence[str], device: Any
+    workload: Workload,
+    base: Plan,
+    allow: Sequence[str],
+    forbid: Sequence[str],
+    device: Any,
+    *,
+    lora_rank: int = 16,
 ) -> list[tuple[Plan, tuple[int, ...]]]:
     """:func:`options` then :func:`generate`: every candidate plan with its rank vector.
 
     The planner's own sequence, for tests and tools that enumerate the space; freezing
     choices are measured (:func:`trainable_fractions`) when ``freeze`` is allowed.
     """
-    space = options(workload, base, allow, forbid, device)
+    space = options(workload, base, allow, forbid, device, lora_rank=lora_rank)
     trainable = trainable_fractions(workload, space.freezes) if "freeze" in allow else None
     if trainable is not None:
-        space = options(workload, base, allow, forbid, device, freezes=list(trainable))
+        space = options(
+            workload, base, allow, forbid, device, freezes=list(trainable), lora_rank=lora_rank
+        )
     return generate(workload, base, space, trainable, device=device)

@@ -33,6 +33,7 @@ def plan(
     host_budget: int | str | None = None,
     disk_dir: str | None = None,
     jobs: int = 2,
+    lora_rank: int | None = None,
 ) -> PlanResult:
     """Find the fastest plan whose peak fits ``budget``.
 
@@ -64,6 +65,8 @@ def plan(
             not checked).
         disk_dir: With ``offload`` allowed, a directory for the ``disk`` tier.
         jobs: Processes the search may use (see :func:`memfit.planner.search.plan`).
+        lora_rank: The LoRA rank tried with ``lora`` or ``qlora`` allowed (default 16; one
+            process only).
 
     The settings from ``batch_size`` on are :func:`memfit.planner.search.plan`'s, and mean
     the same to the searches over several processes.
@@ -86,6 +89,10 @@ def plan(
         disk_dir=disk_dir,
         jobs=jobs,
     )
+    if lora_rank is not None:
+        if world_size is not None:
+            raise ValueError("--lora-rank is searched in one process only; leave out --world-size")
+        settings["lora_rank"] = lora_rank
     if gpus_per_node is not None:
         if world_size is None:
             raise ValueError("--gpus-per-node describes the machines of --world-size; give both")

@@ -91,6 +91,7 @@ def plan(
     host_budget: int | str | None = None,
     disk_dir: str | None = None,
     jobs: int = 2,
+    lora_rank: int = 16,
 ) -> PlanResult:
     """Find the fastest plan whose peak fits ``budget``.
 
@@ -116,6 +117,8 @@ def plan(
         jobs: Processes the search may use: with 2 (the default) and a second core, a
             forked worker shares the work (see the module docstring; same answer); 1: this
             process only.
+        lora_rank: The rank of the LoRA adapters tried with ``lora`` or ``qlora`` allowed
+            (the rank changes what is trained, so it is the user's, not searched).
 
     Returns:
         The :class:`PlanResult`.
@@ -143,7 +146,7 @@ def plan(
     base = _base_for(base or Plan(), target)
     planner = _Planner(workload, target, budget_bytes, host_bytes, progress or (lambda msg: None))
     # 1. Candidates.
-    candidates, trainable = planner.candidates(base, allow, forbid, disk_dir)
+    candidates, trainable = planner.candidates(base, allow, forbid, disk_dir, lora_rank)
     # 2. to 4. Costing, prediction and confirmation.
     candidates, winner, predicted = planner.run(
         candidates, base, trainable, jobs=jobs, max_predictions=max_predictions
@@ -190,12 +193,19 @@ class _Planner:
         self.ahead: Ahead | None = None
 
     def candidates(
-        self, base: Plan, allow: tuple[str, ...], forbid: tuple[str, ...], disk_dir: str | None
+        self,
+        base: Plan,
+        allow: tuple[str, ...],
+        forbid: tuple[str, ...],
+        disk_dir: str | None,
+        lora_rank: int = 16,
     ) -> tuple[list[Candidate], dict[tuple[str, ...], float] | None]:
         """Every candidate of the allowed space (not yet costed), and the share of parameters
         that trains under each freezing choice (``None``: no choice)."""
         workload, target = self.workload, self.target
-        space = options(workload, base, allow, forbid, target, disk_dir=disk_dir)
+        space = options(
+            workload, base, allow, forbid, target, disk_dir=disk_dir, lora_rank=lora_rank
+        )
         trainable = None
         if len(space.freezes) > 1 or base.freeze:
             trainable = trainable_fractions(workload, space.freezes)

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,11 +46,10 @@ import torch
 from torch import nn
 
 from ..techniques import BUILTIN_ORDER, ApplyContext, Technique
+from . import nf4 as _nf4
 
 __all__ = [
     "ADAPTER_NAME",
-    "NF4_BLOCK",
-    "NF4_SCALER_BLOCK",
     "LoraConfig",
     "LoraHandle",
     "apply_lora",
@@ -64,10 +62,6 @@ __all__ = [
 #: The adapter's name inside peft (peft's own default, so ``PeftModel.from_pretrained`` of a
 #: saved adapter finds it under the name it expects).
 ADAPTER_NAME = "default"
-#: Weights per NF4 block (one 8-bit scale each): QLoRA's.
-NF4_BLOCK = 64
-#: Block scales per block of the double quantisation (one fp32 factor each): QLoRA's.
-NF4_SCALER_BLOCK = 256
 _QUANTIZE = ("nf4",)
 _SHOWN = 12  # linear layers listed in an error message
 #: Words that mark a module as part of attention, for ``target_modules="attention"``.
@@ -131,6 +125,11 @@ class LoraConfig:
                 f"lora quantize_base {self.quantize_base!r} is not known; use 'nf4' (QLoRA) or "
                 "null (the base stays in its dtype)"
             )
+        if self.quantize_base and self.use_dora:
+            raise ValueError(
+                "lora use_dora cannot be combined with quantize_base 'nf4': DoRA reads the "
+                "base weight's norms, which peft cannot take of a 4-bit weight; set one of them off"
+            )
 
     def targets(self) -> tuple[str, ...]:
         """``target_modules`` as a tuple of specs."""
@@ -153,17 +152,6 @@ def _peft() -> Any:
             "pip install 'memfit[peft]'"
         ) from None
     return peft
-
-
-def _nf4() -> Any:
-    try:
-        from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
-    except ImportError:
-        raise ImportError(
-            "QLoRA (quantize_base 'nf4') needs torchao's NF4 tensor, which is not installed; "
-            "install memfit's extra: pip install 'memfit[peft]' (it brings torchao)"
-        ) from None
-    return nf4_tensor
 
 
 # ---------------------------------------------------------------------------- targets
@@ -258,7 +246,10 @@ class LoraHandle:
     ) -> None:
         self.model, self.config, self.targets, self.tuner = model, config, targets, tuner
         self._requires_grad = requires_grad  # every base parameter's flag before
-        self._dtypes = dtypes  # qualified name -> dtype before, for those cast or quantised
+        self._dtypes = dtypes  # qualified name -> dtype before, for those cast
+        # layer name -> (its nn.Linear, emptied while the 4-bit layer stands in, its weight's
+        # dtype and requires_grad before)
+        self.quantized: dict[str, tuple[nn.Linear, torch.dtype, bool]] = {}
         self.removed = False
 
     def adapter_parameters(self) -> list[nn.Parameter]:
@@ -273,13 +264,12 @@ class LoraHandle:
         if self.removed:
             return
         self.removed = True
-        nf4 = _nf4() if self.config.quantize_base else None
-        if nf4 is not None:
-            for name in self.targets:
-                layer = self.model.get_submodule(name).base_layer
-                w = layer.weight
-                if isinstance(w, nf4.NF4Tensor):
-                    layer.weight = nn.Parameter(w.get_original_weight(), requires_grad=False)
+        for name, (linear, dtype, flag) in self.quantized.items():
+            adapted = self.model.get_submodule(name)
+            weight = _nf4.dequantize(adapted.base_layer.weight, dtype)
+            linear.weight = nn.Parameter(weight, requires_grad=flag)
+            adapted.base_layer = linear
+        self.quantized = {}
         self.tuner.unload()  # the base layers back in place of peft's LoRA layers
         if hasattr(self.model, "peft_config"):
             del self.model.peft_config
@@ -314,7 +304,8 @@ def apply_lora(
         ImportError: when peft (or, for QLoRA, torchao) is not installed, naming the extra.
     """
     peft = _peft()
-    nf4 = _nf4() if config.quantize_base else None
+    if config.quantize_base:
+        _nf4.nf4_module()  # say which extra is missing before changing anything
     targets = resolve_targets(model, config)
     before = [(p, p.requires_grad) for p in model.parameters()]
     base_names = [n for n, _ in model.named_parameters()]
@@ -337,22 +328,31 @@ def apply_lora(
         p = params[key]
         p.grad = None  # frozen means no gradient (a stale one would hold its memory)
         if base_dtype is not None and p.is_floating_point() and p.dtype != base_dtype:
-            dtypes[key] = p.dtype
+            dtypes[name] = p.dtype  # by its name without peft's (as after removal)
             p.data = p.data.to(base_dtype)
-    if nf4 is not None:
-        for name in targets:
-            layer = model.get_submodule(name).base_layer
-            w = layer.weight
-            if w.numel() % NF4_BLOCK:
-                continue  # cannot be cut into blocks: stays in its dtype (counted so)
-            dtypes.setdefault(f"{name}.base_layer.weight", w.dtype)
-            n_blocks = w.numel() // NF4_BLOCK
-            # torchao needs the scales to fill whole blocks of the double quantisation: the
-            # largest block of at most 256 scales that divides them (a tiny layer's fewer).
-            scaler = math.gcd(n_blocks, NF4_SCALER_BLOCK)
-            q = nf4.to_nf4(w.detach().contiguous(), NF4_BLOCK, scaler)
-            layer.weight = nn.Parameter(q, requires_grad=False)
-    return LoraHandle(model, config, targets, tuner, before, dtypes)
+    handle = LoraHandle(model, config, targets, tuner, before, dtypes)
+    if config.quantize_base:
+        _quantize_layers(handle, dtypes)
+    return handle
+
+
+def _quantize_layers(handle: LoraHandle, dtypes: dict[str, torch.dtype]) -> None:
+    """Put a 4-bit :class:`~memfit.strategies.nf4.NF4Linear` in place of each adapted
+    layer's base, layer by layer (one layer's quantisation temporaries at a time)."""
+    for name in handle.targets:
+        adapted = handle.model.get_submodule(name)
+        linear = adapted.base_layer
+        w = linear.weight
+        if w.numel() % _nf4.BLOCK:
+            continue  # cannot be cut into blocks: stays in its dtype (and is counted so)
+        flag = next(f for p, f in handle._requires_grad if p is w)
+        q = _nf4.quantize(w)
+        adapted.base_layer = _nf4.NF4Linear(q, linear.bias)
+        # The layer object is kept to be put back on removal; its weight is dropped now, so
+        # only the 4-bit one holds memory.
+        linear.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
+        handle.quantized[name] = (linear, dtypes.get(f"{name}.weight", w.dtype), flag)
+        del w
 
 
 def _based(name: str, targets: list[str]) -> str:
@@ -417,13 +417,16 @@ def _refusal(plan: Any, engine: str) -> str | None:
 
 
 def _memory_rank(config: LoraConfig | None) -> float:
-    """Off saves nothing; adapters on attention only keep fewer adapter parameters than on
-    every linear layer; a 4-bit base saves more than either."""
+    """How much a config saves, for the planner's dominance pruning: off saves nothing;
+    over a base in its dtype, adapters on attention only keep fewer adapter parameters than
+    on every linear layer; a 4-bit base saves more than either, and most when every linear
+    layer is in 4 bits (its 1.5 bytes saved per weight outweigh the adapters' few)."""
     if config is None:
         return 0.0
-    return 1.0 + (2.0 if config.quantize_base else 0.0) + (
-        1.0 if config.targets() == ("attention",) else 0.0
-    )
+    attention_only = config.targets() == ("attention",)
+    if config.quantize_base:
+        return 3.0 if attention_only else 4.0
+    return 2.0 if attention_only else 1.0
 
 
 def _parse(value: Any) -> LoraConfig | None:

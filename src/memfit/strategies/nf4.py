@@ -1,0 +1,124 @@
+"""QLoRA's 4-bit NormalFloat base layers: torchao's ``NF4Tensor``, dequantised in chunks.
+
+The format is torchao's (``torchao.quantization.quantize_.workflows.nf4``): 4-bit NF4 codes,
+two per byte, one 8-bit scale per block of :data:`BLOCK` weights, the scales double-quantised
+(one factor per :data:`SCALER_BLOCK` scales, around their mean). It is made of ordinary tensors
+and ATen ops, so it runs on CPU and under ``FakeTensorMode`` (see :mod:`memfit.strategies.lora`
+for why torchao and not bitsandbytes).
+
+torchao's own dequantisation (``NF4Tensor.get_original_weight``) widens every code to int64
+before looking it up: for a 4096 x 14336 weight that is 940 MB of index temporaries per forward
+and per backward, more than the layer's 4-bit weight eight times over. :func:`dequantize`
+computes the same values (the same ops, in the same dtype: equal to the bit) a chunk of
+:data:`CHUNK` codes at a time into one output of the compute dtype, so the temporaries are the
+dequantised weight (2 bytes per weight in bf16, freed after its matmul) and one chunk's indices.
+:class:`NF4Linear` uses it in forward and backward, keeping nothing but the 4-bit weight for
+backward.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["BLOCK", "CHUNK", "SCALER_BLOCK", "NF4Linear", "dequantize", "nf4_module", "quantize"]
+
+#: Weights per NF4 block (one 8-bit scale each): QLoRA's.
+BLOCK = 64
+#: Block scales per block of the double quantisation (one factor each): QLoRA's.
+SCALER_BLOCK = 256
+#: Bytes of 4-bit codes dequantised at once (each byte's two codes become int64 indices, so a
+#: chunk's temporaries are about 32 bytes per byte here: 32 MiB).
+CHUNK = 1 << 20
+
+
+def nf4_module() -> Any:
+    """torchao's NF4 module.
+
+    Raises:
+        ImportError: naming the extra to install.
+    """
+    try:
+        from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
+    except ImportError:
+        raise ImportError(
+            "QLoRA (lora quantize_base 'nf4') needs torchao's NF4 tensor, which is not "
+            "installed; install memfit's extra: pip install 'memfit[peft]' (it brings torchao)"
+        ) from None
+    return nf4_tensor
+
+
+def quantize(weight: torch.Tensor) -> Any:
+    """``weight`` as a torchao ``NF4Tensor`` (blocks of :data:`BLOCK`, scales double-quantised
+    in blocks of :data:`SCALER_BLOCK`, or of the largest divisor of the scale count below it
+    for a small layer, which torchao needs whole). ``weight.numel()`` must be a multiple of
+    :data:`BLOCK`."""
+    n_blocks = weight.numel() // BLOCK
+    scaler = math.gcd(n_blocks, SCALER_BLOCK)
+    return nf4_module().to_nf4(weight.detach().contiguous(), BLOCK, scaler)
+
+
+def dequantize(t: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The weight ``t`` (an ``NF4Tensor``) stands for, in ``dtype`` (default its own), equal to
+    torchao's ``t.get_original_weight().to(dtype)``, computed :data:`CHUNK` bytes of codes at a
+    time."""
+    scalers = t.dequantize_scalers(t.quantized_scalers, t.quantization_factor, t.scaler_block_size)
+    data = t.quantized_data
+    half = t.block_size // 2  # bytes per block
+    out = torch.empty(data.numel(), 2, dtype=t.dtype, device=data.device)
+    step = max(half, CHUNK // half * half)  # whole blocks per chunk
+    for lo in range(0, data.numel(), step):
+        hi = min(lo + step, data.numel())
+        codes = data[lo:hi]
+        scale = scalers[lo // half : hi // half].unsqueeze(-1).expand(-1, half).reshape(-1)
+        # torchao's arithmetic, op for op: the code's value in the table, times its block's
+        # scale, in the tensor's dtype; the high nibble is the first of each pair.
+        out[lo:hi, 0] = t.nf4[(codes >> 4).to(torch.long)] * scale
+        out[lo:hi, 1] = t.nf4[(codes & 0b1111).to(torch.long)] * scale
+    weight = out.view(t.shape)
+    return weight if dtype is None or dtype == t.dtype else weight.to(dtype)
+
+
+class _LinearNF4(torch.autograd.Function):
+    """``x @ W.T`` with ``W`` 4-bit: dequantised in forward and again in backward, so only the
+    4-bit weight is kept for backward (the base is frozen: no weight gradient)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: Any) -> torch.Tensor:  # type: ignore[override]
+        ctx.weight = weight
+        return torch.nn.functional.linear(x, dequantize(weight, x.dtype))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad @ dequantize(ctx.weight, grad.dtype), None
+
+
+class NF4Linear(nn.Module):
+    """A frozen linear layer whose weight is 4-bit NF4 (QLoRA's base layer).
+
+    Attributes:
+        weight: The ``NF4Tensor`` (a parameter that does not require grad).
+        bias: The bias, kept in its dtype and frozen (``None`` when the layer had none).
+        in_features: Input width (as ``nn.Linear``'s, which peft's adapters read).
+        out_features: Output width.
+    """
+
+    def __init__(self, weight: Any, bias: nn.Parameter | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Autocast does not see into the autograd function: give it the dtype autocast would
+        # run a linear layer in, so the matmul is the half-precision one of the plain layer.
+        if torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        y = _LinearNF4.apply(x, self.weight)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, nf4"
