@@ -191,6 +191,7 @@ class _Planner:
         self.budget_bytes, self.host_bytes = budget_bytes, host_bytes
         self.frugal: set[int] = set()  # the most frugal candidates' ids
         self.ahead: Ahead | None = None
+        self.lora_rank = 16  # the rank LoRA's candidates (and the QLoRA hint) take
 
     def candidates(
         self,
@@ -203,6 +204,7 @@ class _Planner:
         """Every candidate of the allowed space (not yet costed), and the share of parameters
         that trains under each freezing choice (``None``: no choice)."""
         workload, target = self.workload, self.target
+        self.lora_rank = lora_rank
         space = options(
             workload, base, allow, forbid, target, disk_dir=disk_dir, lora_rank=lora_rank
         )
@@ -359,7 +361,7 @@ class _Planner:
             full = [seed]
         closest = min(full, key=lambda c: c.device_total_bytes or 0)
         result = _result(closest, False, budget_bytes, predicted, [], target, seconds)
-        message = nothing_fits_message(result, allow, target)
+        message = nothing_fits_message(result, allow, target) + self._qlora_hint(closest, allow)
         held = [c for c in predicted if c.host_misfit]
         if held and host_bytes is not None:
             least = min(held, key=lambda c: c.host_bytes or 0)
@@ -371,6 +373,36 @@ class _Planner:
             )
         result.explanation = message
         return NothingFits(result, message)
+
+    def _qlora_hint(self, closest: Candidate, allow: tuple[str, ...]) -> str:
+        """When QLoRA was not allowed: whether the closest plan over a 4-bit base with
+        adapters would fit (one more prediction), as a sentence naming ``qlora``."""
+        if "qlora" in allow or closest.plan.lora is not None:
+            return ""
+        try:
+            plan = closest.plan.replace(lora=_qlora_config(self.lora_rank))
+        except ValueError:
+            return ""  # the closest plan cannot take adapters (the Plan says why)
+        trial = Candidate(plan=plan, rank=closest.rank, step_time=closest.step_time)
+        self.say(f"trying QLoRA: {plan.summary()}")
+        try:
+            predict(trial, self.workload, self.target, self.budget_bytes, self.host_bytes,
+                    floor=False)
+        except (ImportError, ValueError):
+            return ""  # peft/torchao missing, or no linear layer to adapt
+        total = trial.device_total_bytes or trial.peak_bytes or 0
+        if not trial.fits:
+            return ""
+        return (
+            f" It would fit with qlora (--allow qlora, low-rank adapters on a 4-bit base, which "
+            f"changes what is trained): {plan.summary()} is predicted at {format_bytes(total)}."
+        )
+
+
+def _qlora_config(rank: int) -> Any:
+    from ..strategies.lora import LoraConfig
+
+    return LoraConfig(rank=rank, quantize_base="nf4")
 
 
 def search(
