@@ -317,3 +317,37 @@ def test_lora_trains(llama):
                                    optimizer={"name": "adamw", "lr": 1e-2}))
     losses = [float(setup.step(batch)) for _ in range(5)]
     assert losses[-1] < losses[0]
+
+
+# ---------------------------------------------------------------------------- the trainer
+@pytest.mark.slow
+@pytest.mark.parametrize("quantize", [None, "nf4"], ids=["lora", "qlora"])
+def test_trainer_checkpoints_hold_the_adapter_and_resume_bit_exactly(tmp_path, quantize):
+    import shutil
+
+    from memfit.train import Trainer
+    from tests.train._helpers import text_dataset, tiny_gpt2
+
+    plan = Plan(lora={"rank": 4, "quantize_base": quantize})
+
+    def trainer(folder, resume=False):
+        return Trainer(tiny_gpt2(seed=0), plan, text_dataset(), batch_size=4, lr=1e-2,
+                       max_steps=4, checkpoint_dir=folder, checkpoint_every=2, resume=resume,
+                       seed=0, progress=False)
+
+    run = tmp_path / "run"
+    full = trainer(run)
+    result = full.fit()
+    step2 = run / "step-00000002"
+    assert (step2 / "adapter_model.safetensors").is_file()
+    loaded = peft.PeftModel.from_pretrained(tiny_gpt2(seed=0), str(run / "step-00000004"))
+    ours = {n: p for n, p in full.model.named_parameters() if "lora_" in n}
+    theirs = {n.removeprefix("base_model.model."): p
+              for n, p in loaded.named_parameters() if "lora_" in n}
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(p, theirs[n]) for n, p in ours.items())
+    resumed_dir = tmp_path / "resumed"
+    resumed_dir.mkdir()
+    shutil.copytree(step2, resumed_dir / step2.name)
+    again = trainer(resumed_dir, resume=True).fit()
+    assert again.losses == result.losses

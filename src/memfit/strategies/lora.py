@@ -155,9 +155,25 @@ def _peft() -> Any:
 
 
 # ---------------------------------------------------------------------------- targets
+def _linear_types() -> tuple[type, ...]:
+    """``nn.Linear`` and transformers' ``Conv1D`` (GPT-2's linear layers, weight ``in x out``),
+    the layers peft puts LoRA adapters on."""
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:
+        return (nn.Linear,)
+    return (nn.Linear, Conv1D)
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    return not isinstance(module, nn.Linear) and isinstance(module, _linear_types())
+
+
 def linear_names(model: nn.Module) -> list[str]:
-    """Qualified names of ``model``'s linear layers, in model order."""
-    return [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    """Qualified names of ``model``'s linear layers (``nn.Linear``, GPT-2's ``Conv1D``), in
+    model order."""
+    kinds = _linear_types()
+    return [name for name, m in model.named_modules() if isinstance(m, kinds)]
 
 
 def _head_names(model: nn.Module) -> set[str]:
@@ -215,7 +231,7 @@ def _nothing_matched(spec: str, model: nn.Module, linears: list[str]) -> str:
     if not linears:
         return (
             f"lora target_modules {spec!r}: {type(model).__name__} has no linear layer "
-            "(nn.Linear) to put adapters on"
+            "(nn.Linear or Conv1D) to put adapters on"
         )
     return (
         f"lora target_modules {spec!r} matches no linear layer of {type(model).__name__}; its "
@@ -247,9 +263,9 @@ class LoraHandle:
         self.model, self.config, self.targets, self.tuner = model, config, targets, tuner
         self._requires_grad = requires_grad  # every base parameter's flag before
         self._dtypes = dtypes  # qualified name -> dtype before, for those cast
-        # layer name -> (its nn.Linear, emptied while the 4-bit layer stands in, its weight's
-        # dtype and requires_grad before)
-        self.quantized: dict[str, tuple[nn.Linear, torch.dtype, bool]] = {}
+        # layer name -> (its nn.Linear or Conv1D, emptied while the 4-bit layer stands in, its
+        # weight's dtype and requires_grad before)
+        self.quantized: dict[str, tuple[nn.Module, torch.dtype, bool]] = {}
         self.removed = False
 
     def adapter_parameters(self) -> list[nn.Parameter]:
@@ -267,6 +283,8 @@ class LoraHandle:
         for name, (linear, dtype, flag) in self.quantized.items():
             adapted = self.model.get_submodule(name)
             weight = _nf4.dequantize(adapted.base_layer.weight, dtype)
+            if _is_conv1d(linear):
+                weight = weight.t().contiguous()
             linear.weight = nn.Parameter(weight, requires_grad=flag)
             adapted.base_layer = linear
         self.quantized = {}
@@ -317,6 +335,8 @@ def apply_lora(
         target_modules=targets,
         use_dora=config.use_dora,
         bias="none",
+        # GPT-2's Conv1D stores its weight transposed (in x out); peft must know.
+        fan_in_fan_out=any(_is_conv1d(model.get_submodule(t)) for t in targets),
     )
     # LoraModel injects into ``model`` itself (its ``model`` attribute is ours) and freezes
     # everything but the adapters.
@@ -346,7 +366,8 @@ def _quantize_layers(handle: LoraHandle, dtypes: dict[str, torch.dtype]) -> None
         if w.numel() % _nf4.BLOCK:
             continue  # cannot be cut into blocks: stays in its dtype (and is counted so)
         flag = next(f for p, f in handle._requires_grad if p is w)
-        q = _nf4.quantize(w)
+        # A Conv1D computes x @ w (w is in x out): the 4-bit layer's x @ W.T with W = w.T.
+        q = _nf4.quantize(w.t() if _is_conv1d(linear) else w)
         adapted.base_layer = _nf4.NF4Linear(q, linear.bias)
         # The layer object is kept to be put back on removal; its weight is dropped now, so
         # only the 4-bit one holds memory.

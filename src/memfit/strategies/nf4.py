@@ -24,7 +24,19 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["BLOCK", "CHUNK", "SCALER_BLOCK", "NF4Linear", "dequantize", "nf4_module", "quantize"]
+__all__ = [
+    "BLOCK",
+    "CHUNK",
+    "SCALER_BLOCK",
+    "SEP",
+    "NF4Linear",
+    "dequantize",
+    "has_nf4",
+    "load_state_tensors",
+    "nf4_module",
+    "quantize",
+    "state_tensors",
+]
 
 #: Weights per NF4 block (one 8-bit scale each): QLoRA's.
 BLOCK = 64
@@ -44,6 +56,11 @@ def nf4_module() -> Any:
     try:
         from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
     except ImportError:
+        try:  # older torchao kept it here
+            from torchao.dtypes import nf4tensor as nf4_tensor
+        except ImportError:
+            nf4_tensor = None
+    if nf4_tensor is None:
         raise ImportError(
             "QLoRA (lora quantize_base 'nf4') needs torchao's NF4 tensor, which is not "
             "installed; install memfit's extra: pip install 'memfit[peft]' (it brings torchao)"
@@ -122,3 +139,68 @@ class NF4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, nf4"
+
+
+# ---------------------------------------------------------------------------- checkpoints
+#: The tensors an ``NF4Tensor`` is made of, each stored under ``<parameter>.<SEP><name>`` in a
+#: checkpoint (safetensors stores plain tensors only).
+_INNER = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4")
+SEP = "nf4."
+
+
+def has_nf4(model: nn.Module) -> bool:
+    """Whether ``model`` has a 4-bit NF4 weight (without importing torchao when it has none)."""
+    return any(isinstance(m, NF4Linear) for m in model.modules())
+
+
+def state_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s state as plain tensors for safetensors: each NF4 weight as the tensors it is
+    made of (stored as they are: a checkpoint keeps the 4-bit base, never re-quantises it), a
+    tensor shared by several names (tied weights) once, under its first name."""
+    nf4 = nf4_module()
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        if isinstance(t, nf4.NF4Tensor):
+            for attr in _INNER:
+                out[f"{name}.{SEP}{attr}"] = getattr(t, attr).detach().contiguous()
+        else:
+            out[name] = t.detach().contiguous()
+    return out
+
+
+def load_state_tensors(
+    model: nn.Module, tensors: dict[str, torch.Tensor]
+) -> tuple[list[str], list[str]]:
+    """Copy :func:`state_tensors`' output into ``model`` in place.
+
+    Returns:
+        The names ``model`` has that ``tensors`` lacks, and those ``tensors`` has that
+        ``model`` lacks (nothing is loaded when either is not empty).
+    """
+    nf4 = nf4_module()
+    state = model.state_dict(keep_vars=True)
+    pairs: list[tuple[torch.Tensor, str]] = []
+    missing: list[str] = []
+    seen: set[int] = set()
+    for name, t in state.items():
+        if id(t) in seen:
+            continue  # a tied name: loaded with the first
+        seen.add(id(t))
+        keys = (
+            [(getattr(t, a), f"{name}.{SEP}{a}") for a in _INNER]
+            if isinstance(t, nf4.NF4Tensor)
+            else [(t, name)]
+        )
+        for target, key in keys:
+            (pairs.append((target, key)) if key in tensors else missing.append(key))
+    unexpected = sorted(set(tensors) - {key for _, key in pairs})
+    if missing or unexpected:
+        return missing, unexpected
+    with torch.no_grad():
+        for target, key in pairs:
+            target.copy_(tensors[key])
+    return [], []

@@ -253,7 +253,17 @@ def _write(
     from safetensors.torch import save_file, save_model
 
     if model is not None:
-        save_model(model, str(tmp / MODEL_FILE))
+        from ..strategies import nf4
+        from ..strategies.lora import find_lora, save_adapter
+
+        if find_lora(model):
+            # LoRA's adapters in peft's own format: the checkpoint folder is also an adapter
+            # folder that PeftModel.from_pretrained loads.
+            save_adapter(model, tmp)
+        if nf4.has_nf4(model):
+            save_file(nf4.state_tensors(model), str(tmp / MODEL_FILE))  # QLoRA's 4-bit base
+        else:
+            save_model(model, str(tmp / MODEL_FILE))
     save_file(tensors, str(tmp / TENSORS_FILE))
     (tmp / STATE_FILE).write_text(json.dumps(tree, allow_nan=False) + "\n")
     # The manifest last: its checksums cover the files as written.
@@ -392,7 +402,15 @@ def load_checkpoint(
     if state.get("world_size", 1) > 1 or _world() > 1:
         return _load_sharded(p, model, optimizer, scheduler, restore_rng, state)
     device = next((t.device for t in model.parameters()), torch.device("cpu"))
-    missing, unexpected = load_model(model, str(p / MODEL_FILE), strict=False, device=str(device))
+    from ..strategies import nf4
+
+    if nf4.has_nf4(model):
+        from safetensors.torch import load_file
+
+        weights = load_file(str(p / MODEL_FILE), device=str(device))
+        missing, unexpected = nf4.load_state_tensors(model, weights)
+    else:
+        missing, unexpected = load_model(model, str(p / MODEL_FILE), strict=False, device=str(device))
     if missing or unexpected:
         raise CheckpointError(
             f"checkpoint {str(p)!r} does not match the model (missing {sorted(missing)[:4]}, "

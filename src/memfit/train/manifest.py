@@ -167,6 +167,8 @@ def params_sha256(model: torch.nn.Module) -> str:
         t = p.detach()
         if hasattr(t, "full_tensor"):
             t = t.full_tensor()
+        if hasattr(t, "quantized_data"):  # QLoRA's 4-bit weight: the bytes it is made of
+            t = torch.cat([t.quantized_data, t.quantized_scalers.view(torch.uint8)])
         t = t.to("cpu").contiguous()
         # A uint8 view gives the raw bytes of any dtype (NumPy has no bfloat16).
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
