@@ -77,7 +77,7 @@ def workload():
 
 def test_builtins_are_registered_in_apply_order():
     names = [t.name for t in techniques.registered(builtin=True)]
-    assert names[:4] == ["kv_cache_off", "freeze", "fused_pointwise", "fused_loss"]
+    assert names[:5] == ["kv_cache_off", "lora", "freeze", "fused_pointwise", "fused_loss"]
     assert names.index("precision") < names.index("checkpointing") < names.index("optimizer")
     assert len(names) == len(BUILTIN_TECHNIQUES)
     for technique in techniques.registered(builtin=True):
