@@ -113,7 +113,13 @@ class TrainConfig:
 
     allow: tuple[str, ...] = ()
     """Techniques that change training which the planner may use (``freeze``, ``shorter-seq``,
-    ``8bit``, ``factored``, ``bf16-pure``); by default it uses only exact ones."""
+    ``8bit``, ``factored``, ``bf16-pure``, ``lora``, ``qlora``); by default it uses only exact
+    ones."""
+
+    lora_rank: int = 16
+    """The rank of the LoRA adapters the planner may use with ``lora`` or ``qlora`` allowed:
+    ``rank x (in + out)`` adapter parameters per adapted layer, each with its gradient and
+    optimizer state (the base keeps neither)."""
 
     forbid: tuple[str, ...] = ()
     """Techniques the planner must not use (for example ``checkpointing``)."""

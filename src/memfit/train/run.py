@@ -172,6 +172,7 @@ def choose_plan(
     forbid: Iterable[str] = (),
     base: Plan | None = None,
     progress: Any = None,
+    lora_rank: int | None = None,
 ) -> PlanChoice:
     """The fastest plan whose peak fits ``budget_bytes``.
 
@@ -187,7 +188,8 @@ def choose_plan(
     except ImportError:
         return _dry_run_step_down(workload, budget_bytes, base or Plan())
     try:
-        result = run_planner(workload, budget_bytes, allow=allow, forbid=forbid, base=base, progress=progress)
+        result = run_planner(workload, budget_bytes, allow=allow, forbid=forbid, base=base, progress=progress,
+                             lora_rank=lora_rank)
     except NothingFits as e:
         result = e.result
     frontier = list(result.frontier)
@@ -338,7 +340,7 @@ def prepare_run(
         with planning:
             choice = choose_plan(
                 local, config.budget_bytes, allow=config.allow, forbid=config.forbid,
-                base=base, progress=say,
+                base=base, progress=say, lora_rank=config.lora_rank,
             )
     if world_size > 1:
         choice = _over_processes(choice, world_size)
