@@ -25,7 +25,10 @@ torchao's ``NF4Tensor``, not bitsandbytes': it is a tensor subclass made of ordi
 whose operations are plain ATen ops, so it quantises, trains and dequantises on CPU (CI has no
 GPU), and it runs unchanged under ``FakeTensorMode``, so a dry run of a QLoRA model is exact to
 the byte like any other (bitsandbytes' ``Params4bit`` calls its own kernels, which fake tensors
-cannot run). On CUDA the same code runs torchao's dequantisation on the GPU.
+cannot run). On CUDA the same code runs on the GPU, as plain ATen ops (the dequantisation is
+:func:`memfit.strategies.nf4.dequantize`, a chunk at a time); bitsandbytes' fused 4-bit CUDA
+kernels are not used yet, so a GPU step dequantises at memory bandwidth rather than in the
+matmul's kernel (the same bytes: one layer's weight in the compute dtype at a time).
 
 Under a mixed-precision plan (``bf16-mixed``, ``fp16-mixed``), the frozen base is stored in the
 half dtype: it never updates, so the fp32 master weights mixed precision keeps for the updates
