@@ -56,6 +56,7 @@ BAD: dict[str, dict[str, list[str] | None]] = {
         "--world-size": ["0", "3", "x"],
         "--gpus-per-node": ["0", "3", "x"],
         "--jobs": ["0", "x"],
+        "--lora-rank": ["0", "x"],
     },
     "train": {
         "--config": [MISSING],

@@ -132,6 +132,8 @@ def plan(
     started = time.perf_counter()
     if not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"--jobs must be a whole number >= 1, got {jobs!r}")
+    if isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 1:
+        raise ValueError(f"--lora-rank must be a whole number >= 1, got {lora_rank!r}")
     if isinstance(workload, str):
         from ..workload import load_workload
 
