@@ -351,3 +351,19 @@ def test_trainer_checkpoints_hold_the_adapter_and_resume_bit_exactly(tmp_path, q
     shutil.copytree(step2, resumed_dir / step2.name)
     again = trainer(resumed_dir, resume=True).fit()
     assert again.losses == result.losses
+
+
+def test_oom_fallback_rebuilding_the_plan_keeps_what_the_adapters_learnt(llama):
+    from memfit.train.oom import switch_plan
+
+    model, batch = llama.build()
+    setup = apply_plan(model, Plan(lora={"rank": 4}, optimizer={"name": "adamw", "lr": 1e-2}))
+    setup.step(batch)
+    learnt = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    assert any(p.abs().sum() > 0 for n, p in learnt.items() if "lora_B" in n)
+    new, rebuilt = switch_plan(setup, setup.plan.replace(optimizer="adafactor"))
+    assert rebuilt
+    now = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    assert now.keys() == learnt.keys()
+    assert all(torch.equal(now[n], v) for n, v in learnt.items())
+    new.step(batch)

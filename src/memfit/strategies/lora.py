@@ -55,9 +55,11 @@ __all__ = [
     "ADAPTER_NAME",
     "LoraConfig",
     "LoraHandle",
+    "adapter_state",
     "apply_lora",
     "find_lora",
     "linear_names",
+    "load_adapter_state",
     "resolve_targets",
     "save_adapter",
 ]
@@ -391,6 +393,22 @@ def find_lora(model: nn.Module) -> bool:
     return isinstance(getattr(model, "peft_config", None), dict) and any(
         "lora_" in n for n, _ in model.named_parameters()
     )
+
+
+def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of ``model``'s adapter weights by name (small: the adapters only), for
+    :func:`load_adapter_state` after the plan around them is rebuilt."""
+    return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+
+
+def load_adapter_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy :func:`adapter_state`'s values into ``model``'s adapters of the same names (their
+    dtypes may differ: the values are cast)."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in state.items():
+            if name in params:
+                params[name].copy_(value)
 
 
 def save_adapter(model: nn.Module, directory: str | Path) -> Path:

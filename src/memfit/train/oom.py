@@ -119,8 +119,17 @@ def switch_plan(setup: TrainingSetup, plan: Plan) -> tuple[TrainingSetup, bool]:
     if _keeps_optimizer(setup.plan, plan):
         return _swap_in_place(setup, plan), False
     optimizer = setup.optimizer if setup.optimizer_given and not plan.optimizer_in_backward else None
+    adapters = None
+    if plan.lora is not None and plan.lora == setup.plan.lora:
+        from ..strategies.lora import adapter_state, load_adapter_state
+
+        # Removing the plan drops LoRA's adapters; the same adapters go on with what they
+        # learnt (only their optimizer state restarts, as any rebuilt optimizer's).
+        adapters = adapter_state(model)
     setup.remove()
     new = apply_plan(model, plan, optimizer=optimizer, loss_fn=setup.loss_fn)
+    if adapters is not None:
+        load_adapter_state(model, adapters)
     new.steps_done = setup.steps_done
     return new, new.optimizer is not setup.optimizer
 
