@@ -51,12 +51,21 @@ def test_candidates_rank_a_four_bit_base_as_saving_most():
     assert full < lora < qlora_attention < qlora
 
 
-def test_plan_with_qlora_allowed_fits_where_a_full_fine_tune_cannot():
+@pytest.mark.parametrize("allow", [["lora", "qlora"], ["qlora"]])
+def test_plan_with_lora_allowed_fits_where_a_full_fine_tune_cannot(allow):
     result = memfit.plan("llama-tiny", BUDGET, batch_size=2, seq_len=16, device="cpu", jobs=1,
-                         allow=["lora", "qlora"], lora_rank=4)  # fmt: skip
+                         allow=allow, lora_rank=4)  # fmt: skip
     assert result.plan.lora is not None and result.plan.lora.rank == 4
-    assert result.plan.lora.quantize_base == "nf4"
+    if allow == ["qlora"]:
+        assert result.plan.lora.quantize_base == "nf4"
     assert result.predicted_peak_bytes <= parse_size(BUDGET)
+
+
+def test_plain_lora_wins_a_tie_with_qlora():
+    # Both fit a large budget and cost alike on a tiny model: QLoRA counts as two techniques.
+    result = memfit.plan("llama-tiny", "1GiB", batch_size=2, seq_len=16, device="cpu", jobs=1,
+                         allow=["lora", "qlora"], lora_rank=4)  # fmt: skip
+    assert result.plan.lora is not None and result.plan.lora.quantize_base is None
 
 
 @pytest.mark.slow

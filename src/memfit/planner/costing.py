@@ -6,8 +6,10 @@ candidate is costed; memory, the expensive part, is then predicted in this order
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ..estimate.cost import StepCost, WorkloadProfile, step_cost
 from ..plan import Plan
@@ -51,13 +53,11 @@ def cost_into(
     trainable = trainable or {}
 
     def cost(p: Plan) -> StepCost:
-        return step_cost(
-            profile,
-            p,
-            device,
-            batch_size=batch_size,
-            trainable_fraction=trainable.get(tuple(p.freeze), 1.0),
-        )
+        fraction = trainable.get(tuple(p.freeze), 1.0)
+        if p.lora is not None:
+            fraction *= LORA_BACKWARD_SHARE
+        c = step_cost(profile, p, device, batch_size=batch_size, trainable_fraction=fraction)
+        return c if p.lora is None else _with_dequantisation(c, p, profile, device)
 
     base_time = cost(baseline).total
     for candidate in candidates:
@@ -66,6 +66,24 @@ def cost_into(
         candidate.ratio = c.total / base_time
         candidate.cost_terms = c.to_dict()
     return order(candidates)
+
+
+#: LoRA's share of a full fine-tune's backward (the cost model's ``trainable_fraction``): the
+#: frozen base computes the gradients of its inputs but none of its weights, about half the
+#: backward's matmuls; the optimizer is costed for that share of the parameters too, an
+#: overestimate of the adapters' few.
+LORA_BACKWARD_SHARE = 0.5
+
+
+def _with_dequantisation(c: StepCost, plan: Plan, profile: WorkloadProfile, device: Any) -> StepCost:
+    """QLoRA's extra time: every pass over the model (forward, backward, and the recompute
+    of checkpointing) dequantises each 4-bit weight, reading half a byte and writing two (a
+    bound on memory bandwidth, counted with the pointwise work) per parameter."""
+    if not plan.lora.quantize_base:
+        return c
+    passes = (2 + (plan.checkpointing.mode != "none")) * plan.grad_accum_steps
+    seconds = passes * profile.num_parameters * 2.5 / device.mem_bandwidth
+    return dataclasses.replace(c, pointwise=c.pointwise + seconds)
 
 
 def order(candidates: Sequence[Candidate]) -> list[Candidate]:
@@ -90,7 +108,11 @@ def order(candidates: Sequence[Candidate]) -> list[Candidate]:
 def _tie_key(c: Candidate) -> tuple:
     # Last, the whole plan: two plans the summary does not tell apart still have one order.
     plan = json.dumps(c.plan.to_dict(), sort_keys=True, default=str)
-    return (len(c.plan.summary_parts()), -sum(c.rank), c.step_time, c.plan.summary(), plan)
+    # QLoRA is two techniques in one phrase: adapters, and a 4-bit base (which changes the
+    # forward too), so plain LoRA wins a tie with it.
+    lora = c.plan.lora
+    parts = len(c.plan.summary_parts()) + int(lora is not None and bool(lora.quantize_base))
+    return (parts, -sum(c.rank), c.step_time, c.plan.summary(), plan)
 
 
 def tied(a: Candidate, b: Candidate) -> bool:
