@@ -76,10 +76,10 @@ def test_nothing_fits_names_qlora_when_it_would():
 
 
 @pytest.mark.subprocess
-def test_cli_takes_allow_lora_qlora_and_the_rank(tmp_path):
+def test_cli_takes_allow_qlora_and_the_rank(tmp_path):
     saved = tmp_path / "plan.json"
     args = ["--model", "llama-tiny", "--batch-size", "2", "--seq-len", "16", "--jobs", "1",
-            "--device", "cpu", "--budget", BUDGET, "--allow", "lora,qlora", "--lora-rank", "4",
+            "--device", "cpu", "--budget", BUDGET, "--allow", "qlora", "--lora-rank", "4",
             "--save", str(saved)]  # fmt: skip
     res = subprocess.run([sys.executable, "-m", "memfit", "plan", *args],
                          capture_output=True, text=True, timeout=300)  # fmt: skip
