@@ -306,9 +306,21 @@ def lora_options(base: Plan, allow: Sequence[str], rank: int = 16) -> tuple[Lora
         for targets in ("all-linear", "attention"):
             out.append(
                 dataclasses.replace(
-                    template, rank=rank, target_modules=targets, quantize_base=quantize
+                    template,
+                    rank=rank,
+                    target_modules=targets,
+                    quantize_base=quantize,
+                    quantize_embeddings=False,
                 )
             )
+    if "qlora" in allow and not template.use_dora:
+        # The most frugal: the input embedding in 4 bits too.
+        out.append(
+            dataclasses.replace(
+                template, rank=rank, target_modules="all-linear", quantize_base="nf4",
+                quantize_embeddings=True,
+            )
+        )
     return _unique(out)
 
 

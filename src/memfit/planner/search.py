@@ -404,7 +404,7 @@ class _Planner:
 def _qlora_config(rank: int) -> Any:
     from ..strategies.lora import LoraConfig
 
-    return LoraConfig(rank=rank, quantize_base="nf4")
+    return LoraConfig(rank=rank, quantize_base="nf4", quantize_embeddings=True)
 
 
 def search(

@@ -97,6 +97,11 @@ class LoraConfig:
             double-quantised scales (QLoRA): 0.5 bytes per weight plus about 1/64 byte of
             scales, instead of 2 (bf16) or 4 (fp32); each forward and backward dequantises one
             layer at a time. ``None``: the base stays in its dtype.
+        quantize_embeddings: With ``quantize_base``, store the frozen input embedding table
+            in NF4 too (0.5 bytes per weight plus scales instead of 2 in bf16: 0.7 GiB less
+            for a 128k x 4096 table); a lookup dequantises only the rows it reads. Not part of
+            the QLoRA paper (which keeps the embeddings in bf16): it rounds the inputs of the
+            first layer to 4 bits. A table tied to the output head is left alone.
     """
 
     rank: int = 16
@@ -105,6 +110,7 @@ class LoraConfig:
     target_modules: str | tuple[str, ...] = "all-linear"
     use_dora: bool = False
     quantize_base: str | None = None
+    quantize_embeddings: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.target_modules, list):
@@ -130,6 +136,13 @@ class LoraConfig:
                 f"lora quantize_base {self.quantize_base!r} is not known; use 'nf4' (QLoRA) or "
                 "null (the base stays in its dtype)"
             )
+        if not isinstance(self.quantize_embeddings, bool) or (
+            self.quantize_embeddings and not self.quantize_base
+        ):
+            raise ValueError(
+                "lora quantize_embeddings must be true or false, and true only with "
+                f"quantize_base 'nf4', got {self.quantize_embeddings!r}"
+            )
         if self.quantize_base and self.use_dora:
             raise ValueError(
                 "lora use_dora cannot be combined with quantize_base 'nf4': DoRA reads the "
@@ -145,7 +158,11 @@ class LoraConfig:
         """How a plan's one-line summary names this config."""
         name = "QLoRA (nf4)" if self.quantize_base else "LoRA"
         targets = ",".join(self.targets())
-        return f"{name} r{self.rank} on {targets}" + (" (DoRA)" if self.use_dora else "")
+        return (
+            f"{name} r{self.rank} on {targets}"
+            + (" (DoRA)" if self.use_dora else "")
+            + (", 4-bit embeddings" if self.quantize_embeddings else "")
+        )
 
 
 def _peft() -> Any:
@@ -271,6 +288,8 @@ class LoraHandle:
         # layer name -> (its nn.Linear or Conv1D, emptied while the 4-bit layer stands in, its
         # weight's dtype and requires_grad before)
         self.quantized: dict[str, tuple[nn.Module, torch.dtype, bool]] = {}
+        # the input embedding's (name, module, dtype, requires_grad) while a 4-bit one stands in
+        self.embedding: tuple[str, nn.Module, torch.dtype, bool] | None = None
         self.removed = False
 
     def adapter_parameters(self) -> list[nn.Parameter]:
@@ -293,6 +312,12 @@ class LoraHandle:
             linear.weight = nn.Parameter(weight, requires_grad=flag)
             adapted.base_layer = linear
         self.quantized = {}
+        if self.embedding is not None:
+            name, embedding, dtype, flag = self.embedding
+            weight = _nf4.dequantize(self.model.get_submodule(name).weight, dtype)
+            embedding.weight = nn.Parameter(weight, requires_grad=flag)
+            _set_submodule(self.model, name, embedding)
+            self.embedding = None
         self.tuner.unload()  # the base layers back in place of peft's LoRA layers
         if hasattr(self.model, "peft_config"):
             del self.model.peft_config
@@ -379,6 +404,35 @@ def _quantize_layers(handle: LoraHandle, dtypes: dict[str, torch.dtype]) -> None
         linear.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
         handle.quantized[name] = (linear, dtypes.get(f"{name}.weight", w.dtype), flag)
         del w
+    if handle.config.quantize_embeddings:
+        _quantize_embedding(handle, dtypes)
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, module)
+
+
+def _quantize_embedding(handle: LoraHandle, dtypes: dict[str, torch.dtype]) -> None:
+    """Put a 4-bit :class:`~memfit.strategies.nf4.NF4Embedding` in place of the input
+    embedding (a plain ``nn.Embedding`` whose width is whole NF4 blocks and whose table is not
+    the output head's)."""
+    model = handle.model
+    getter = getattr(model, "get_input_embeddings", None)
+    embedding = getter() if callable(getter) else None
+    if type(embedding) is not nn.Embedding or embedding.embedding_dim % _nf4.BLOCK:
+        return
+    heads = [model.get_submodule(n) for n in _head_names(model)]
+    if any(getattr(h, "weight", None) is embedding.weight for h in heads):
+        return  # tied to the output head, which stays as it is
+    name = next(n for n, m in model.named_modules() if m is embedding)
+    w = embedding.weight
+    flag = next(f for p, f in handle._requires_grad if p is w)
+    q = _nf4.quantize(w)
+    _set_submodule(model, name, _nf4.NF4Embedding(q, embedding.padding_idx))
+    embedding.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
+    handle.embedding = (name, embedding, dtypes.get(f"{name}.weight", w.dtype), flag)
+    del w
 
 
 def _based(name: str, targets: list[str]) -> str:
@@ -467,7 +521,7 @@ def _memory_rank(config: LoraConfig | None) -> float:
         return 0.0
     attention_only = config.targets() == ("attention",)
     if config.quantize_base:
-        return 3.0 if attention_only else 4.0
+        return 3.0 if attention_only else 4.0 + float(config.quantize_embeddings)
     return 2.0 if attention_only else 1.0
 
 
@@ -491,7 +545,7 @@ def _parse(value: Any) -> LoraConfig | None:
         return LoraConfig(**fields)
     raise ValueError(
         f"lora must be true, false, null or a mapping of its fields (rank, alpha, dropout, "
-        f"target_modules, use_dora, quantize_base), got {value!r}"
+        f"target_modules, use_dora, quantize_base, quantize_embeddings), got {value!r}"
     )
 
 

@@ -29,6 +29,7 @@ __all__ = [
     "CHUNK",
     "SCALER_BLOCK",
     "SEP",
+    "NF4Embedding",
     "NF4Linear",
     "dequantize",
     "has_nf4",
@@ -150,7 +151,7 @@ SEP = "nf4."
 
 def has_nf4(model: nn.Module) -> bool:
     """Whether ``model`` has a 4-bit NF4 weight (without importing torchao when it has none)."""
-    return any(isinstance(m, NF4Linear) for m in model.modules())
+    return any(isinstance(m, (NF4Linear, NF4Embedding)) for m in model.modules())
 
 
 def state_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -204,3 +205,42 @@ def load_state_tensors(
         for target, key in pairs:
             target.copy_(tensors[key])
     return [], []
+
+
+class NF4Embedding(nn.Module):
+    """A frozen embedding table in 4-bit NF4 (``LoraConfig.quantize_embeddings``).
+
+    A lookup dequantises only the rows it reads (each row is whole blocks when the width is a
+    multiple of :data:`BLOCK`), with torchao's arithmetic: the values equal the rows of
+    :func:`dequantize`'s table. Memory: 0.5 bytes per weight plus the scales instead of 2 (bf16)
+    or 4; a lookup's temporaries are its rows' codes and values.
+
+    Attributes:
+        weight: The ``NF4Tensor`` (a parameter that does not require grad).
+        padding_idx: As ``nn.Embedding``'s (only read by code that inspects it).
+    """
+
+    def __init__(self, weight: Any, padding_idx: int | None = None) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.padding_idx = padding_idx
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        t = self.weight
+        width, half = self.embedding_dim, t.block_size // 2
+        blocks = width // t.block_size  # blocks per row
+        rows = ids.reshape(-1)
+        codes = t.quantized_data.view(self.num_embeddings, width // 2)[rows]
+        scalers = t.quantized_scalers.view(self.num_embeddings, blocks)[rows]
+        index = rows.unsqueeze(-1) * blocks + torch.arange(blocks, device=rows.device)
+        factor = t.quantization_factor[index // t.scaler_block_size]
+        # torchao's dequantize_scalers, element for element.
+        scale = (scalers / factor).to(t.dtype) + t.scaler_mean
+        scale = scale.unsqueeze(-1).expand(-1, -1, half).reshape(rows.numel(), width // 2)
+        first = t.nf4[(codes >> 4).to(torch.long)] * scale
+        second = t.nf4[(codes & 0b1111).to(torch.long)] * scale
+        return torch.stack([first, second], dim=-1).reshape(*ids.shape, width)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, nf4"
