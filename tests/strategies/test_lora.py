@@ -50,7 +50,7 @@ def test_plan_lora_round_trips_and_is_left_out_when_off():
     data = json.loads(plan.to_json())
     assert data["lora"] == {"rank": 8, "alpha": 16, "dropout": 0.1,
                             "target_modules": ["q_proj", "v_proj"], "use_dora": False,
-                            "quantize_base": "nf4"}
+                            "quantize_base": "nf4", "quantize_embeddings": False}
     assert Plan.from_dict(data) == plan
     assert Plan.from_dict(json.loads(Plan(lora=True).to_json())).lora == LoraConfig()
     assert Plan(lora=None).lora is None and Plan(lora=False).lora is None
@@ -367,3 +367,33 @@ def test_oom_fallback_rebuilding_the_plan_keeps_what_the_adapters_learnt(llama):
     assert now.keys() == learnt.keys()
     assert all(torch.equal(now[n], v) for n, v in learnt.items())
     new.step(batch)
+
+
+def test_four_bit_embeddings_equal_the_dequantised_table_and_come_off(llama):
+    model, batch = llama.build()
+    table = model.get_input_embeddings().weight.detach().clone()
+    handle = apply_lora(model, LoraConfig(rank=4, quantize_base="nf4", quantize_embeddings=True))
+    embedding = model.get_input_embeddings()
+    assert isinstance(embedding, nf4_mod.NF4Embedding)
+    ids = batch["input_ids"]
+    assert torch.equal(embedding(ids), nf4_mod.dequantize(embedding.weight)[ids])
+    assert torch.equal(nf4_mod.dequantize(embedding.weight), embedding.weight.get_original_weight())
+    model(**batch).loss.backward()  # trains through it
+    handle.remove()
+    back = model.get_input_embeddings()
+    assert type(back) is nn.Embedding and back.weight.shape == table.shape
+    assert back.weight.requires_grad
+
+
+def test_dry_run_equals_real_run_with_four_bit_embeddings():
+    plan = Plan(lora={"rank": 4, "quantize_base": "nf4", "quantize_embeddings": True},
+                precision="bf16-mixed", checkpointing="full")
+    real = memfit.measure("llama-tiny", plan, batch_size=2, seq_len=16, steps=2)
+    dry = memfit.dry_run("llama-tiny", plan, batch_size=2, seq_len=16, steps=2)
+    assert dry.peak_by_category == real.peak_by_category
+    assert dry.phase_peaks == real.phase_peaks
+
+
+def test_quantize_embeddings_needs_a_four_bit_base():
+    with pytest.raises(PlanError, match="quantize_embeddings"):
+        Plan(lora={"quantize_embeddings": True})
