@@ -194,6 +194,7 @@ class _Planner:
         self.frugal: set[int] = set()  # the most frugal candidates' ids
         self.ahead: Ahead | None = None
         self.lora_rank = 16  # the rank LoRA's candidates (and the QLoRA hint) take
+        self.forbid: tuple[str, ...] = ()
 
     def candidates(
         self,
@@ -206,7 +207,7 @@ class _Planner:
         """Every candidate of the allowed space (not yet costed), and the share of parameters
         that trains under each freezing choice (``None``: no choice)."""
         workload, target = self.workload, self.target
-        self.lora_rank = lora_rank
+        self.lora_rank, self.forbid = lora_rank, forbid
         space = options(
             workload, base, allow, forbid, target, disk_dir=disk_dir, lora_rank=lora_rank
         )
@@ -378,27 +379,34 @@ class _Planner:
 
     def _qlora_hint(self, closest: Candidate, allow: tuple[str, ...]) -> str:
         """When QLoRA was not allowed: whether the closest plan over a 4-bit base with
-        adapters would fit (one more prediction), as a sentence naming ``qlora``."""
+        adapters would fit (one or two more predictions: as it is, then in mixed precision,
+        where the frozen base is stored in the half dtype), as a sentence naming ``qlora``."""
         if "qlora" in allow or closest.plan.lora is not None:
             return ""
-        try:
-            plan = closest.plan.replace(lora=_qlora_config(self.lora_rank))
-        except ValueError:
-            return ""  # the closest plan cannot take adapters (the Plan says why)
-        trial = Candidate(plan=plan, rank=closest.rank, step_time=closest.step_time)
-        self.say(f"trying QLoRA: {plan.summary()}")
-        try:
-            predict(trial, self.workload, self.target, self.budget_bytes, self.host_bytes,
-                    floor=False)
-        except (ImportError, ValueError):
-            return ""  # peft/torchao missing, or no linear layer to adapt
-        total = trial.device_total_bytes or trial.peak_bytes or 0
-        if not trial.fits:
-            return ""
-        return (
-            f" It would fit with qlora (--allow qlora, low-rank adapters on a 4-bit base, which "
-            f"changes what is trained): {plan.summary()} is predicted at {format_bytes(total)}."
-        )
+        plans = [closest.plan]
+        if closest.plan.precision.mode == "fp32" and "mixed-precision" not in self.forbid:
+            mixed = "bf16-mixed" if self.target.supports_bf16 else "fp16-mixed"
+            plans.append(closest.plan.replace(precision=mixed))
+        for base in plans:
+            try:
+                plan = base.replace(lora=_qlora_config(self.lora_rank))
+            except ValueError:
+                continue  # this plan cannot take adapters (the Plan says why)
+            trial = Candidate(plan=plan, rank=closest.rank, step_time=closest.step_time)
+            self.say(f"trying QLoRA: {plan.summary()}")
+            try:
+                predict(trial, self.workload, self.target, self.budget_bytes, self.host_bytes,
+                        floor=False)
+            except (ImportError, ValueError):
+                return ""  # peft/torchao missing, or no linear layer to adapt
+            if trial.fits:
+                total = trial.device_total_bytes or trial.peak_bytes or 0
+                return (
+                    f" It would fit with qlora (--allow qlora, low-rank adapters on a 4-bit "
+                    f"base, which changes what is trained): {plan.summary()} is predicted at "
+                    f"{format_bytes(total)}."
+                )
+        return ""
 
 
 def _qlora_config(rank: int) -> Any:
