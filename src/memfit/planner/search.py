@@ -513,7 +513,17 @@ SEEDS_AFTER = 2
 SEED_FLOORS_AFTER = 4
 
 def _base_for(base: Plan, target: DeviceProfile) -> Plan:
-    """The base plan as it runs on ``target``: torch's foreach default made explicit."""
+    """The base plan as it runs on ``target``: torch's foreach default made explicit.
+
+    Raises:
+        ValueError: for an fp8 base plan on a target without float8 matmuls (one sentence).
+    """
+    if base.precision.mode == "fp8":
+        from ..strategies.fp8 import fp8_problem
+
+        problem = fp8_problem(target)
+        if problem is not None:
+            raise ValueError(problem)
     if (
         target.name != "cpu"
         and base.optimizer.foreach is None
