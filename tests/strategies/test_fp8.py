@@ -132,14 +132,15 @@ def test_fp8_step_close_to_bf16_mixed():
 def _forward_bytes(model: nn.Module, inputs, workload, autocast) -> tuple[int, int, set]:
     """(bytes autograd saves, counted once per storage without parameters; bytes the tracker
     sees left live by the forward; dtypes saved)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    # Storages by their StorageImpl's address (fake tensors' data pointers are all 0).
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
     saved: dict[int, int] = {}
     dtypes: set[torch.dtype] = set()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         st = t.untyped_storage()
-        if st.data_ptr() not in params:
-            saved[st.data_ptr()] = st.nbytes()
+        if st._cdata not in params:
+            saved[st._cdata] = st.nbytes()
             dtypes.add(t.dtype)
         return t
 
