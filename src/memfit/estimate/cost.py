@@ -48,8 +48,8 @@ from ..workload import Workload, call_model
 from .depth import SHALLOW_DEPTHS, extrapolate
 
 __all__ = [
-    "StepCost",
     "FP8_EAGER_SLOWDOWN",
+    "StepCost",
     "WorkloadProfile",
     "bubble_fraction",
     "communication",
