@@ -232,3 +232,35 @@ def test_hf_and_lightning_engines_refuse_fp8():
     for engine in ("hf", "lightning", "layout"):
         assert "fp8" in technique.refuses(plan, engine), engine
     assert technique.refuses(plan, "single") is None
+
+
+def test_a_real_model_on_an_older_gpu_is_refused(monkeypatch):
+    import memfit.device as device
+
+    # A model on a CUDA device of compute capability 8.0 (an A100), as device.py reports it.
+    monkeypatch.setattr(device, "is_cuda", lambda d: True)
+    monkeypatch.setattr(device, "device_capability", lambda d: (8, 0))
+    with pytest.raises(PlanError, match=r"compute capability 8\.0\) has no float8 matmuls"):
+        apply_fp8(nn.Sequential(nn.Linear(32, 32)))
+
+
+def test_memfit_train_with_an_fp8_plan(tmp_path):
+    import json
+
+    import yaml
+    from typer.testing import CliRunner
+
+    from memfit.cli import app
+
+    (tmp_path / "notes.txt").write_text("the quick brown fox jumps over the lazy dog. " * 60)
+    config = dict(model="llama-tiny", data=["notes.txt"], batch_size=2, seq_len=32,
+                  max_steps=3, plan={"precision": "fp8"})
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    out = tmp_path / "run.json"
+    res = CliRunner().invoke(app, ["train", "--config", str(tmp_path / "run.yaml"), "--json",
+                                   str(out)], env={"COLUMNS": "1000", "NO_COLOR": "1"})
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    assert data["plan"]["precision"]["mode"] == "fp8"
+    assert len(data["losses"]) == 3 and all(0 < x < 20 for x in data["losses"])
+    assert data["losses"][-1] < data["losses"][0]

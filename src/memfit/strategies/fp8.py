@@ -77,6 +77,37 @@ def fp8_problem(target: Any) -> str | None:
     return None
 
 
+def _device_problem(model: nn.Module) -> str | None:
+    """Why the device ``model``'s parameters are on cannot run float8 matmuls (a real run;
+    under fake tensors the dry run's target was checked by ``plan_for_target``)."""
+    from ..device import device_capability, is_cuda, is_fake
+
+    p = next(iter(model.parameters()), None)
+    if p is None or is_fake(p):
+        return None
+    if is_cuda(p.device):
+        cc = device_capability(p.device)
+        if cc is not None and cc < FP8_MIN_CAPABILITY:
+            return (
+                f"this GPU (compute capability {cc[0]}.{cc[1]}) has no float8 matmuls, which "
+                "need compute capability 8.9 or newer, so precision 'fp8' cannot run here; use "
+                "bf16-mixed"
+            )
+        return None
+    if p.device.type == "cpu" and not _cpu_scaled_mm():
+        return fp8_problem(_CPU)
+    return None
+
+
+class _Cpu:
+    kind = "cpu"
+    is_cuda = False
+    name = "cpu"
+
+
+_CPU = _Cpu()
+
+
 @functools.cache
 def _cpu_scaled_mm() -> bool:
     # One tiny float8 matmul: CPU builds that lack the kernel raise (NotImplementedError or a
@@ -177,7 +208,13 @@ def apply_fp8(model: nn.Module) -> Fp8Conversion:
     Raises:
         ImportError: without torchao (install ``memfit[fp8]``).
         RuntimeError: when the model already has float8 linears.
+        memfit.plan.PlanError: when the model is on a device without float8 matmuls.
     """
+    problem = _device_problem(model)
+    if problem is not None:
+        from ..plan import PlanError
+
+        raise PlanError(problem)
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
         from torchao.float8.float8_linear import Float8Linear
