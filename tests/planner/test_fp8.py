@@ -106,3 +106,14 @@ def test_search_picks_fp8_when_only_it_fits():
     assert result.fits and result.plan.precision.mode == "fp8"
     with pytest.raises(memfit.NothingFits):
         plan(WORKLOAD, budget, forbid=forbid, device="cpu")
+
+
+@pytest.mark.parametrize(("device", "hinted"), [("h100", True), ("a100", False)])
+def test_nothing_fits_hints_fp8_only_where_it_runs(device, hinted):
+    import memfit
+
+    budget = get_device(device).overhead_bytes + 2**20  # 1 MiB of tensors: nothing fits
+    with pytest.raises(memfit.NothingFits) as info:
+        plan(WORKLOAD, budget, forbid=FORBID, device=device)
+    hint = str(info.value).split("allowing ", 1)[1]
+    assert ("fp8" in hint) is hinted, hint

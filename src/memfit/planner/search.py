@@ -97,7 +97,8 @@ def plan(
         workload: The workload at its full batch and sequence length, or a SPEC.
         budget: Bytes, a size string (``4GiB``) or a device name (``t4``).
         allow: Techniques that change training or use host memory, and need consent:
-            ``freeze``, ``shorter-seq``, ``8bit``, ``factored``, ``bf16-pure``, ``offload``.
+            ``freeze``, ``shorter-seq``, ``8bit``, ``factored``, ``bf16-pure``, ``fp8`` (targets
+            of compute capability 8.9+), ``offload``.
         forbid: Default techniques to rule out: ``accumulation``, ``checkpointing``,
             ``full-checkpointing``, ``mixed-precision``, ``fused-step``, ``foreach-off``,
             ``fused-loss``.
