@@ -264,3 +264,23 @@ def test_memfit_train_with_an_fp8_plan(tmp_path):
     assert data["plan"]["precision"]["mode"] == "fp8"
     assert len(data["losses"]) == 3 and all(0 < x < 20 for x in data["losses"])
     assert data["losses"][-1] < data["losses"][0]
+
+
+COMBINED = {
+    "selective": dict(checkpointing="selective"),
+    "fused-step": dict(optimizer_in_backward=True),
+    "accumulation": dict(grad_accum_steps=2),
+    "fused-pointwise": dict(fused_pointwise=True),
+    "optimizer-offload": dict(offload={"optimizer": "host"}),
+    "parameter-offload": dict(offload={"optimizer": "host", "parameters": "host"}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(COMBINED))
+def test_dry_run_equals_real_run_with_other_techniques(name):
+    plan = Plan(precision="fp8", **COMBINED[name])
+    real = memfit.measure("llama-tiny", plan, batch_size=2, seq_len=32, steps=2)
+    dry = memfit.dry_run("llama-tiny", plan, batch_size=2, seq_len=32, steps=2)
+    assert dry.peak_by_category == real.peak_by_category
+    assert dry.phase_peaks == real.phase_peaks
