@@ -31,6 +31,12 @@ Run on a GPU machine (torchao installed)::
 
 It writes ``gpu_fp8_<device>.json`` and ``.md``. Without a CUDA device of compute capability
 8.9 or newer it exits with code 2.
+
+Without a GPU, ``--predict h200`` prints memfit's dry-run peaks for the eager configurations
+on that profile instead (fake tensors: seconds on a CPU; ``bf16`` and ``fp8-tensorwise`` are
+built as the harness builds them, bf16 weights and torch's AdamW)::
+
+    python benchmarks/gpu_fp8.py --predict h200
 """
 
 from __future__ import annotations
@@ -227,6 +233,39 @@ def run_plan(spec: dict[str, Any], workload: Any, model: Any, batch: Any,
     return out
 
 
+def predict(args: argparse.Namespace) -> list[str]:
+    """memfit's dry-run peak of each eager configuration on the ``args.predict`` profile."""
+    import dataclasses
+
+    import memfit
+    from memfit.strategies.fp8 import apply_fp8
+    from memfit.strategies.precision import cast_module
+
+    base = memfit.load_workload(args.model, args.batch_size, args.seq_len)
+
+    def harness(fp8: bool) -> Any:
+        def build() -> torch.nn.Module:
+            model = base.build_model()
+            cast_module(model, torch.bfloat16)  # bf16 weights, as run_one's .to(bfloat16)
+            if fp8:
+                apply_fp8(model)  # memfit's filter: dims of 16, no head (the harness's too)
+            return model
+
+        return dataclasses.replace(base, build_model=build, with_depth=None)
+
+    runs = {
+        "bf16": (harness(False), memfit.Plan()),
+        "fp8-tensorwise": (harness(True), memfit.Plan()),
+        "plan-bf16-mixed": (base, memfit.Plan(precision="bf16-mixed")),
+        "plan-fp8": (base, memfit.Plan(precision="fp8")),
+    }
+    lines = []
+    for config, (workload, plan) in runs.items():
+        report = memfit.dry_run(workload, plan, steps=args.steps, device=args.predict)
+        lines.append(f"{config}: predicted peak {report.peak_bytes / GiB:.2f} GiB on {args.predict}")
+    return lines
+
+
 def _child(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
     try:
@@ -285,7 +324,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per config")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--predict", default=None, metavar="PROFILE",
+                        help="print memfit's dry-run peaks on this GPU profile (no GPU needed)")
     args = parser.parse_args(argv)
+    if args.predict:
+        print("\n".join(predict(args)))
+        return 0
     if args.child:
         print(json.dumps(run_one(json.loads(args.child))))
         return 0
