@@ -240,7 +240,7 @@ def test_a_real_model_on_an_older_gpu_is_refused(monkeypatch):
     # A model on a CUDA device of compute capability 8.0 (an A100), as device.py reports it.
     monkeypatch.setattr(device, "is_cuda", lambda d: True)
     monkeypatch.setattr(device, "device_capability", lambda d: (8, 0))
-    with pytest.raises(PlanError, match=r"compute capability 8\.0\) has no float8 matmuls"):
+    with pytest.raises(ValueError, match=r"compute capability 8\.0\) has no float8 matmuls"):
         apply_fp8(nn.Sequential(nn.Linear(32, 32)))
 
 

@@ -208,13 +208,11 @@ def apply_fp8(model: nn.Module) -> Fp8Conversion:
     Raises:
         ImportError: without torchao (install ``memfit[fp8]``).
         RuntimeError: when the model already has float8 linears.
-        memfit.plan.PlanError: when the model is on a device without float8 matmuls.
+        ValueError: when the model is on a device without float8 matmuls (one sentence).
     """
     problem = _device_problem(model)
     if problem is not None:
-        from ..plan import PlanError
-
-        raise PlanError(problem)
+        raise ValueError(problem)
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
         from torchao.float8.float8_linear import Float8Linear
