@@ -69,12 +69,18 @@ def fp8_problem(target: Any) -> str | None:
             "compute capability 8.9 or newer (rtx4090, h100, h200), so precision 'fp8' cannot "
             "run there; use bf16-mixed"
         )
-    if getattr(target, "kind", None) == "cpu" and not _cpu_scaled_mm():
-        return (
-            f"this PyTorch ({torch.__version__}) has no float8 matmul on the CPU "
-            "(torch._scaled_mm), so precision 'fp8' cannot run here; use bf16-mixed"
-        )
+    if getattr(target, "kind", None) == "cpu":
+        return _cpu_problem()
     return None
+
+
+def _cpu_problem() -> str | None:
+    if _cpu_scaled_mm():
+        return None
+    return (
+        f"this PyTorch ({torch.__version__}) has no float8 matmul on the CPU "
+        "(torch._scaled_mm), so precision 'fp8' cannot run here; use bf16-mixed"
+    )
 
 
 def _device_problem(model: nn.Module) -> str | None:
@@ -94,29 +100,22 @@ def _device_problem(model: nn.Module) -> str | None:
                 "bf16-mixed"
             )
         return None
-    if p.device.type == "cpu" and not _cpu_scaled_mm():
-        return fp8_problem(_CPU)
-    return None
-
-
-class _Cpu:
-    kind = "cpu"
-    is_cuda = False
-    name = "cpu"
-
-
-_CPU = _Cpu()
+    return _cpu_problem() if p.device.type == "cpu" else None
 
 
 @functools.cache
 def _cpu_scaled_mm() -> bool:
     # One tiny float8 matmul: CPU builds that lack the kernel raise (NotImplementedError or a
-    # RuntimeError naming the dtype).
+    # RuntimeError naming the dtype). Real tensors even inside a dry run's fake mode, where
+    # the fake kernel would answer for any build.
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
     try:
-        a = torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
-        b = torch.zeros(16, 16, dtype=torch.float8_e4m3fn).t()
-        one = torch.ones((), dtype=torch.float32)
-        torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        with unset_fake_temporarily():
+            a = torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
+            b = torch.zeros(16, 16, dtype=torch.float8_e4m3fn).t()
+            one = torch.ones((), dtype=torch.float32)
+            torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
     except (RuntimeError, NotImplementedError, AttributeError, TypeError):
         return False
     return True
