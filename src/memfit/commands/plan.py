@@ -42,7 +42,7 @@ _Allow = Annotated[
     typer.Option(
         "--allow",
         help="Comma-separated techniques that change training or need host memory: freeze, "
-        "shorter-seq, 8bit, factored, bf16-pure, offload.",
+        "shorter-seq, 8bit, factored, bf16-pure, fp8, offload.",
     ),
 ]
 _Forbid = Annotated[

@@ -48,6 +48,7 @@ from ..workload import Workload, call_model
 from .depth import SHALLOW_DEPTHS, extrapolate
 
 __all__ = [
+    "FP8_EAGER_SLOWDOWN",
     "StepCost",
     "WorkloadProfile",
     "bubble_fraction",
@@ -256,10 +257,22 @@ class StepCost:
         }
 
 
+#: How much longer an eager step's matmuls take under ``fp8`` (torchao's float8 linears)
+#: than in bf16: measured 2.46x per step on an H200 (llama-1b, 2 x 2048 tokens, tensorwise;
+#: ``benchmarks/results/gpu_h200.md``), where the separate cast kernels outweigh the faster
+#: float8 GEMMs. Charged on the matmul term, which dominates such a step; a compiled step
+#: (which fuses the casts) is charged at the bf16 rate, not measured yet.
+FP8_EAGER_SLOWDOWN = 2.46
+
+
 def _compute_dtype(plan: Plan) -> str:
-    return {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16-pure": "bf16"}[
-        plan.precision.mode
-    ]
+    return {
+        "fp32": "fp32",
+        "bf16-mixed": "bf16",
+        "fp16-mixed": "fp16",
+        "bf16-pure": "bf16",
+        "fp8": "bf16",  # the rate is bf16's times FP8_EAGER_SLOWDOWN (see _matmul)
+    }[plan.precision.mode]
 
 
 def step_cost(
@@ -374,7 +387,10 @@ def _matmul(profile: WorkloadProfile, plan: Plan, s: _Step) -> float:
         # of tokens x hidden x vocabulary instead of 3 (see the trade-off in
         # memfit/ops/cross_entropy.py's docstring; issue 12 states the same cost).
         recompute += profile.head_fwd_flops_per_sample * s.batch_size * s.seq_scale
-    return (s.fwd + s.bwd + recompute) / s.rate
+    slowdown = 1.0
+    if plan.precision.mode == "fp8" and plan.compile_backend is None:
+        slowdown = FP8_EAGER_SLOWDOWN
+    return (s.fwd + s.bwd + recompute) / s.rate * slowdown
 
 
 def _pointwise(plan: Plan, device: DeviceProfile, s: _Step) -> float:
