@@ -369,6 +369,11 @@ def test_alternate_matmuls_keeps_every_other_mm_of_a_block():
     assert kept == n * B * S * 5 * D * F32 + F32
     with pytest.raises(ValueError, match="policy 'every-op' is not known"):
         CheckpointConfig("selective", policy="every-op")
+    with pytest.raises(ValueError, match="mode 'full' takes none"):
+        CheckpointConfig("full", policy="alternate-matmuls")
+    plan = memfit.Plan.from_dict({"checkpointing": {"mode": "selective",
+                                                    "policy": "alternate-matmuls"}})
+    assert memfit.Plan.from_dict(plan.to_dict()) == plan
 
 def test_sqrt_scales_with_the_square_root_of_depth():
     kept, peak, none_peak = {}, {}, {}

@@ -115,6 +115,11 @@ class CheckpointConfig:
                 f"selective checkpointing policy {self.policy!r} is not known; use one of "
                 f"{', '.join(SELECTIVE_POLICIES)}"
             )
+        if self.policy != "matmuls" and self.mode != "selective":
+            raise ValueError(
+                f"checkpointing policy {self.policy!r} chooses what 'selective' keeps; mode "
+                f"{self.mode!r} takes none (use mode 'selective' or drop the policy)"
+            )
 
 
 # ---------------------------------------------------------------------------------- blocks
