@@ -77,8 +77,8 @@ def render(record: Record, tokenizer: Tokenizer) -> tuple[list[int], int]:
         if chat is None:
             raise WorkloadError(
                 f"{record.where} is a chat record, but the tokenizer {tokenizer!r} has no chat "
-                "template to render it with; give a tokenizer folder whose tokenizer_config.json "
-                "has a chat_template (saved by save_pretrained)"
+                "template to render it with; give a tokenizer folder (--tokenizer) whose "
+                "tokenizer_config.json has a chat_template, as save_pretrained writes it"
             )
     try:
         return _render_chat(list(turns), chat)

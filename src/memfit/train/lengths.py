@@ -70,7 +70,7 @@ class LengthReport:
             f"sample lengths over {self.samples:,} samples: p50 {self.p50}, p90 {self.p90}, "
             f"p99 {self.p99}, max {self.max} tokens (mean {self.mean:.1f}){cut}. "
             f"Worst batch: {rows} x {length} tokens, any batch holding sample {self.longest}"
-            f"{source}; the plan is made for it."
+            f"{source}; memory is planned for it."
         )
 
     def to_dict(self) -> dict[str, Any]:

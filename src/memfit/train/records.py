@@ -50,8 +50,8 @@ _EXAMPLE = {
     "prompt": '{"prompt": "...", "completion": "..."}',
 }
 _FIELDS = {
-    "chat": "a 'messages' list",
-    "prompt": "'prompt' and 'completion' fields",
+    "chat": ("a chat record", "'messages' list"),
+    "prompt": ("a prompt/completion record", "'prompt' and 'completion'"),
 }
 
 
@@ -311,10 +311,10 @@ def _record(row: Any, i: int, kind: str, where: Callable[[int], str], text_field
             )
         return Record("text", where(i), text=value) if value.strip() else None
     if _kind_of(row, text_field) != kind:
+        what, fields = _FIELDS[kind]
         raise WorkloadError(
-            f"{where(i)} has no {_FIELDS[kind]}, which every record of a "
-            f"{'chat' if kind == 'chat' else 'prompt/completion'} file needs (the first record "
-            f"has them); write records such as {_EXAMPLE[kind]}"
+            f"{where(i)} is not {what} like the file's first one: it has no {fields}, which "
+            f"every record of the file needs; write records such as {_EXAMPLE[kind]}"
         )
     if kind == "chat":
         return _chat(_messages(row["messages"], i, where, "messages"), i, where)
