@@ -10,7 +10,7 @@ from typing import Any
 
 from ..console import fail
 
-__all__ = ["check_sizes", "parse_cap", "run_guarded"]
+__all__ = ["check_data_options", "check_sizes", "data_lengths", "parse_cap", "run_guarded"]
 
 
 def run_guarded(fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -70,3 +70,14 @@ def data_lengths(
     report = run_guarded(length_report, dataset, batch_size, seq_len=seq_len)
     out.print(report.summary(), highlight=False)
     return report
+
+
+def check_data_options(data: Any, tokenizer: Any, text_field: str) -> None:
+    """Fail (exit 2) when ``--tokenizer`` or ``--text-field`` is given without ``--data``:
+    they only read the data, so alone they would be ignored without a word."""
+    if data:
+        return
+    if tokenizer is not None:
+        fail("--tokenizer counts the tokens of --data; give --data too, or leave --tokenizer out")
+    if text_field != "text":
+        fail("--text-field names a field of --data's records; give --data too, or leave it out")

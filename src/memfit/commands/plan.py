@@ -11,7 +11,7 @@ from ..console import check_outputs, err, exit_without_teardown, fail, out, quie
 from ..outputs import make_parent, write_text
 from ..plan import Plan
 from ..units import format_bytes
-from .checks import check_sizes, data_lengths, run_guarded
+from .checks import check_data_options, check_sizes, data_lengths, run_guarded
 
 __all__ = ["plan_command"]
 
@@ -180,6 +180,7 @@ def plan_command(
     # --disk-dir is written by training under the plan, not here, but must exist by then.
     check_outputs({"--json": json_path, "--save": save}, existing_folders={"--disk-dir": disk_dir})
     base_plan = run_guarded(Plan.load, base) if base is not None else None
+    check_data_options(data, tokenizer, text_field)
     lengths = None
     if data:
         # The budget must hold for the longest batch the data makes, not a typical one.

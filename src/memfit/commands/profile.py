@@ -25,7 +25,7 @@ from ..outputs import write_text
 from ..plan import Plan
 from ..units import format_bytes
 from ..workload import Workload
-from .checks import check_sizes, data_lengths, parse_cap, run_guarded
+from .checks import check_data_options, check_sizes, data_lengths, parse_cap, run_guarded
 
 __all__ = ["profile", "profile_under_launcher"]
 
@@ -135,6 +135,7 @@ def profile(
 
     target = run_guarded(get_device, device)
     the_plan = run_guarded(Plan.load, plan) if plan is not None else None
+    check_data_options(data, tokenizer, text_field)
     if data:
         # Measure the longest batch the data makes: the one a budget must hold.
         share = max(batch_size // (world_size or 1), 1)

@@ -214,6 +214,8 @@ class TrainConfig:
             raise ConfigError(
                 "schedule", f"{self.schedule!r} is not known; use one of {', '.join(LR_SCHEDULES)}"
             )
+        if not self.text_field.strip():
+            raise ConfigError("text_field", "is empty; give the name of the field holding the text")
         if self.data == ():
             raise ConfigError("data", "is an empty list; give at least one file, or leave it out")
         _ = self.budget_bytes, self.cap_bytes  # a size that does not parse fails here
