@@ -150,3 +150,23 @@ def test_file_errors_are_one_sentence(tmp_path, name, content, match):
 def test_no_paths():
     with pytest.raises(WorkloadError, match="no data files"):
         read_records([])
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "json", "csv", "parquet"])
+def test_datasets_reads_each_format_itself(tmp_path, kind):
+    """Through datasets when installed: no silent fall back to the standard library."""
+    pytest.importorskip("datasets")
+    rows = [{"prompt": "2+2?", "completion": "4"}, {"prompt": "3+3?", "completion": ""}]
+    path = tmp_path / f"a.{kind}"
+    if kind == "jsonl":
+        _jsonl(path, rows, blank_after=(0,))
+    elif kind == "json":
+        path.write_text(json.dumps(rows))
+    elif kind == "csv":
+        path.write_text("prompt,completion\n2+2?,4\n3+3?,\n")
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), str(path))
+    assert records_module._rows_through_datasets(path, kind) == rows

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import functools
 import json
 import os
+import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,14 +172,24 @@ def _rows_through_datasets(path: Path, kind: str) -> list[Any] | None:
         "json": datasets.Dataset.from_json,
         # Every cell a string, empty cells empty: as the csv module reads them (pandas would
         # turn a column of numbers into numbers and an empty cell into NaN).
-        "csv": lambda p: datasets.Dataset.from_csv(p, dtype=str, keep_default_na=False),
+        "csv": functools.partial(_csv_through_datasets, datasets),
         "parquet": datasets.Dataset.from_parquet,
     }
-    with _quiet_datasets(datasets):
+    # The rows are all taken into memory here, so the Arrow files datasets prepares are only
+    # a step on the way: a folder of our own, removed after, rather than the user's cache.
+    with _quiet_datasets(datasets), tempfile.TemporaryDirectory(prefix="memfit-data-") as cache:
         try:
-            return list(readers[kind](str(path)).to_list())
+            table = readers[kind](str(path), cache_dir=cache, keep_in_memory=True)
+            return list(table.to_list())
         except Exception:  # any refusal: read again below, which names the line at fault
             return None
+
+
+def _csv_through_datasets(datasets: Any, path: str, **kwargs: Any) -> Any:
+    with open(path, encoding="utf-8", errors="replace", newline="") as f:
+        header = next(csv.reader(f), [])
+    strings = datasets.Features({name: datasets.Value("string") for name in header})
+    return datasets.Dataset.from_csv(path, features=strings, na_filter=False, **kwargs)
 
 
 @contextlib.contextmanager
