@@ -167,6 +167,8 @@ def load_tokenizer(path: str | Path | None) -> ByteTokenizer | FileTokenizer | P
     p = Path(path)
     if p.is_dir() and (p / "tokenizer_config.json").is_file():
         return _load_pretrained(p)
+    if p.name == "tokenizer.json" and (p.parent / "tokenizer_config.json").is_file():
+        return _load_pretrained(p.parent)  # the file of a saved folder: keep its chat template
     if p.is_dir():
         p = p / "tokenizer.json"
     if not p.is_file():
@@ -187,11 +189,19 @@ def load_tokenizer(path: str | Path | None) -> ByteTokenizer | FileTokenizer | P
 
 
 def _load_pretrained(folder: Path) -> PretrainedTokenizer:
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     try:
         inner = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except Exception as e:  # transformers raises many kinds for a folder it cannot use
+        # A folder whose config names no class transformers knows: its tokenizer.json still
+        # loads as a plain fast tokenizer, with the config's chat template and specials.
+        try:
+            inner = PreTrainedTokenizerFast.from_pretrained(str(folder), local_files_only=True)
+        except Exception:
+            inner = None
+        if inner is not None:
+            return PretrainedTokenizer(inner, folder)
         raise WorkloadError(
             f"tokenizer folder {str(folder)!r} cannot be loaded by transformers "
             f"({' '.join(str(e).split())}); give a folder saved by save_pretrained"
