@@ -38,6 +38,7 @@ BAD: dict[str, dict[str, list[str] | None]] = {
         "--device": ["no-such-gpu"],
         "--expert-load": ["0.5"],
         "--world-size": ["0", "3", "x"],
+        "--snapshot": [UNWRITABLE, A_FOLDER],
         "--data": [MISSING, "{tmp}/a-file", "{tmp}/bad-chat.jsonl"],
         "--tokenizer": [MISSING],
         "--text-field": ["body"],
@@ -194,7 +195,7 @@ def _plain_plan(tmp_path) -> str:
 # ------------------------------------------------------------------------------ output paths
 # Every path option of every command: what it writes (a file or a folder), or that it is read.
 OUTPUTS: dict[str, dict[str, str]] = {
-    "profile": {"--json": "file", "--plot": "file"},
+    "profile": {"--json": "file", "--plot": "file", "--snapshot": "file"},
     "plan": {"--json": "file", "--save": "file", "--disk-dir": "existing folder"},
     "train": {"--json": "file", "--plot": "file", "--checkpoint-dir": "folder"},
     "bench ladder": {"--json": "file", "--markdown": "file"},
