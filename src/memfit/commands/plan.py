@@ -11,7 +11,7 @@ from ..console import check_outputs, err, exit_without_teardown, fail, out, quie
 from ..outputs import make_parent, write_text
 from ..plan import Plan
 from ..units import format_bytes
-from .checks import check_sizes, run_guarded
+from .checks import check_data_options, check_sizes, data_lengths, run_guarded
 
 __all__ = ["plan_command"]
 
@@ -120,6 +120,27 @@ _GpusPerNode = Annotated[
     ),
 ]
 
+_Data = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--data",
+        help="Training data (JSONL, JSON, Parquet, CSV or text; repeat for several files): "
+        "plan for its longest batch, --batch-size samples of its longest record (cut to "
+        "--seq-len), and print its length percentiles.",
+    ),
+]
+_Tokenizer = Annotated[
+    Path | None,
+    typer.Option(
+        "--tokenizer",
+        help="With --data: the tokenizer that counts its tokens (a tokenizer.json, or a "
+        "save_pretrained folder whose chat template renders chat records). Default: bytes.",
+    ),
+]
+_TextField = Annotated[
+    str, typer.Option("--text-field", help="With --data: the field holding a record's text.")
+]
+
 
 def plan_command(
     model: _Model,
@@ -138,6 +159,9 @@ def plan_command(
     emit: _Emit = None,
     world_size: _WorldSize = None,
     gpus_per_node: _GpusPerNode = None,
+    data: _Data = None,
+    tokenizer: _Tokenizer = None,
+    text_field: _TextField = "text",
 ) -> None:
     """Find the fastest plan whose peak memory fits a budget."""
     # Nothing is left to finish once the answer is printed: the process then exits without
@@ -156,6 +180,13 @@ def plan_command(
     # --disk-dir is written by training under the plan, not here, but must exist by then.
     check_outputs({"--json": json_path, "--save": save}, existing_folders={"--disk-dir": disk_dir})
     base_plan = run_guarded(Plan.load, base) if base is not None else None
+    check_data_options(data, tokenizer, text_field)
+    lengths = None
+    if data:
+        # The budget must hold for the longest batch the data makes, not a typical one.
+        share = max(batch_size // (world_size or 1), 1)
+        lengths = data_lengths(data, tokenizer, text_field, share, seq_len)
+        seq_len = lengths.max
     workload = run_guarded(load_workload, model, batch_size, seq_len)
     result = _search(
         workload,
@@ -172,7 +203,7 @@ def plan_command(
         jobs=jobs,
     )
     _print_answer(result)
-    _write_answer(result, json_path, save, emit)
+    _write_answer(result, json_path, save, emit, lengths)
 
 
 def _search(workload: Any, budget: str, json_path: Path | None, **options: Any) -> Any:
@@ -240,12 +271,18 @@ def _print_answer(result: Any) -> None:
         )
 
 
-def _write_answer(result: Any, json_path: Path | None, save: Path | None, emit: str | None) -> None:
-    """The answer as JSON, the chosen plan as a file, and ``--emit hf``'s lines, when asked."""
+def _write_answer(
+    result: Any, json_path: Path | None, save: Path | None, emit: str | None, lengths: Any = None
+) -> None:
+    """The answer as JSON (with ``--data``'s lengths), the chosen plan as a file, and ``--emit
+    hf``'s lines, when asked."""
     import json
 
     if json_path is not None:
-        write_text(json_path, json.dumps(result.to_dict(), indent=2) + "\n")
+        answer = result.to_dict()
+        if lengths is not None:
+            answer["data_lengths"] = lengths.to_dict()
+        write_text(json_path, json.dumps(answer, indent=2) + "\n")
         out.print(f"wrote {json_path}")
     if save is not None:
         make_parent(save)

@@ -53,6 +53,11 @@ def train(
     keep: Annotated[int | None, typer.Option("--keep", help=_help("keep_checkpoints", "default 3"))] = None,
     resume: Annotated[bool, typer.Option("--resume", help=_help("resume", "needs --checkpoint-dir"))] = False,
     nproc_per_node: Annotated[int | None, typer.Option("--nproc-per-node", help=_help("nproc_per_node", "started through torch's elastic launcher"))] = None,
+    data: Annotated[list[Path] | None, typer.Option("--data", help=_help("data", "repeat for several files"))] = None,
+    tokenizer: Annotated[Path | None, typer.Option("--tokenizer", help=_help("tokenizer"))] = None,
+    text_field: Annotated[str | None, typer.Option("--text-field", help=_help("text_field", "default text"))] = None,
+    seq_len: Annotated[int | None, typer.Option("--seq-len", help=_help("seq_len", "default 128"))] = None,
+    batch_size: Annotated[int | None, typer.Option("--batch-size", help=_help("batch_size"))] = None,
 ) -> None:
     """Train a causal LM on text under a memory budget: plan, train, report memory."""
     from ..console import check_outputs, err, exit_without_teardown, fail, out, quiet_libraries
@@ -77,6 +82,11 @@ def train(
         "keep_checkpoints": keep,
         "resume": resume or None,
         "nproc_per_node": nproc_per_node,
+        "data": [str(p) for p in data] if data else None,
+        "tokenizer": str(tokenizer) if tokenizer is not None else None,
+        "text_field": text_field,
+        "seq_len": seq_len,
+        "batch_size": batch_size,
     }
     world = worker_world_size()
     if world > 1 and nproc_per_node is None:
@@ -272,7 +282,8 @@ _PASSED = {
     "config": "--config", "max_steps": "--max-steps", "seed": "--seed", "budget": "--budget",
     "json_path": "--json", "cap": "--cap", "plot": "--plot", "plan_path": "--plan",
     "checkpoint_dir": "--checkpoint-dir", "save_every": "--save-every", "keep": "--keep",
-    "nproc_per_node": "--nproc-per-node",
+    "nproc_per_node": "--nproc-per-node", "tokenizer": "--tokenizer", "text_field": "--text-field",
+    "seq_len": "--seq-len", "batch_size": "--batch-size",
 }  # fmt: skip
 
 
@@ -285,6 +296,8 @@ def _argv(params: Mapping[str, Any]) -> list[str]:
             argv += [flag, str(value)]
     if params.get("resume"):
         argv.append("--resume")
+    for path in params.get("data") or ():
+        argv += ["--data", str(path)]
     return argv
 
 
@@ -344,6 +357,8 @@ def _print_plan(out: Any, run: TrainRun) -> None:
         f"data: {run.data_name} ({ds.num_tokens:,} tokens, {len(run.train):,} training samples)",
         highlight=False,
     )
+    if run.lengths is not None and run.config.data is not None:
+        out.print(run.lengths.summary(), highlight=False)
     verdict = "fits" if choice.fits else "[red]does not fit[/]"
     out.print(
         f"plan ({choice.method}): [bold]{choice.plan.summary()}[/]; predicted peak "
@@ -394,4 +409,6 @@ def _result_json(run: TrainRun, result: Any) -> dict[str, Any]:
         config=cfg.to_dict(),
         memory_report=result.report.to_dict(max_points=200),
     )
+    if run.lengths is not None:
+        data["data_lengths"] = run.lengths.to_dict()
     return data

@@ -81,13 +81,20 @@ class TrainConfig:
     state grow with the parameter count."""
 
     data: tuple[str, ...] | None = None
-    """Training text: ``.txt``, ``.csv`` or ``.jsonl`` files (one path or a list). ``None``:
-    the Python standard library's own sources (``corpus_bytes`` of them). The tokens are held
-    in host memory as a flat array, 4 bytes per token."""
+    """Training data: ``.jsonl``, ``.json``, ``.parquet``, ``.csv`` or ``.txt`` files (one path
+    or a list) of text records, chat records (``messages``) or ``prompt``/``completion``
+    records; chats are rendered with the tokenizer's chat template and their prompt is masked
+    out of the loss. ``None``: the Python standard library's own sources (``corpus_bytes`` of
+    them). The plan is made for the longest batch the data makes. The tokens are held in host
+    memory as a flat array, 8 bytes per token."""
+
+    text_field: str = "text"
+    """The field (or CSV column) holding a text record's text."""
 
     tokenizer: str | None = None
-    """A ``tokenizer.json`` file; ``None``: the byte tokenizer (259 ids, nothing to load). A
-    larger vocabulary makes the embedding, the LM head and the logits larger."""
+    """A ``tokenizer.json`` file, or a folder saved by ``save_pretrained`` (its chat template
+    renders chat data); ``None``: the byte tokenizer (259 ids, nothing to load). A larger
+    vocabulary makes the embedding, the LM head and the logits larger."""
 
     corpus_bytes: int = 1_000_000
     """Bytes of standard-library source to train on when ``data`` is ``None`` (host memory and
@@ -102,8 +109,9 @@ class TrainConfig:
     gradients in the training plan's micro-batches, so it needs no more memory than a step."""
 
     seq_len: int = 128
-    """Tokens per sample. Activation memory grows with it (attention scores with its square
-    unless the kernel is fused); at most the model's positions."""
+    """Tokens per sample: the most a sample keeps (longer records are truncated, and counted).
+    Activation memory grows with it (attention scores with its square unless the kernel is
+    fused); at most the model's positions."""
 
     # ------------------------------------------------------------------ the plan
     budget: str | int = "48MiB"
@@ -206,6 +214,8 @@ class TrainConfig:
             raise ConfigError(
                 "schedule", f"{self.schedule!r} is not known; use one of {', '.join(LR_SCHEDULES)}"
             )
+        if not self.text_field.strip():
+            raise ConfigError("text_field", "is empty; give the name of the field holding the text")
         if self.data == ():
             raise ConfigError("data", "is an empty list; give at least one file, or leave it out")
         _ = self.budget_bytes, self.cap_bytes  # a size that does not parse fails here

@@ -34,6 +34,7 @@ from torch import nn
 from ..plan import Plan, PlanError
 from ..workload import PRESETS, Workload, WorkloadError
 from .config import DEFAULT_BATCH_SIZE, TrainConfig
+from .lengths import LengthReport, length_report
 from .tokenizer import Tokenizer
 
 __all__ = [
@@ -247,6 +248,8 @@ class TrainRun:
         choice: The plan, how it was chosen and the plans to fall back to.
         collate: Turns samples into a batch (pad id, the plan's pad multiple).
         data_name: The text's source, in words.
+        lengths: The samples' length distribution and the worst batch, which the plan is
+            made for (``workload.seq_len`` is its length).
     """
 
     config: TrainConfig
@@ -258,6 +261,7 @@ class TrainRun:
     choice: PlanChoice
     collate: Callable[[list[Any]], Any]
     data_name: str
+    lengths: LengthReport | None = None
 
     @property
     def budget_bytes(self) -> int:
@@ -301,7 +305,9 @@ def prepare_run(
         ConfigError: for a plan file that is missing or not a plan.
         ValueError: for unknown ``allow`` / ``forbid`` names (from the planner).
     """
-    from .data import TextDataset, collate, load_text_files, stdlib_corpus, train_eval_split
+    from ..strategies.sequence import pad_collate
+    from .chat import build_dataset
+    from .data import TextDataset, stdlib_corpus, train_eval_split
     from .tokenizer import load_tokenizer
 
     say = say or (lambda message: None)
@@ -309,12 +315,19 @@ def prepare_run(
     if config.data is None:
         texts: Sequence[str] = [stdlib_corpus(config.corpus_bytes)]
         data_name = "the Python standard library's sources"
+        dataset = TextDataset(texts, tokenizer, config.seq_len, pack=config.pack)
     else:
-        texts = load_text_files(list(config.data))
         data_name = ", ".join(config.data)
+        dataset = build_dataset(
+            list(config.data), tokenizer, config.seq_len, pack=config.pack,
+            text_field=config.text_field, say=say,
+        )
     batch_size = config.batch_size or DEFAULT_BATCH_SIZE
+    # The plan holds for the worst batch: one process's share of samples at the longest
+    # sample's length (the model itself is built for the configured seq_len).
+    lengths = length_report(dataset, max(batch_size // world_size, 1), seq_len=config.seq_len)
     workload = text_workload(config.model, tokenizer, batch_size, config.seq_len)
-    dataset = TextDataset(texts, tokenizer, config.seq_len, pack=config.pack)
+    workload = workload.replace(seq_len=lengths.max)
     train_set, eval_set = train_eval_split(dataset, config.eval_fraction)
     given = config.load_plan()
     if given is not None:
@@ -344,9 +357,11 @@ def prepare_run(
         choice = _over_processes(choice, world_size)
     pad = tokenizer.pad_token_id
     pad_multiple = choice.plan.sequence.pad_to_multiple_of
+    longest = workload.seq_len
 
     def collate_fn(samples: list[Any]) -> Any:
-        return collate(samples, pad_token_id=pad, pad_to_multiple_of=pad_multiple)
+        # Never padded past the planned length (a pad multiple rounds up to at most it).
+        return pad_collate(samples, pad_id=pad, pad_to_multiple_of=pad_multiple, max_seq_len=longest)
 
     return TrainRun(
         config=config,
@@ -358,4 +373,5 @@ def prepare_run(
         choice=choice,
         collate=collate_fn,
         data_name=data_name,
+        lengths=lengths,
     )

@@ -5,7 +5,10 @@ specials. It is what ``memfit train`` uses by default, so a model trains on any 
 box (with a small vocabulary: 259 tokens, so the embedding and the logits stay small).
 
 A user's own tokenizer is a ``tokenizer.json`` (the format of the ``tokenizers`` library, which
-every Hugging Face fast tokenizer saves), loaded from disk only.
+every Hugging Face fast tokenizer saves), loaded from disk only. A folder saved by
+``save_pretrained`` (with its ``tokenizer_config.json``) loads through transformers instead, as
+a :class:`PretrainedTokenizer`, which keeps the folder's chat template: chat data
+(:mod:`memfit.train.chat`) is rendered with it.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Any, Protocol
 
 from ..workload import WorkloadError
 
-__all__ = ["ByteTokenizer", "FileTokenizer", "Tokenizer", "load_tokenizer"]
+__all__ = ["ByteTokenizer", "FileTokenizer", "PretrainedTokenizer", "Tokenizer", "load_tokenizer"]
 
 
 class Tokenizer(Protocol):
@@ -103,6 +106,43 @@ class FileTokenizer:
         return f"FileTokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
 
 
+class PretrainedTokenizer:
+    """A transformers tokenizer (a ``save_pretrained`` folder) with the training interface.
+
+    Unlike :class:`FileTokenizer` it keeps what the folder's ``tokenizer_config.json`` adds to
+    the ``tokenizer.json``: the special tokens' roles and the chat template.
+
+    Attributes:
+        inner: The transformers tokenizer (``apply_chat_template`` lives there).
+        path: The folder it was loaded from.
+    """
+
+    def __init__(self, inner: Any, path: Path) -> None:
+        self.inner = inner
+        self.path = path
+        self.vocab_size: int = len(inner)
+        eos = inner.eos_token_id
+        self.eos_token_id: int | None = int(eos) if eos is not None else None
+        pad = inner.pad_token_id
+        self.pad_token_id: int = int(pad) if pad is not None else (self.eos_token_id or 0)
+
+    @property
+    def chat_template(self) -> str | None:
+        """The folder's chat template (``None`` when it has none)."""
+        return getattr(self.inner, "chat_template", None) or None
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` without the tokenizer's added specials."""
+        return list(self.inner.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids`` (special tokens skipped)."""
+        return str(self.inner.decode([int(i) for i in ids], skip_special_tokens=True))
+
+    def __repr__(self) -> str:
+        return f"PretrainedTokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
+
+
 def _first_id(inner: Any, names: Sequence[str]) -> int | None:
     for name in names:
         idx = inner.token_to_id(name)
@@ -111,12 +151,13 @@ def _first_id(inner: Any, names: Sequence[str]) -> int | None:
     return None
 
 
-def load_tokenizer(path: str | Path | None) -> ByteTokenizer | FileTokenizer:
+def load_tokenizer(path: str | Path | None) -> ByteTokenizer | FileTokenizer | PretrainedTokenizer:
     """The tokenizer for a run: the byte tokenizer for ``None``, else a ``tokenizer.json``.
 
     Args:
-        path: ``None``, a ``tokenizer.json`` file, or a folder holding one (as saved by
-            ``save_pretrained``). Nothing is downloaded.
+        path: ``None``, a ``tokenizer.json`` file, or a folder holding one. A folder saved by
+            ``save_pretrained`` (it has a ``tokenizer_config.json``) loads through transformers
+            with its chat template (:class:`PretrainedTokenizer`). Nothing is downloaded.
 
     Raises:
         WorkloadError: when the file is missing or is not a ``tokenizers`` JSON file.
@@ -124,6 +165,10 @@ def load_tokenizer(path: str | Path | None) -> ByteTokenizer | FileTokenizer:
     if path is None:
         return ByteTokenizer()
     p = Path(path)
+    if p.is_dir() and (p / "tokenizer_config.json").is_file():
+        return _load_pretrained(p)
+    if p.name == "tokenizer.json" and (p.parent / "tokenizer_config.json").is_file():
+        return _load_pretrained(p.parent)  # the file of a saved folder: keep its chat template
     if p.is_dir():
         p = p / "tokenizer.json"
     if not p.is_file():
@@ -141,3 +186,24 @@ def load_tokenizer(path: str | Path | None) -> ByteTokenizer | FileTokenizer:
             "give a tokenizer.json saved by the tokenizers or transformers library"
         ) from None
     return FileTokenizer(inner, p)
+
+
+def _load_pretrained(folder: Path) -> PretrainedTokenizer:
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        inner = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as e:  # transformers raises many kinds for a folder it cannot use
+        # A folder whose config names no class transformers knows: its tokenizer.json still
+        # loads as a plain fast tokenizer, with the config's chat template and specials.
+        try:
+            inner = PreTrainedTokenizerFast.from_pretrained(str(folder), local_files_only=True)
+        except Exception:
+            inner = None
+        if inner is not None:
+            return PretrainedTokenizer(inner, folder)
+        raise WorkloadError(
+            f"tokenizer folder {str(folder)!r} cannot be loaded by transformers "
+            f"({' '.join(str(e).split())}); give a folder saved by save_pretrained"
+        ) from None
+    return PretrainedTokenizer(inner, folder)
