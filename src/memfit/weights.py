@@ -191,7 +191,13 @@ def load_pretrained(
             str(folder), config=config, dtype=dtype, local_files_only=True,
             output_loading_info=True, **kwargs,
         )  # fmt: skip
-    except Exception as e:  # safetensors and transformers raise many kinds; name the files
+    except Exception as e:  # safetensors and transformers raise many kinds; name the file
+        bad = _unreadable(files)
+        if bad is not None:
+            raise WeightsError(
+                f"weights file {str(bad)!r} is not a readable safetensors file; download or "
+                "copy it again"
+            ) from None
         problem = " ".join(str(e).split())[:300]
         which = files[0].name if len(files) == 1 else f"{len(files)} shards of {INDEX_FILE}"
         raise WeightsError(
@@ -206,6 +212,19 @@ def load_pretrained(
             "its config.json"
         )
     return model
+
+
+def _unreadable(files: Sequence[Path]) -> Path | None:
+    """The first of ``files`` whose safetensors header cannot be read (no tensor is read)."""
+    from safetensors import safe_open
+
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as handle:
+                handle.keys()
+        except Exception:  # safetensors raises its own error types, and OSError
+            return f
+    return None
 
 
 def _really_missing(model: nn.Module, missing: Sequence[str]) -> list[str]:

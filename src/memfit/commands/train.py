@@ -41,6 +41,9 @@ def _help(name: str, note: str = "overrides the config") -> str:
 # ---------------------------------------------------------------------------------- command
 def train(
     config: Annotated[Path | None, typer.Option("--config", "-c", help="A YAML run file whose keys are TrainConfig's fields (model, data, tokenizer, batch_size, seq_len, max_steps, lr, budget, ...).")] = None,
+    model: Annotated[str | None, typer.Option("--model", help=_help("model", "e.g. byte-gpt, gpt2-tiny, a model folder"))] = None,
+    data: Annotated[list[Path] | None, typer.Option("--data", help=_help("data", "repeat for more files"))] = None,
+    tokenizer: Annotated[str | None, typer.Option("--tokenizer", help=_help("tokenizer", "a tokenizer folder or tokenizer.json"))] = None,
     max_steps: Annotated[int | None, typer.Option("--max-steps", help=_help("max_steps"))] = None,
     seed: Annotated[int | None, typer.Option("--seed", help=_help("seed", "default 0"))] = None,
     budget: Annotated[str | None, typer.Option("--budget", help=_help("budget", "e.g. 48MiB, 4GiB, t4"))] = None,
@@ -67,6 +70,9 @@ def train(
     quiet_libraries()
     check_outputs({"--json": json_path, "--plot": plot}, {"--checkpoint-dir": checkpoint_dir})
     flags = {
+        "model": model,
+        "data": [str(p) for p in data] if data else None,
+        "tokenizer": tokenizer,
         "max_steps": max_steps,
         "seed": seed,
         "budget": budget,
@@ -269,7 +275,7 @@ def _work_layout(
 
 #: Options passed on to the launched processes: parameter name -> flag.
 _PASSED = {
-    "config": "--config", "max_steps": "--max-steps", "seed": "--seed", "budget": "--budget",
+    "config": "--config", "model": "--model", "tokenizer": "--tokenizer", "max_steps": "--max-steps", "seed": "--seed", "budget": "--budget",
     "json_path": "--json", "cap": "--cap", "plot": "--plot", "plan_path": "--plan",
     "checkpoint_dir": "--checkpoint-dir", "save_every": "--save-every", "keep": "--keep",
     "nproc_per_node": "--nproc-per-node",
@@ -283,6 +289,8 @@ def _argv(params: Mapping[str, Any]) -> list[str]:
         value = params.get(name)
         if value is not None:
             argv += [flag, str(value)]
+    for path in params.get("data") or ():
+        argv += ["--data", str(path)]
     if params.get("resume"):
         argv.append("--resume")
     return argv

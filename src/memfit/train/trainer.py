@@ -35,6 +35,7 @@ from torch import nn
 
 from ..apply.compose import TrainingSetup, apply_plan
 from ..plan import Plan
+from ..strategies.precision import weights_dtype
 from ..workload import Batch, Workload
 from .callbacks import (
     Callback,
@@ -193,7 +194,11 @@ class Trainer:
         self.seed, self.max_steps = cfg.seed, cfg.max_steps
         torch.manual_seed(cfg.seed)
         if self.workload is not None:
-            self.model, _ = self.workload.build(seed=cfg.seed)
+            # Saved weights (a model folder) load straight into the plan's weight dtype: a
+            # bf16-pure fine-tune never holds the model in fp32.
+            self.model, _ = self.workload.build(
+                seed=cfg.seed, pretrained=True, dtype=weights_dtype(plan.precision.mode)
+            )
             loss_fn = loss_fn or self.workload.loss_fn
         else:
             assert isinstance(workload_or_model, nn.Module)
@@ -217,8 +222,11 @@ class Trainer:
             every=cfg.track_every, cap=cfg.cap_bytes, report_png=report_png
         )
         self.progress = ProgressCallback(enabled=progress, console=console)
+        # A fine-tune of saved weights is also evaluated before its first step (step 0): the
+        # loss it starts from, which every later evaluation is compared with.
+        at_start = self.workload is not None and self.workload.weights is not None
         self.evaluation = EvaluationCallback(
-            eval_data, every=cfg.eval_every, collate_fn=self.collate_fn
+            eval_data, every=cfg.eval_every, collate_fn=self.collate_fn, at_start=at_start
         )
         self.checkpoints = CheckpointCallback(
             cfg.checkpoint_dir, every=cfg.checkpoint_every, keep=cfg.keep_checkpoints
