@@ -189,7 +189,10 @@ def stack_workload(batch_size: int, seq_len: int):
 
 # ---- saved models (a Hugging Face model folder, as save_pretrained writes it) -------------
 #: The words the tiny tokenizer knows, after its four specials (<pad> <s> </s> <unk>).
-TINY_WORDS = "the quick brown fox jumps over lazy dog a cat sat on mat and ran far away".split()
+TINY_WORDS = [
+    "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "a", "cat", "sat", "on",
+    "mat", "and", "ran", "far", "away",
+]  # fmt: skip
 
 
 def save_tiny_llama(

@@ -45,6 +45,7 @@ __all__ = [
     "is_model_folder",
     "load_pretrained",
     "model_class",
+    "reason",
 ]
 
 #: The single-file and the sharded safetensors layouts ``save_pretrained`` writes.
@@ -62,6 +63,15 @@ _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.txt"]
 class WeightsError(ValueError):
     """A model folder or hub id cannot be used; ``str(error)`` is one sentence naming the
     file (or the hub id) at fault and what to do."""
+
+
+def reason(error: BaseException, limit: int = 200) -> str:
+    """The first sentence of a library's error message, on one line and at most ``limit``
+    characters: what goes in parentheses in memfit's one-sentence errors (transformers'
+    messages run to a list of every model type it knows)."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    text = re.split(r"(?<=[a-z0-9\)'\"])\. ", text, maxsplit=1)[0].rstrip(".")
+    return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
 
 
 # ---------------------------------------------------------------------------------- what a spec is
@@ -186,6 +196,11 @@ def load_pretrained(
     kwargs: dict[str, Any] = {}
     if device.type != "cpu":
         kwargs["device_map"] = str(device)
+    from transformers.utils import logging as hf_logging
+
+    # Transformers' loading bar would cut into memfit's own output: off while loading.
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
     try:
         model, info = model_class.from_pretrained(
             str(folder), config=config, dtype=dtype, local_files_only=True,
@@ -198,12 +213,15 @@ def load_pretrained(
                 f"weights file {str(bad)!r} is not a readable safetensors file; download or "
                 "copy it again"
             ) from None
-        problem = " ".join(str(e).split())[:300]
+        problem = reason(e)
         which = files[0].name if len(files) == 1 else f"{len(files)} shards of {INDEX_FILE}"
         raise WeightsError(
             f"weights in {str(folder)!r} ({which}) cannot be loaded into "
             f"{getattr(model_class, '__name__', model_class)} ({problem})"
         ) from None
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
     missing = _really_missing(model, info.get("missing_keys") or ())
     if missing:
         raise WeightsError(

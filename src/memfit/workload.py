@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .weights import WeightsError, hub_folder, is_hub_id, load_pretrained, model_class
+from .weights import WeightsError, hub_folder, is_hub_id, load_pretrained, model_class, reason
 
 __all__ = [
     "PRESETS",
@@ -569,10 +569,9 @@ def _config_workload(
     try:
         config = transformers.AutoConfig.for_model(**data)
     except Exception as e:  # ValueError, KeyError, TypeError for fields it cannot take
-        problem = " ".join(str(e).split())[:300]
         raise WorkloadError(
             f"config file {str(path)!r} has model_type {data['model_type']!r}, which this "
-            f"transformers version cannot read ({problem})"
+            f"transformers version cannot read ({reason(e)})"
         ) from None
     _check_positions(str(path), data, seq_len)
     depth_key = next((k for k in _DEPTH_KEYS if k in config.to_dict()), None)

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from ..plan import Plan
-from ..weights import WeightsError, check_weights, has_tokenizer, hub_folder, is_hub_id
+from ..weights import WeightsError, check_weights, has_tokenizer, hub_folder, is_hub_id, reason
 from ..workload import PRESETS, Workload, WorkloadError, load_workload
 from .config import DEFAULT_BATCH_SIZE, TrainConfig
 from .tokenizer import Tokenizer, load_tokenizer
@@ -159,6 +159,9 @@ def run_tokenizer(config: TrainConfig) -> Tokenizer:
     path: str | None = config.tokenizer
     if path is None and config.model not in PRESETS:
         if _is_folder(config.model) and has_tokenizer(config.model):
+            # The model's config is read first, so a broken one is named as such (not as a
+            # tokenizer that AutoTokenizer, which reads it too, cannot load).
+            _config_from_file(Path(config.model) / "config.json", None, {})
             path = config.model
         elif is_hub_id(config.model):
             try:
@@ -186,8 +189,8 @@ def _config_from_file(path: Path, vocab: int | None, special: Mapping[str, Any])
         data = {**data, "vocab_size": vocab, **special}
     try:
         config = transformers.AutoConfig.for_model(**data)
-    except (ValueError, KeyError) as e:
-        raise WorkloadError(f"model config {str(path)!r} cannot be built ({e})") from None
+    except Exception as e:  # ValueError, KeyError, TypeError for fields it cannot take
+        raise WorkloadError(f"model config {str(path)!r} cannot be built ({reason(e)})") from None
     if type(config) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
         raise WorkloadError(
             f"model config {str(path)!r} is a {data['model_type']!r} model, which has no causal-LM "

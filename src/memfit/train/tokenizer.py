@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..weights import reason
 from ..workload import WorkloadError
 
 __all__ = ["ByteTokenizer", "FileTokenizer", "PretrainedTokenizer", "Tokenizer", "load_tokenizer"]
@@ -199,9 +200,8 @@ def _auto_tokenizer(folder: Path) -> PretrainedTokenizer:
     try:
         inner = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except Exception as e:  # transformers raises OSError, ValueError, KeyError...
-        problem = " ".join(str(e).split())[:300]
         raise WorkloadError(
             f"tokenizer folder {str(folder)!r} cannot be read by transformers' AutoTokenizer "
-            f"({problem}); give a folder written by a tokenizer's save_pretrained"
+            f"({reason(e)}); give a folder written by a tokenizer's save_pretrained"
         ) from None
     return PretrainedTokenizer(inner, folder)
