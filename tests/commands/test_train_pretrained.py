@@ -185,3 +185,17 @@ def test_unreachable_hub_id_says_how_to_download(saved, monkeypatch, tmp_path):
     )
     res = runner.invoke(app, ["plan", "--model", "memfit-tests/tiny-llama", "--budget", "1GiB"])
     _one_sentence_error(res, "huggingface-cli download memfit-tests/tiny-llama --local-dir DIR")
+
+
+def test_launched_processes_get_the_model_data_and_tokenizer_flags(tmp_path):
+    from memfit.commands.train import _argv
+
+    argv = _argv({
+        "model": "m", "tokenizer": "t", "data": [tmp_path / "a.jsonl", tmp_path / "b.txt"],
+        "batch_size": 4, "seq_len": 32, "max_steps": 3, "resume": True,
+    })  # fmt: skip
+    assert argv == [
+        "train", "--model", "m", "--tokenizer", "t", "--batch-size", "4", "--seq-len", "32",
+        "--max-steps", "3", "--data", str(tmp_path / "a.jsonl"), "--data", str(tmp_path / "b.txt"),
+        "--resume",
+    ]  # fmt: skip

@@ -41,9 +41,11 @@ def _help(name: str, note: str = "overrides the config") -> str:
 # ---------------------------------------------------------------------------------- command
 def train(
     config: Annotated[Path | None, typer.Option("--config", "-c", help="A YAML run file whose keys are TrainConfig's fields (model, data, tokenizer, batch_size, seq_len, max_steps, lr, budget, ...).")] = None,
-    model: Annotated[str | None, typer.Option("--model", help=_help("model", "e.g. byte-gpt, gpt2-tiny, a model folder"))] = None,
-    data: Annotated[list[Path] | None, typer.Option("--data", help=_help("data", "repeat for more files"))] = None,
-    tokenizer: Annotated[str | None, typer.Option("--tokenizer", help=_help("tokenizer", "a tokenizer folder or tokenizer.json"))] = None,
+    model: Annotated[str | None, typer.Option("--model", metavar="SPEC", help="A preset (byte-gpt, gpt2-tiny, llama-1b, ...) or a config.json, trained from random weights; or a Hugging Face model folder (config.json and safetensors) or hub id, fine-tuned from its weights (overrides the config).")] = None,
+    data: Annotated[list[Path] | None, typer.Option("--data", metavar="FILE", help="A .txt, .csv or .jsonl file of training text; repeat for more (overrides the config).")] = None,
+    tokenizer: Annotated[str | None, typer.Option("--tokenizer", metavar="PATH", help="A tokenizer folder (read by transformers' AutoTokenizer) or a tokenizer.json; default: the model folder's own tokenizer, else memfit's byte tokenizer (overrides the config).")] = None,
+    batch_size: Annotated[int | None, typer.Option("--batch-size", help=_help("batch_size", "default 16"))] = None,
+    seq_len: Annotated[int | None, typer.Option("--seq-len", help=_help("seq_len", "default 128"))] = None,
     max_steps: Annotated[int | None, typer.Option("--max-steps", help=_help("max_steps"))] = None,
     seed: Annotated[int | None, typer.Option("--seed", help=_help("seed", "default 0"))] = None,
     budget: Annotated[str | None, typer.Option("--budget", help=_help("budget", "e.g. 48MiB, 4GiB, t4"))] = None,
@@ -73,6 +75,8 @@ def train(
         "model": model,
         "data": [str(p) for p in data] if data else None,
         "tokenizer": tokenizer,
+        "batch_size": batch_size,
+        "seq_len": seq_len,
         "max_steps": max_steps,
         "seed": seed,
         "budget": budget,
@@ -275,7 +279,8 @@ def _work_layout(
 
 #: Options passed on to the launched processes: parameter name -> flag.
 _PASSED = {
-    "config": "--config", "model": "--model", "tokenizer": "--tokenizer", "max_steps": "--max-steps", "seed": "--seed", "budget": "--budget",
+    "config": "--config", "model": "--model", "tokenizer": "--tokenizer", "batch_size": "--batch-size",
+    "seq_len": "--seq-len", "max_steps": "--max-steps", "seed": "--seed", "budget": "--budget",
     "json_path": "--json", "cap": "--cap", "plot": "--plot", "plan_path": "--plan",
     "checkpoint_dir": "--checkpoint-dir", "save_every": "--save-every", "keep": "--keep",
     "nproc_per_node": "--nproc-per-node",
