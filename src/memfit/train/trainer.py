@@ -193,17 +193,9 @@ class Trainer:
         fallback = None if fallback_plans is None else [_with_lr(p, cfg.lr) for p in fallback_plans]
         self.seed, self.max_steps = cfg.seed, cfg.max_steps
         torch.manual_seed(cfg.seed)
+        self.model = self._model(workload_or_model, plan)
         if self.workload is not None:
-            # Saved weights (a model folder) load straight into the plan's weight dtype: a
-            # bf16-pure fine-tune never holds the model in fp32.
-            self.model, _ = self.workload.build(
-                seed=cfg.seed, pretrained=True, dtype=weights_dtype(plan.precision.mode)
-            )
             loss_fn = loss_fn or self.workload.loss_fn
-        else:
-            assert isinstance(workload_or_model, nn.Module)
-            self.model = workload_or_model
-            self.model.train()
         self.batch_size = cfg.batch_size or (
             self.workload.batch_size if self.workload is not None else DEFAULT_BATCH_SIZE
         )
@@ -222,8 +214,7 @@ class Trainer:
             every=cfg.track_every, cap=cfg.cap_bytes, report_png=report_png
         )
         self.progress = ProgressCallback(enabled=progress, console=console)
-        # A fine-tune of saved weights is also evaluated before its first step (step 0): the
-        # loss it starts from, which every later evaluation is compared with.
+        # A fine-tune of saved weights is also evaluated before its first step (step 0).
         at_start = self.workload is not None and self.workload.weights is not None
         self.evaluation = EvaluationCallback(
             eval_data, every=cfg.eval_every, collate_fn=self.collate_fn, at_start=at_start
@@ -235,6 +226,19 @@ class Trainer:
         if on_step is not None:
             self.callbacks.append(OnStep(on_step))
         self.callbacks += [self.evaluation, self.checkpoints, *callbacks]
+
+    def _model(self, workload_or_model: Workload | nn.Module, plan: Plan) -> nn.Module:
+        """The model to train, in train mode: the workload's, built with the seed (its saved
+        weights, when it has them, loaded straight into the plan's weight dtype: a bf16-pure
+        fine-tune never holds the model in fp32), or the module given."""
+        if self.workload is None:
+            assert isinstance(workload_or_model, nn.Module)
+            workload_or_model.train()
+            return workload_or_model
+        model, _ = self.workload.build(
+            seed=self.config.seed, pretrained=True, dtype=weights_dtype(plan.precision.mode)
+        )
+        return model
 
     # ------------------------------------------------------------------ state
     @property
