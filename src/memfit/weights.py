@@ -56,8 +56,9 @@ TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model",
 
 # What a hub id looks like: ``owner/name`` (letters, digits, ``-_.``), nothing else.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
-# The files a training run needs from the hub (no PyTorch pickles, no other formats).
-_HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.txt"]
+# The files a training run needs from the hub: transformers' safetensors layout only (no
+# PyTorch pickles, no second copy in another layout such as Mistral's consolidated.safetensors).
+_HUB_PATTERNS = ["*.json", "model*.safetensors", "tokenizer.model", "*.txt"]
 
 
 class WeightsError(ValueError):
