@@ -59,6 +59,11 @@ BAD: dict[str, dict[str, list[str] | None]] = {
     },
     "train": {
         "--config": [MISSING],
+        "--model": ["nonsense-model", "{tmp}/a-folder", "{tmp}/a-file"],
+        "--data": [MISSING],
+        "--tokenizer": [MISSING, "{tmp}/a-folder"],
+        "--batch-size": ["0", "x"],
+        "--seq-len": ["0"],
         "--max-steps": ["0", "x"],
         "--seed": ["x"],
         "--budget": ["lots"],
