@@ -234,16 +234,17 @@ def main(argv: list[str] | None = None) -> int:
         row = _child(spec, args.timeout)
         print(f"{config}: {row.get('error') or _gib_line(row)}", file=sys.stderr)
         rows.append(row)
-    name = torch.cuda.get_device_name(0)
-    result = {
-        "gpu": name, "torch": torch.__version__, "torchao": torchao.__version__,
-        "model": args.model, "batch_size": args.batch_size, "seq_len": args.seq_len,
-        "steps": args.steps, "rows": rows,
-    }  # fmt: skip
-    slug = "h200" if "H200" in name else "h100" if "H100" in name else "gpu"
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"gpu_fp8_{slug}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / f"gpu_fp8_{slug}.md").write_text(markdown(result))
+        # After every config: a run stopped by a lease's time limit keeps what it measured.
+        name = torch.cuda.get_device_name(0)
+        result = {
+            "gpu": name, "torch": torch.__version__, "torchao": torchao.__version__,
+            "model": args.model, "batch_size": args.batch_size, "seq_len": args.seq_len,
+            "steps": args.steps, "rows": rows,
+        }  # fmt: skip
+        slug = "h200" if "H200" in name else "h100" if "H100" in name else "gpu"
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"gpu_fp8_{slug}.json").write_text(json.dumps(result, indent=2) + "\n")
+        (args.out / f"gpu_fp8_{slug}.md").write_text(markdown(result))
     print(markdown(result))
     return 0
 

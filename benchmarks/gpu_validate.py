@@ -618,17 +618,10 @@ def main(argv: list[str] | None = None) -> int:
                     file=sys.stderr,
                 )
             rows.append(row)
+            # Written after every row: a run stopped by its time limit (a lent GPU's lease)
+            # keeps the rows it measured.
+            stem = _write(args, device_name, target, gpu, rows, real)
 
-    result = {
-        "device_name": device_name,
-        "target": target,
-        "gpu": gpu,
-        "env": _env(),
-        "steps": args.steps,
-        "rows": rows,
-    }
-    stem = f"gpu_{device_name}" + ("" if real else "_predictions")
-    write_text(args.out / f"{stem}.json", json.dumps(result, indent=2) + "\n")
     if real:
         title = (
             f"{gpu and gpu['name']}: memfit's predictions for `{target}` vs real steps, "
@@ -639,6 +632,28 @@ def main(argv: list[str] | None = None) -> int:
         print(table)
     print(f"wrote {args.out / (stem + '.json')}", file=sys.stderr)
     return 0
+
+
+def _write(
+    args: argparse.Namespace,
+    device_name: str,
+    target: str,
+    gpu: dict[str, Any] | None,
+    rows: list[dict[str, Any]],
+    real: bool,
+) -> str:
+    """Write the JSON of the rows so far; returns the files' stem."""
+    result = {
+        "device_name": device_name,
+        "target": target,
+        "gpu": gpu,
+        "env": _env(),
+        "steps": args.steps,
+        "rows": rows,
+    }
+    stem = f"gpu_{device_name}" + ("" if real else "_predictions")
+    write_text(args.out / f"{stem}.json", json.dumps(result, indent=2) + "\n")
+    return stem
 
 
 def _earlier_predictions(

@@ -123,3 +123,14 @@ def test_memfit_plan_is_the_planner_and_names_the_plan_class():
     assert callable(memfit.plan) and memfit.plan.__module__ == "memfit"
     assert memfit.plan.Plan is memfit.Plan is Plan
     assert memfit.plan.PlanError is PlanError
+
+
+def test_a_plan_spreads_over_processes_once():
+    one = Plan(optimizer="adamw")
+    four = one.over_processes(4)
+    assert four.parallel.data == 4 and four.replace(parallel=one.parallel) == one
+    assert four.over_processes(4) is four
+    staged = Plan(parallel={"zero_stage": 2}).over_processes(8)
+    assert (staged.parallel.data, staged.parallel.zero_stage) == (8, 2)
+    with pytest.raises(PlanError, match="the plan is for 4 processes but 2 were started"):
+        four.over_processes(2)

@@ -195,11 +195,18 @@ class Plan:
             # "host" is short for the optimizer on the host (ZeRO-Offload).
             offload = {"optimizer": self.offload} if isinstance(self.offload, str) else self.offload
             coerce(self, "offload", _coerce(OffloadConfig, offload, None))
-        coerce(self, "fused_loss", _fused_loss(self.fused_loss))
         if isinstance(self.freeze, str):
             coerce(self, "freeze", (self.freeze,) if self.freeze else ())
         coerce(self, "freeze", tuple(self.freeze))
         coerce(self, "extra", _extra(self.extra))
+        for technique in BUILTIN_TECHNIQUES:
+            # Each technique turns its field's short forms into its canonical config.
+            if technique.parse is not None and isinstance(technique.plan_field, str):
+                field_ = technique.plan_field
+                try:
+                    coerce(self, field_, technique.parse(getattr(self, field_)))
+                except ValueError as e:
+                    raise PlanError(str(e)) from None
         cb = self.checkpointing
         if cb.blocks is not None and not isinstance(cb.blocks, tuple):
             blocks = (cb.blocks,) if isinstance(cb.blocks, str) else tuple(cb.blocks)
@@ -257,8 +264,14 @@ class Plan:
         self._validate_offload()
         if not isinstance(self.fused_pointwise, bool):
             raise PlanError(f"fused_pointwise must be true or false, got {self.fused_pointwise!r}")
-        self._validate_grad_buffer()
         self._validate_parallel()
+        for technique in BUILTIN_TECHNIQUES:
+            # The rules tying a technique to others live with the technique.
+            if technique.check is not None:
+                try:
+                    technique.check(self)
+                except ValueError as e:
+                    raise PlanError(str(e)) from None
         if self.max_seq_len is not None and (
             not isinstance(self.max_seq_len, int) or self.max_seq_len < 1
         ):
@@ -309,24 +322,6 @@ class Plan:
                 "activation offload cannot be combined with compile: the saved-tensor hooks "
                 "that move activations to the host are not traced by torch.compile; set "
                 "compile false or offload activations false"
-            )
-
-    def _validate_grad_buffer(self) -> None:
-        if not isinstance(self.grad_buffer, bool):
-            raise PlanError(f"grad_buffer must be true or false, got {self.grad_buffer!r}")
-        if not self.grad_buffer:
-            return
-        if self.optimizer_in_backward:
-            raise PlanError(
-                "grad_buffer cannot be combined with optimizer_in_backward: the fused step frees "
-                "each gradient after its update, so a buffer of all gradients would only add "
-                "memory; set one of them false"
-            )
-        if self.offload is not None and self.offload.optimizer is not None:
-            raise PlanError(
-                "grad_buffer cannot be combined with optimizer offload: gradients leave the "
-                "device in offload bucket_bytes buckets, and a device buffer of all of them "
-                "would undo that saving; set grad_buffer false"
             )
 
     def _validate_parallel(self) -> None:
@@ -406,6 +401,23 @@ class Plan:
     def replace(self, **changes: Any) -> Plan:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+    def over_processes(self, world_size: int) -> Plan:
+        """This plan for ``world_size`` processes: a plan for one process spreads its data
+        dimension over all of them (its ZeRO stage kept); a plan for that many is itself.
+
+        Raises:
+            PlanError: the plan is for another number of processes (one sentence, which a
+                command completes with its own flag).
+        """
+        data = self.parallel.data
+        if data == world_size:
+            return self
+        if data != 1:
+            raise PlanError(
+                f"the plan is for {data} processes but {world_size} were started"
+            )
+        return self.replace(parallel=dataclasses.replace(self.parallel, data=world_size))
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict[str, Any]:
@@ -596,28 +608,6 @@ def _extra(value: Any) -> tuple[tuple[str, Any], ...]:
         except TechniqueError as e:
             raise PlanError(str(e)) from None
     return tuple(sorted(out, key=lambda pair: pair[0]))
-
-
-def _fused_loss(value: Any) -> FusedLossConfig | None:
-    """The canonical ``fused_loss``: ``None`` when off, else a :class:`FusedLossConfig`."""
-    if value is None or value is False:
-        return None
-    if value is True:
-        return FusedLossConfig()
-    if isinstance(value, FusedLossConfig):
-        return value
-    if isinstance(value, Mapping):
-        names = {f.name for f in dataclasses.fields(FusedLossConfig)}
-        unknown = [k for k in value if k not in names]
-        if not unknown:
-            try:
-                return FusedLossConfig(**dict(value))
-            except ValueError as e:
-                raise PlanError(f"fused_loss {e}".rstrip(".")) from None
-    raise PlanError(
-        f"fused_loss must be true, false, null or a mapping with chunk_size (a positive "
-        f"integer or null) and training_only (true or false), got {value!r}"
-    )
 
 
 def _plain(obj: Any) -> Any:

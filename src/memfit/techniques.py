@@ -163,6 +163,13 @@ class Technique:
             nothing, and prunes it wherever the same plan without it does not fit.
         summary: ``summary(config) -> phrase`` naming the config in a plan's one-line
             summary.
+        parse: ``parse(value) -> config``: the canonical config of a built-in's field from
+            the short forms a plan file may give (``true``, a string, a mapping); raises
+            ``ValueError`` with one sentence for a value it does not take. ``Plan`` calls it
+            when it is made, so the rest of memfit sees only canonical configs.
+        check: ``check(plan)``: the rules that tie this technique to others in one plan
+            (``grad_buffer`` and the fused step, say); raises ``ValueError`` with one sentence
+            naming the conflict and the fix. ``Plan.validate`` calls it for every built-in.
     """
 
     name: str
@@ -181,6 +188,8 @@ class Technique:
     candidates: Callable[[Any, Any], Sequence[Any]] | None = None
     memory_rank: Callable[[Any], float] | None = None
     summary: Callable[[Any], str] | None = None
+    parse: Callable[[Any], Any] | None = None
+    check: Callable[[Any], None] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from memfit.estimate.dryrun import measure, plan_for_target
@@ -114,3 +116,39 @@ def test_reports_carry_reserved_and_device_totals():
     cpu = measure("gpt2-tiny", device="cpu", **kw)
     # The CPU has no caching allocator and no context to count.
     assert cpu.peak_reserved_bytes == cpu.peak_bytes and cpu.overhead_bytes == 0
+
+
+def test_the_error_band_is_zero_on_the_cpu_and_measured_on_a_gpu():
+    from memfit.estimate.target import OVER, UNDER, error_band
+    from memfit.targets import get_device
+    from memfit.units import GiB, MiB
+
+    figures = {"peak_allocated_bytes": 4 * GiB, "peak_reserved_bytes": 4 * GiB,
+               "predicted_device_total_bytes": 5 * GiB}  # fmt: skip
+    cpu = error_band(figures, get_device("cpu"))
+    assert all(b == {"low": 0.0, "high": 0.0} for b in cpu.values())
+    h100 = error_band(figures, get_device("h100"))
+    for key, (relative, absolute) in UNDER.items():
+        assert h100[key]["low"] == -OVER
+        assert h100[key]["high"] == pytest.approx(relative + absolute / figures[key], abs=1e-4)
+    # The absolute part weighs more on a small prediction.
+    small = error_band({k: 512 * MiB for k in figures}, get_device("h100"))
+    assert small["peak_reserved_bytes"]["high"] > h100["peak_reserved_bytes"]["high"]
+
+
+def test_profile_json_carries_the_three_figures_and_their_band(tmp_path):
+    from typer.testing import CliRunner
+
+    from memfit.cli import app
+
+    path = tmp_path / "p.json"
+    result = CliRunner().invoke(app, ["profile", "--model", "gpt2-tiny", "-b", "2", "-l", "16",
+                                      "--dry-run", "--device", "h100", "--json", str(path)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(path.read_text())
+    band = data["error_band"]
+    assert set(band) == {"peak_allocated_bytes", "peak_reserved_bytes",
+                         "predicted_device_total_bytes"}
+    assert data["predicted_device_total_bytes"] > data["peak_reserved_bytes"] > 0
+    assert band["predicted_device_total_bytes"]["high"] > 0
+    assert "as measured on GPUs" in result.output

@@ -43,7 +43,7 @@ Not modelled: several streams (each has its own blocks), the garbage-collection 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -176,11 +176,32 @@ class CachingAllocatorModel:
         self.peak_allocated_bytes = 0
         self.peak_requested_bytes = 0
         self.peak_reserved_bytes = 0
+        #: Called as ``listener(action, segment, offset, size)`` for each event PyTorch's
+        #: memory history records (``alloc``, ``free_completed``, ``segment_alloc``,
+        #: ``segment_free``, ``segment_map``, ``segment_unmap``), when set:
+        #: :mod:`memfit.accounting.snapshot` builds the viewer's timeline from it.
+        self.listener: Callable[[str, _Segment, int, int], None] | None = None
 
     @property
     def num_segments(self) -> int:
         """Segments currently reserved from the driver."""
         return len(self._segments)
+
+    def segments(self) -> list[tuple[int, bool, bool, int, list[tuple[int, int, int, int]]]]:
+        """The reserved segments now: ``(id, small, expandable, mapped bytes, blocks)``, each
+        block ``(offset, size, requested bytes, key)`` (``0, -1`` for a cached block), in
+        address order."""
+        blocks: dict[int, list[tuple[int, int, int, int]]] = {s: [] for s in self._segments}
+        for key, (block, size) in self._live.items():
+            if block is not None:
+                blocks[block.segment.id].append((block.addr, block.size, size, key))
+        for pool in self._pools.values():
+            for block in pool.blocks.values():
+                blocks[block.segment.id].append((block.addr, block.size, 0, -1))
+        return [
+            (seg.id, seg.small, seg.expandable, seg.mapped, sorted(blocks[seg.id]))
+            for seg in self._segments.values()
+        ]
 
     # ------------------------------------------------------------------ public
     def malloc(self, key: int, size: int) -> None:
@@ -208,6 +229,8 @@ class CachingAllocatorModel:
         block = self._split(pool, block, rounded)
         block.allocated = True
         self._live[key] = (block, size)
+        if self.listener is not None:
+            self.listener("alloc", block.segment, block.addr, block.size)
         self.allocated_bytes += block.size
         self.requested_bytes += size
         self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)
@@ -225,6 +248,8 @@ class CachingAllocatorModel:
         self.allocated_bytes -= block.size
         self.requested_bytes -= size
         block.allocated = False
+        if self.listener is not None:
+            self.listener("free_completed", block.segment, block.addr, block.size)
         pool = self._pools[block.segment.small]
         for neighbour in (block.prev, block.next):
             if neighbour is not None and not neighbour.allocated:
@@ -278,6 +303,8 @@ class CachingAllocatorModel:
         self._next_segment += 1
         self._segments[segment.id] = segment
         self._reserve(seg_bytes)
+        if self.listener is not None:
+            self.listener("segment_alloc", segment, 0, seg_bytes)
         return _Block(segment, 0, seg_bytes)
 
     def _expand(self, pool: _Pool, size: int) -> _Block:
@@ -295,6 +322,8 @@ class CachingAllocatorModel:
         self._make_room(grow, size)
         segment.mapped += grow
         self._reserve(grow)
+        if self.listener is not None:
+            self.listener("segment_map", segment, segment.mapped - grow, grow)
         if free_tail is not None:
             pool.remove(free_tail)
             free_tail.size += grow
@@ -340,6 +369,8 @@ class CachingAllocatorModel:
                             block.size -= freed
                             segment.mapped -= freed
                             self.reserved_bytes -= freed
+                            if self.listener is not None:
+                                self.listener("segment_unmap", segment, first, freed)
                             if block.size:
                                 pool.add(block)
                             else:
@@ -351,6 +382,8 @@ class CachingAllocatorModel:
                     pool.remove(block)
                     del self._segments[seg_id]
                     self.reserved_bytes -= size
+                    if self.listener is not None:
+                        self.listener("segment_free", segment, 0, size)
 
 
 def _merge(block: _Block, other: _Block, pool: _Pool) -> _Block:

@@ -12,7 +12,6 @@ categories.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -22,7 +21,7 @@ import typer
 from ..console import check_outputs, err, fail, out, quiet_libraries
 from ..distributed.launch import init_worker
 from ..outputs import write_text
-from ..plan import Plan
+from ..plan import Plan, PlanError
 from ..units import format_bytes
 from ..workload import Workload
 from .checks import check_sizes, parse_cap, run_guarded
@@ -55,6 +54,14 @@ _Cap = Annotated[
     typer.Option("--cap", help="Virtual memory cap (e.g. 4GiB): fail like a GPU would."),
 ]
 _Top = Annotated[int, typer.Option("--top", help="Modules to list.")]
+_Snapshot = Annotated[
+    Path | None,
+    typer.Option(
+        "--snapshot",
+        help="Write the run's allocations as a PyTorch memory snapshot (a pickle that "
+        "https://pytorch.org/memory_viz opens), modelled for the target's caching allocator.",
+    ),
+]
 _Device = Annotated[
     str | None,
     typer.Option(
@@ -96,6 +103,7 @@ def profile(
     device: _Device = None,
     expert_load: _ExpertLoad = 1.0,
     world_size: _WorldSize = None,
+    snapshot: _Snapshot = None,
 ) -> None:
     """Measure where a training step's memory goes, by category, phase and module."""
     quiet_libraries()
@@ -103,7 +111,7 @@ def profile(
     from ..workload import load_workload
 
     check_sizes(batch_size, seq_len, steps)
-    check_outputs({"--json": json_path, "--plot": plot})
+    check_outputs({"--json": json_path, "--plot": plot, "--snapshot": snapshot})
     if top < 0:
         fail(f"--top must be a whole number >= 0, got {top}")
     cap_bytes = parse_cap(cap)
@@ -112,6 +120,8 @@ def profile(
     target = run_guarded(get_device, device)
     the_plan = run_guarded(Plan.load, plan) if plan is not None else None
     workload = run_guarded(load_workload, model, batch_size, seq_len)
+    if snapshot is not None and world_size is not None:
+        fail("--snapshot writes one process's timeline; leave out --world-size")
     if world_size is not None:
         _profile_ranks(workload, the_plan, world_size, dry_run, steps, target, json_path)
         return
@@ -134,11 +144,23 @@ def profile(
             device=target,
             progress=progress,
             expert_load=expert_load,
+            keep_trace=snapshot is not None,
         ),
     )
     _print_report(report)
     title = f"memfit profile: {workload.name}, batch {batch_size}, length {seq_len}"
     _write_report(report, json_path, plot, title)
+    if snapshot is not None:
+        _write_snapshot(report, snapshot)
+
+
+def _write_snapshot(report: Any, path: Path) -> None:
+    from ..accounting.snapshot import write_snapshot
+
+    if report.trace is None:
+        fail("this run kept no allocation trace, so --snapshot has nothing to write")
+    write_snapshot(report.trace, path)
+    out.print(f"wrote the memory snapshot to {path} (open it at https://pytorch.org/memory_viz)")
 
 
 def _write_report(report: Any, json_path: Path | None, plot: Path | None, title: str) -> None:
@@ -179,9 +201,9 @@ def _profile_ranks(
     if plan.parallel.tensor > 1 or plan.parallel.pipeline > 1:
         _profile_layout(workload, plan, world, json_path)
         return
-    if plan.parallel.data == 1:
-        plan = plan.replace(parallel=dataclasses.replace(plan.parallel, data=world))
-    elif plan.parallel.data != world:
+    try:
+        plan = plan.over_processes(world)
+    except PlanError:
         fail(f"the plan is for {plan.parallel.data} processes but --world-size is {world}")
     with err.status(f"dry-running {world} ranks of {workload.name}"):
         pred = run_guarded(predict_ranks, workload, plan, steps=max(steps, 3), device=target)
@@ -286,9 +308,17 @@ def _print_report(report: Any) -> None:
             f"on {target}: [bold]{format_bytes(report.peak_reserved_bytes or 0)}[/] reserved by "
             f"the caching allocator (model), + {format_bytes(report.overhead_bytes)} CUDA "
             f"context and workspaces = [bold]{format_bytes(report.device_total_bytes)}[/] "
-            "device total (what nvidia-smi shows)",
+            f"device total (what nvidia-smi shows){_band(meta, 'predicted_device_total_bytes')}",
             highlight=False,
         )
+
+
+def _band(meta: dict[str, Any], key: str) -> str:
+    """`` (-0.5% to +3.1%, measured on GPUs)``: a figure's error band, when it has one."""
+    band = (meta.get("error_band") or {}).get(key)
+    if not band or (band["low"] == 0 and band["high"] == 0):
+        return ""
+    return f" ({band['low']:+.1%} to {band['high']:+.1%}, as measured on GPUs)"
 
 
 def profile_under_launcher(
@@ -310,10 +340,7 @@ def profile_under_launcher(
 
     rank, world = init_worker()
     plan = plan or Plan()
-    if plan.parallel.data == 1:
-        plan = plan.replace(parallel=dataclasses.replace(plan.parallel, data=world))
-    elif plan.parallel.data != world:
-        raise ValueError(f"the plan is for {plan.parallel.data} processes but {world} were started")
+    plan = plan.over_processes(world)  # PlanError is a ValueError: the launcher's sentence
     report = measure(workload, plan, steps=max(steps, 3))
     mine = {
         "rank": rank,

@@ -114,6 +114,7 @@ def measure(
     expert_load: float = 1.0,
     stop: str | None = None,
     at_forward_end: Callable[[Any], bool] | None = None,
+    keep_trace: bool = False,
 ) -> MemoryReport:
     """Run ``steps`` full training steps of ``workload`` under ``plan`` and report memory.
 
@@ -151,6 +152,8 @@ def measure(
             step.
         at_forward_end: Called with the tracker each time a forward of the model returns;
             returning true stops the run there (as ``stop="forward"`` does at the first).
+        keep_trace: Keep the allocation trace on the report (``report.trace``) for a real
+            run too (a dry run always keeps it): what a memory snapshot is built from.
 
     Returns:
         The :class:`MemoryReport`, with ``meta`` holding ``num_parameters``, ``dry_run``,
@@ -175,6 +178,7 @@ def measure(
     target = get_device(device)
     plan = plan_for_target(plan or Plan(), target)
     run = _Run(workload, plan, target, dry=dry, progress=progress)
+    run.keep_trace = keep_trace or dry
     values = _values(dry, expert_load, run.current_module)
     with _fake_mode() if dry else contextlib.nullcontext(), values:
         model, batch = _build(workload, seed)
@@ -226,6 +230,7 @@ class _Run:
         self.losses: list[float | None] = []
         self.stopped = False  # whether ``watch`` stopped the run
         self.num_parameters = 0  # of the model as built, before the plan
+        self.keep_trace = dry  # the report keeps the allocation trace (dry runs always do)
 
     def current_module(self) -> str | None:
         """The module running now (``None`` before the run is tracked)."""
@@ -312,6 +317,7 @@ class _Run:
             report.meta["stopped"] = stopped_by
         if self.dry:
             report.meta["data_dependent"] = values.summary()
+        if self.keep_trace:
             report.trace = self.tracker.trace()
         add_device_memory(report, self.tracker, self.target)
         return report

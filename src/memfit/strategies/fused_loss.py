@@ -33,7 +33,8 @@ For a model of your own, compute the loss with :func:`memfit.ops.fused_linear_lo
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -329,6 +330,32 @@ def _apply_technique(model: nn.Module, ctx: ApplyContext) -> FusedLossHandle:
     return handle
 
 
+def parse_fused_loss(value: Any) -> FusedLossConfig | None:
+    """The canonical ``fused_loss`` of a plan: ``None`` when off, else a
+    :class:`FusedLossConfig` (``true`` is the default config).
+
+    Raises:
+        ValueError: one sentence, for a value that is none of these.
+    """
+    if value is None or value is False:
+        return None
+    if value is True:
+        return FusedLossConfig()
+    if isinstance(value, FusedLossConfig):
+        return value
+    if isinstance(value, Mapping):
+        names = {f.name for f in fields(FusedLossConfig)}
+        if not [k for k in value if k not in names]:
+            try:
+                return FusedLossConfig(**dict(value))
+            except ValueError as e:
+                raise ValueError(f"fused_loss {e}".rstrip(".")) from None
+    raise ValueError(
+        f"fused_loss must be true, false, null or a mapping with chunk_size (a positive "
+        f"integer or null) and training_only (true or false), got {value!r}"
+    )
+
+
 def _summary(config: FusedLossConfig) -> str:
     chunk = config.chunk_size
     return "fused loss" + (f" (chunks of {chunk} tokens)" if chunk else "")
@@ -346,4 +373,5 @@ TECHNIQUE = Technique(
     swappable=True,
     forbid={"fused-loss": "the output head's loss computed in chunks (no full logits)"},
     summary=_summary,
+    parse=parse_fused_loss,
 )

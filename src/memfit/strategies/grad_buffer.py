@@ -270,6 +270,32 @@ def _refusal(plan: Any, engine: str) -> str | None:
 
 #: After precision and freezing: it sees the final dtypes and the trainable set. Not in a
 #: lightning.Trainer, whose optimizer loop memfit's callback does not wrap.
+def check_grad_buffer(plan: Any) -> None:
+    """The plan rules of ``grad_buffer`` (``Technique.check``).
+
+    Raises:
+        ValueError: one sentence, for a value that is not a bool, or a buffer beside the fused
+            step or optimizer offload (each frees or moves gradients as they land, so a
+            buffer of all of them would only add memory).
+    """
+    if not isinstance(plan.grad_buffer, bool):
+        raise ValueError(f"grad_buffer must be true or false, got {plan.grad_buffer!r}")
+    if not plan.grad_buffer:
+        return
+    if plan.optimizer_in_backward:
+        raise ValueError(
+            "grad_buffer cannot be combined with optimizer_in_backward: the fused step frees "
+            "each gradient after its update, so a buffer of all gradients would only add "
+            "memory; set one of them false"
+        )
+    if plan.offload is not None and plan.offload.optimizer is not None:
+        raise ValueError(
+            "grad_buffer cannot be combined with optimizer offload: gradients leave the "
+            "device in offload bucket_bytes buckets, and a device buffer of all of them "
+            "would undo that saving; set grad_buffer false"
+        )
+
+
 TECHNIQUE = Technique(
     name="grad_buffer",
     plan_field="grad_buffer",
@@ -279,4 +305,5 @@ TECHNIQUE = Technique(
     engines=frozenset({"single", "hf"}),
     refusal=_refusal,
     summary=lambda _: "contiguous gradient buffer",
+    check=check_grad_buffer,
 )

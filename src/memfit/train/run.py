@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..plan import Plan
+from ..plan import Plan, PlanError
 from ..weights import WeightsError, check_weights, has_tokenizer, hub_folder, is_hub_id, reason
 from ..workload import PRESETS, Workload, WorkloadError, load_workload
 from .config import DEFAULT_BATCH_SIZE, TrainConfig
@@ -262,18 +262,13 @@ def choose_plan(
 
 def _over_processes(choice: PlanChoice, world_size: int) -> PlanChoice:
     """The choice with its plan spread over ``world_size`` processes (no fallbacks)."""
-    from ..distributed.config import ParallelConfig
-
-    par = choice.plan.parallel
-    if par.data == 1:
-        par = dataclasses.replace(par, data=world_size)
-    elif par.data != world_size:
+    try:
+        plan = choice.plan.over_processes(world_size)
+    except PlanError as e:
         raise ValueError(
-            f"the plan trains on {par.data} processes but {world_size} were started; give "
-            f"--nproc-per-node {par.data} or a plan for {world_size}"
-        )
-    assert isinstance(par, ParallelConfig)
-    return dataclasses.replace(choice, plan=choice.plan.replace(parallel=par), fallback_plans=[])
+            f"{e}; give --nproc-per-node {choice.plan.parallel.data} or a plan for {world_size}"
+        ) from None
+    return dataclasses.replace(choice, plan=plan, fallback_plans=[])
 
 
 def _dry_run_step_down(workload: Workload, budget_bytes: int, plan: Plan) -> PlanChoice:
