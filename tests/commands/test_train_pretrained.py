@@ -72,6 +72,7 @@ def test_fine_tunes_saved_weights_from_their_loss(saved, tmp_path):
     assert data["tokenizer"].startswith("PretrainedTokenizer(")  # the folder's own
     output = " ".join(res.output.split())
     assert "with the saved weights of" in output and "step 0: eval loss" in output
+    assert f"eval loss {first:.4f} (the saved weights) -> {last:.4f} after step 8" in output
 
 
 @pytest.mark.slow

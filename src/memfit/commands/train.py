@@ -374,6 +374,13 @@ def _print_result(out: Any, run: TrainRun, result: Any) -> None:
         f"[bold]{_fmt(result.peak_bytes)}[/], {within} the budget of {_fmt(budget)}",
         highlight=False,
     )
+    evals = result.eval_losses
+    if len(evals) > 1 and evals[0][0] == 0:  # a fine-tune: the saved weights' loss first
+        out.print(
+            f"eval loss {evals[0][1]:.4f} (the saved weights) -> {evals[-1][1]:.4f} after step "
+            f"{evals[-1][0]}",
+            highlight=False,
+        )
     if result.stopped_by:
         saved = f"; checkpoint {result.checkpoint}, continue with --resume" if result.checkpoint else ""
         out.print(f"stopped by {result.stopped_by} after step {result.steps}{saved}", highlight=False)
