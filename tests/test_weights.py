@@ -102,20 +102,38 @@ class _Float32Bytes(TorchDispatchMode):
         return out
 
 
+def test_a_bf16_checkpoint_loads_without_the_model_in_fp32(folders, tmp_path, monkeypatch):
+    import transformers
+
+    saved = folders[2]
+    saved_bf16 = transformers.LlamaForCausalLM(saved.config)
+    saved_bf16.load_state_dict(saved.state_dict())
+    saved_bf16.to(torch.bfloat16).save_pretrained(tmp_path, max_shard_size="100KB")
+    # Every tensor converted on this thread (transformers otherwise reads them in a pool of
+    # threads, which a dispatch mode, being per thread, does not see).
+    monkeypatch.setenv("HF_DEACTIVATE_ASYNC_LOAD", "1")
+    config = transformers.AutoConfig.from_pretrained(tmp_path)
+    with _Float32Bytes() as counted:
+        model = load_pretrained(tmp_path, model_class(config), config, torch.bfloat16)
+    fp32_model = sum(p.numel() * 4 for p in saved.parameters())
+    # Built on the meta device and loaded straight into bf16: the float32 made is the rotary
+    # tables (a few hundred bytes), never the model. Building it on the host first, or
+    # loading in fp32 and casting after, makes all of its 0.4 MB: this fails then.
+    assert counted.bytes < fp32_model / 100, (counted.bytes, fp32_model)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    with _Float32Bytes() as counted:
+        load_pretrained(tmp_path, model_class(config), config, torch.float32)
+    assert counted.bytes > fp32_model / 5  # the check sees an upcast when there is one
+
+
 @pytest.mark.parametrize("which", [0, 1], ids=["single", "sharded"])
-def test_bf16_loads_without_the_model_in_fp32(folders, which):
+def test_an_fp32_checkpoint_loads_in_bf16_tied(folders, which):
     import transformers
 
     folder = folders[which]
     saved = folders[2]  # the sharded copy was saved from the same seed: the same values
     config = transformers.AutoConfig.from_pretrained(folder)
-    with _Float32Bytes() as counted:
-        model = load_pretrained(folder, model_class(config), config, torch.bfloat16)
-    fp32_model = sum(p.numel() * 4 for p in saved.parameters())
-    # Built on the meta device and loaded tensor by tensor into bf16: what float32 is made is
-    # the rotary tables (a few hundred bytes), never the model (building it on the host first
-    # makes all of its 1.6 MB, which this counts: it fails).
-    assert counted.bytes < fp32_model / 100, (counted.bytes, fp32_model)
+    model = load_pretrained(folder, model_class(config), config, torch.bfloat16)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied stays tied
     for name, p in saved.state_dict().items():
