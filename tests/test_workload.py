@@ -257,3 +257,35 @@ def test_an_unreachable_hub_id_says_how_to_download_it(monkeypatch, tmp_path):
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
     with pytest.raises(WorkloadError, match=r"--local-dir DIR.*then pass --model DIR"):
         load_workload("meta-llama/Llama-3.1-8B", 2, 8)
+
+
+def test_a_hub_id_fetches_the_config_for_a_dry_run_and_the_weights_to_train(monkeypatch, tmp_path):
+    import fnmatch
+    import shutil
+
+    import huggingface_hub
+
+    from tests.models import save_tiny_llama
+
+    saved = save_tiny_llama(tmp_path / "hub", shard=True)
+    fetched: list[list[str]] = []
+
+    def snapshot_download(repo_id, allow_patterns=None, **kwargs):
+        # The hub, played by a folder: copies the files the patterns match, as the cache would.
+        assert repo_id == "memfit-tests/tiny-llama"
+        fetched.append([f.name for f in sorted((tmp_path / "hub").iterdir())
+                        if any(fnmatch.fnmatch(f.name, p) for p in allow_patterns)])
+        cache = tmp_path / f"cache{len(fetched)}"
+        cache.mkdir()
+        for name in fetched[-1]:
+            shutil.copy(tmp_path / "hub" / name, cache / name)
+        return str(cache)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    wl = load_workload("memfit-tests/tiny-llama", 2, 8)
+    assert wl.name == wl.weights == "memfit-tests/tiny-llama"
+    assert not any(name.endswith(".safetensors") for name in fetched[0])  # the config alone
+    assert "config.json" in fetched[0] and "tokenizer.json" in fetched[0]
+    model, _ = wl.build(pretrained=True)
+    assert sum(name.endswith(".safetensors") for name in fetched[1]) == 5  # every shard
+    assert torch.equal(model.lm_head.weight, saved.lm_head.weight)
