@@ -1,6 +1,6 @@
 """Workloads: a model, how to make a batch, and how to get a loss from the model's output.
 
-A ``--model`` SPEC names a workload in one of three ways:
+A ``--model`` SPEC names a workload in one of these ways:
 
 * a built-in preset (``bert-base``, ``bert-large``, ``gpt2``, ``gpt2-medium``, ``llama-1b``, ``llama-8b``,
   and small ones for tests), built from a config with random weights: nothing is downloaded;
@@ -452,7 +452,8 @@ def load_workload(spec: str, batch_size: int = 8, seq_len: int = 128) -> Workloa
     """Turn a ``--model`` SPEC into a :class:`Workload`.
 
     Args:
-        spec: A preset name, a path to a Hugging Face ``config.json``, or
+        spec: A preset name, a path to a Hugging Face ``config.json``, a model folder
+            (``config.json`` and safetensors weights), a hub id, or
             ``package.module:function``.
         batch_size: Samples per step (must be >= 1).
         seq_len: Tokens per sample (must be >= 1).
