@@ -33,6 +33,7 @@ BAD: dict[str, dict[str, list[str] | None]] = {
         "--plan": [MISSING],
         "--json": [UNWRITABLE, A_FOLDER],
         "--plot": [UNWRITABLE, A_FOLDER],
+        "--snapshot": [UNWRITABLE, A_FOLDER],
         "--cap": ["lots", "0"],
         "--top": ["-1"],
         "--device": ["no-such-gpu"],
@@ -183,7 +184,7 @@ def _plain_plan(tmp_path) -> str:
 # ------------------------------------------------------------------------------ output paths
 # Every path option of every command: what it writes (a file or a folder), or that it is read.
 OUTPUTS: dict[str, dict[str, str]] = {
-    "profile": {"--json": "file", "--plot": "file"},
+    "profile": {"--json": "file", "--plot": "file", "--snapshot": "file"},
     "plan": {"--json": "file", "--save": "file", "--disk-dir": "existing folder"},
     "train": {"--json": "file", "--plot": "file", "--checkpoint-dir": "folder"},
     "bench ladder": {"--json": "file", "--markdown": "file"},
