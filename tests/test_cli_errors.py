@@ -33,12 +33,12 @@ BAD: dict[str, dict[str, list[str] | None]] = {
         "--plan": [MISSING],
         "--json": [UNWRITABLE, A_FOLDER],
         "--plot": [UNWRITABLE, A_FOLDER],
+        "--snapshot": [UNWRITABLE, A_FOLDER],
         "--cap": ["lots", "0"],
         "--top": ["-1"],
         "--device": ["no-such-gpu"],
         "--expert-load": ["0.5"],
         "--world-size": ["0", "3", "x"],
-        "--snapshot": [UNWRITABLE, A_FOLDER],
         "--data": [MISSING, "{tmp}/a-file", "{tmp}/bad-chat.jsonl"],
         "--tokenizer": [MISSING],
         "--text-field": ["body"],
@@ -66,6 +66,12 @@ BAD: dict[str, dict[str, list[str] | None]] = {
     },
     "train": {
         "--config": [MISSING],
+        "--model": ["nonsense-model", "{tmp}/a-folder", "{tmp}/a-file"],
+        "--data": [MISSING, "{tmp}/a-file", "{tmp}/bad-chat.jsonl"],
+        "--tokenizer": [MISSING, "{tmp}/a-folder"],
+        "--text-field": [""],
+        "--batch-size": ["0", "x"],
+        "--seq-len": ["0", "x"],
         "--max-steps": ["0", "x"],
         "--seed": ["x"],
         "--budget": ["lots"],
@@ -78,11 +84,6 @@ BAD: dict[str, dict[str, list[str] | None]] = {
         "--nproc-per-node": ["0", "3", "x"],
         "--keep": ["0"],
         "--resume": None,
-        "--data": [MISSING, "{tmp}/a-file", "{tmp}/bad-chat.jsonl"],
-        "--tokenizer": [MISSING],
-        "--text-field": [""],
-        "--seq-len": ["0", "x"],
-        "--batch-size": ["0", "x"],
     },
     "bench ladder": {
         "--json": [UNWRITABLE, A_FOLDER],
@@ -201,7 +202,7 @@ OUTPUTS: dict[str, dict[str, str]] = {
     "bench ladder": {"--json": "file", "--markdown": "file"},
 }
 INPUTS = {("profile", "--plan"), ("plan", "--plan"), ("train", "--config"), ("train", "--plan"),
-          ("profile", "--tokenizer"), ("plan", "--tokenizer"), ("train", "--tokenizer")}
+          ("profile", "--tokenizer"), ("plan", "--tokenizer")}  # train's also takes a hub id
 # What each kind of output cannot be, as a value and the end of the sentence that refuses it.
 REFUSED = {
     "file": [("{tmp}/a-file/out.x", "{tmp}/a-file is a file, not a folder"),

@@ -68,6 +68,7 @@ __all__ = [
     "cast_module",
     "stochastic_round_to_bf16",
     "unwrap_optimizer_bf16",
+    "weights_dtype",
     "wrap_optimizer_bf16",
 ]
 
@@ -116,6 +117,17 @@ class PrecisionConfig:
             raise ValueError(
                 f"precision {self.mode!r} is not known; use one of {', '.join(PRECISION_MODES)}"
             )
+
+
+def weights_dtype(mode: str) -> torch.dtype:
+    """The dtype precision ``mode`` keeps the weights in: bf16 for ``bf16-pure``, else fp32
+    (the mixed modes keep fp32 master weights and autocast the matmuls).
+
+    Saved weights load straight into it (:meth:`memfit.workload.Workload.build`), so a
+    bf16-pure fine-tune never holds the model in fp32, and an fp32 one upcasts a bf16
+    checkpoint tensor by tensor.
+    """
+    return torch.bfloat16 if mode == "bf16-pure" else torch.float32
 
 
 # ---------------------------------------------------------------------------------- runtimes

@@ -76,9 +76,11 @@ class TrainConfig:
     # ------------------------------------------------------------------ what to train
     model: str = "byte-gpt"
     """The model: ``byte-gpt`` (memfit's 4-layer GPT-2 over bytes), a causal-LM preset
-    (``gpt2``, ``gpt2-tiny``, ``llama-1b``, ...) or a path to a Hugging Face ``config.json``;
-    built with random weights. Its size is most of the memory: weights, gradients and optimizer
-    state grow with the parameter count."""
+    (``gpt2``, ``gpt2-tiny``, ``llama-1b``, ...) or a path to a Hugging Face ``config.json``,
+    built with random weights; or a Hugging Face model folder (``config.json`` and safetensors
+    weights) or hub id, fine-tuned from its weights, loaded straight into the plan's dtype. Its
+    size is most of the memory: weights, gradients and optimizer state grow with the parameter
+    count."""
 
     data: tuple[str, ...] | None = None
     """Training data: ``.jsonl``, ``.json``, ``.parquet``, ``.csv`` or ``.txt`` files (one path
@@ -92,9 +94,10 @@ class TrainConfig:
     """The field (or CSV column) holding a text record's text."""
 
     tokenizer: str | None = None
-    """A ``tokenizer.json`` file, or a folder saved by ``save_pretrained`` (its chat template
-    renders chat data); ``None``: the byte tokenizer (259 ids, nothing to load). A larger
-    vocabulary makes the embedding, the LM head and the logits larger."""
+    """A tokenizer folder saved by ``save_pretrained`` (read by transformers' ``AutoTokenizer``;
+    its chat template renders chat data) or a ``tokenizer.json`` file; ``None``: the model
+    folder's own tokenizer when it has one, else the byte tokenizer (259 ids, nothing to load).
+    A larger vocabulary makes the embedding, the LM head and the logits larger."""
 
     corpus_bytes: int = 1_000_000
     """Bytes of standard-library source to train on when ``data`` is ``None`` (host memory and
@@ -472,7 +475,8 @@ def _resolve_paths(values: dict[str, Any], base: Path) -> dict[str, Any]:
         elif isinstance(value, str):
             out[key] = resolve(value)
     model = out.get("model")
-    if isinstance(model, str) and model.endswith(".json"):
+    # A config.json or a model folder beside the file (not a preset or a hub id of that name).
+    if isinstance(model, str) and (model.endswith(".json") or (base / model).is_dir()):
         out["model"] = resolve(model)
     return out
 

@@ -13,9 +13,11 @@ With no data it trains memfit's built-in ``byte-gpt`` (a 4-layer GPT-2-style mod
 on the Python standard library's own sources, under a budget well below what the plain plan
 needs, so the planner has to turn techniques on.
 
-Vocabulary: the model is built with random weights, so its ``vocab_size`` is simply set to the
-tokenizer's (259 for the byte tokenizer, the file's size for a ``tokenizer.json``); a preset's
-own vocabulary size is replaced, nothing is lost.
+Vocabulary: a preset or a ``config.json`` is built with random weights, so its ``vocab_size``
+is simply set to the tokenizer's (259 for the byte tokenizer, the file's size for a
+``tokenizer.json``); a preset's own vocabulary size is replaced, nothing is lost. A model folder
+(``config.json`` plus saved weights) or a hub id keeps its own: it fine-tunes from its weights,
+with its own tokenizer (the folder's, unless another is given), whose ids must fit its embedding.
 """
 
 from __future__ import annotations
@@ -32,10 +34,11 @@ import torch
 from torch import nn
 
 from ..plan import Plan, PlanError
-from ..workload import PRESETS, Workload, WorkloadError
+from ..weights import WeightsError, check_weights, has_tokenizer, hub_folder, is_hub_id, reason
+from ..workload import PRESETS, Workload, WorkloadError, load_workload
 from .config import DEFAULT_BATCH_SIZE, TrainConfig
 from .lengths import LengthReport, length_report
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
     "MODEL_DEFAULT",
@@ -43,6 +46,7 @@ __all__ = [
     "TrainRun",
     "choose_plan",
     "prepare_run",
+    "run_tokenizer",
     "text_workload",
 ]
 
@@ -57,9 +61,12 @@ def text_workload(spec: str, tokenizer: Tokenizer, batch_size: int, seq_len: int
 
     Args:
         spec: ``byte-gpt`` (memfit train's default), a causal-LM preset (``gpt2``,
-            ``gpt2-tiny``, ``llama-1b``, ...) or a path to a Hugging Face ``config.json`` of a
-            causal LM.
-        tokenizer: Its ``vocab_size`` (and end-of-text id) go into the model's config.
+            ``gpt2-tiny``, ``llama-1b``, ...), a path to a Hugging Face ``config.json`` of a
+            causal LM, or a causal LM's model folder (config and saved weights) or hub id:
+            the workload then loads the weights when it is built for training
+            (:meth:`~memfit.workload.Workload.build` with ``pretrained=True``).
+        tokenizer: Its ``vocab_size`` (and end-of-text id) go into the model's config; a
+            model folder keeps its own, which the tokenizer's ids must fit.
         batch_size: Samples per optimizer step.
         seq_len: Tokens per sample (at most the model's positions).
 
@@ -69,6 +76,8 @@ def text_workload(spec: str, tokenizer: Tokenizer, batch_size: int, seq_len: int
     """
     import transformers
 
+    if spec not in PRESETS and (_is_folder(spec) or is_hub_id(spec)):
+        return _pretrained_workload(spec, tokenizer, batch_size, seq_len)
     vocab = int(tokenizer.vocab_size)
     eos = getattr(tokenizer, "eos_token_id", None)
     # use_cache keeps transformers' default, as memfit's workloads do: every applied plan
@@ -116,7 +125,55 @@ def text_workload(spec: str, tokenizer: Tokenizer, batch_size: int, seq_len: int
     return Workload(spec, batch_size, seq_len, build, make_batch, description=about)
 
 
-def _config_from_file(path: Path, vocab: int, special: Mapping[str, Any]) -> Any:
+def _is_folder(spec: str) -> bool:
+    return Path(spec).is_dir()
+
+
+def _pretrained_workload(spec: str, tokenizer: Tokenizer, batch_size: int, seq_len: int) -> Workload:
+    """The workload of a model folder or hub id: its own config and vocabulary, its saved
+    weights loaded when it is built for training. Its weight files are checked here, before
+    any planning, so a missing shard is named at once."""
+    workload = load_workload(spec, batch_size, seq_len)  # the config first: it is read first
+    try:
+        folder = hub_folder(spec, weights=False) if is_hub_id(spec) else Path(spec)
+        if not is_hub_id(spec):  # a hub id's weights are fetched (and checked) when it trains
+            check_weights(folder)
+    except WeightsError as e:
+        raise WorkloadError(str(e)) from None
+    config = _config_from_file(folder / "config.json", None, {})
+    vocab = int(config.vocab_size)
+    if int(tokenizer.vocab_size) > vocab:
+        raise WorkloadError(
+            f"tokenizer {tokenizer!r} has {tokenizer.vocab_size} tokens but model {spec!r} embeds "
+            f"only {vocab}; give the model's own tokenizer (--tokenizer DIR)"
+        )
+    return workload
+
+
+def run_tokenizer(config: TrainConfig) -> Tokenizer:
+    """The run's tokenizer: the config's, else the model folder's (or hub model's) own when
+    it has one, else memfit's byte tokenizer.
+
+    Raises:
+        WorkloadError: when the tokenizer cannot be read (or fetched).
+    """
+    path: str | None = config.tokenizer
+    if path is None and config.model not in PRESETS:
+        if _is_folder(config.model) and has_tokenizer(config.model):
+            # The model's config is read first, so a broken one is named as such (not as a
+            # tokenizer that AutoTokenizer, which reads it too, cannot load).
+            _config_from_file(Path(config.model) / "config.json", None, {})
+            path = config.model
+        elif is_hub_id(config.model):
+            try:
+                folder = hub_folder(config.model, weights=False)
+            except WeightsError as e:
+                raise WorkloadError(str(e)) from None
+            path = str(folder) if has_tokenizer(folder) else None
+    return load_tokenizer(path)
+
+
+def _config_from_file(path: Path, vocab: int | None, special: Mapping[str, Any]) -> Any:
     import transformers
 
     if path.is_dir():
@@ -129,11 +186,12 @@ def _config_from_file(path: Path, vocab: int, special: Mapping[str, Any]) -> Any
         raise WorkloadError(f"model config {str(path)!r} is not valid JSON ({e})") from None
     if not isinstance(data, dict) or "model_type" not in data:
         raise WorkloadError(f"model config {str(path)!r} has no 'model_type'; give a Hugging Face config.json")
-    data = {**data, "vocab_size": vocab, **special}
+    if vocab is not None:  # random weights: the tokenizer's vocabulary
+        data = {**data, "vocab_size": vocab, **special}
     try:
         config = transformers.AutoConfig.for_model(**data)
-    except (ValueError, KeyError) as e:
-        raise WorkloadError(f"model config {str(path)!r} cannot be built ({e})") from None
+    except Exception as e:  # ValueError, KeyError, TypeError for fields it cannot take
+        raise WorkloadError(f"model config {str(path)!r} cannot be built ({reason(e)})") from None
     if type(config) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
         raise WorkloadError(
             f"model config {str(path)!r} is a {data['model_type']!r} model, which has no causal-LM "
@@ -308,10 +366,9 @@ def prepare_run(
     from ..strategies.sequence import pad_collate
     from .chat import build_dataset
     from .data import TextDataset, stdlib_corpus, train_eval_split
-    from .tokenizer import load_tokenizer
 
     say = say or (lambda message: None)
-    tokenizer = load_tokenizer(config.tokenizer)
+    tokenizer = run_tokenizer(config)
     if config.data is None:
         texts: Sequence[str] = [stdlib_corpus(config.corpus_bytes)]
         data_name = "the Python standard library's sources"

@@ -5,10 +5,11 @@ specials. It is what ``memfit train`` uses by default, so a model trains on any 
 box (with a small vocabulary: 259 tokens, so the embedding and the logits stay small).
 
 A user's own tokenizer is a ``tokenizer.json`` (the format of the ``tokenizers`` library, which
-every Hugging Face fast tokenizer saves), loaded from disk only. A folder saved by
-``save_pretrained`` (with its ``tokenizer_config.json``) loads through transformers instead, as
-a :class:`PretrainedTokenizer`, which keeps the folder's chat template: chat data
-(:mod:`memfit.train.chat`) is rendered with it.
+every Hugging Face fast tokenizer saves), or a tokenizer folder (``save_pretrained`` of a
+transformers tokenizer, which a model folder often holds beside its weights) read by
+transformers' ``AutoTokenizer`` as a :class:`PretrainedTokenizer`, which keeps the folder's
+chat template: chat data (:mod:`memfit.train.chat`) is rendered with it. Either is loaded from
+disk only.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..weights import reason
 from ..workload import WorkloadError
 
 __all__ = ["ByteTokenizer", "FileTokenizer", "PretrainedTokenizer", "Tokenizer", "load_tokenizer"]
@@ -107,7 +109,13 @@ class FileTokenizer:
 
 
 class PretrainedTokenizer:
-    """A transformers tokenizer (a ``save_pretrained`` folder) with the training interface.
+    """A transformers tokenizer (``AutoTokenizer`` of a local folder), with the training
+    interface.
+
+    A document is encoded as the tokenizer frames it for the model (a Llama tokenizer's
+    beginning-of-text token first), without the end-of-text token its post-processor may add:
+    the dataset ends every document with ``eos_token_id`` itself. Padding uses the pad token,
+    else the end-of-text token, else id 0 (padded positions never reach the loss).
 
     Unlike :class:`FileTokenizer` it keeps what the folder's ``tokenizer_config.json`` adds to
     the ``tokenizer.json``: the special tokens' roles and the chat template.
@@ -120,11 +128,16 @@ class PretrainedTokenizer:
     def __init__(self, inner: Any, path: Path) -> None:
         self.inner = inner
         self.path = path
-        self.vocab_size: int = len(inner)
-        eos = inner.eos_token_id
-        self.eos_token_id: int | None = int(eos) if eos is not None else None
+        self.vocab_size: int = len(inner)  # added tokens included
+        self.eos_token_id: int | None = inner.eos_token_id
         pad = inner.pad_token_id
-        self.pad_token_id: int = int(pad) if pad is not None else (self.eos_token_id or 0)
+        self.pad_token_id: int = pad if pad is not None else (self.eos_token_id or 0)
+        # The ids the tokenizer puts before a text (its beginning-of-text token, if any),
+        # found once by encoding a probe with and without its specials.
+        plain = list(inner("a", add_special_tokens=False)["input_ids"])
+        framed = list(inner("a", add_special_tokens=True)["input_ids"])
+        at = next((i for i in range(len(framed)) if framed[i : i + len(plain)] == plain), 0)
+        self.prefix: list[int] = framed[:at]
 
     @property
     def chat_template(self) -> str | None:
@@ -132,8 +145,8 @@ class PretrainedTokenizer:
         return getattr(self.inner, "chat_template", None) or None
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` without the tokenizer's added specials."""
-        return list(self.inner.encode(text, add_special_tokens=False))
+        """Token ids of ``text``: the tokenizer's leading specials, then the text's tokens."""
+        return self.prefix + list(self.inner(text, add_special_tokens=False)["input_ids"])
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids`` (special tokens skipped)."""
@@ -152,29 +165,30 @@ def _first_id(inner: Any, names: Sequence[str]) -> int | None:
 
 
 def load_tokenizer(path: str | Path | None) -> ByteTokenizer | FileTokenizer | PretrainedTokenizer:
-    """The tokenizer for a run: the byte tokenizer for ``None``, else a ``tokenizer.json``.
+    """The tokenizer for a run: the byte tokenizer for ``None``, else the one on disk.
 
     Args:
-        path: ``None``, a ``tokenizer.json`` file, or a folder holding one. A folder saved by
-            ``save_pretrained`` (it has a ``tokenizer_config.json``) loads through transformers
-            with its chat template (:class:`PretrainedTokenizer`). Nothing is downloaded.
+        path: ``None``; a tokenizer folder with a ``tokenizer_config.json`` (as
+            ``save_pretrained`` of a transformers tokenizer writes, often a model folder),
+            read by ``AutoTokenizer``; a ``tokenizer.json`` file, or a folder holding only
+            one. Nothing is downloaded.
 
     Raises:
-        WorkloadError: when the file is missing or is not a ``tokenizers`` JSON file.
+        WorkloadError: when the file is missing or cannot be read as a tokenizer.
     """
     if path is None:
         return ByteTokenizer()
     p = Path(path)
-    if p.is_dir() and (p / "tokenizer_config.json").is_file():
-        return _load_pretrained(p)
+    if p.is_dir() and any((p / name).is_file() for name in _AUTO_FILES):
+        return _auto_tokenizer(p)
     if p.name == "tokenizer.json" and (p.parent / "tokenizer_config.json").is_file():
-        return _load_pretrained(p.parent)  # the file of a saved folder: keep its chat template
+        return _auto_tokenizer(p.parent)  # the file of a saved folder: keep its chat template
     if p.is_dir():
         p = p / "tokenizer.json"
     if not p.is_file():
         raise WorkloadError(
-            f"tokenizer file {str(p)!r} does not exist; give a tokenizer.json (or a folder "
-            "holding one), or leave the tokenizer out to use memfit's byte tokenizer"
+            f"tokenizer file {str(p)!r} does not exist; give a tokenizer folder or a "
+            "tokenizer.json, or leave the tokenizer out to use memfit's byte tokenizer"
         )
     from tokenizers import Tokenizer as HFTokenizer
 
@@ -188,22 +202,28 @@ def load_tokenizer(path: str | Path | None) -> ByteTokenizer | FileTokenizer | P
     return FileTokenizer(inner, p)
 
 
-def _load_pretrained(folder: Path) -> PretrainedTokenizer:
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+# A folder with one of these is a transformers tokenizer's: AutoTokenizer reads it.
+_AUTO_FILES = ("tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _auto_tokenizer(folder: Path) -> PretrainedTokenizer:
+    import transformers
 
     try:
-        inner = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    except Exception as e:  # transformers raises many kinds for a folder it cannot use
+        inner = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as e:  # transformers raises OSError, ValueError, KeyError...
         # A folder whose config names no class transformers knows: its tokenizer.json still
         # loads as a plain fast tokenizer, with the config's chat template and specials.
         try:
-            inner = PreTrainedTokenizerFast.from_pretrained(str(folder), local_files_only=True)
+            inner = transformers.PreTrainedTokenizerFast.from_pretrained(
+                str(folder), local_files_only=True
+            )
         except Exception:
             inner = None
         if inner is not None:
             return PretrainedTokenizer(inner, folder)
         raise WorkloadError(
-            f"tokenizer folder {str(folder)!r} cannot be loaded by transformers "
-            f"({' '.join(str(e).split())}); give a folder saved by save_pretrained"
+            f"tokenizer folder {str(folder)!r} cannot be read by transformers' AutoTokenizer "
+            f"({reason(e)}); give a folder written by a tokenizer's save_pretrained"
         ) from None
     return PretrainedTokenizer(inner, folder)
