@@ -6,11 +6,50 @@ from __future__ import annotations
 
 import os
 import traceback
-from typing import Any
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
 
 from ..console import fail
 
-__all__ = ["check_data_options", "check_sizes", "data_lengths", "parse_cap", "run_guarded"]
+__all__ = [
+    "TextFieldOption",
+    "TokenizerOption",
+    "check_data_options",
+    "check_sizes",
+    "data_lengths",
+    "data_option",
+    "parse_cap",
+    "run_guarded",
+]
+
+#: ``--tokenizer`` of the commands that read ``--data`` to size a dry run.
+TokenizerOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--tokenizer",
+        help="With --data: the tokenizer that counts its tokens (a tokenizer.json, or a "
+        "save_pretrained folder whose chat template renders chat records). Default: bytes.",
+    ),
+]
+#: ``--text-field`` of the same commands.
+TextFieldOption = Annotated[
+    str, typer.Option("--text-field", help="With --data: the field holding a record's text.")
+]
+
+
+def data_option(verb: str) -> Any:
+    r"""``--data`` of a command that ``verb``\ s (plans, profiles) the data's longest batch."""
+    return Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--data",
+            help="Training data (JSONL, JSON, Parquet, CSV or text; repeat for several files): "
+            f"{verb} its longest batch, --batch-size samples of its longest record (cut to "
+            "--seq-len), and print its length percentiles.",
+        ),
+    ]
 
 
 def run_guarded(fn: Any, *args: Any, **kwargs: Any) -> Any:

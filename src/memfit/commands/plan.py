@@ -11,7 +11,15 @@ from ..console import check_outputs, err, exit_without_teardown, fail, out, quie
 from ..outputs import make_parent, write_text
 from ..plan import Plan
 from ..units import format_bytes
-from .checks import check_data_options, check_sizes, data_lengths, run_guarded
+from .checks import (
+    TextFieldOption,
+    TokenizerOption,
+    check_data_options,
+    check_sizes,
+    data_lengths,
+    data_option,
+    run_guarded,
+)
 
 __all__ = ["plan_command"]
 
@@ -120,26 +128,9 @@ _GpusPerNode = Annotated[
     ),
 ]
 
-_Data = Annotated[
-    list[Path] | None,
-    typer.Option(
-        "--data",
-        help="Training data (JSONL, JSON, Parquet, CSV or text; repeat for several files): "
-        "plan for its longest batch, --batch-size samples of its longest record (cut to "
-        "--seq-len), and print its length percentiles.",
-    ),
-]
-_Tokenizer = Annotated[
-    Path | None,
-    typer.Option(
-        "--tokenizer",
-        help="With --data: the tokenizer that counts its tokens (a tokenizer.json, or a "
-        "save_pretrained folder whose chat template renders chat records). Default: bytes.",
-    ),
-]
-_TextField = Annotated[
-    str, typer.Option("--text-field", help="With --data: the field holding a record's text.")
-]
+_Data = data_option("plan for")
+_Tokenizer = TokenizerOption
+_TextField = TextFieldOption
 
 
 def plan_command(

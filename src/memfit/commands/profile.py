@@ -24,7 +24,16 @@ from ..outputs import write_text
 from ..plan import Plan, PlanError
 from ..units import format_bytes
 from ..workload import Workload
-from .checks import check_data_options, check_sizes, data_lengths, parse_cap, run_guarded
+from .checks import (
+    TextFieldOption,
+    TokenizerOption,
+    check_data_options,
+    check_sizes,
+    data_lengths,
+    data_option,
+    parse_cap,
+    run_guarded,
+)
 
 __all__ = ["profile", "profile_under_launcher"]
 
@@ -88,26 +97,9 @@ _WorldSize = Annotated[
     ),
 ]
 
-_Data = Annotated[
-    list[Path] | None,
-    typer.Option(
-        "--data",
-        help="Training data (JSONL, JSON, Parquet, CSV or text; repeat for several files): "
-        "profile its longest batch, --batch-size samples of its longest record (cut to "
-        "--seq-len), and print its length percentiles.",
-    ),
-]
-_Tokenizer = Annotated[
-    Path | None,
-    typer.Option(
-        "--tokenizer",
-        help="With --data: the tokenizer that counts its tokens (a tokenizer.json, or a "
-        "save_pretrained folder whose chat template renders chat records). Default: bytes.",
-    ),
-]
-_TextField = Annotated[
-    str, typer.Option("--text-field", help="With --data: the field holding a record's text.")
-]
+_Data = data_option("profile")
+_Tokenizer = TokenizerOption
+_TextField = TextFieldOption
 
 
 def profile(
