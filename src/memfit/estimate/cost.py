@@ -43,6 +43,7 @@ from typing import Any
 from ..distributed.config import ParallelConfig
 from ..optim.registry import get as optimizer_spec
 from ..plan import Plan
+from ..strategies.fp8 import FP8_EAGER_SLOWDOWN
 from ..targets import DeviceProfile
 from ..workload import Workload, call_model
 from .depth import SHALLOW_DEPTHS, extrapolate
@@ -257,12 +258,6 @@ class StepCost:
         }
 
 
-#: How much longer an eager step's matmuls take under ``fp8`` (torchao's float8 linears)
-#: than in bf16: measured 2.46x per step on an H200 (llama-1b, 2 x 2048 tokens, tensorwise;
-#: ``benchmarks/results/gpu_h200.md``), where the separate cast kernels outweigh the faster
-#: float8 GEMMs. Charged on the matmul term, which dominates such a step; a compiled step
-#: (which fuses the casts) is charged at the bf16 rate, not measured yet.
-FP8_EAGER_SLOWDOWN = 2.46
 
 
 def _compute_dtype(plan: Plan) -> str:
@@ -378,18 +373,13 @@ def _step_sizes(
 
 def _matmul(profile: WorkloadProfile, plan: Plan, s: _Step) -> float:
     """Forward, backward and recomputed FLOPs at the matmul rate."""
-    recompute = 0.0
-    if plan.checkpointing.mode in ("full", "sqrt", "budget"):
-        recompute = profile.block_fwd_flops_per_sample * s.batch_size * s.seq_scale
-    if plan.fused_loss is not None:
-        # memfit.ops.chunked_cross_entropy keeps no logits for backward and recomputes them
-        # there, one vocabulary block at a time: one more forward matmul of the head, 4 passes
-        # of tokens x hidden x vocabulary instead of 3 (see the trade-off in
-        # memfit/ops/cross_entropy.py's docstring; issue 12 states the same cost).
-        recompute += profile.head_fwd_flops_per_sample * s.batch_size * s.seq_scale
-    slowdown = 1.0
-    if plan.precision.mode == "fp8" and plan.compile_backend is None:
-        slowdown = FP8_EAGER_SLOWDOWN
+    # Each technique states what it runs again and what slows its matmuls, in its own module.
+    recompute, slowdown = 0.0, 1.0
+    for technique, _ in plan.techniques():
+        if technique.recompute_flops is not None:
+            recompute += technique.recompute_flops(plan, profile) * s.batch_size * s.seq_scale
+        if technique.matmul_slowdown is not None:
+            slowdown *= technique.matmul_slowdown(plan)
     return (s.fwd + s.bwd + recompute) / s.rate * slowdown
 
 

@@ -737,4 +737,11 @@ TECHNIQUE = Technique(
         "full-checkpointing": "full activation checkpointing",
     },
     summary=lambda config: f"checkpointing {config.mode}",
+    # full, sqrt and budget run every checkpointed block's forward again in backward;
+    # selective recomputes pointwise ops only (priced as memory traffic).
+    recompute_flops=lambda plan, profile: (
+        profile.block_fwd_flops_per_sample
+        if plan.checkpointing.mode in ("full", "sqrt", "budget")
+        else 0.0
+    ),
 )

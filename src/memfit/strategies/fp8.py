@@ -26,7 +26,7 @@ On an H200 (``benchmarks/results/gpu_h200.md``, llama-1b, bf16 weights, eager) t
 linears kept exactly what bf16 kept (19.54 GiB max allocated, 8.65 GiB held after one forward)
 and ran 2.5x slower: eager float8 pays for its casts; its speed needs ``torch.compile``, which
 fuses them (that is a plan's ``compile``). The step-time model charges that measured factor
-(:data:`memfit.estimate.cost.FP8_EAGER_SLOWDOWN`).
+(:data:`FP8_EAGER_SLOWDOWN`).
 
 Where it runs: a CUDA GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell:
 ``rtx4090``, ``h100``, ``h200``), and a CPU whose PyTorch runs ``torch._scaled_mm`` on float8
@@ -50,7 +50,14 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["FP8_MIN_CAPABILITY", "Fp8Conversion", "apply_fp8", "fp8_eligible", "fp8_problem"]
+__all__ = ["FP8_EAGER_SLOWDOWN", "FP8_MIN_CAPABILITY", "Fp8Conversion", "apply_fp8", "fp8_eligible", "fp8_problem"]
+
+#: How much longer an eager step's matmuls take under ``fp8`` (torchao's float8 linears)
+#: than in bf16: measured 2.46x per step on an H200 (llama-1b, 2 x 2048 tokens, tensorwise;
+#: ``benchmarks/results/gpu_h200.md``), where the separate cast kernels outweigh the faster
+#: float8 GEMMs. Charged on the matmul term, which dominates such a step; a compiled step
+#: (which fuses the casts) is charged at the bf16 rate, not measured yet.
+FP8_EAGER_SLOWDOWN = 2.46
 
 #: The first CUDA compute capability with float8 tensor cores (Ada Lovelace, sm89).
 FP8_MIN_CAPABILITY: tuple[int, int] = (8, 9)

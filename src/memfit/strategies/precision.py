@@ -741,6 +741,15 @@ def _layout_refusal(plan: Any, engine: str) -> str | None:
 
 #: Precision applies after the fused forwards and before checkpointing, which then wraps
 #: blocks of the final dtypes. Always on: fp32 is a precision too (its runtime is a no-op).
+def _matmul_slowdown(plan: Any) -> float:
+    """Eager fp8's measured slowdown of the matmuls (its casts); 1 otherwise."""
+    from .fp8 import FP8_EAGER_SLOWDOWN
+
+    if plan.precision.mode == "fp8" and plan.compile_backend is None:
+        return FP8_EAGER_SLOWDOWN
+    return 1.0
+
+
 TECHNIQUE = Technique(
     name="precision",
     engines=frozenset(ENGINES),  # the tensor/pipeline path builds it too
@@ -757,4 +766,5 @@ TECHNIQUE = Technique(
     },
     forbid={"mixed-precision": "bf16/fp16 autocast"},
     summary=lambda config: config.mode,
+    matmul_slowdown=_matmul_slowdown,
 )
