@@ -17,6 +17,11 @@ The model is a memfit preset (random weights) in bf16 with torch's AdamW; ``bf16
 plain run, ``fp8-<recipe>`` converts every linear but the output head (torchao's recipes
 ``tensorwise``, ``rowwise``, ``rowwise_with_gw_hp``), and ``-compiled`` compiles the model
 (torchao's speed assumes it; compilation fuses the casts, which changes the temporaries).
+``plan-<precision>`` runs memfit's own plan instead (``precision: bf16-mixed`` or ``fp8``: fp32
+master weights, bf16 autocast, and for ``fp8`` the float8 linears of memfit's conversion) through
+``memfit.apply_plan``, and adds memfit's dry-run prediction for the same GPU profile
+(``predicted_max_allocated``, ``predicted_forward_held``: the tracker's peak and what one forward
+leaves live, on fake tensors), so the fp8 model is checked against the GPU.
 
 Run on a GPU machine (torchao installed)::
 
@@ -26,6 +31,12 @@ Run on a GPU machine (torchao installed)::
 
 It writes ``gpu_fp8_<device>.json`` and ``.md``. Without a CUDA device of compute capability
 8.9 or newer it exits with code 2.
+
+Without a GPU, ``--predict h200`` prints memfit's dry-run peaks for the eager configurations
+on that profile instead (fake tensors: seconds on a CPU; ``bf16`` and ``fp8-tensorwise`` are
+built as the harness builds them, bf16 weights and torch's AdamW)::
+
+    python benchmarks/gpu_fp8.py --predict h200
 """
 
 from __future__ import annotations
@@ -41,7 +52,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map_only
 
-CONFIGS = ("bf16", "fp8-tensorwise", "fp8-rowwise", "bf16-compiled", "fp8-tensorwise-compiled")
+CONFIGS = ("bf16", "fp8-tensorwise", "fp8-rowwise", "bf16-compiled", "fp8-tensorwise-compiled",
+           "plan-bf16-mixed", "plan-fp8")
 GiB = 1024**3
 
 
@@ -97,9 +109,11 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(0)
     workload = memfit.load_workload(spec["model"], spec["batch_size"], spec["seq_len"])
     model, batch = workload.build(seed=0)
+    out: dict[str, Any] = {"config": config}
+    if config.startswith("plan-"):
+        return run_plan(spec, workload, model, batch, out)
     model = model.to(device=device, dtype=torch.bfloat16)
     batch = tree_map_only(torch.Tensor, lambda t: t.to(device), batch)
-    out: dict[str, Any] = {"config": config}
     if config.startswith("fp8"):
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -162,6 +176,96 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def run_plan(spec: dict[str, Any], workload: Any, model: Any, batch: Any,
+             out: dict[str, Any]) -> dict[str, Any]:
+    """A ``plan-<precision>`` configuration: memfit's plan on the GPU (fp32 masters), measured
+    as the others are, with memfit's dry-run prediction for this GPU beside it."""
+    import memfit
+    from memfit.workload import call_model
+
+    device = torch.device(spec.get("device", "cuda"))  # "cpu": a smoke test, no GPU
+    plan = memfit.Plan(precision=spec["config"].removeprefix("plan-"))
+    model = model.to(device)
+    batch = tree_map_only(torch.Tensor, lambda t: t.to(device), batch)
+    setup = memfit.apply_plan(model, plan, loss_fn=workload.loss_fn)
+    out["float8_linears"] = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+    setup.step(batch)  # warm-up
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    counter = SavedCounter(params)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated(device)
+    hooks = torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t)
+    with hooks, setup.precision.autocast():
+        loss = workload.loss_fn(call_model(model, batch), batch)
+    torch.cuda.synchronize()
+    out["forward_held_bytes"] = torch.cuda.memory_allocated(device) - before
+    out["saved_by_dtype_bytes"] = counter.by_dtype
+    out["saved_parameter_bytes"] = counter.param_bytes
+    loss.backward()
+    setup.optimizer.zero_grad(set_to_none=True)
+    del loss
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(device)
+    times, losses = [], []
+    for _ in range(spec["steps"]):
+        t0 = time.perf_counter()
+        losses.append(float(setup.step(batch)))
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    out.update(
+        losses=losses,
+        step_seconds=sum(times) / len(times),
+        max_allocated_bytes=torch.cuda.max_memory_allocated(device),
+        max_reserved_bytes=torch.cuda.max_memory_reserved(device),
+    )
+    setup.remove()
+    del setup, model
+    torch.cuda.empty_cache()
+    name = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
+    target = "h200" if "H200" in name else "h100" if "H100" in name else "cpu"
+    kw = dict(batch_size=spec["batch_size"], seq_len=spec["seq_len"], device=target)
+    out["predicted_max_allocated_bytes"] = memfit.dry_run(
+        spec["model"], plan, steps=spec["steps"] + 1, **kw
+    ).peak_bytes
+    out["predicted_forward_peak_bytes"] = memfit.dry_run(
+        spec["model"], plan, steps=1, stop="forward", **kw
+    ).peak_bytes
+    return out
+
+
+def predict(args: argparse.Namespace) -> list[str]:
+    """memfit's dry-run peak of each eager configuration on the ``args.predict`` profile."""
+    import dataclasses
+
+    import memfit
+    from memfit.strategies.fp8 import apply_fp8
+    from memfit.strategies.precision import cast_module
+
+    base = memfit.load_workload(args.model, args.batch_size, args.seq_len)
+
+    def harness(fp8: bool) -> Any:
+        def build() -> torch.nn.Module:
+            model = base.build_model()
+            cast_module(model, torch.bfloat16)  # bf16 weights, as run_one's .to(bfloat16)
+            if fp8:
+                apply_fp8(model)  # memfit's filter: dims of 16, no head (the harness's too)
+            return model
+
+        return dataclasses.replace(base, build_model=build, with_depth=None)
+
+    runs = {
+        "bf16": (harness(False), memfit.Plan()),
+        "fp8-tensorwise": (harness(True), memfit.Plan()),
+        "plan-bf16-mixed": (base, memfit.Plan(precision="bf16-mixed")),
+        "plan-fp8": (base, memfit.Plan(precision="fp8")),
+    }
+    lines = []
+    for config, (workload, plan) in runs.items():
+        report = memfit.dry_run(workload, plan, steps=args.steps, device=args.predict)
+        lines.append(f"{config}: predicted peak {report.peak_bytes / GiB:.2f} GiB on {args.predict}")
+    return lines
+
+
 def _child(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
     try:
@@ -199,6 +303,14 @@ def markdown(result: dict[str, Any]) -> str:
             f"{r['max_reserved_bytes'] / GiB:.2f} | {r['forward_held_bytes'] / GiB:.2f} | "
             f"{saved} | {r['step_seconds']:.3f} | {ratio} | {r['losses'][-1]:.4f} |"
         )
+    for r in rows:
+        if "predicted_max_allocated_bytes" in r:
+            lines.append(
+                f"\n{r['config']}: memfit's dry run for this GPU predicted a peak of "
+                f"{r['predicted_max_allocated_bytes'] / GiB:.2f} GiB (measured max allocated "
+                f"{r['max_allocated_bytes'] / GiB:.2f} GiB) and "
+                f"{r['predicted_forward_peak_bytes'] / GiB:.2f} GiB at the first forward's end."
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -212,7 +324,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per config")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--predict", default=None, metavar="PROFILE",
+                        help="print memfit's dry-run peaks on this GPU profile (no GPU needed)")
     args = parser.parse_args(argv)
+    if args.predict:
+        print("\n".join(predict(args)))
+        return 0
     if args.child:
         print(json.dumps(run_one(json.loads(args.child))))
         return 0

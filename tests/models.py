@@ -185,3 +185,42 @@ def stack_workload(batch_size: int, seq_len: int):
     g = torch.Generator().manual_seed(1)
     model = Stack(width=seq_len, depth=4)
     return model, {"x": torch.randn(batch_size, 12, generator=g), "y": torch.randn(batch_size, 5, generator=g)}
+
+
+# ---- saved models (a Hugging Face model folder, as save_pretrained writes it) -------------
+#: The words the tiny tokenizer knows, after its four specials (<pad> <s> </s> <unk>).
+TINY_WORDS = [
+    "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "a", "cat", "sat", "on",
+    "mat", "and", "ran", "far", "away",
+]  # fmt: skip
+
+
+def save_tiny_llama(
+    folder, *, shard: bool = False, tokenizer: bool = True, tie: bool = True, seed: int = 0
+):
+    """Save a 2-layer Llama (vocabulary 64, 64 wide, random weights from ``seed``) with
+    ``save_pretrained`` into ``folder``: safetensors, in 100 KB shards with ``shard``, and a
+    word-level tokenizer over :data:`TINY_WORDS` with ``tokenizer``. Returns the model."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config)
+    model.save_pretrained(
+        folder, safe_serialization=True, **({"max_shard_size": "100KB"} if shard else {})
+    )
+    if tokenizer:
+        vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+        vocab.update({w: i + 4 for i, w in enumerate(TINY_WORDS)})
+        inner = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+        inner.pre_tokenizer = pre_tokenizers.Whitespace()
+        transformers.PreTrainedTokenizerFast(
+            tokenizer_object=inner, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+            unk_token="<unk>",
+        ).save_pretrained(folder)
+    return model

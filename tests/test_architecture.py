@@ -19,7 +19,8 @@ SRC = ROOT / "src" / "memfit"
 FLOORS: list[tuple[str, ...]] = [
     ("units.py", "device.py", "console.py", "versions.py", "outputs.py"),
     ("accounting/",),
-    ("workload.py", "optim/", "ops/", "targets/", "blocks.py", "techniques.py", "stepping.py"),
+    ("workload.py", "weights.py", "optim/", "ops/", "targets/", "blocks.py", "techniques.py",
+     "stepping.py"),
     ("strategies/", "distributed/"),
     ("plan.py",),
     ("apply/",),

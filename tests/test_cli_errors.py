@@ -33,11 +33,15 @@ BAD: dict[str, dict[str, list[str] | None]] = {
         "--plan": [MISSING],
         "--json": [UNWRITABLE, A_FOLDER],
         "--plot": [UNWRITABLE, A_FOLDER],
+        "--snapshot": [UNWRITABLE, A_FOLDER],
         "--cap": ["lots", "0"],
         "--top": ["-1"],
         "--device": ["no-such-gpu"],
         "--expert-load": ["0.5"],
         "--world-size": ["0", "3", "x"],
+        "--data": [MISSING, "{tmp}/a-file", "{tmp}/bad-chat.jsonl"],
+        "--tokenizer": [MISSING],
+        "--text-field": ["body"],
     },
     "plan": {
         "--model": ["nonsense-model"],
@@ -56,10 +60,19 @@ BAD: dict[str, dict[str, list[str] | None]] = {
         "--world-size": ["0", "3", "x"],
         "--gpus-per-node": ["0", "3", "x"],
         "--jobs": ["0", "x"],
+        "--data": [MISSING, "{tmp}/a-file", "{tmp}/bad-chat.jsonl"],
+        "--tokenizer": [MISSING],
+        "--text-field": ["body"],
         "--lora-rank": ["0", "x"],
     },
     "train": {
         "--config": [MISSING],
+        "--model": ["nonsense-model", "{tmp}/a-folder", "{tmp}/a-file"],
+        "--data": [MISSING, "{tmp}/a-file", "{tmp}/bad-chat.jsonl"],
+        "--tokenizer": [MISSING, "{tmp}/a-folder"],
+        "--text-field": [""],
+        "--batch-size": ["0", "x"],
+        "--seq-len": ["0", "x"],
         "--max-steps": ["0", "x"],
         "--seed": ["x"],
         "--budget": ["lots"],
@@ -123,6 +136,11 @@ CASES = [
 def test_bad_values_exit_2_with_one_sentence(tmp_path, command, option, value):
     (tmp_path / "a-file").write_text("not a folder")
     (tmp_path / "a-folder").mkdir()
+    # A chat record, then one without the chat fields: named by its line.
+    (tmp_path / "bad-chat.jsonl").write_text(
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
+        '{"prompt": "hi"}\n'
+    )
     fill = {"tmp": str(tmp_path)}
     extra = [a.format(**fill) for a in NEEDS.get((command, option), [])]
     if command == "train" and option == "--resume":
@@ -179,12 +197,13 @@ def _plain_plan(tmp_path) -> str:
 # ------------------------------------------------------------------------------ output paths
 # Every path option of every command: what it writes (a file or a folder), or that it is read.
 OUTPUTS: dict[str, dict[str, str]] = {
-    "profile": {"--json": "file", "--plot": "file"},
+    "profile": {"--json": "file", "--plot": "file", "--snapshot": "file"},
     "plan": {"--json": "file", "--save": "file", "--disk-dir": "existing folder"},
     "train": {"--json": "file", "--plot": "file", "--checkpoint-dir": "folder"},
     "bench ladder": {"--json": "file", "--markdown": "file"},
 }
-INPUTS = {("profile", "--plan"), ("plan", "--plan"), ("train", "--config"), ("train", "--plan")}
+INPUTS = {("profile", "--plan"), ("plan", "--plan"), ("train", "--config"), ("train", "--plan"),
+          ("profile", "--tokenizer"), ("plan", "--tokenizer")}  # train's also takes a hub id
 # What each kind of output cannot be, as a value and the end of the sentence that refuses it.
 REFUSED = {
     "file": [("{tmp}/a-file/out.x", "{tmp}/a-file is a file, not a folder"),

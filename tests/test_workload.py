@@ -200,3 +200,92 @@ def test_the_fine_tuning_presets_have_the_published_sizes(name, billions):
     with torch.device("meta"):
         model = workload.build_model()
     assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(billions, abs=5e-4)
+
+
+# ---------------------------------------------------------------------------------- model folders
+def test_a_model_folder_builds_from_its_config_and_loads_its_weights_on_request(tmp_path):
+    from tests.models import save_tiny_llama
+
+    saved = save_tiny_llama(tmp_path, shard=True, tokenizer=False, seed=1)
+    wl = load_workload(str(tmp_path), 2, 8)
+    assert wl.weights == str(tmp_path) and wl.load_model is not None
+    assert "saved weights" in wl.description and wl.depth == 2
+    random_model, _ = wl.build(seed=0)  # what a real profile measures: random weights
+    assert not torch.equal(random_model.lm_head.weight, saved.lm_head.weight)
+    loaded, batch = wl.build(seed=0, pretrained=True, dtype=torch.bfloat16)
+    assert loaded.training and loaded.lm_head.weight.dtype == torch.bfloat16
+    assert torch.equal(loaded.lm_head.weight, saved.lm_head.weight.to(torch.bfloat16))
+    assert wl.loss_fn(call_model(loaded, batch), batch).dim() == 0
+    # Shallow copies (the planner's composition) are dry-run models with no weights of their own.
+    assert wl.with_depth(1).load_model is None
+    # A config.json path still means random weights.
+    assert load_workload(str(tmp_path / "config.json"), 2, 8).weights is None
+
+
+def test_a_dry_run_of_a_model_folder_never_opens_its_weights(tmp_path):
+    from memfit.estimate import dry_run
+    from tests.models import save_tiny_llama
+
+    save_tiny_llama(tmp_path, tokenizer=False)
+    (tmp_path / "model.safetensors").write_bytes(b"garbage, not safetensors")
+    wl = load_workload(str(tmp_path), 2, 8)
+    with FakeTensorMode():  # pretrained=True is ignored on fake tensors
+        model, _ = wl.build(pretrained=True)
+    assert sum(p.numel() for p in model.parameters()) > 0
+    assert dry_run(wl, steps=1).peak_bytes > 0
+    with pytest.raises(WorkloadError, match="is not a readable safetensors file"):
+        wl.build(pretrained=True)
+
+
+def test_model_folder_errors_name_the_file(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama"')
+    with pytest.raises(WorkloadError, match=r"config.json' is not valid JSON"):
+        load_workload(str(tmp_path), 2, 8)
+    (tmp_path / "config.json").write_text('{"model_type": "no-such-type"}')
+    with pytest.raises(WorkloadError) as e:
+        load_workload(str(tmp_path), 2, 8)
+    assert "'no-such-type'" in str(e.value) and len(str(e.value)) < 400  # not transformers' list
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 64}))
+    with pytest.raises(WorkloadError, match="has no weights"):
+        load_workload(str(tmp_path), 2, 8).build(pretrained=True)
+
+
+def test_an_unreachable_hub_id_says_how_to_download_it(monkeypatch, tmp_path):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(WorkloadError, match=r"--local-dir DIR.*then pass --model DIR"):
+        load_workload("meta-llama/Llama-3.1-8B", 2, 8)
+
+
+def test_a_hub_id_fetches_the_config_for_a_dry_run_and_the_weights_to_train(monkeypatch, tmp_path):
+    import fnmatch
+    import shutil
+
+    import huggingface_hub
+
+    from tests.models import save_tiny_llama
+
+    saved = save_tiny_llama(tmp_path / "hub", shard=True)
+    fetched: list[list[str]] = []
+
+    def snapshot_download(repo_id, allow_patterns=None, **kwargs):
+        # The hub, played by a folder: copies the files the patterns match, as the cache would.
+        assert repo_id == "memfit-tests/tiny-llama"
+        fetched.append([f.name for f in sorted((tmp_path / "hub").iterdir())
+                        if any(fnmatch.fnmatch(f.name, p) for p in allow_patterns)])
+        cache = tmp_path / f"cache{len(fetched)}"
+        cache.mkdir()
+        for name in fetched[-1]:
+            shutil.copy(tmp_path / "hub" / name, cache / name)
+        return str(cache)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    wl = load_workload("memfit-tests/tiny-llama", 2, 8)
+    assert wl.name == wl.weights == "memfit-tests/tiny-llama"
+    assert not any(name.endswith(".safetensors") for name in fetched[0])  # the config alone
+    assert "config.json" in fetched[0] and "tokenizer.json" in fetched[0]
+    model, _ = wl.build(pretrained=True)
+    assert sum(name.endswith(".safetensors") for name in fetched[1]) == 5  # every shard
+    assert torch.equal(model.lm_head.weight, saved.lm_head.weight)

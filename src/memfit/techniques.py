@@ -168,6 +168,12 @@ class Technique:
             the short forms a plan file may give (``true``, a string, a mapping); raises
             ``ValueError`` with one sentence for a value it does not take. ``Plan`` calls it
             when it is made, so the rest of memfit sees only canonical configs.
+        recompute_flops: ``recompute_flops(plan, profile) -> FLOPs``: the forward FLOPs per
+            sample the technique runs again in backward (checkpointing's blocks, the fused
+            loss's head), which the step-time model adds at the matmul rate; ``profile`` is the
+            workload's :class:`~memfit.estimate.cost.WorkloadProfile`.
+        matmul_slowdown: ``matmul_slowdown(plan) -> factor``: how much longer the step's
+            matmuls take under the technique (eager fp8's casts), for the step-time model.
         check: ``check(plan)``: the rules that tie this technique to others in one plan
             (``grad_buffer`` and the fused step, say); raises ``ValueError`` with one sentence
             naming the conflict and the fix. ``Plan.validate`` calls it for every built-in.
@@ -191,6 +197,8 @@ class Technique:
     summary: Callable[[Any], str] | None = None
     parse: Callable[[Any], Any] | None = None
     check: Callable[[Any], None] | None = None
+    recompute_flops: Callable[[Any, Any], float] | None = None
+    matmul_slowdown: Callable[[Any], float] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:

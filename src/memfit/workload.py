@@ -1,10 +1,14 @@
 """Workloads: a model, how to make a batch, and how to get a loss from the model's output.
 
-A ``--model`` SPEC names a workload in one of three ways:
+A ``--model`` SPEC names a workload in one of these ways:
 
 * a built-in preset (``bert-base``, ``bert-large``, ``gpt2``, ``gpt2-medium``, ``llama-1b``, ``llama-8b``,
   and small ones for tests), built from a config with random weights: nothing is downloaded;
 * a path to a Hugging Face ``config.json``: the model is built from it with random weights;
+* a Hugging Face model folder (``config.json`` plus safetensors weights, as ``save_pretrained``
+  writes it), or a hub id (``owner/name``) where the hub is reachable: dry runs build it from
+  the config alone (no weight file is opened); a real training run loads the saved weights
+  (:meth:`Workload.build` with ``pretrained=True``, :mod:`memfit.weights`);
 * ``package.module:function``, where ``function(batch_size, seq_len)`` returns
   ``(model, batch)``.
 
@@ -29,6 +33,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from .weights import WeightsError, hub_folder, is_hub_id, load_pretrained, model_class, reason
 
 __all__ = [
     "PRESETS",
@@ -378,6 +384,11 @@ class Workload:
         depth: Number of repeated blocks (layers), when known.
         with_depth: ``with_depth(n)`` gives the same workload with ``n`` blocks; the planner
             profiles one and two blocks and composes the full depth from them.
+        weights: Where the model's saved weights are (a model folder or a hub id), or ``None``
+            for random weights.
+        load_model: ``load_model(dtype)`` builds the model with its saved weights, each
+            tensor loaded straight into ``dtype`` (``None`` without saved weights).
+            :meth:`build` calls it for ``pretrained=True``; dry runs never do.
     """
 
     name: str
@@ -391,16 +402,38 @@ class Workload:
     description: str = ""
     depth: int | None = None
     with_depth: Callable[[int], Workload] | None = None
+    weights: str | None = None
+    load_model: Callable[[torch.dtype], nn.Module] | None = None
 
     @property
     def scalable(self) -> bool:
         """Whether the workload can be rebuilt with fewer repeated blocks (for composition)."""
         return self.depth is not None and self.with_depth is not None
 
-    def build(self, *, seed: int = 0) -> tuple[nn.Module, Batch]:
-        """Build the model (train mode) and one full batch, seeded for reproducibility."""
+    def build(
+        self, *, seed: int = 0, pretrained: bool = False, dtype: torch.dtype = torch.float32
+    ) -> tuple[nn.Module, Batch]:
+        """Build the model (train mode) and one full batch, seeded for reproducibility.
+
+        Args:
+            seed: Seeds the initialisation and the batch.
+            pretrained: Load the saved weights, when the workload has them (``load_model``),
+                instead of initialising at random. Ignored under fake tensors: a dry run
+                never reads weight files (their values change no memory).
+            dtype: The floating dtype the saved weights load into (the plan's: bf16 for
+                ``bf16-pure``, else fp32); random weights are built in fp32 as always.
+
+        Raises:
+            WorkloadError: when the model is not a module, or its saved weights cannot be
+                loaded (one sentence naming the file).
+        """
+        from torch._guards import active_fake_mode
+
         torch.manual_seed(seed)
-        model = self.build_model()
+        if pretrained and self.load_model is not None and active_fake_mode() is None:
+            model = self.load_model(dtype)
+        else:
+            model = self.build_model()
         if not isinstance(model, nn.Module):
             raise WorkloadError(
                 f"workload {self.name!r} built a {type(model).__name__}, not a torch.nn.Module"
@@ -419,7 +452,8 @@ def load_workload(spec: str, batch_size: int = 8, seq_len: int = 128) -> Workloa
     """Turn a ``--model`` SPEC into a :class:`Workload`.
 
     Args:
-        spec: A preset name, a path to a Hugging Face ``config.json``, or
+        spec: A preset name, a path to a Hugging Face ``config.json``, a model folder
+            (``config.json`` and safetensors weights), a hub id, or
             ``package.module:function``.
         batch_size: Samples per step (must be >= 1).
         seq_len: Tokens per sample (must be >= 1).
@@ -437,9 +471,16 @@ def load_workload(spec: str, batch_size: int = 8, seq_len: int = 128) -> Workloa
         return _config_workload(spec, batch_size, seq_len)
     if ":" in spec:
         return _function_workload(spec, batch_size, seq_len)
+    if is_hub_id(spec):
+        # The config alone (a few KB) for now; the weights when a run trains.
+        try:
+            folder = hub_folder(spec, weights=False)
+        except WeightsError as e:
+            raise WorkloadError(str(e)) from None
+        return _config_workload(str(folder), batch_size, seq_len, source=spec)
     raise WorkloadError(
         f"model {spec!r} names nothing memfit knows; use a preset ({', '.join(PRESETS)}), "
-        "a path to a Hugging Face config.json, or package.module:function"
+        "a Hugging Face model folder or config.json, a hub id, or package.module:function"
     )
 
 
@@ -502,17 +543,23 @@ def _check_positions(name: str, config: Mapping[str, Any], seq_len: int) -> None
         )
 
 
-def _config_workload(spec: str, batch_size: int, seq_len: int) -> Workload:
+def _config_workload(
+    spec: str, batch_size: int, seq_len: int, *, source: str | None = None
+) -> Workload:
+    """A workload from a ``config.json`` (random weights) or a model folder (its saved
+    weights, for a real run; ``source`` is the hub id it was fetched for)."""
     path = Path(spec)
-    if path.is_dir():
+    folder = path if path.is_dir() else None
+    if folder is not None:
         path = path / "config.json"
     if not path.is_file():
         raise WorkloadError(
-            f"config file {str(path)!r} does not exist; give a path to a config.json"
+            f"config file {str(path)!r} does not exist; give a model folder or a path to a "
+            "config.json"
         )
     try:
         data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise WorkloadError(f"config file {str(path)!r} is not valid JSON ({e})") from None
     if not isinstance(data, dict) or "model_type" not in data:
         raise WorkloadError(
@@ -522,28 +569,45 @@ def _config_workload(spec: str, batch_size: int, seq_len: int) -> Workload:
 
     try:
         config = transformers.AutoConfig.for_model(**data)
-    except (ValueError, KeyError) as e:
+    except Exception as e:  # ValueError, KeyError, TypeError for fields it cannot take
         raise WorkloadError(
             f"config file {str(path)!r} has model_type {data['model_type']!r}, which this "
-            f"transformers version does not know ({e})"
+            f"transformers version cannot read ({reason(e)})"
         ) from None
     _check_positions(str(path), data, seq_len)
     depth_key = next((k for k in _DEPTH_KEYS if k in config.to_dict()), None)
+    weights = None if folder is None else (source or str(folder))
 
     def at_depth(n: int) -> Workload:
         shallow = copy.deepcopy(config)
         setattr(shallow, depth_key, n)
-        return dataclasses.replace(wl, build_model=lambda: _hf_model_from_config(shallow), depth=n)
+        # A shallow copy is for dry runs only: it has no saved weights of its own.
+        return dataclasses.replace(
+            wl, build_model=lambda: _hf_model_from_config(shallow), depth=n, load_model=None
+        )
 
+    def load_model(dtype: torch.dtype) -> nn.Module:
+        assert weights is not None
+        try:
+            where = hub_folder(weights, weights=True) if source is not None else Path(weights)
+            return load_pretrained(where, model_class(config), config, dtype)
+        except WeightsError as e:
+            raise WorkloadError(str(e)) from None
+
+    about = f"{data['model_type']} from {path}"
+    if weights is not None:
+        about = f"{data['model_type']} with the saved weights of {weights}"
     wl = Workload(
-        str(path),
+        weights or str(path),
         batch_size,
         seq_len,
         lambda: _hf_model_from_config(config),
         _hf_batch,
-        description=f"{data['model_type']} from {path}",
+        description=about,
         depth=None if depth_key is None else int(getattr(config, depth_key)),
         with_depth=None if depth_key is None else at_depth,
+        weights=weights,
+        load_model=None if weights is None else load_model,
     )
     return wl
 

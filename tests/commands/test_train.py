@@ -170,3 +170,42 @@ def test_without_the_planner_dry_runs_step_down_until_the_plan_fits(monkeypatch)
     assert choice.predicted_peak_bytes <= plain * 0.8
     tight = choose_plan(workload, 1)  # nothing fits: the most frugal plan, said so
     assert not tight.fits and tight.plan.checkpointing.mode == "full"
+
+
+# ---------------------------------------------------------------------------------- --data
+def _chat_lines(n: int) -> str:
+    return "".join(
+        json.dumps({"messages": [
+            {"role": "user", "content": "what is two plus two"},
+            {"role": "assistant", "content": " ".join(["it is four"] * (1 + i % 3))},
+        ]}) + "\n"
+        for i in range(n)
+    )  # fmt: skip
+
+
+def test_data_jsonl_with_messages_trains_on_the_answers(tmp_path):
+    from ..train._helpers import chat_tokenizer_dir
+
+    tok = chat_tokenizer_dir(tmp_path / "tok")
+    data = tmp_path / "chat.jsonl"
+    data.write_text(_chat_lines(16))
+    out = tmp_path / "run.json"
+    res = _invoke(
+        "--data", str(data), "--tokenizer", str(tok), "--max-steps", "2", "--batch-size", "4",
+        "--seq-len", "64", "--budget", "1GiB", "--json", str(out),
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.output.split())
+    assert "p50" in text and "Worst batch: 4 x" in text
+    report = json.loads(out.read_text())
+    lengths = report["data_lengths"]
+    assert lengths["samples"] == 16 and lengths["worst_batch"][0] == 4
+    assert f"length {lengths['max']};" in text  # the workload planned is the worst batch
+    assert report["steps"] == 2
+
+
+def test_data_chat_record_without_messages_is_its_line(tmp_path):
+    data = tmp_path / "chat.jsonl"
+    data.write_text(_chat_lines(2) + "\n" + json.dumps({"text": "not a chat"}) + "\n")
+    res = _invoke("--data", str(data), "--max-steps", "1")
+    _one_sentence_error(res, f"data file {str(data)!r} line 4 is not a chat record")

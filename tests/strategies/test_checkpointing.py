@@ -354,6 +354,27 @@ def test_selective_is_between_none_and_full():
     assert sel_kept == n * B * S * 6 * D * F32 + F32
 
 
+
+def test_alternate_matmuls_keeps_every_other_mm_of_a_block():
+    # torchtitan's per-op policy: a block's 1st, 3rd ... mm outputs are kept, the 2nd, 4th ...
+    # recomputed, the count restarting at each block (bias-free Linears run as aten.mm).
+    n = 4
+    model = _stack(n)
+    for block in model.modules():
+        if isinstance(block, Block):
+            block.fc1.bias = block.fc2.bias = None
+    apply_checkpointing(model, CheckpointConfig("selective", policy="alternate-matmuls"))
+    kept, _ = _activation_memory(model, _x())
+    # Per token and block: the input (D) and fc1's output (4D); fc2's is recomputed.
+    assert kept == n * B * S * 5 * D * F32 + F32
+    with pytest.raises(ValueError, match="policy 'every-op' is not known"):
+        CheckpointConfig("selective", policy="every-op")
+    with pytest.raises(ValueError, match="mode 'full' takes none"):
+        CheckpointConfig("full", policy="alternate-matmuls")
+    plan = memfit.Plan.from_dict({"checkpointing": {"mode": "selective",
+                                                    "policy": "alternate-matmuls"}})
+    assert memfit.Plan.from_dict(plan.to_dict()) == plan
+
 def test_sqrt_scales_with_the_square_root_of_depth():
     kept, peak, none_peak = {}, {}, {}
     for n in (4, 16):

@@ -20,7 +20,7 @@ def test_builtin_gpus():
     assert h100 is DEVICES["h100"]
     assert h100.is_cuda and h100.compute_capability == (9, 0) and h100.supports_bf16
     assert h100.workspace_bytes == 32 * MiB  # Hopper's cuBLAS workspace
-    assert DEVICES["a100"].workspace_bytes == 4096 * 1024 + 8 * 16 * 1024
+    assert DEVICES["a100"].workspace_bytes == 4096 * 1024 * 2 + 16 * 1024 * 8  # ":4096:2:16:8"
     assert not DEVICES["t4"].supports_bf16 and DEVICES["t4"].compute_capability == (7, 5)
     assert h100.budget_bytes == h100.memory_bytes - h100.context_bytes - h100.workspace_bytes
     assert get_device("cpu").kind == "cpu" and not get_device("cpu").is_cuda

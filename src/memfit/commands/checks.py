@@ -6,11 +6,50 @@ from __future__ import annotations
 
 import os
 import traceback
-from typing import Any
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
 
 from ..console import fail
 
-__all__ = ["check_sizes", "parse_cap", "run_guarded"]
+__all__ = [
+    "TextFieldOption",
+    "TokenizerOption",
+    "check_data_options",
+    "check_sizes",
+    "data_lengths",
+    "data_option",
+    "parse_cap",
+    "run_guarded",
+]
+
+#: ``--tokenizer`` of the commands that read ``--data`` to size a dry run.
+TokenizerOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--tokenizer",
+        help="With --data: the tokenizer that counts its tokens (a tokenizer.json, or a "
+        "save_pretrained folder whose chat template renders chat records). Default: bytes.",
+    ),
+]
+#: ``--text-field`` of the same commands.
+TextFieldOption = Annotated[
+    str, typer.Option("--text-field", help="With --data: the field holding a record's text.")
+]
+
+
+def data_option(verb: str) -> Any:
+    r"""``--data`` of a command that ``verb``\ s (plans, profiles) the data's longest batch."""
+    return Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--data",
+            help="Training data (JSONL, JSON, Parquet, CSV or text; repeat for several files): "
+            f"{verb} its longest batch, --batch-size samples of its longest record (cut to "
+            "--seq-len), and print its length percentiles.",
+        ),
+    ]
 
 
 def run_guarded(fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -48,3 +87,36 @@ def parse_cap(cap: str | None) -> int | None:
         return parse_size(cap)
     except ValueError as e:
         fail(f"--cap: {e}")
+
+
+def data_lengths(
+    data: list[Any], tokenizer: Any, text_field: str, batch_size: int, seq_len: int
+) -> Any:
+    """Read ``--data`` as ``memfit train`` would, print its length percentiles and worst batch,
+    and return the :class:`~memfit.train.lengths.LengthReport` (its ``max`` is the length to
+    plan for); bad data fails with one sentence and exit 2."""
+    from ..console import err, out
+    from ..train.chat import build_dataset
+    from ..train.lengths import length_report
+    from ..train.tokenizer import load_tokenizer
+
+    tok = run_guarded(load_tokenizer, tokenizer)
+    with err.status("reading the data") as status:
+        dataset = run_guarded(
+            build_dataset, [str(p) for p in data], tok, seq_len, text_field=text_field,
+            say=lambda m: status.update(str(m)),
+        )
+    report = run_guarded(length_report, dataset, batch_size, seq_len=seq_len)
+    out.print(report.summary(), highlight=False)
+    return report
+
+
+def check_data_options(data: Any, tokenizer: Any, text_field: str) -> None:
+    """Fail (exit 2) when ``--tokenizer`` or ``--text-field`` is given without ``--data``:
+    they only read the data, so alone they would be ignored without a word."""
+    if data:
+        return
+    if tokenizer is not None:
+        fail("--tokenizer counts the tokens of --data; give --data too, or leave --tokenizer out")
+    if text_field != "text":
+        fail("--text-field names a field of --data's records; give --data too, or leave it out")

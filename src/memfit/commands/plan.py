@@ -11,7 +11,15 @@ from ..console import check_outputs, err, exit_without_teardown, fail, out, quie
 from ..outputs import make_parent, write_text
 from ..plan import Plan
 from ..units import format_bytes
-from .checks import check_sizes, run_guarded
+from .checks import (
+    TextFieldOption,
+    TokenizerOption,
+    check_data_options,
+    check_sizes,
+    data_lengths,
+    data_option,
+    run_guarded,
+)
 
 __all__ = ["plan_command"]
 
@@ -42,7 +50,7 @@ _Allow = Annotated[
     typer.Option(
         "--allow",
         help="Comma-separated techniques that change training or need host memory: freeze, "
-        "shorter-seq, 8bit, factored, bf16-pure, offload, lora, qlora.",
+        "shorter-seq, 8bit, factored, bf16-pure, fp8, offload, lora, qlora.",
     ),
 ]
 _Forbid = Annotated[
@@ -128,6 +136,10 @@ _GpusPerNode = Annotated[
     ),
 ]
 
+_Data = data_option("plan for")
+_Tokenizer = TokenizerOption
+_TextField = TextFieldOption
+
 
 def plan_command(
     model: _Model,
@@ -146,6 +158,9 @@ def plan_command(
     emit: _Emit = None,
     world_size: _WorldSize = None,
     gpus_per_node: _GpusPerNode = None,
+    data: _Data = None,
+    tokenizer: _Tokenizer = None,
+    text_field: _TextField = "text",
     lora_rank: _LoraRank = None,
 ) -> None:
     """Find the fastest plan whose peak memory fits a budget."""
@@ -165,6 +180,13 @@ def plan_command(
     # --disk-dir is written by training under the plan, not here, but must exist by then.
     check_outputs({"--json": json_path, "--save": save}, existing_folders={"--disk-dir": disk_dir})
     base_plan = run_guarded(Plan.load, base) if base is not None else None
+    check_data_options(data, tokenizer, text_field)
+    lengths = None
+    if data:
+        # The budget must hold for the longest batch the data makes, not a typical one.
+        share = max(batch_size // (world_size or 1), 1)
+        lengths = data_lengths(data, tokenizer, text_field, share, seq_len)
+        seq_len = lengths.max
     workload = run_guarded(load_workload, model, batch_size, seq_len)
     result = _search(
         workload,
@@ -182,7 +204,7 @@ def plan_command(
         lora_rank=lora_rank,
     )
     _print_answer(result)
-    _write_answer(result, json_path, save, emit)
+    _write_answer(result, json_path, save, emit, lengths)
 
 
 def _search(workload: Any, budget: str, json_path: Path | None, **options: Any) -> Any:
@@ -250,12 +272,18 @@ def _print_answer(result: Any) -> None:
         )
 
 
-def _write_answer(result: Any, json_path: Path | None, save: Path | None, emit: str | None) -> None:
-    """The answer as JSON, the chosen plan as a file, and ``--emit hf``'s lines, when asked."""
+def _write_answer(
+    result: Any, json_path: Path | None, save: Path | None, emit: str | None, lengths: Any = None
+) -> None:
+    """The answer as JSON (with ``--data``'s lengths), the chosen plan as a file, and ``--emit
+    hf``'s lines, when asked."""
     import json
 
     if json_path is not None:
-        write_text(json_path, json.dumps(result.to_dict(), indent=2) + "\n")
+        answer = result.to_dict()
+        if lengths is not None:
+            answer["data_lengths"] = lengths.to_dict()
+        write_text(json_path, json.dumps(answer, indent=2) + "\n")
         out.print(f"wrote {json_path}")
     if save is not None:
         make_parent(save)

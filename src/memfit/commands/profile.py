@@ -24,7 +24,16 @@ from ..outputs import write_text
 from ..plan import Plan, PlanError
 from ..units import format_bytes
 from ..workload import Workload
-from .checks import check_sizes, parse_cap, run_guarded
+from .checks import (
+    TextFieldOption,
+    TokenizerOption,
+    check_data_options,
+    check_sizes,
+    data_lengths,
+    data_option,
+    parse_cap,
+    run_guarded,
+)
 
 __all__ = ["profile", "profile_under_launcher"]
 
@@ -88,6 +97,10 @@ _WorldSize = Annotated[
     ),
 ]
 
+_Data = data_option("profile")
+_Tokenizer = TokenizerOption
+_TextField = TextFieldOption
+
 
 def profile(
     model: _Model,
@@ -104,6 +117,9 @@ def profile(
     expert_load: _ExpertLoad = 1.0,
     world_size: _WorldSize = None,
     snapshot: _Snapshot = None,
+    data: _Data = None,
+    tokenizer: _Tokenizer = None,
+    text_field: _TextField = "text",
 ) -> None:
     """Measure where a training step's memory goes, by category, phase and module."""
     quiet_libraries()
@@ -119,6 +135,11 @@ def profile(
 
     target = run_guarded(get_device, device)
     the_plan = run_guarded(Plan.load, plan) if plan is not None else None
+    check_data_options(data, tokenizer, text_field)
+    if data:
+        # Measure the longest batch the data makes: the one a budget must hold.
+        share = max(batch_size // (world_size or 1), 1)
+        seq_len = data_lengths(data, tokenizer, text_field, share, seq_len).max
     workload = run_guarded(load_workload, model, batch_size, seq_len)
     if snapshot is not None and world_size is not None:
         fail("--snapshot writes one process's timeline; leave out --world-size")

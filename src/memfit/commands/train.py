@@ -41,6 +41,11 @@ def _help(name: str, note: str = "overrides the config") -> str:
 # ---------------------------------------------------------------------------------- command
 def train(
     config: Annotated[Path | None, typer.Option("--config", "-c", help="A YAML run file whose keys are TrainConfig's fields (model, data, tokenizer, batch_size, seq_len, max_steps, lr, budget, ...).")] = None,
+    model: Annotated[str | None, typer.Option("--model", metavar="SPEC", help="A preset (byte-gpt, gpt2-tiny, llama-1b, ...) or a config.json, trained from random weights; or a Hugging Face model folder (config.json and safetensors) or hub id, fine-tuned from its weights (overrides the config).")] = None,
+    data: Annotated[list[Path] | None, typer.Option("--data", metavar="FILE", help="A .txt, .jsonl, .json, .csv or .parquet file: text, chat messages or prompt/completion records; repeat for more (overrides the config).")] = None,
+    tokenizer: Annotated[str | None, typer.Option("--tokenizer", metavar="PATH", help="A tokenizer folder (read by transformers' AutoTokenizer) or a tokenizer.json; default: the model folder's own tokenizer, else memfit's byte tokenizer (overrides the config).")] = None,
+    batch_size: Annotated[int | None, typer.Option("--batch-size", help=_help("batch_size", "default 16"))] = None,
+    seq_len: Annotated[int | None, typer.Option("--seq-len", help=_help("seq_len", "default 128"))] = None,
     max_steps: Annotated[int | None, typer.Option("--max-steps", help=_help("max_steps"))] = None,
     seed: Annotated[int | None, typer.Option("--seed", help=_help("seed", "default 0"))] = None,
     budget: Annotated[str | None, typer.Option("--budget", help=_help("budget", "e.g. 48MiB, 4GiB, t4"))] = None,
@@ -53,6 +58,7 @@ def train(
     keep: Annotated[int | None, typer.Option("--keep", help=_help("keep_checkpoints", "default 3"))] = None,
     resume: Annotated[bool, typer.Option("--resume", help=_help("resume", "needs --checkpoint-dir"))] = False,
     nproc_per_node: Annotated[int | None, typer.Option("--nproc-per-node", help=_help("nproc_per_node", "started through torch's elastic launcher"))] = None,
+    text_field: Annotated[str | None, typer.Option("--text-field", help=_help("text_field", "default text"))] = None,
 ) -> None:
     """Train a causal LM on text under a memory budget: plan, train, report memory."""
     from ..console import check_outputs, err, exit_without_teardown, fail, out, quiet_libraries
@@ -67,6 +73,11 @@ def train(
     quiet_libraries()
     check_outputs({"--json": json_path, "--plot": plot}, {"--checkpoint-dir": checkpoint_dir})
     flags = {
+        "model": model,
+        "data": [str(p) for p in data] if data else None,
+        "tokenizer": tokenizer,
+        "batch_size": batch_size,
+        "seq_len": seq_len,
         "max_steps": max_steps,
         "seed": seed,
         "budget": budget,
@@ -77,6 +88,7 @@ def train(
         "keep_checkpoints": keep,
         "resume": resume or None,
         "nproc_per_node": nproc_per_node,
+        "text_field": text_field,
     }
     world = worker_world_size()
     if world > 1 and nproc_per_node is None:
@@ -269,10 +281,11 @@ def _work_layout(
 
 #: Options passed on to the launched processes: parameter name -> flag.
 _PASSED = {
-    "config": "--config", "max_steps": "--max-steps", "seed": "--seed", "budget": "--budget",
+    "config": "--config", "model": "--model", "tokenizer": "--tokenizer", "batch_size": "--batch-size",
+    "seq_len": "--seq-len", "max_steps": "--max-steps", "seed": "--seed", "budget": "--budget",
     "json_path": "--json", "cap": "--cap", "plot": "--plot", "plan_path": "--plan",
     "checkpoint_dir": "--checkpoint-dir", "save_every": "--save-every", "keep": "--keep",
-    "nproc_per_node": "--nproc-per-node",
+    "nproc_per_node": "--nproc-per-node", "text_field": "--text-field",
 }  # fmt: skip
 
 
@@ -283,6 +296,8 @@ def _argv(params: Mapping[str, Any]) -> list[str]:
         value = params.get(name)
         if value is not None:
             argv += [flag, str(value)]
+    for path in params.get("data") or ():
+        argv += ["--data", str(path)]
     if params.get("resume"):
         argv.append("--resume")
     return argv
@@ -344,6 +359,8 @@ def _print_plan(out: Any, run: TrainRun) -> None:
         f"data: {run.data_name} ({ds.num_tokens:,} tokens, {len(run.train):,} training samples)",
         highlight=False,
     )
+    if run.lengths is not None and run.config.data is not None:
+        out.print(run.lengths.summary(), highlight=False)
     verdict = "fits" if choice.fits else "[red]does not fit[/]"
     out.print(
         f"plan ({choice.method}): [bold]{choice.plan.summary()}[/]; predicted peak "
@@ -361,6 +378,13 @@ def _print_result(out: Any, run: TrainRun, result: Any) -> None:
         f"[bold]{_fmt(result.peak_bytes)}[/], {within} the budget of {_fmt(budget)}",
         highlight=False,
     )
+    evals = result.eval_losses
+    if len(evals) > 1 and evals[0][0] == 0:  # a fine-tune: the saved weights' loss first
+        out.print(
+            f"eval loss {evals[0][1]:.4f} (the saved weights) -> {evals[-1][1]:.4f} after step "
+            f"{evals[-1][0]}",
+            highlight=False,
+        )
     if result.stopped_by:
         saved = f"; checkpoint {result.checkpoint}, continue with --resume" if result.checkpoint else ""
         out.print(f"stopped by {result.stopped_by} after step {result.steps}{saved}", highlight=False)
@@ -394,4 +418,6 @@ def _result_json(run: TrainRun, result: Any) -> dict[str, Any]:
         config=cfg.to_dict(),
         memory_report=result.report.to_dict(max_points=200),
     )
+    if run.lengths is not None:
+        data["data_lengths"] = run.lengths.to_dict()
     return data

@@ -43,11 +43,13 @@ from typing import Any
 from ..distributed.config import ParallelConfig
 from ..optim.registry import get as optimizer_spec
 from ..plan import Plan
+from ..strategies.fp8 import FP8_EAGER_SLOWDOWN
 from ..targets import DeviceProfile
 from ..workload import Workload, call_model
 from .depth import SHALLOW_DEPTHS, extrapolate
 
 __all__ = [
+    "FP8_EAGER_SLOWDOWN",
     "StepCost",
     "WorkloadProfile",
     "bubble_fraction",
@@ -256,10 +258,16 @@ class StepCost:
         }
 
 
+
+
 def _compute_dtype(plan: Plan) -> str:
-    return {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16-pure": "bf16"}[
-        plan.precision.mode
-    ]
+    return {
+        "fp32": "fp32",
+        "bf16-mixed": "bf16",
+        "fp16-mixed": "fp16",
+        "bf16-pure": "bf16",
+        "fp8": "bf16",  # the rate is bf16's times FP8_EAGER_SLOWDOWN (see _matmul)
+    }[plan.precision.mode]
 
 
 def step_cost(
@@ -365,16 +373,14 @@ def _step_sizes(
 
 def _matmul(profile: WorkloadProfile, plan: Plan, s: _Step) -> float:
     """Forward, backward and recomputed FLOPs at the matmul rate."""
-    recompute = 0.0
-    if plan.checkpointing.mode in ("full", "sqrt", "budget"):
-        recompute = profile.block_fwd_flops_per_sample * s.batch_size * s.seq_scale
-    if plan.fused_loss is not None:
-        # memfit.ops.chunked_cross_entropy keeps no logits for backward and recomputes them
-        # there, one vocabulary block at a time: one more forward matmul of the head, 4 passes
-        # of tokens x hidden x vocabulary instead of 3 (see the trade-off in
-        # memfit/ops/cross_entropy.py's docstring; issue 12 states the same cost).
-        recompute += profile.head_fwd_flops_per_sample * s.batch_size * s.seq_scale
-    return (s.fwd + s.bwd + recompute) / s.rate
+    # Each technique states what it runs again and what slows its matmuls, in its own module.
+    recompute, slowdown = 0.0, 1.0
+    for technique, _ in plan.techniques():
+        if technique.recompute_flops is not None:
+            recompute += technique.recompute_flops(plan, profile) * s.batch_size * s.seq_scale
+        if technique.matmul_slowdown is not None:
+            slowdown *= technique.matmul_slowdown(plan)
+    return (s.fwd + s.bwd + recompute) / s.rate * slowdown
 
 
 def _pointwise(plan: Plan, device: DeviceProfile, s: _Step) -> float:

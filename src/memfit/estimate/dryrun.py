@@ -456,7 +456,8 @@ def plan_for_target(plan: Plan, target: DeviceProfile) -> Plan:
       explicit.
 
     Raises:
-        PlanError: for bf16 precision on a target without bf16 (T4), naming fp16-mixed.
+        PlanError: for bf16 precision on a target without bf16 (T4), naming fp16-mixed; for
+            fp8 on a target without float8 matmuls (compute capability below 8.9).
     """
     import dataclasses
 
@@ -466,6 +467,12 @@ def plan_for_target(plan: Plan, target: DeviceProfile) -> Plan:
             f"{target.name} has no bf16 support, so precision {mode!r} cannot run there; use "
             "fp16-mixed (or fp32)"
         )
+    if mode == "fp8":
+        from ..strategies.fp8 import fp8_problem
+
+        problem = fp8_problem(target)
+        if problem is not None:
+            raise PlanError(problem)
     opt = plan.optimizer
     if target.is_cuda and optimizer_spec(opt.name).foreach and opt.foreach is None:
         fused = bool(dict(opt.kwargs).get("fused"))

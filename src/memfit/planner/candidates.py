@@ -41,6 +41,7 @@ from typing import Any
 from ..optim import registry as optim_registry
 from ..optim.config import OptimizerConfig
 from ..plan import Plan
+from ..strategies.fp8 import fp8_problem as _fp8_problem
 from ..strategies.fused_loss import FusedLossConfig
 from ..strategies.lora import TECHNIQUE as _LORA
 from ..strategies.lora import LoraConfig
@@ -120,6 +121,12 @@ PRECISION_BYTES: dict[str, tuple[int, int]] = {
     "bf16-mixed": (10, 2),
     "fp16-mixed": (10, 2),
     "bf16-pure": (4, 2),
+    # fp8 (torchao's float8 linears under bf16 autocast): fp32 weights and gradients and no
+    # half-precision weight copies (the float8 linears save the fp32 weight itself); bf16
+    # activations, plus the casts' temporaries (abs, scaled and clamped copies of one linear's
+    # input or gradient at a time), counted as one more byte: fp8 then ranks below fp32 in
+    # both dimensions, and neither it nor autocast prunes the other.
+    "fp8": (8, 3),
 }
 # What a checkpointing mode keeps for backward, in its order of size (not measured: each
 # mode's kept set contains the next one's): everything, the matmul outputs, block inputs.
@@ -254,6 +261,8 @@ def options(
         precisions.append(mixed)
     if "bf16-pure" in allow:
         precisions.append("bf16-pure")
+    if "fp8" in allow and _fp8_problem(device) is None:
+        precisions.append("fp8")  # only where the target has float8 matmuls (sm89+)
     optimizers = [base.optimizer]
     for spec in optim_registry.specs():
         if spec.allow is not None and spec.allow in allow:

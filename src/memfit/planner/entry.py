@@ -52,7 +52,8 @@ def plan(
         batch_size: With a SPEC: samples per optimizer step (default 8), over all processes.
         seq_len: With a SPEC: tokens per sample (default 128).
         allow: Techniques that change training or use host memory, and need consent:
-            ``freeze``, ``shorter-seq``, ``8bit``, ``factored``, ``bf16-pure``, ``offload``.
+            ``freeze``, ``shorter-seq``, ``8bit``, ``factored``, ``bf16-pure``, ``fp8`` (targets
+            of compute capability 8.9+), ``offload``.
         forbid: Default techniques to rule out: ``accumulation``, ``checkpointing``,
             ``full-checkpointing``, ``mixed-precision``, ``fused-step``, ``foreach-off``,
             ``fused-loss``.

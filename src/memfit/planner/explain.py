@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ..strategies.fp8 import fp8_problem
 from ..targets import DeviceProfile
 from ..units import format_bytes
 from .candidates import allow_names
@@ -141,6 +142,8 @@ def nothing_fits_message(result: PlanResult, allow: Sequence[str], target: Devic
     """The paragraph of :class:`~memfit.planner.NothingFits`: the closest plan, what it needs,
     and what to allow or change."""
     missing = [a for a in allow_names() if a not in allow]
+    if "fp8" in missing and fp8_problem(target) is not None:
+        missing.remove("fp8")  # the target has no float8 matmuls: allowing it would not help
     hint = (
         f"allowing {', '.join(missing)} (--allow {','.join(missing)})"
         if missing

@@ -99,7 +99,8 @@ def plan(
         workload: The workload at its full batch and sequence length, or a SPEC.
         budget: Bytes, a size string (``4GiB``) or a device name (``t4``).
         allow: Techniques that change training or use host memory, and need consent:
-            ``freeze``, ``shorter-seq``, ``8bit``, ``factored``, ``bf16-pure``, ``offload``.
+            ``freeze``, ``shorter-seq``, ``8bit``, ``factored``, ``bf16-pure``, ``fp8`` (targets
+            of compute capability 8.9+), ``offload``.
         forbid: Default techniques to rule out: ``accumulation``, ``checkpointing``,
             ``full-checkpointing``, ``mixed-precision``, ``fused-step``, ``foreach-off``,
             ``fused-loss``.
@@ -566,7 +567,17 @@ SEEDS_AFTER = 2
 SEED_FLOORS_AFTER = 4
 
 def _base_for(base: Plan, target: DeviceProfile) -> Plan:
-    """The base plan as it runs on ``target``: torch's foreach default made explicit."""
+    """The base plan as it runs on ``target``: torch's foreach default made explicit.
+
+    Raises:
+        ValueError: for an fp8 base plan on a target without float8 matmuls (one sentence).
+    """
+    if base.precision.mode == "fp8":
+        from ..strategies.fp8 import fp8_problem
+
+        problem = fp8_problem(target)
+        if problem is not None:
+            raise ValueError(problem)
     if (
         target.name != "cpu"
         and base.optimizer.foreach is None

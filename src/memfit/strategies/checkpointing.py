@@ -38,20 +38,20 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.checkpoint import (
-    CheckpointPolicy,
     checkpoint,
-    create_selective_checkpoint_contexts,
 )
 
 from ..blocks import find_blocks
 from ..device import rng_states, set_rng_states
 from ..techniques import BUILTIN_ORDER, ENGINES, ApplyContext, Technique
 from .kv_cache import KVCacheOff, apply_kv_cache_off, drop_cache
-from .recompute import in_function_modes, retryable
+from .recompute import in_function_modes
+from .selective import SAVE_OPS, SELECTIVE_POLICIES, selective_context, selective_policy
 
 __all__ = [
     "CHECKPOINT_MODES",
     "SAVE_OPS",
+    "SELECTIVE_POLICIES",
     "BlockEstimator",
     "CheckpointConfig",
     "CheckpointHandle",
@@ -87,11 +87,17 @@ class CheckpointConfig:
         blocks: Qualified-name pattern(s) of the repeated blocks (``fnmatch`` style, e.g.
             ``"bert.encoder.layer.*"``); ``None`` finds the largest list of identical blocks.
         budget_bytes: For ``budget``: the activation bytes the model may keep.
+        policy: For ``selective``: which outputs a block keeps (see
+            :data:`~memfit.strategies.selective.SELECTIVE_POLICIES`): ``matmuls`` (every
+            matmul, convolution and fused attention output) or ``alternate-matmuls``
+            (torchtitan's per-op policy: attention outputs and every other ``mm`` of a block,
+            counted from the block's first).
     """
 
     mode: CheckpointMode = "none"
     blocks: tuple[str, ...] | None = None
     budget_bytes: int | None = None
+    policy: str = "matmuls"
 
     def __post_init__(self) -> None:
         # A config checks itself, so a bad one fails where it is written, in the plan.
@@ -104,54 +110,16 @@ class CheckpointConfig:
             raise ValueError(
                 "checkpointing mode 'budget' needs budget_bytes (the activation bytes allowed)"
             )
-
-
-# ---------------------------------------------------------------------------------- policy
-def _aten_packets(names: Iterable[str]) -> frozenset[Any]:
-    # Look each op up by name: some exist only in some builds (flash / cuDNN attention).
-    ops = (getattr(torch.ops.aten, n, None) for n in names)
-    return frozenset(op for op in ops if op is not None)
-
-
-#: Ops whose outputs ``selective`` keeps: matmuls, convolutions and fused attention. They carry
-#: most of a block's FLOPs, so recomputing them would cost nearly a full forward; everything
-#: else (norms, activations, dropout, adds, softmax) is cheap to recompute.
-SAVE_OPS: frozenset[Any] = _aten_packets(
-    (
-        "mm",
-        "addmm",
-        "bmm",
-        "baddbmm",
-        "_addmm_activation",
-        "convolution",
-        "_scaled_mm",
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-        "_flash_attention_forward",
-        "_efficient_attention_forward",
-    )
-)
-
-
-def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """The ``selective`` policy: save matmul/attention outputs, recompute everything else.
-
-    Usable on its own as ``context_fn=functools.partial(create_selective_checkpoint_contexts,
-    selective_policy)`` for :func:`torch.utils.checkpoint.checkpoint`.
-    """
-    packet = getattr(op, "overloadpacket", op)
-    if packet in SAVE_OPS:
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _selective_context() -> tuple[Any, Any]:
-    caching, cached = create_selective_checkpoint_contexts(selective_policy)
-    if isinstance(getattr(cached, "func_counter", None), dict):
-        cached.__class__ = retryable(type(cached))
-    return caching, cached
+        if self.policy not in SELECTIVE_POLICIES:
+            raise ValueError(
+                f"selective checkpointing policy {self.policy!r} is not known; use one of "
+                f"{', '.join(SELECTIVE_POLICIES)}"
+            )
+        if self.policy != "matmuls" and self.mode != "selective":
+            raise ValueError(
+                f"checkpointing policy {self.policy!r} chooses what 'selective' keeps; mode "
+                f"{self.mode!r} takes none (use mode 'selective' or drop the policy)"
+            )
 
 
 # ---------------------------------------------------------------------------------- blocks
@@ -644,7 +612,8 @@ def _wrappers(
     """The forward wrapper of each block under ``config``'s mode (names go to ``state``)."""
     wrappers: list[tuple[nn.Module, _Wrapper]] = []
     if config.mode in ("full", "selective"):
-        context = _selective_context if config.mode == "selective" else None
+        context = (functools.partial(selective_context, config.policy)
+                   if config.mode == "selective" else None)
         wrappers = [(b, _Wrapper(n, b, context)) for n, b in blocks]
         state.names = [n for n, _ in blocks]
     elif config.mode == "sqrt":
@@ -768,4 +737,11 @@ TECHNIQUE = Technique(
         "full-checkpointing": "full activation checkpointing",
     },
     summary=lambda config: f"checkpointing {config.mode}",
+    # full, sqrt and budget run every checkpointed block's forward again in backward;
+    # selective recomputes pointwise ops only (priced as memory traffic).
+    recompute_flops=lambda plan, profile: (
+        profile.block_fwd_flops_per_sample
+        if plan.checkpointing.mode in ("full", "sqrt", "budget")
+        else 0.0
+    ),
 )

@@ -374,4 +374,8 @@ TECHNIQUE = Technique(
     forbid={"fused-loss": "the output head's loss computed in chunks (no full logits)"},
     summary=_summary,
     parse=parse_fused_loss,
+    # chunked_cross_entropy keeps no logits for backward and recomputes them there, one
+    # vocabulary block at a time: one more forward matmul of the head, 4 passes of tokens x
+    # hidden x vocabulary instead of 3 (memfit/ops/cross_entropy.py's docstring; issue 12).
+    recompute_flops=lambda plan, profile: profile.head_fwd_flops_per_sample,
 )

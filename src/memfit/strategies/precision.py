@@ -11,7 +11,10 @@ fp32           nothing              plain                    4 + 4 + 8 bytes per
 bf16-mixed     ``torch.autocast``   plain                    4 + 4 + 8 (activations halved)
 fp16-mixed     ``torch.autocast``   dynamic loss scaling     4 + 4 + 8 (activations halved)
 bf16-pure      nothing              stochastic rounding      2 + 2 + 4
+fp8            ``torch.autocast``   plain                    4 + 4 + 8 (float8 linears)
 =============  ===================  =======================  ==============================
+
+``fp8`` is ``bf16-mixed`` with torchao's float8 linears (:mod:`memfit.strategies.fp8`).
 
 ``bf16-pure`` casts the model to bf16 and wraps the optimizer so each update is computed in
 fp32 and written back to the bf16 weights with stochastic rounding (unbiased: an update far
@@ -56,6 +59,7 @@ __all__ = [
     "PRECISION_MODES",
     "Bf16PureRuntime",
     "DynamicLossScaler",
+    "Fp8Runtime",
     "Fp16MixedRuntime",
     "MixedRuntime",
     "PrecisionConfig",
@@ -64,12 +68,13 @@ __all__ = [
     "cast_module",
     "stochastic_round_to_bf16",
     "unwrap_optimizer_bf16",
+    "weights_dtype",
     "wrap_optimizer_bf16",
 ]
 
-PrecisionMode = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16-pure"]
-#: The precision modes, from full fp32 to bf16 weights.
-PRECISION_MODES: tuple[str, ...] = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-pure")
+PrecisionMode = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16-pure", "fp8"]
+#: The precision modes, from full fp32 to bf16 weights, and float8 matmuls.
+PRECISION_MODES: tuple[str, ...] = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-pure", "fp8")
 
 
 @dataclass(frozen=True)
@@ -82,7 +87,16 @@ class PrecisionConfig:
             halves activation memory, no saving on weights, gradients or state).
             ``bf16-pure``: weights, gradients and optimizer math in bf16: halves parameters,
             gradients and (for Adam-like state) state, with stochastic rounding so small
-            updates are not lost.
+            updates are not lost. ``fp8``: ``bf16-mixed`` (fp32 master weights, gradients and
+            state, bf16 autocast) with every linear whose dimensions are multiples of 16, but
+            the output head, computing in float8 through torchao (its default tensorwise
+            recipe; needs ``memfit[fp8]`` and a GPU of compute capability 8.9 or newer, or a
+            CPU whose PyTorch has float8 matmuls). Memory: as ``bf16-mixed``, less the bf16
+            weight copies autocast saves for backward (the float8 linears save the fp32
+            weight itself and their bf16 input, and cast both again in backward). Time: eager
+            float8 is slower than bf16 (2.5x per step, measured on an H200), since the
+            casts are separate kernels; ``compile`` fuses them. Numerics change (float8
+            rounding of matmul inputs), so the planner tries it only with ``--allow fp8``.
         stochastic_rounding: For ``bf16-pure``: round updated weights stochastically (unbiased)
             instead of to nearest; costs one random draw per element per step.
         init_scale: For ``fp16-mixed``: the initial dynamic loss scale.
@@ -103,6 +117,17 @@ class PrecisionConfig:
             raise ValueError(
                 f"precision {self.mode!r} is not known; use one of {', '.join(PRECISION_MODES)}"
             )
+
+
+def weights_dtype(mode: str) -> torch.dtype:
+    """The dtype precision ``mode`` keeps the weights in: bf16 for ``bf16-pure``, else fp32
+    (the mixed modes keep fp32 master weights and autocast the matmuls).
+
+    Saved weights load straight into it (:meth:`memfit.workload.Workload.build`), so a
+    bf16-pure fine-tune never holds the model in fp32, and an fp32 one upcasts a bf16
+    checkpoint tensor by tensor.
+    """
+    return torch.bfloat16 if mode == "bf16-pure" else torch.float32
 
 
 # ---------------------------------------------------------------------------------- runtimes
@@ -190,6 +215,32 @@ class Fp16MixedRuntime(MixedRuntime):
 
     def step(self, optimizer: Any, max_grad_norm: float | None = None, model: Any = None) -> bool:
         return self.scaler.step(optimizer, max_grad_norm)
+
+
+class Fp8Runtime(MixedRuntime):
+    """``fp8``: bf16 autocast around torchao's float8 linears (:mod:`memfit.strategies.fp8`).
+
+    Args:
+        device_type: The model's device type.
+        conversion: What was converted (:func:`memfit.strategies.fp8.apply_fp8`).
+    """
+
+    mode = "fp8"
+
+    def __init__(self, device_type: str = "cpu", conversion: Any = None) -> None:
+        super().__init__(device_type, torch.bfloat16)
+        self.conversion = conversion
+
+    @property
+    def converted(self) -> list[str]:
+        """Qualified names of the linears computing in float8 (empty after :meth:`remove`)."""
+        return self.conversion.converted if self.conversion is not None else []
+
+    def remove(self) -> None:
+        """Put the original ``nn.Linear`` modules back (same module and parameter objects)."""
+        conversion, self.conversion = self.conversion, None
+        if conversion is not None:
+            conversion.undo()
 
 
 class Bf16PureRuntime(PrecisionRuntime):
@@ -578,9 +629,11 @@ def apply_precision(
 ) -> PrecisionRuntime:
     """Set ``model`` up for ``config.mode`` and return the runtime that drives its steps.
 
-    Only ``bf16-pure`` changes the model: its floating parameters and buffers are cast to
-    bf16 (:func:`cast_module`), and a forward pre-hook casts floating inputs to bf16 (integer
-    inputs such as token ids are untouched). The other modes act through the runtime alone.
+    Only ``bf16-pure`` and ``fp8`` change the model. ``bf16-pure``: its floating parameters
+    and buffers are cast to bf16 (:func:`cast_module`), and a forward pre-hook casts floating
+    inputs to bf16 (integer inputs such as token ids are untouched). ``fp8``: its eligible
+    linears become torchao's float8 linears (:func:`memfit.strategies.fp8.apply_fp8`). The
+    other modes act through the runtime alone.
     The runtime's :meth:`~PrecisionRuntime.remove` undoes it (see the module docstring for
     which values come back exactly).
 
@@ -638,11 +691,18 @@ def _bf16_pure(model: nn.Module, config: PrecisionConfig, keep: bool) -> Precisi
     )
 
 
+def _fp8(model: nn.Module, config: PrecisionConfig, keep: bool) -> PrecisionRuntime:
+    from .fp8 import apply_fp8
+
+    return Fp8Runtime(_device_type(model), apply_fp8(model))
+
+
 _RUNTIMES = {
     "fp32": _fp32,
     "bf16-mixed": _bf16_mixed,
     "fp16-mixed": _fp16_mixed,
     "bf16-pure": _bf16_pure,
+    "fp8": _fp8,
 }
 
 
@@ -669,11 +729,27 @@ def _swappable(old: Any, new: Any) -> bool:
 def _layout_refusal(plan: Any, engine: str) -> str | None:
     if engine == "layout" and plan.precision.mode not in ("fp32", "bf16-mixed"):
         return f"precision {plan.precision.mode!r} is not built by a tensor/pipeline layout"
+    if engine in ("hf", "lightning") and plan.precision.mode == "fp8":
+        # Their own precision settings autocast but know nothing of the float8 linears.
+        return (
+            "precision 'fp8' is applied by memfit's own loop (memfit train, apply_plan), not "
+            "through the Hugging Face Trainer's or Lightning's precision settings; use "
+            "bf16-mixed there"
+        )
     return None
 
 
 #: Precision applies after the fused forwards and before checkpointing, which then wraps
 #: blocks of the final dtypes. Always on: fp32 is a precision too (its runtime is a no-op).
+def _matmul_slowdown(plan: Any) -> float:
+    """Eager fp8's measured slowdown of the matmuls (its casts); 1 otherwise."""
+    from .fp8 import FP8_EAGER_SLOWDOWN
+
+    if plan.precision.mode == "fp8" and plan.compile_backend is None:
+        return FP8_EAGER_SLOWDOWN
+    return 1.0
+
+
 TECHNIQUE = Technique(
     name="precision",
     engines=frozenset(ENGINES),  # the tensor/pipeline path builds it too
@@ -684,7 +760,11 @@ TECHNIQUE = Technique(
     refusal=_layout_refusal,
     label=lambda plan: f"precision {plan.precision.mode!r}",
     swappable=_swappable,
-    allow={"bf16-pure": "bf16 weights and optimizer math with stochastic rounding"},
+    allow={
+        "bf16-pure": "bf16 weights and optimizer math with stochastic rounding",
+        "fp8": "float8 matmuls in the linears (torchao; GPUs of compute capability 8.9+)",
+    },
     forbid={"mixed-precision": "bf16/fp16 autocast"},
     summary=lambda config: config.mode,
+    matmul_slowdown=_matmul_slowdown,
 )

@@ -6,8 +6,10 @@
 * :class:`TrainConfig`: the run's settings, one typed value for the YAML file, ``memfit train``'s
   options and the Python API; :func:`~.run.prepare_run` builds a whole run from it.
 * :func:`prepare`: apply a plan to a model and optimizer you keep driving yourself.
-* Parts that work alone: :mod:`.data` (corpus, files, datasets, batches), :mod:`.tokenizer`,
-  :mod:`.checkpoint`, :mod:`.oom`, :mod:`.schedule`.
+* Parts that work alone: :mod:`.data` (corpus, files, datasets, batches), :mod:`.records`
+  (JSONL, JSON, Parquet, CSV and text records), :mod:`.chat` (chat and prompt/completion
+  samples, the prompt masked), :mod:`.lengths` (the length report and the worst batch),
+  :mod:`.tokenizer`, :mod:`.checkpoint`, :mod:`.oom`, :mod:`.schedule`.
 """
 
 from __future__ import annotations

@@ -76,18 +76,28 @@ class TrainConfig:
     # ------------------------------------------------------------------ what to train
     model: str = "byte-gpt"
     """The model: ``byte-gpt`` (memfit's 4-layer GPT-2 over bytes), a causal-LM preset
-    (``gpt2``, ``gpt2-tiny``, ``llama-1b``, ...) or a path to a Hugging Face ``config.json``;
-    built with random weights. Its size is most of the memory: weights, gradients and optimizer
-    state grow with the parameter count."""
+    (``gpt2``, ``gpt2-tiny``, ``llama-1b``, ...) or a path to a Hugging Face ``config.json``,
+    built with random weights; or a Hugging Face model folder (``config.json`` and safetensors
+    weights) or hub id, fine-tuned from its weights, loaded straight into the plan's dtype. Its
+    size is most of the memory: weights, gradients and optimizer state grow with the parameter
+    count."""
 
     data: tuple[str, ...] | None = None
-    """Training text: ``.txt``, ``.csv`` or ``.jsonl`` files (one path or a list). ``None``:
-    the Python standard library's own sources (``corpus_bytes`` of them). The tokens are held
-    in host memory as a flat array, 4 bytes per token."""
+    """Training data: ``.jsonl``, ``.json``, ``.parquet``, ``.csv`` or ``.txt`` files (one path
+    or a list) of text records, chat records (``messages``) or ``prompt``/``completion``
+    records; chats are rendered with the tokenizer's chat template and their prompt is masked
+    out of the loss. ``None``: the Python standard library's own sources (``corpus_bytes`` of
+    them). The plan is made for the longest batch the data makes. The tokens are held in host
+    memory as a flat array, 8 bytes per token."""
+
+    text_field: str = "text"
+    """The field (or CSV column) holding a text record's text."""
 
     tokenizer: str | None = None
-    """A ``tokenizer.json`` file; ``None``: the byte tokenizer (259 ids, nothing to load). A
-    larger vocabulary makes the embedding, the LM head and the logits larger."""
+    """A tokenizer folder saved by ``save_pretrained`` (read by transformers' ``AutoTokenizer``;
+    its chat template renders chat data) or a ``tokenizer.json`` file; ``None``: the model
+    folder's own tokenizer when it has one, else the byte tokenizer (259 ids, nothing to load).
+    A larger vocabulary makes the embedding, the LM head and the logits larger."""
 
     corpus_bytes: int = 1_000_000
     """Bytes of standard-library source to train on when ``data`` is ``None`` (host memory and
@@ -102,8 +112,9 @@ class TrainConfig:
     gradients in the training plan's micro-batches, so it needs no more memory than a step."""
 
     seq_len: int = 128
-    """Tokens per sample. Activation memory grows with it (attention scores with its square
-    unless the kernel is fused); at most the model's positions."""
+    """Tokens per sample: the most a sample keeps (longer records are truncated, and counted).
+    Activation memory grows with it (attention scores with its square unless the kernel is
+    fused); at most the model's positions."""
 
     # ------------------------------------------------------------------ the plan
     budget: str | int = "48MiB"
@@ -212,6 +223,8 @@ class TrainConfig:
             raise ConfigError(
                 "schedule", f"{self.schedule!r} is not known; use one of {', '.join(LR_SCHEDULES)}"
             )
+        if not self.text_field.strip():
+            raise ConfigError("text_field", "is empty; give the name of the field holding the text")
         if self.data == ():
             raise ConfigError("data", "is an empty list; give at least one file, or leave it out")
         _ = self.budget_bytes, self.cap_bytes  # a size that does not parse fails here
@@ -468,7 +481,8 @@ def _resolve_paths(values: dict[str, Any], base: Path) -> dict[str, Any]:
         elif isinstance(value, str):
             out[key] = resolve(value)
     model = out.get("model")
-    if isinstance(model, str) and model.endswith(".json"):
+    # A config.json or a model folder beside the file (not a preset or a hub id of that name).
+    if isinstance(model, str) and (model.endswith(".json") or (base / model).is_dir()):
         out["model"] = resolve(model)
     return out
 

@@ -108,12 +108,10 @@ def check_layout_run(config: TrainConfig, plan: Plan) -> None:
 
 def _meta_model(config: TrainConfig) -> torch.nn.Module:
     """The run's model on the meta device (its class and config; no memory)."""
-    from .run import text_workload
-    from .tokenizer import load_tokenizer
+    from .run import run_tokenizer, text_workload
 
     batch = config.batch_size or DEFAULT_BATCH_SIZE
-    workload = text_workload(config.model, load_tokenizer(config.tokenizer), batch,
-                             config.seq_len)
+    workload = text_workload(config.model, run_tokenizer(config), batch, config.seq_len)
     with torch.device("meta"):
         return workload.build_model()
 
@@ -240,7 +238,8 @@ def train_layout(
     batch_size = run.workload.batch_size
     # The same seeded model on every rank, built as the Trainer builds it.
     torch.manual_seed(cfg.seed)
-    model, _ = run.workload.build(seed=cfg.seed)
+    # Saved weights load in fp32: a layout's precisions (fp32, bf16-mixed) keep fp32 weights.
+    model, _ = run.workload.build(seed=cfg.seed, pretrained=True)
     layout = build_layout(model, par, device=device, batch_size=batch_size)
     del model  # a rank keeps only its stages' modules
     _checkpoint_stages(layout.modules, plan)

@@ -13,9 +13,11 @@ With no data it trains memfit's built-in ``byte-gpt`` (a 4-layer GPT-2-style mod
 on the Python standard library's own sources, under a budget well below what the plain plan
 needs, so the planner has to turn techniques on.
 
-Vocabulary: the model is built with random weights, so its ``vocab_size`` is simply set to the
-tokenizer's (259 for the byte tokenizer, the file's size for a ``tokenizer.json``); a preset's
-own vocabulary size is replaced, nothing is lost.
+Vocabulary: a preset or a ``config.json`` is built with random weights, so its ``vocab_size``
+is simply set to the tokenizer's (259 for the byte tokenizer, the file's size for a
+``tokenizer.json``); a preset's own vocabulary size is replaced, nothing is lost. A model folder
+(``config.json`` plus saved weights) or a hub id keeps its own: it fine-tunes from its weights,
+with its own tokenizer (the folder's, unless another is given), whose ids must fit its embedding.
 """
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ import torch
 from torch import nn
 
 from ..plan import Plan, PlanError
-from ..workload import PRESETS, Workload, WorkloadError
+from ..weights import WeightsError, check_weights, has_tokenizer, hub_folder, is_hub_id, reason
+from ..workload import PRESETS, Workload, WorkloadError, load_workload
 from .config import DEFAULT_BATCH_SIZE, TrainConfig
-from .tokenizer import Tokenizer
+from .lengths import LengthReport, length_report
+from .tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
     "MODEL_DEFAULT",
@@ -42,6 +46,7 @@ __all__ = [
     "TrainRun",
     "choose_plan",
     "prepare_run",
+    "run_tokenizer",
     "text_workload",
 ]
 
@@ -56,9 +61,12 @@ def text_workload(spec: str, tokenizer: Tokenizer, batch_size: int, seq_len: int
 
     Args:
         spec: ``byte-gpt`` (memfit train's default), a causal-LM preset (``gpt2``,
-            ``gpt2-tiny``, ``llama-1b``, ...) or a path to a Hugging Face ``config.json`` of a
-            causal LM.
-        tokenizer: Its ``vocab_size`` (and end-of-text id) go into the model's config.
+            ``gpt2-tiny``, ``llama-1b``, ...), a path to a Hugging Face ``config.json`` of a
+            causal LM, or a causal LM's model folder (config and saved weights) or hub id:
+            the workload then loads the weights when it is built for training
+            (:meth:`~memfit.workload.Workload.build` with ``pretrained=True``).
+        tokenizer: Its ``vocab_size`` (and end-of-text id) go into the model's config; a
+            model folder keeps its own, which the tokenizer's ids must fit.
         batch_size: Samples per optimizer step.
         seq_len: Tokens per sample (at most the model's positions).
 
@@ -68,6 +76,8 @@ def text_workload(spec: str, tokenizer: Tokenizer, batch_size: int, seq_len: int
     """
     import transformers
 
+    if spec not in PRESETS and (_is_folder(spec) or is_hub_id(spec)):
+        return _pretrained_workload(spec, tokenizer, batch_size, seq_len)
     vocab = int(tokenizer.vocab_size)
     eos = getattr(tokenizer, "eos_token_id", None)
     # use_cache keeps transformers' default, as memfit's workloads do: every applied plan
@@ -115,7 +125,55 @@ def text_workload(spec: str, tokenizer: Tokenizer, batch_size: int, seq_len: int
     return Workload(spec, batch_size, seq_len, build, make_batch, description=about)
 
 
-def _config_from_file(path: Path, vocab: int, special: Mapping[str, Any]) -> Any:
+def _is_folder(spec: str) -> bool:
+    return Path(spec).is_dir()
+
+
+def _pretrained_workload(spec: str, tokenizer: Tokenizer, batch_size: int, seq_len: int) -> Workload:
+    """The workload of a model folder or hub id: its own config and vocabulary, its saved
+    weights loaded when it is built for training. Its weight files are checked here, before
+    any planning, so a missing shard is named at once."""
+    workload = load_workload(spec, batch_size, seq_len)  # the config first: it is read first
+    try:
+        folder = hub_folder(spec, weights=False) if is_hub_id(spec) else Path(spec)
+        if not is_hub_id(spec):  # a hub id's weights are fetched (and checked) when it trains
+            check_weights(folder)
+    except WeightsError as e:
+        raise WorkloadError(str(e)) from None
+    config = _config_from_file(folder / "config.json", None, {})
+    vocab = int(config.vocab_size)
+    if int(tokenizer.vocab_size) > vocab:
+        raise WorkloadError(
+            f"tokenizer {tokenizer!r} has {tokenizer.vocab_size} tokens but model {spec!r} embeds "
+            f"only {vocab}; give the model's own tokenizer (--tokenizer DIR)"
+        )
+    return workload
+
+
+def run_tokenizer(config: TrainConfig) -> Tokenizer:
+    """The run's tokenizer: the config's, else the model folder's (or hub model's) own when
+    it has one, else memfit's byte tokenizer.
+
+    Raises:
+        WorkloadError: when the tokenizer cannot be read (or fetched).
+    """
+    path: str | None = config.tokenizer
+    if path is None and config.model not in PRESETS:
+        if _is_folder(config.model) and has_tokenizer(config.model):
+            # The model's config is read first, so a broken one is named as such (not as a
+            # tokenizer that AutoTokenizer, which reads it too, cannot load).
+            _config_from_file(Path(config.model) / "config.json", None, {})
+            path = config.model
+        elif is_hub_id(config.model):
+            try:
+                folder = hub_folder(config.model, weights=False)
+            except WeightsError as e:
+                raise WorkloadError(str(e)) from None
+            path = str(folder) if has_tokenizer(folder) else None
+    return load_tokenizer(path)
+
+
+def _config_from_file(path: Path, vocab: int | None, special: Mapping[str, Any]) -> Any:
     import transformers
 
     if path.is_dir():
@@ -128,11 +186,12 @@ def _config_from_file(path: Path, vocab: int, special: Mapping[str, Any]) -> Any
         raise WorkloadError(f"model config {str(path)!r} is not valid JSON ({e})") from None
     if not isinstance(data, dict) or "model_type" not in data:
         raise WorkloadError(f"model config {str(path)!r} has no 'model_type'; give a Hugging Face config.json")
-    data = {**data, "vocab_size": vocab, **special}
+    if vocab is not None:  # random weights: the tokenizer's vocabulary
+        data = {**data, "vocab_size": vocab, **special}
     try:
         config = transformers.AutoConfig.for_model(**data)
-    except (ValueError, KeyError) as e:
-        raise WorkloadError(f"model config {str(path)!r} cannot be built ({e})") from None
+    except Exception as e:  # ValueError, KeyError, TypeError for fields it cannot take
+        raise WorkloadError(f"model config {str(path)!r} cannot be built ({reason(e)})") from None
     if type(config) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
         raise WorkloadError(
             f"model config {str(path)!r} is a {data['model_type']!r} model, which has no causal-LM "
@@ -249,6 +308,8 @@ class TrainRun:
         choice: The plan, how it was chosen and the plans to fall back to.
         collate: Turns samples into a batch (pad id, the plan's pad multiple).
         data_name: The text's source, in words.
+        lengths: The samples' length distribution and the worst batch, which the plan is
+            made for (``workload.seq_len`` is its length).
     """
 
     config: TrainConfig
@@ -260,6 +321,7 @@ class TrainRun:
     choice: PlanChoice
     collate: Callable[[list[Any]], Any]
     data_name: str
+    lengths: LengthReport | None = None
 
     @property
     def budget_bytes(self) -> int:
@@ -303,20 +365,28 @@ def prepare_run(
         ConfigError: for a plan file that is missing or not a plan.
         ValueError: for unknown ``allow`` / ``forbid`` names (from the planner).
     """
-    from .data import TextDataset, collate, load_text_files, stdlib_corpus, train_eval_split
-    from .tokenizer import load_tokenizer
+    from ..strategies.sequence import pad_collate
+    from .chat import build_dataset
+    from .data import TextDataset, stdlib_corpus, train_eval_split
 
     say = say or (lambda message: None)
-    tokenizer = load_tokenizer(config.tokenizer)
+    tokenizer = run_tokenizer(config)
     if config.data is None:
         texts: Sequence[str] = [stdlib_corpus(config.corpus_bytes)]
         data_name = "the Python standard library's sources"
+        dataset = TextDataset(texts, tokenizer, config.seq_len, pack=config.pack)
     else:
-        texts = load_text_files(list(config.data))
         data_name = ", ".join(config.data)
+        dataset = build_dataset(
+            list(config.data), tokenizer, config.seq_len, pack=config.pack,
+            text_field=config.text_field, say=say,
+        )
     batch_size = config.batch_size or DEFAULT_BATCH_SIZE
+    # The plan holds for the worst batch: one process's share of samples at the longest
+    # sample's length (the model itself is built for the configured seq_len).
+    lengths = length_report(dataset, max(batch_size // world_size, 1), seq_len=config.seq_len)
     workload = text_workload(config.model, tokenizer, batch_size, config.seq_len)
-    dataset = TextDataset(texts, tokenizer, config.seq_len, pack=config.pack)
+    workload = workload.replace(seq_len=lengths.max)
     train_set, eval_set = train_eval_split(dataset, config.eval_fraction)
     given = config.load_plan()
     if given is not None:
@@ -346,9 +416,11 @@ def prepare_run(
         choice = _over_processes(choice, world_size)
     pad = tokenizer.pad_token_id
     pad_multiple = choice.plan.sequence.pad_to_multiple_of
+    longest = workload.seq_len
 
     def collate_fn(samples: list[Any]) -> Any:
-        return collate(samples, pad_token_id=pad, pad_to_multiple_of=pad_multiple)
+        # Never padded past the planned length (a pad multiple rounds up to at most it).
+        return pad_collate(samples, pad_id=pad, pad_to_multiple_of=pad_multiple, max_seq_len=longest)
 
     return TrainRun(
         config=config,
@@ -360,4 +432,5 @@ def prepare_run(
         choice=choice,
         collate=collate_fn,
         data_name=data_name,
+        lengths=lengths,
     )

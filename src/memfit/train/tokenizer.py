@@ -5,7 +5,11 @@ specials. It is what ``memfit train`` uses by default, so a model trains on any 
 box (with a small vocabulary: 259 tokens, so the embedding and the logits stay small).
 
 A user's own tokenizer is a ``tokenizer.json`` (the format of the ``tokenizers`` library, which
-every Hugging Face fast tokenizer saves), loaded from disk only.
+every Hugging Face fast tokenizer saves), or a tokenizer folder (``save_pretrained`` of a
+transformers tokenizer, which a model folder often holds beside its weights) read by
+transformers' ``AutoTokenizer`` as a :class:`PretrainedTokenizer`, which keeps the folder's
+chat template: chat data (:mod:`memfit.train.chat`) is rendered with it. Either is loaded from
+disk only.
 """
 
 from __future__ import annotations
@@ -14,9 +18,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..weights import reason
 from ..workload import WorkloadError
 
-__all__ = ["ByteTokenizer", "FileTokenizer", "Tokenizer", "load_tokenizer"]
+__all__ = ["ByteTokenizer", "FileTokenizer", "PretrainedTokenizer", "Tokenizer", "load_tokenizer"]
 
 
 class Tokenizer(Protocol):
@@ -103,6 +108,54 @@ class FileTokenizer:
         return f"FileTokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
 
 
+class PretrainedTokenizer:
+    """A transformers tokenizer (``AutoTokenizer`` of a local folder), with the training
+    interface.
+
+    A document is encoded as the tokenizer frames it for the model (a Llama tokenizer's
+    beginning-of-text token first), without the end-of-text token its post-processor may add:
+    the dataset ends every document with ``eos_token_id`` itself. Padding uses the pad token,
+    else the end-of-text token, else id 0 (padded positions never reach the loss).
+
+    Unlike :class:`FileTokenizer` it keeps what the folder's ``tokenizer_config.json`` adds to
+    the ``tokenizer.json``: the special tokens' roles and the chat template.
+
+    Attributes:
+        inner: The transformers tokenizer (``apply_chat_template`` lives there).
+        path: The folder it was loaded from.
+    """
+
+    def __init__(self, inner: Any, path: Path) -> None:
+        self.inner = inner
+        self.path = path
+        self.vocab_size: int = len(inner)  # added tokens included
+        self.eos_token_id: int | None = inner.eos_token_id
+        pad = inner.pad_token_id
+        self.pad_token_id: int = pad if pad is not None else (self.eos_token_id or 0)
+        # The ids the tokenizer puts before a text (its beginning-of-text token, if any),
+        # found once by encoding a probe with and without its specials.
+        plain = list(inner("a", add_special_tokens=False)["input_ids"])
+        framed = list(inner("a", add_special_tokens=True)["input_ids"])
+        at = next((i for i in range(len(framed)) if framed[i : i + len(plain)] == plain), 0)
+        self.prefix: list[int] = framed[:at]
+
+    @property
+    def chat_template(self) -> str | None:
+        """The folder's chat template (``None`` when it has none)."""
+        return getattr(self.inner, "chat_template", None) or None
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``: the tokenizer's leading specials, then the text's tokens."""
+        return self.prefix + list(self.inner(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids`` (special tokens skipped)."""
+        return str(self.inner.decode([int(i) for i in ids], skip_special_tokens=True))
+
+    def __repr__(self) -> str:
+        return f"PretrainedTokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
+
+
 def _first_id(inner: Any, names: Sequence[str]) -> int | None:
     for name in names:
         idx = inner.token_to_id(name)
@@ -111,25 +164,31 @@ def _first_id(inner: Any, names: Sequence[str]) -> int | None:
     return None
 
 
-def load_tokenizer(path: str | Path | None) -> ByteTokenizer | FileTokenizer:
-    """The tokenizer for a run: the byte tokenizer for ``None``, else a ``tokenizer.json``.
+def load_tokenizer(path: str | Path | None) -> ByteTokenizer | FileTokenizer | PretrainedTokenizer:
+    """The tokenizer for a run: the byte tokenizer for ``None``, else the one on disk.
 
     Args:
-        path: ``None``, a ``tokenizer.json`` file, or a folder holding one (as saved by
-            ``save_pretrained``). Nothing is downloaded.
+        path: ``None``; a tokenizer folder with a ``tokenizer_config.json`` (as
+            ``save_pretrained`` of a transformers tokenizer writes, often a model folder),
+            read by ``AutoTokenizer``; a ``tokenizer.json`` file, or a folder holding only
+            one. Nothing is downloaded.
 
     Raises:
-        WorkloadError: when the file is missing or is not a ``tokenizers`` JSON file.
+        WorkloadError: when the file is missing or cannot be read as a tokenizer.
     """
     if path is None:
         return ByteTokenizer()
     p = Path(path)
+    if p.is_dir() and any((p / name).is_file() for name in _AUTO_FILES):
+        return _auto_tokenizer(p)
+    if p.name == "tokenizer.json" and (p.parent / "tokenizer_config.json").is_file():
+        return _auto_tokenizer(p.parent)  # the file of a saved folder: keep its chat template
     if p.is_dir():
         p = p / "tokenizer.json"
     if not p.is_file():
         raise WorkloadError(
-            f"tokenizer file {str(p)!r} does not exist; give a tokenizer.json (or a folder "
-            "holding one), or leave the tokenizer out to use memfit's byte tokenizer"
+            f"tokenizer file {str(p)!r} does not exist; give a tokenizer folder or a "
+            "tokenizer.json, or leave the tokenizer out to use memfit's byte tokenizer"
         )
     from tokenizers import Tokenizer as HFTokenizer
 
@@ -141,3 +200,30 @@ def load_tokenizer(path: str | Path | None) -> ByteTokenizer | FileTokenizer:
             "give a tokenizer.json saved by the tokenizers or transformers library"
         ) from None
     return FileTokenizer(inner, p)
+
+
+# A folder with one of these is a transformers tokenizer's: AutoTokenizer reads it.
+_AUTO_FILES = ("tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _auto_tokenizer(folder: Path) -> PretrainedTokenizer:
+    import transformers
+
+    try:
+        inner = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as e:  # transformers raises OSError, ValueError, KeyError...
+        # A folder whose config names no class transformers knows: its tokenizer.json still
+        # loads as a plain fast tokenizer, with the config's chat template and specials.
+        try:
+            inner = transformers.PreTrainedTokenizerFast.from_pretrained(
+                str(folder), local_files_only=True
+            )
+        except Exception:
+            inner = None
+        if inner is not None:
+            return PretrainedTokenizer(inner, folder)
+        raise WorkloadError(
+            f"tokenizer folder {str(folder)!r} cannot be read by transformers' AutoTokenizer "
+            f"({reason(e)}); give a folder written by a tokenizer's save_pretrained"
+        ) from None
+    return PretrainedTokenizer(inner, folder)

@@ -35,6 +35,7 @@ from torch import nn
 
 from ..apply.compose import TrainingSetup, apply_plan
 from ..plan import Plan
+from ..strategies.precision import weights_dtype
 from ..workload import Batch, Workload
 from .callbacks import (
     Callback,
@@ -192,13 +193,9 @@ class Trainer:
         fallback = None if fallback_plans is None else [_with_lr(p, cfg.lr) for p in fallback_plans]
         self.seed, self.max_steps = cfg.seed, cfg.max_steps
         torch.manual_seed(cfg.seed)
+        self.model = self._model(workload_or_model, plan)
         if self.workload is not None:
-            self.model, _ = self.workload.build(seed=cfg.seed)
             loss_fn = loss_fn or self.workload.loss_fn
-        else:
-            assert isinstance(workload_or_model, nn.Module)
-            self.model = workload_or_model
-            self.model.train()
         self.batch_size = cfg.batch_size or (
             self.workload.batch_size if self.workload is not None else DEFAULT_BATCH_SIZE
         )
@@ -217,8 +214,10 @@ class Trainer:
             every=cfg.track_every, cap=cfg.cap_bytes, report_png=report_png
         )
         self.progress = ProgressCallback(enabled=progress, console=console)
+        # A fine-tune of saved weights is also evaluated before its first step (step 0).
+        at_start = self.workload is not None and self.workload.weights is not None
         self.evaluation = EvaluationCallback(
-            eval_data, every=cfg.eval_every, collate_fn=self.collate_fn
+            eval_data, every=cfg.eval_every, collate_fn=self.collate_fn, at_start=at_start
         )
         self.checkpoints = CheckpointCallback(
             cfg.checkpoint_dir, every=cfg.checkpoint_every, keep=cfg.keep_checkpoints
@@ -227,6 +226,19 @@ class Trainer:
         if on_step is not None:
             self.callbacks.append(OnStep(on_step))
         self.callbacks += [self.evaluation, self.checkpoints, *callbacks]
+
+    def _model(self, workload_or_model: Workload | nn.Module, plan: Plan) -> nn.Module:
+        """The model to train, in train mode: the workload's, built with the seed (its saved
+        weights, when it has them, loaded straight into the plan's weight dtype: a bf16-pure
+        fine-tune never holds the model in fp32), or the module given."""
+        if self.workload is None:
+            assert isinstance(workload_or_model, nn.Module)
+            workload_or_model.train()
+            return workload_or_model
+        model, _ = self.workload.build(
+            seed=self.config.seed, pretrained=True, dtype=weights_dtype(plan.precision.mode)
+        )
+        return model
 
     # ------------------------------------------------------------------ state
     @property

@@ -74,12 +74,27 @@ class EvaluationCallback(Callback):
             ``collate_fn``) or an iterable of batches; ``None``: no evaluation.
         every: Steps between evaluations; ``None``: only after the last step.
         collate_fn: Turns a list of samples into a batch.
+        at_start: Also evaluate before the first step, as step 0 (a fine-tune's starting
+            loss); not when a resumed run starts past step 0.
     """
 
     def __init__(
-        self, data: Any, *, every: int | None, collate_fn: Callable[[list[Any]], Batch]
+        self,
+        data: Any,
+        *,
+        every: int | None,
+        collate_fn: Callable[[list[Any]], Batch],
+        at_start: bool = False,
     ) -> None:
         self.data, self.every, self.collate_fn = data, every, collate_fn
+        self.at_start = at_start
+
+    def on_fit_start(self, trainer: TrainerLike) -> None:
+        if self.data is None or not self.at_start or trainer.step_count != 0:
+            return
+        value = self.evaluate(trainer)
+        trainer.eval_losses.append((0, value))
+        trainer.say(f"step 0: eval loss {value:.4f}")
 
     def evaluate(self, trainer: TrainerLike) -> float:
         """Mean loss on the evaluation data under the trainer's plan (NaN without data): its
