@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
 import memfit.workload
@@ -113,3 +114,17 @@ def test_chat_data_and_the_byte_tokenizer_is_one_sentence(tmp_path):
     res = runner.invoke(app, ["plan", "--model", "gpt2-tiny", "--budget", "1GiB", "--data", str(data)],
                         env={"COLUMNS": "1000"})  # fmt: skip
     assert res.exit_code == 2 and "has no chat template" in res.output, res.output
+
+
+def test_a_model_folders_own_tokenizer_counts_the_data(tmp_path):
+    # A model folder's tokenizer (here with a chat template) counts --data as `memfit train`
+    # tokenizes it, without --tokenizer; the byte tokenizer has no chat template.
+    from memfit.commands.checks import data_lengths
+
+    folder = chat_tokenizer_dir(tmp_path / "model")
+    data = [_chat_jsonl(tmp_path / "chat.jsonl")]
+    with_folder = data_lengths(data, None, "text", 2, 256, model=str(folder))
+    explicit = data_lengths(data, folder, "text", 2, 256)
+    assert with_folder.max == explicit.max > 0
+    with pytest.raises(typer.Exit):
+        data_lengths(data, None, "text", 2, 256, model="gpt2-tiny")  # a preset: bytes, no template

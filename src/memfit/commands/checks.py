@@ -90,16 +90,27 @@ def parse_cap(cap: str | None) -> int | None:
 
 
 def data_lengths(
-    data: list[Any], tokenizer: Any, text_field: str, batch_size: int, seq_len: int
+    data: list[Any],
+    tokenizer: Any,
+    text_field: str,
+    batch_size: int,
+    seq_len: int,
+    model: str | None = None,
 ) -> Any:
     """Read ``--data`` as ``memfit train`` would, print its length percentiles and worst batch,
     and return the :class:`~memfit.train.lengths.LengthReport` (its ``max`` is the length to
-    plan for); bad data fails with one sentence and exit 2."""
+    plan for); bad data fails with one sentence and exit 2.
+
+    Without ``tokenizer``, a model folder's own tokenizer counts the tokens, as ``memfit
+    train`` uses it (else memfit's byte tokenizer)."""
     from ..console import err, out
     from ..train.chat import build_dataset
     from ..train.lengths import length_report
     from ..train.tokenizer import load_tokenizer
+    from ..weights import has_tokenizer
 
+    if tokenizer is None and model is not None and has_tokenizer(model):
+        tokenizer = model
     tok = run_guarded(load_tokenizer, tokenizer)
     with err.status("reading the data") as status:
         dataset = run_guarded(

@@ -185,7 +185,7 @@ def plan_command(
     if data:
         # The budget must hold for the longest batch the data makes, not a typical one.
         share = max(batch_size // (world_size or 1), 1)
-        lengths = data_lengths(data, tokenizer, text_field, share, seq_len)
+        lengths = data_lengths(data, tokenizer, text_field, share, seq_len, model)
         seq_len = lengths.max
     workload = run_guarded(load_workload, model, batch_size, seq_len)
     result = _search(

@@ -139,7 +139,7 @@ def profile(
     if data:
         # Measure the longest batch the data makes: the one a budget must hold.
         share = max(batch_size // (world_size or 1), 1)
-        seq_len = data_lengths(data, tokenizer, text_field, share, seq_len).max
+        seq_len = data_lengths(data, tokenizer, text_field, share, seq_len, model).max
     workload = run_guarded(load_workload, model, batch_size, seq_len)
     if snapshot is not None and world_size is not None:
         fail("--snapshot writes one process's timeline; leave out --world-size")
