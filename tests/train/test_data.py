@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import json
 
 import pytest
 import torch
@@ -14,7 +13,6 @@ from memfit.train.data import (
     TextDataset,
     collate,
     lengths_of,
-    load_text_files,
     stdlib_corpus,
     train_eval_split,
 )
@@ -80,47 +78,6 @@ def test_stdlib_corpus_is_deterministic_and_bounded():
     assert stdlib_corpus(10_000) == a[: len(stdlib_corpus(10_000))]
 
 
-# ---------------------------------------------------------------------------------- files
-def test_load_text_files_formats(tmp_path):
-    txt = tmp_path / "a.txt"
-    txt.write_text("plain text\nover lines")
-    csv_text = tmp_path / "b.csv"
-    csv_text.write_text('id,text\n1,"first, row"\n2,\n3,third\n')
-    csv_first = tmp_path / "c.csv"
-    csv_first.write_text("body,label\nalpha,1\nbeta,0\n")
-    jsonl = tmp_path / "d.jsonl"
-    jsonl.write_text(json.dumps({"text": "one"}) + "\n\n" + json.dumps({"text": "two", "x": 1}) + "\n")
-    docs = load_text_files([txt, csv_text, csv_first, jsonl])
-    assert docs == ["plain text\nover lines", "first, row", "third", "alpha", "beta", "one", "two"]
-
-
-@pytest.mark.parametrize(
-    ("name", "content", "match"),
-    [
-        ("missing.txt", None, "does not exist"),
-        ("empty.txt", "  \n", "is empty"),
-        ("data.parquet", "x", "cannot read"),
-        ("rows.jsonl", '{"body": "x"}\n', "has no 'text' string"),
-        ("rows2.jsonl", "not json\n", "is not valid JSON"),
-        ("blank.csv", "text\n,\n", "has no text in any row"),
-    ],
-)
-def test_load_text_files_errors_are_one_sentence(tmp_path, name, content, match):
-    path = tmp_path / name
-    if content is not None:
-        path.write_text(content)
-    with pytest.raises(WorkloadError, match=match) as info:
-        load_text_files([path])
-    message = str(info.value)
-    assert "\n" not in message and str(path) in message
-
-
-def test_load_text_files_needs_paths():
-    with pytest.raises(WorkloadError, match="no data files"):
-        load_text_files([])
-
-
-# ---------------------------------------------------------------------------------- dataset
 def test_packed_windows_predict_every_transition_once():
     tok = ByteTokenizer()
     ds = TextDataset(["abcdefghij", "klmnop"], tok, seq_len=4)

@@ -4,7 +4,8 @@ Each part works alone:
 
 * :func:`stdlib_corpus`: the Python standard library's own source, a corpus that ships with
   every Python (so ``memfit train`` trains on real text with nothing downloaded);
-* :func:`load_text_files`: the user's ``.txt`` / ``.csv`` / ``.jsonl`` files as documents;
+* the user's files are read by :mod:`memfit.train.records` (text, chat and prompt/completion
+  records from JSONL, JSON, Parquet, CSV and text);
 * :class:`TextDataset`: documents tokenised into fixed-length causal-LM samples;
 * :func:`train_eval_split`: a deterministic held-out tail;
 * :func:`collate` and :class:`BatchStream`: dynamically padded batches in a seeded,
@@ -13,8 +14,6 @@ Each part works alone:
 
 from __future__ import annotations
 
-import csv
-import json
 import math
 import os
 import sysconfig
@@ -29,24 +28,13 @@ from ..workload import Batch, WorkloadError
 from .tokenizer import Tokenizer
 
 __all__ = [
-    "TEXT_SUFFIXES",
     "BatchStream",
     "TextDataset",
     "collate",
     "lengths_of",
-    "load_text_files",
     "stdlib_corpus",
     "train_eval_split",
 ]
-
-#: File suffixes :func:`load_text_files` reads, by format.
-TEXT_SUFFIXES: dict[str, str] = {
-    ".txt": "text",
-    ".text": "text",
-    ".md": "text",
-    ".csv": "csv",
-    ".jsonl": "jsonl",
-}
 
 # Folders of the standard library that are not ordinary library source (installed packages,
 # test suites full of deliberately odd code and data).
@@ -104,96 +92,6 @@ def _stdlib_files(root: Path) -> Iterator[Path]:
         files.extend(os.path.normpath(os.path.join(rel, n)) for n in names if n.endswith(".py"))
     for rel in sorted(files):
         yield root / rel
-
-
-def load_text_files(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
-    """Read documents from text files.
-
-    * ``.txt`` (also ``.text``, ``.md``): the whole file is one document;
-    * ``.csv``: one document per row, from the column named ``text``, else the first column;
-    * ``.jsonl``: one document per line, from the field ``text`` of each JSON object.
-
-    Empty rows and lines are skipped.
-
-    Args:
-        paths: The files, in the order their documents should come.
-
-    Returns:
-        The documents.
-
-    Raises:
-        WorkloadError: for no paths, a missing file, an unknown suffix, an empty file, a file
-            without any text, or a JSONL line that is not an object with a ``text`` string;
-            one sentence naming the file and what is accepted.
-    """
-    if isinstance(paths, (str, os.PathLike)):
-        paths = [paths]
-    if not paths:
-        raise WorkloadError("no data files given; give one or more .txt, .csv or .jsonl files")
-    docs: list[str] = []
-    for raw in paths:
-        docs.extend(_read_file(Path(raw)))
-    return docs
-
-
-def _read_file(path: Path) -> list[str]:
-    accepted = ", ".join(sorted(TEXT_SUFFIXES))
-    if not path.is_file():
-        raise WorkloadError(f"data file {str(path)!r} does not exist; give paths to {accepted} files")
-    kind = TEXT_SUFFIXES.get(path.suffix.lower())
-    if kind is None:
-        raise WorkloadError(
-            f"data file {str(path)!r} has suffix {path.suffix or '(none)'!r}, which memfit cannot "
-            f"read; use one of {accepted}"
-        )
-    text = path.read_text(encoding="utf-8", errors="replace")
-    if not text.strip():
-        raise WorkloadError(f"data file {str(path)!r} is empty; give a file with some text in it")
-    if kind == "text":
-        return [text]
-    docs = _read_csv(path, text) if kind == "csv" else _read_jsonl(path, text)
-    if not docs:
-        raise WorkloadError(
-            f"data file {str(path)!r} has no text in any row; give rows with a non-empty "
-            "'text' column (CSV) or field (JSONL)"
-        )
-    return docs
-
-
-def _read_csv(path: Path, text: str) -> list[str]:
-    rows = csv.reader(text.splitlines())
-    header = next(rows, None)
-    if not header or not any(h.strip() for h in header):
-        raise WorkloadError(
-            f"data file {str(path)!r} has no header row naming its columns; put a header with a "
-            "'text' column (or the text in the first column) on the first line"
-        )
-    names = [h.strip() for h in header]
-    col = names.index("text") if "text" in names else 0
-    return [row[col] for row in rows if len(row) > col and row[col].strip()]
-
-
-def _read_jsonl(path: Path, text: str) -> list[str]:
-    docs = []
-    for n, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise WorkloadError(
-                f"data file {str(path)!r} line {n} is not valid JSON ({e.msg}); each line must "
-                'be a JSON object such as {"text": "..."}'
-            ) from None
-        value = obj.get("text") if isinstance(obj, Mapping) else None
-        if not isinstance(value, str):
-            raise WorkloadError(
-                f"data file {str(path)!r} line {n} has no 'text' string; each line must be a "
-                'JSON object such as {"text": "..."}'
-            )
-        if value.strip():
-            docs.append(value)
-    return docs
 
 
 # ---------------------------------------------------------------------------------- dataset
