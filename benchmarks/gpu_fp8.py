@@ -42,6 +42,7 @@ built as the harness builds them, bf16 weights and torch's AdamW)::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import subprocess
 import sys
@@ -161,10 +162,17 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats(device)
     out["start_allocated_bytes"] = torch.cuda.memory_allocated(device)
+    _timed_steps(step, spec["steps"], device, out)
+    return out
+
+
+def _timed_steps(step: Any, steps: int, device: torch.device, out: dict[str, Any]) -> None:
+    """Run ``steps`` timed training steps; record their losses, mean time and the peaks since
+    the caller reset them."""
     times, losses = [], []
-    for _ in range(spec["steps"]):
+    for _ in range(steps):
         t0 = time.perf_counter()
-        losses.append(step())
+        losses.append(float(step()))
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     out.update(
@@ -173,7 +181,6 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         max_allocated_bytes=torch.cuda.max_memory_allocated(device),
         max_reserved_bytes=torch.cuda.max_memory_reserved(device),
     )
-    return out
 
 
 def run_plan(spec: dict[str, Any], workload: Any, model: Any, batch: Any,
@@ -206,18 +213,7 @@ def run_plan(spec: dict[str, Any], workload: Any, model: Any, batch: Any,
     del loss
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats(device)
-    times, losses = [], []
-    for _ in range(spec["steps"]):
-        t0 = time.perf_counter()
-        losses.append(float(setup.step(batch)))
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    out.update(
-        losses=losses,
-        step_seconds=sum(times) / len(times),
-        max_allocated_bytes=torch.cuda.max_memory_allocated(device),
-        max_reserved_bytes=torch.cuda.max_memory_reserved(device),
-    )
+    _timed_steps(functools.partial(setup.step, batch), spec["steps"], device, out)
     setup.remove()
     del setup, model
     torch.cuda.empty_cache()

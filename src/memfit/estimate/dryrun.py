@@ -177,8 +177,7 @@ def measure(
         raise ValueError(f"stop must be 'forward' or None, got {stop!r}")
     target = get_device(device)
     plan = plan_for_target(plan or Plan(), target)
-    run = _Run(workload, plan, target, dry=dry, progress=progress)
-    run.keep_trace = keep_trace or dry
+    run = _Run(workload, plan, target, dry=dry, progress=progress, keep_trace=keep_trace)
     values = _values(dry, expert_load, run.current_module)
     with _fake_mode() if dry else contextlib.nullcontext(), values:
         model, batch = _build(workload, seed)
@@ -222,6 +221,7 @@ class _Run:
         *,
         dry: bool,
         progress: Progress | None,
+        keep_trace: bool = False,
     ) -> None:
         self.workload, self.plan, self.target = workload, plan, target
         self.dry, self.progress = dry, progress
@@ -230,7 +230,7 @@ class _Run:
         self.losses: list[float | None] = []
         self.stopped = False  # whether ``watch`` stopped the run
         self.num_parameters = 0  # of the model as built, before the plan
-        self.keep_trace = dry  # the report keeps the allocation trace (dry runs always do)
+        self.keep_trace = keep_trace or dry  # the report keeps the trace (dry runs always do)
 
     def current_module(self) -> str | None:
         """The module running now (``None`` before the run is tracked)."""
