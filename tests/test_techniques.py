@@ -15,7 +15,7 @@ from memfit import techniques
 from memfit.apply.compose import apply_plan
 from memfit.estimate import dry_run
 from memfit.plan import BUILTIN_TECHNIQUES, Plan, PlanError
-from memfit.techniques import BUILTIN_ORDER, Technique, TechniqueError, register
+from memfit.techniques import Technique, TechniqueError, register
 from memfit.workload import load_workload
 
 NAME = "freeze-wte"
@@ -80,9 +80,13 @@ def test_builtins_are_registered_in_apply_order():
     assert names[:5] == ["kv_cache_off", "lora", "freeze", "fused_pointwise", "fused_loss"]
     assert names.index("precision") < names.index("checkpointing") < names.index("optimizer")
     assert len(names) == len(BUILTIN_TECHNIQUES)
-    for technique in techniques.registered(builtin=True):
-        if technique.name in BUILTIN_ORDER:
-            assert technique.order == BUILTIN_ORDER[technique.name], technique.name
+    order = techniques.apply_order(builtin=True)
+    assert list(order) == names and sorted(order.values()) == list(order.values())
+    # Before compile, the gradient buffer, data parallelism and the optimizer, which a
+    # user's technique (DEFAULT_ORDER) must precede.
+    transforms = max(o for n, o in order.items() if o < techniques.DEFAULT_ORDER)
+    assert order["activation_offload"] == transforms
+    assert techniques.DEFAULT_ORDER < order["compile"] < order["optimizer"]
 
 
 def test_apply_plan_keeps_the_handles_and_reports_of_before_the_registry(workload):
@@ -310,7 +314,7 @@ def test_the_layout_path_refuses_a_users_technique(registered):
 def test_lightning_refuses_a_technique_after_the_optimizer():
     from memfit.integrations.lightning import check_plan
 
-    register(_technique(order=BUILTIN_ORDER["optimizer"] + 5,
+    register(_technique(order=techniques.get("optimizer").order + 5,
                         engines=frozenset({"single", "lightning"})))
     try:
         with pytest.raises(PlanError, match="applies after the optimizer"):

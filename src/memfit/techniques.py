@@ -34,10 +34,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "DEFAULT_ORDER",
     "ENGINES",
     "ApplyContext",
     "Technique",
     "TechniqueError",
+    "apply_order",
     "get",
     "load_plugins",
     "register",
@@ -50,29 +52,12 @@ __all__ = [
 #: Face Trainer and a lightning.Trainer.
 ENGINES: tuple[str, ...] = ("single", "data", "layout", "hf", "lightning")
 
-#: Where the built-ins stand in the apply order; a user's technique goes between two of them
-#: with an ``order`` between theirs (default :data:`DEFAULT_ORDER`: after every model
-#: transform, before compile, data parallelism and the optimizer).
-BUILTIN_ORDER: dict[str, int] = {
-    "kv_cache_off": 0,
-    "lora": 5,
-    "freeze": 10,
-    "fused_pointwise": 20,
-    "fused_loss": 30,
-    "precision": 40,
-    "checkpointing": 50,
-    "parameter_offload": 60,
-    "activation_offload": 70,
-    "compile": 90,
-    "grad_buffer": 100,
-    "data_parallel": 110,
-    "optimizer": 120,
-    # Techniques of the step (run_step reads their fields): nothing to apply to the model.
-    "accumulation": 200,
-    "max_seq_len": 210,
-    "sequence": 220,
-    "clipping": 230,
-}
+#: Where a user's technique goes in the apply order when it names none: after every model
+#: transform (the built-ins' model transforms stand at 0-70: the KV cache off 0, LoRA 5, freezing
+#: 10, the fused forwards 20 and 30, precision 40, checkpointing 50, the offloads 60 and 70),
+#: before compile (90), the gradient buffer (100), data parallelism (110) and the optimizer
+#: (120-122); the techniques of the step stand at 200 and above. Each built-in states its own
+#: ``order`` in its module, which says why it stands there; :func:`apply_order` lists them.
 DEFAULT_ORDER = 80
 
 
@@ -131,8 +116,8 @@ class Technique:
         config_type: The config's class, which a mapping in ``Plan.extra`` is built into
             (a frozen dataclass that checks itself in ``__post_init__``); ``None`` keeps the
             value as given.
-        order: Its place in the apply order (:data:`BUILTIN_ORDER`; lower applies first and
-            is removed last).
+        order: Its place in the apply order (lower applies first and is removed last; each
+            built-in's module states its own, see :func:`apply_order`).
         is_on: Whether a plan uses it (default: a built-in's field is truthy and not
             ``"none"``; a user's technique is on when ``plan.extra`` names it).
         apply: ``apply(model, ctx) -> handle | None``: apply the technique to ``model``
@@ -259,13 +244,14 @@ class Technique:
         where = _ENGINE_NAMES.get(engine, engine)
         if engine not in self.engines:
             return f"technique {self.name!r} is not supported {where}; turn it off in the plan"
-        if engine == "lightning" and self.apply is not None and self.order > BUILTIN_ORDER["optimizer"]:
+        optimizer_order = _REGISTRY["optimizer"].order if "optimizer" in _REGISTRY else 120
+        if engine == "lightning" and self.apply is not None and self.order > optimizer_order:
             # Lightning's callback applies techniques up to the optimizer, which Lightning
             # builds through configure_optimizers.
             return (
                 f"technique {self.name!r} applies after the optimizer (order {self.order}), "
                 f"which the Lightning callback cannot do; give it an order below "
-                f"{BUILTIN_ORDER['optimizer']} or turn it off in the plan"
+                f"{optimizer_order} or turn it off in the plan"
             )
         return None
 
@@ -414,6 +400,12 @@ def registered(*, builtin: bool | None = None) -> list[Technique]:
         if builtin is None or (t.name in _BUILTIN) == builtin
     ]
     return sorted(out, key=lambda t: t.order)
+
+
+def apply_order(*, builtin: bool | None = None) -> dict[str, int]:
+    """Each registered technique's name -> its place in the apply order, lowest first
+    (``builtin`` as :func:`registered`)."""
+    return {t.name: t.order for t in registered(builtin=builtin)}
 
 
 def is_builtin(name: str) -> bool:

@@ -2,8 +2,8 @@
 
 Each technique lives in its own module, as one :class:`~memfit.techniques.Technique` that
 knows nothing of the others; they meet here, in the registry's order
-(:data:`memfit.techniques.BUILTIN_ORDER`; each technique's module says why it stands where it
-does): the KV cache off, freezing, the fused forwards, precision, checkpointing, parameter and
+(:func:`memfit.techniques.apply_order`; each technique's module says why it stands where
+it does): the KV cache off, freezing, the fused forwards, precision, checkpointing, parameter and
 activation offload, a user's techniques, ``torch.compile``, the contiguous gradient buffer,
 data parallelism, then the optimizer (fused into backward, or on the host), built by
 :func:`apply_plan` at its place in the order. Every step then runs

@@ -32,7 +32,7 @@ from torch import nn
 
 from ..accounting.tracker import label_open, storage_resized
 from ..stepping import BaseStepper
-from ..techniques import BUILTIN_ORDER, ENGINES, ApplyContext, Technique
+from ..techniques import ENGINES, ApplyContext, Technique
 from ..workload import Batch, batch_size_of, split_batch
 from .config import ParallelConfig
 
@@ -449,7 +449,7 @@ TECHNIQUE = Technique(
     name="data_parallel",
     engines=frozenset(ENGINES),
     plan_field="parallel",
-    order=BUILTIN_ORDER["data_parallel"],
+    order=110,
     is_on=lambda plan: (plan.parallel.data > 1 or bool(plan.parallel.zero_stage))
     and plan.parallel.tensor == 1
     and plan.parallel.pipeline == 1,

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..techniques import BUILTIN_ORDER, ENGINES, Technique
+from ..techniques import ENGINES, Technique
 from .registry import get
 
 __all__ = ["OptimizerConfig"]
@@ -82,7 +82,7 @@ TECHNIQUE = Technique(
     name="optimizer",
     engines=frozenset(ENGINES),  # the tensor/pipeline path builds it too
     plan_field="optimizer",
-    order=BUILTIN_ORDER["optimizer"],
+    order=120,
     is_on=lambda plan: True,
     allow=_AllowNames(),
     forbid={"foreach-off": "turning the multi-tensor optimizer off"},

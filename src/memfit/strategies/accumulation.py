@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..techniques import BUILTIN_ORDER, Technique
+from ..techniques import Technique
 from ..workload import Batch, batch_size_of
 
 __all__ = ["count_loss_terms", "loss_weights"]
@@ -159,7 +159,7 @@ def _accumulation_summary(config: tuple[int | None, int]) -> str:
 ACCUMULATION = Technique(
     name="accumulation",
     plan_field=("micro_batch_size", "grad_accum_steps"),
-    order=BUILTIN_ORDER["accumulation"],
+    order=200,
     is_on=lambda plan: plan.micro_batch_size is not None or plan.grad_accum_steps > 1,
     engines=frozenset({"single", "data", "hf", "lightning"}),
     label=lambda plan: "micro_batch_size / grad_accum_steps (parallel microbatches does this)",
@@ -187,7 +187,7 @@ def _normalization_refusal(plan: Any, engine: str) -> str | None:
 LOSS_NORMALIZATION = Technique(
     name="loss_normalization",
     plan_field="loss_normalization",
-    order=BUILTIN_ORDER["accumulation"] + 1,
+    order=201,
     is_on=lambda plan: plan.loss_normalization != "mean",
     engines=frozenset({"single", "data"}),
     refusal=_normalization_refusal,

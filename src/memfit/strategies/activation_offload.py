@@ -65,7 +65,7 @@ import memfit.device as dev
 from ..accounting.tiers import host_tier
 from ..blocks import find_blocks
 from ..targets.kernels import cuda_emulation_active
-from ..techniques import BUILTIN_ORDER, ApplyContext, Technique
+from ..techniques import ApplyContext, Technique
 from .offload import OffloadConfig, offload_refusal
 
 __all__ = ["ActivationOffloadHandle", "OffloadCounters", "apply_activation_offload"]
@@ -517,7 +517,7 @@ def _apply_technique(model: nn.Module, ctx: ApplyContext) -> ActivationOffloadHa
 TECHNIQUE = Technique(
     name="activation_offload",
     plan_field="offload",
-    order=BUILTIN_ORDER["activation_offload"],
+    order=70,
     is_on=lambda plan: plan.offload is not None and bool(plan.offload.activations),
     apply=_apply_technique,
     info_key="activation_offload",

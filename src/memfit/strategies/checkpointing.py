@@ -43,7 +43,7 @@ from torch.utils.checkpoint import (
 
 from ..blocks import find_blocks
 from ..device import rng_states, set_rng_states
-from ..techniques import BUILTIN_ORDER, ENGINES, ApplyContext, Technique
+from ..techniques import ENGINES, ApplyContext, Technique
 from .kv_cache import KVCacheOff, apply_kv_cache_off, drop_cache
 from .recompute import in_function_modes
 from .selective import SAVE_OPS, SELECTIVE_POLICIES, selective_context, selective_policy
@@ -725,7 +725,7 @@ TECHNIQUE = Technique(
     name="checkpointing",
     engines=frozenset(ENGINES),  # the tensor/pipeline path builds it too
     plan_field="checkpointing",
-    order=BUILTIN_ORDER["checkpointing"],
+    order=50,
     is_on=lambda plan: plan.checkpointing.mode != "none",
     apply=_apply_technique,
     info_key="checkpointed",

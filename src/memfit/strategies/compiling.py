@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..techniques import BUILTIN_ORDER, ApplyContext, Technique
+from ..techniques import ApplyContext, Technique
 
 __all__ = [
     "COMPILE_BACKENDS",
@@ -161,7 +161,7 @@ def _refusal(plan: Any, engine: str) -> str | None:
 TECHNIQUE = Technique(
     name="compile",
     plan_field="compile",
-    order=BUILTIN_ORDER["compile"],
+    order=90,
     is_on=lambda plan: plan.compile_backend is not None,
     apply=_apply_technique,
     info_key="compiled",

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..blocks import find_blocks
-from ..techniques import BUILTIN_ORDER, ApplyContext, Technique
+from ..techniques import ApplyContext, Technique
 
 __all__ = ["HEAD_NAMES", "FreezeHandle", "apply_freezing", "resolve_freeze"]
 
@@ -238,7 +238,7 @@ def _apply_technique(model: nn.Module, ctx: ApplyContext) -> FreezeHandle:
 TECHNIQUE = Technique(
     name="freeze",
     plan_field="freeze",
-    order=BUILTIN_ORDER["freeze"],
+    order=10,
     apply=_apply_technique,
     info_key="frozen",
     engines=frozenset({"single", "data", "hf", "lightning"}),

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.cross_entropy import chunked_cross_entropy
-from ..techniques import BUILTIN_ORDER, ApplyContext, Technique
+from ..techniques import ApplyContext, Technique
 
 __all__ = ["FusedLossConfig", "FusedLossHandle", "apply_fused_loss"]
 
@@ -366,7 +366,7 @@ def _summary(config: FusedLossConfig) -> str:
 TECHNIQUE = Technique(
     name="fused_loss",
     plan_field="fused_loss",
-    order=BUILTIN_ORDER["fused_loss"],
+    order=30,
     apply=_apply_technique,
     info_key="fused_loss",
     engines=frozenset({"single", "data", "hf", "lightning"}),

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ..ops.pointwise import ACTIVATIONS, gated_activation, rms_norm
-from ..techniques import BUILTIN_ORDER, ApplyContext, Technique
+from ..techniques import ApplyContext, Technique
 
 __all__ = ["FusedPointwiseHandle", "apply_fused_pointwise"]
 
@@ -221,7 +221,7 @@ def _apply_technique(model: nn.Module, ctx: ApplyContext) -> FusedPointwiseHandl
 TECHNIQUE = Technique(
     name="fused_pointwise",
     plan_field="fused_pointwise",
-    order=BUILTIN_ORDER["fused_pointwise"],
+    order=20,
     apply=_apply_technique,
     info_key="fused_pointwise",
     engines=frozenset({"single", "data", "hf", "lightning"}),

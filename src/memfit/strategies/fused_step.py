@@ -46,7 +46,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from ..techniques import BUILTIN_ORDER, Technique
+from ..techniques import Technique
 
 __all__ = ["OptimizerInBackward", "optimizer_in_backward"]
 
@@ -541,7 +541,7 @@ def _check_arguments(grad_accum_steps: int, max_grad_norm: float | None, clip_mo
 TECHNIQUE = Technique(
     name="optimizer_in_backward",
     plan_field="optimizer_in_backward",
-    order=BUILTIN_ORDER["optimizer"] + 1,
+    order=121,
     engines=frozenset({"single", "hf", "lightning"}),
     forbid={"fused-step": "the optimizer step fused into backward"},
     summary=lambda _: "optimizer step in backward",

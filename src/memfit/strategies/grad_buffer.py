@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..techniques import BUILTIN_ORDER, ApplyContext, Technique
+from ..techniques import ApplyContext, Technique
 
 __all__ = ["ALIGN_BYTES", "GradBufferHandle", "apply_grad_buffer"]
 
@@ -299,7 +299,7 @@ def check_grad_buffer(plan: Any) -> None:
 TECHNIQUE = Technique(
     name="grad_buffer",
     plan_field="grad_buffer",
-    order=BUILTIN_ORDER["grad_buffer"],
+    order=100,
     apply=_apply_technique,
     info_key="grad_buffer_bytes",
     engines=frozenset({"single", "hf"}),

@@ -23,7 +23,7 @@ from typing import Any
 
 from torch import nn
 
-from ..techniques import BUILTIN_ORDER, ENGINES, ApplyContext, Technique
+from ..techniques import ENGINES, ApplyContext, Technique
 
 __all__ = ["KVCacheOff", "apply_kv_cache_off", "drop_cache"]
 
@@ -121,7 +121,7 @@ def _apply_technique(model: nn.Module, ctx: ApplyContext) -> KVCacheOff:
 TECHNIQUE = Technique(
     name="kv_cache_off",
     engines=frozenset(ENGINES),
-    order=BUILTIN_ORDER["kv_cache_off"],
+    order=0,
     is_on=lambda plan: True,
     apply=_apply_technique,
 )

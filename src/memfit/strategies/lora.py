@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..techniques import BUILTIN_ORDER, ApplyContext, Technique
+from ..techniques import ApplyContext, Technique
 from . import nf4 as _nf4
 
 __all__ = [
@@ -566,7 +566,7 @@ def _check(plan: Any) -> None:
 TECHNIQUE = Technique(
     name="lora",
     plan_field="lora",
-    order=BUILTIN_ORDER["lora"],
+    order=5,
     is_on=lambda plan: plan.lora is not None,
     apply=_apply_technique,
     info_key="lora",

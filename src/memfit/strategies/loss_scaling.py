@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..device import is_fake
-from ..techniques import BUILTIN_ORDER, Technique
+from ..techniques import Technique
 
 __all__ = ["DynamicLossScaler", "clip_gradients", "optimizer_params"]
 
@@ -198,7 +198,7 @@ def _clip_refusal(plan: Any, engine: str) -> str | None:
 CLIPPING = Technique(
     name="clipping",
     plan_field=("max_grad_norm", "grad_clip_mode"),
-    order=BUILTIN_ORDER["clipping"],
+    order=230,
     is_on=lambda plan: plan.max_grad_norm is not None,
     engines=frozenset({"single", "data", "hf", "lightning"}),
     refusal=_clip_refusal,

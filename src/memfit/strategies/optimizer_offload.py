@@ -51,7 +51,7 @@ from torch import nn
 from ..accounting.tiers import host_tier, mark_host
 from ..optim.registry import get as optimizer_spec
 from ..stepping import BaseStepper
-from ..techniques import BUILTIN_ORDER, Technique
+from ..techniques import Technique
 from .offload import OffloadConfig, host_copy_of, offload_refusal
 
 __all__ = ["HostOffloadOptimizer", "OffloadStepper", "host_optimizer_builder"]
@@ -405,7 +405,7 @@ def _buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[int]]:
 TECHNIQUE = Technique(
     name="optimizer_offload",
     plan_field="offload",
-    order=BUILTIN_ORDER["optimizer"] + 2,
+    order=122,
     is_on=lambda plan: plan.offload is not None and plan.offload.optimizer is not None,
     engines=frozenset({"single"}),
     refusal=offload_refusal,

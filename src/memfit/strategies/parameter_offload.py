@@ -82,7 +82,7 @@ import memfit.device as dev
 from ..accounting.tiers import host_tier, mark_host
 from ..accounting.tracker import label_open, storage_resized
 from ..blocks import find_blocks
-from ..techniques import BUILTIN_ORDER, ApplyContext, Technique
+from ..techniques import ApplyContext, Technique
 from .offload import OffloadConfig, offload_refusal, set_host_copy
 
 __all__ = ["ParameterOffloadHandle", "apply_parameter_offload"]
@@ -424,7 +424,7 @@ def _apply_technique(model: nn.Module, ctx: ApplyContext) -> ParameterOffloadHan
 TECHNIQUE = Technique(
     name="parameter_offload",
     plan_field="offload",
-    order=BUILTIN_ORDER["parameter_offload"],
+    order=60,
     is_on=lambda plan: plan.offload is not None and plan.offload.parameters is not None,
     apply=_apply_technique,
     info_key="parameter_offload",

@@ -52,7 +52,7 @@ from torch.utils._pytree import tree_map_only
 
 from ..optim.config import OptimizerConfig
 from ..optim.rounding import stochastic_round_to_bf16
-from ..techniques import BUILTIN_ORDER, ENGINES, ApplyContext, Technique
+from ..techniques import ENGINES, ApplyContext, Technique
 from .loss_scaling import DynamicLossScaler, clip_gradients, optimizer_params
 
 __all__ = [
@@ -754,7 +754,7 @@ TECHNIQUE = Technique(
     name="precision",
     engines=frozenset(ENGINES),  # the tensor/pipeline path builds it too
     plan_field="precision",
-    order=BUILTIN_ORDER["precision"],
+    order=40,
     is_on=lambda plan: True,
     apply=_apply_technique,
     refusal=_layout_refusal,

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
-from ..techniques import BUILTIN_ORDER, Technique
+from ..techniques import Technique
 
 __all__ = ["LengthGroupedSampler", "SequenceConfig", "pad_collate", "truncate"]
 
@@ -296,7 +296,7 @@ def _max_seq_len_refusal(plan: Any, engine: str) -> str | None:
 MAX_SEQ_LEN = Technique(
     name="max_seq_len",
     plan_field="max_seq_len",
-    order=BUILTIN_ORDER["max_seq_len"],
+    order=210,
     engines=frozenset({"single", "data"}),
     refusal=_max_seq_len_refusal,
     swappable=True,
@@ -318,7 +318,7 @@ def _sequence_refusal(plan: Any, engine: str) -> str | None:
 SEQUENCE = Technique(
     name="sequence",
     plan_field="sequence",
-    order=BUILTIN_ORDER["sequence"],
+    order=220,
     is_on=lambda plan: plan.sequence != SequenceConfig(),
     engines=frozenset({"single", "data", "hf", "layout"}),
     refusal=_sequence_refusal,
