@@ -19,7 +19,6 @@ from .distributed import data as _data_parallel
 from .distributed.config import ParallelConfig
 from .optim import config as _optimizer
 from .optim.config import OptimizerConfig
-from .optim.registry import get as optimizer_spec
 from .strategies import (
     accumulation,
     activation_offload,
@@ -84,8 +83,6 @@ BUILTIN_TECHNIQUES: tuple[Technique, ...] = (
 for _technique in BUILTIN_TECHNIQUES:
     register(_technique, builtin=True)
 
-_CLIP_MODES = ("exact", "approx")
-_NORMALIZATIONS = ("mean", "tokens")
 
 
 
@@ -224,113 +221,14 @@ class Plan:
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         """Check the plan; raise :class:`PlanError` naming the problem and the fix."""
-        if self.micro_batch_size is not None and (
-            not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 1
-        ):
-            raise PlanError(
-                f"micro_batch_size must be a whole number >= 1 or null, got {self.micro_batch_size!r}"
-            )
-        if not isinstance(self.grad_accum_steps, int) or self.grad_accum_steps < 1:
-            raise PlanError(
-                f"grad_accum_steps must be a whole number >= 1, got {self.grad_accum_steps!r}"
-            )
-        if self.loss_normalization not in _NORMALIZATIONS:
-            raise PlanError(
-                f"loss_normalization {self.loss_normalization!r} is not known; use 'mean' or 'tokens'"
-            )
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise PlanError(f"max_grad_norm must be > 0 or null, got {self.max_grad_norm!r}")
-        if self.grad_clip_mode not in _CLIP_MODES:
-            raise PlanError(
-                f"grad_clip_mode {self.grad_clip_mode!r} is not known; use 'exact' (an extra "
-                "norm-only backward) or 'approx' (the previous step's norm)"
-            )
-        if self.optimizer_in_backward and self.precision.mode == "fp16-mixed":
-            raise PlanError(
-                "optimizer_in_backward cannot be combined with fp16-mixed: the loss scaler must "
-                "see every gradient before any step; use bf16-mixed or bf16-pure instead"
-            )
-        if (
-            self.optimizer_in_backward
-            and self.max_grad_norm is not None
-            and self.grad_clip_mode == "exact"
-            and self.grad_accum_steps > 1
-        ):
-            raise PlanError(
-                "exact gradient clipping with optimizer_in_backward needs the whole accumulated "
-                "gradient, which accumulation keeps; use grad_clip_mode 'approx' or set "
-                "optimizer_in_backward false"
-            )
-        if not (
-            isinstance(self.compile, bool)
-            or (isinstance(self.compile, str) and self.compile in COMPILE_BACKENDS)
-        ):
-            raise PlanError(
-                f"compile must be true, false or a backend ({', '.join(COMPILE_BACKENDS)}), "
-                f"got {self.compile!r}"
-            )
-        self._validate_offload()
-        if not isinstance(self.fused_pointwise, bool):
-            raise PlanError(f"fused_pointwise must be true or false, got {self.fused_pointwise!r}")
         self._validate_parallel()
         for technique in BUILTIN_TECHNIQUES:
-            # The rules tying a technique to others live with the technique.
+            # Each technique's own rules, and those tying it to others, live with it.
             if technique.check is not None:
                 try:
                     technique.check(self)
                 except ValueError as e:
                     raise PlanError(str(e)) from None
-        if self.max_seq_len is not None and (
-            not isinstance(self.max_seq_len, int) or self.max_seq_len < 1
-        ):
-            raise PlanError(
-                f"max_seq_len must be a whole number >= 1 or null, got {self.max_seq_len!r}"
-            )
-
-    def _validate_offload(self) -> None:
-        off = self.offload
-        if off is not None and off.parameters is not None and off.optimizer is None:
-            raise PlanError(
-                "offload parameters needs optimizer offload too (optimizer 'host'): the step "
-                "updates the parameters' host copies"
-            )
-        if off is not None and off.parameters is not None and off.optimizer == "disk":
-            raise PlanError(
-                "offload parameters streams blocks from the optimizer's host masters, which the "
-                "disk tier keeps in files; use optimizer 'host' with parameters 'host'"
-            )
-        if off is not None and off.parameters is not None and self.compile_backend is not None:
-            raise PlanError(
-                "parameter offload cannot be combined with compile: its storage resizes run in "
-                "hooks torch.compile does not trace; set compile false"
-            )
-        if off is not None and off.optimizer is not None:
-            if self.precision.mode == "fp16-mixed":
-                raise PlanError(
-                    "optimizer offload cannot be combined with fp16-mixed: the loss scaler "
-                    "checks device gradients that offload has moved; use bf16-mixed or bf16-pure"
-                )
-            if off.optimizer == "disk" and self.optimizer_in_backward:
-                raise PlanError(
-                    "optimizer offload to 'disk' steps after backward, group by group; set "
-                    "optimizer_in_backward false (or use optimizer 'host', which steps in backward)"
-                )
-            if (
-                self.optimizer_in_backward
-                and self.max_grad_norm is not None
-                and self.grad_clip_mode == "exact"
-            ):
-                raise PlanError(
-                    "optimizer offload with optimizer_in_backward steps each bucket on the host "
-                    "as its gradients land, before the global norm is known; use "
-                    "grad_clip_mode 'approx' (the previous step's norm) or set max_grad_norm null"
-                )
-        if off is not None and off.activations and self.compile_backend is not None:
-            raise PlanError(
-                "activation offload cannot be combined with compile: the saved-tensor hooks "
-                "that move activations to the host are not traced by torch.compile; set "
-                "compile false or offload activations false"
-            )
 
     def _validate_parallel(self) -> None:
         par = self.parallel
@@ -348,44 +246,7 @@ class Plan:
                 "zero_stage 1 (ZeroRedundancyOptimizer) is not composed with tensor or pipeline "
                 "parallelism; use zero_stage 0 (gradients all-reduced) or 2 or 3 (FSDP2)"
             )
-        if par.world_size == 1 and par.zero_stage == 0:
-            return
-        if self.precision.mode == "bf16-pure":
-            raise PlanError(
-                "bf16-pure cannot be combined with data parallelism yet: its fp32 step swaps "
-                "each parameter's dtype, which drops DDP's gradient hooks and mixes dtypes in "
-                "FSDP2's shards; use bf16-mixed"
-            )
-        if self.loss_normalization == "tokens":
-            raise PlanError(
-                "loss_normalization 'tokens' cannot be combined with data parallelism yet: each "
-                "process would weight by its own token count, not the whole batch's; use 'mean'"
-            )
-        if self.optimizer_in_backward:
-            raise PlanError(
-                "optimizer_in_backward cannot be combined with data parallelism: each gradient "
-                "must be averaged across processes (in DDP's or FSDP2's buckets) before its "
-                "step, which runs after the hooks the fused step uses; set optimizer_in_backward "
-                "false"
-            )
-        if self.grad_buffer:
-            raise PlanError(
-                "grad_buffer cannot be combined with data parallelism: DDP already keeps "
-                "gradients as views into its contiguous buckets and FSDP2 shards them; set "
-                "grad_buffer false"
-            )
-        off = self.offload
-        if off is not None and (off.optimizer is not None or off.parameters is not None):
-            raise PlanError(
-                "optimizer and parameter offload cannot be combined with data parallelism yet "
-                "(their gradient hooks would run before the gradients are averaged across "
-                "processes); keep offload activations only, or use one process"
-            )
-        # Which ZeRO stages can shard the optimizer is the registry's (a peer's wrapper cannot
-        # be rebuilt or step DTensors; 1-bit Adam's communication hook is DDP's).
-        problem = optimizer_spec(self.optimizer.name).zero_problem(par.zero_stage)
-        if problem is not None:
-            raise PlanError(problem)
+        # What each technique cannot do on several processes is its own check's.
 
     def techniques(self) -> list[tuple[Technique, Any]]:
         """``(technique, config)`` for every registered technique this plan turns on, in

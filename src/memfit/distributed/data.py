@@ -442,6 +442,18 @@ def _apply_technique(model: nn.Module, ctx: ApplyContext) -> DataParallel | None
     return parallel
 
 
+def _check(plan: Any) -> None:
+    """What several processes cannot run yet (``Technique.check``)."""
+    if plan.parallel.world_size == 1 and plan.parallel.zero_stage == 0:
+        return
+    if plan.precision.mode == "bf16-pure":
+        raise ValueError(
+            "bf16-pure cannot be combined with data parallelism yet: its fp32 step swaps "
+            "each parameter's dtype, which drops DDP's gradient hooks and mixes dtypes in "
+            "FSDP2's shards; use bf16-mixed"
+        )
+
+
 #: Data parallelism and ZeRO (DDP, ZeroRedundancyOptimizer, FSDP2), after every single-device
 #: technique (FSDP2 shards the checkpointed blocks in place) and before the optimizer, which
 #: steps FSDP2's shards or is sharded by ZeRO stage 1.
@@ -455,4 +467,5 @@ TECHNIQUE = Technique(
     and plan.parallel.pipeline == 1,
     apply=_apply_technique,
     info_key="data_parallel",
+    check=_check,
 )

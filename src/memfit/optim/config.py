@@ -75,6 +75,17 @@ def _optimizer_summary(config: OptimizerConfig) -> str:
     return config.name + ("" if config.foreach is not False else " (foreach off)")
 
 
+def _check(plan: Any) -> None:
+    """Which ZeRO stages can shard the optimizer is the registry's (``Technique.check``): a
+    peer's wrapper cannot be rebuilt or step DTensors; 1-bit Adam's communication hook is
+    DDP's."""
+    if plan.parallel.world_size == 1 and plan.parallel.zero_stage == 0:
+        return
+    problem = get(plan.optimizer.name).zero_problem(plan.parallel.zero_stage)
+    if problem is not None:
+        raise ValueError(problem)
+
+
 #: The optimizer, built last (``memfit.apply``): it steps what the techniques before it left
 #: trainable, in their dtypes, sharded or offloaded. Its ``--allow`` names are the optimizer
 #: registry's (an optimizer that changes training needs consent to be switched to).
@@ -87,4 +98,5 @@ TECHNIQUE = Technique(
     allow=_AllowNames(),
     forbid={"foreach-off": "turning the multi-tensor optimizer off"},
     summary=_optimizer_summary,
+    check=_check,
 )

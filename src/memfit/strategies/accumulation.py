@@ -154,6 +154,20 @@ def _accumulation_summary(config: tuple[int | None, int]) -> str:
     return f"micro-batch {micro if micro is not None else 'auto'} x {steps}"
 
 
+def _check_accumulation(plan: Any) -> None:
+    """The micro-batch size and the accumulation steps (``Technique.check``)."""
+    if plan.micro_batch_size is not None and (
+        not isinstance(plan.micro_batch_size, int) or plan.micro_batch_size < 1
+    ):
+        raise ValueError(
+            f"micro_batch_size must be a whole number >= 1 or null, got {plan.micro_batch_size!r}"
+        )
+    if not isinstance(plan.grad_accum_steps, int) or plan.grad_accum_steps < 1:
+        raise ValueError(
+            f"grad_accum_steps must be a whole number >= 1, got {plan.grad_accum_steps!r}"
+        )
+
+
 #: Micro-batches with weighted losses, run by the step (``run_step``); a pipeline's own
 #: micro-batches replace it in a tensor/pipeline layout.
 ACCUMULATION = Technique(
@@ -166,6 +180,7 @@ ACCUMULATION = Technique(
     swappable=True,
     forbid={"accumulation": "gradient accumulation (micro-batches)"},
     summary=_accumulation_summary,
+    check=_check_accumulation,
 )
 
 
@@ -183,6 +198,21 @@ def _normalization_refusal(plan: Any, engine: str) -> str | None:
     return None
 
 
+def _check_normalization(plan: Any) -> None:
+    """The loss normalization's modes (``Technique.check``)."""
+    if plan.loss_normalization not in ("mean", "tokens"):
+        raise ValueError(
+            f"loss_normalization {plan.loss_normalization!r} is not known; use 'mean' or 'tokens'"
+        )
+    if plan.loss_normalization == "tokens" and (
+        plan.parallel.world_size > 1 or plan.parallel.zero_stage
+    ):
+        raise ValueError(
+            "loss_normalization 'tokens' cannot be combined with data parallelism yet: each "
+            "process would weight by its own token count, not the whole batch's; use 'mean'"
+        )
+
+
 #: Weighting micro-batch losses by their label tokens instead of their samples.
 LOSS_NORMALIZATION = Technique(
     name="loss_normalization",
@@ -193,4 +223,5 @@ LOSS_NORMALIZATION = Technique(
     refusal=_normalization_refusal,
     label=lambda plan: f"loss_normalization {plan.loss_normalization!r}",
     swappable=True,
+    check=_check_normalization,
 )

@@ -512,6 +512,17 @@ def _apply_technique(model: nn.Module, ctx: ApplyContext) -> ActivationOffloadHa
     return handle
 
 
+def _check(plan: Any) -> None:
+    """Activation offload's hooks are not traced by compile (``Technique.check``)."""
+    off = plan.offload
+    if off is not None and off.activations and plan.compile_backend is not None:
+        raise ValueError(
+            "activation offload cannot be combined with compile: the saved-tensor hooks "
+            "that move activations to the host are not traced by torch.compile; set "
+            "compile false or offload activations false"
+        )
+
+
 #: After checkpointing, so that only what the checkpointed blocks keep (their boundaries)
 #: moves to the host; it keeps parameters as they are.
 TECHNIQUE = Technique(
@@ -524,4 +535,5 @@ TECHNIQUE = Technique(
     engines=frozenset({"single", "data"}),
     refusal=offload_refusal,
     label=lambda plan: "offload",
+    check=_check,
 )

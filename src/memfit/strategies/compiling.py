@@ -157,6 +157,18 @@ def _refusal(plan: Any, engine: str) -> str | None:
     return None
 
 
+def _check(plan: Any) -> None:
+    """The switch or backend (``Technique.check``)."""
+    if not (
+        isinstance(plan.compile, bool)
+        or (isinstance(plan.compile, str) and plan.compile in COMPILE_BACKENDS)
+    ):
+        raise ValueError(
+            f"compile must be true, false or a backend ({', '.join(COMPILE_BACKENDS)}), "
+            f"got {plan.compile!r}"
+        )
+
+
 #: torch.compile last among the model transforms, so dynamo traces the others' wrappers.
 TECHNIQUE = Technique(
     name="compile",
@@ -170,4 +182,5 @@ TECHNIQUE = Technique(
     summary=lambda compile: (
         "compiled" if compile is True or compile == "inductor" else f"compiled ({compile})"
     ),
+    check=_check,
 )

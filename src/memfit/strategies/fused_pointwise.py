@@ -216,6 +216,12 @@ def _apply_technique(model: nn.Module, ctx: ApplyContext) -> FusedPointwiseHandl
     return handle
 
 
+def _check(plan: Any) -> None:
+    """The switch is a bool (``Technique.check``)."""
+    if not isinstance(plan.fused_pointwise, bool):
+        raise ValueError(f"fused_pointwise must be true or false, got {plan.fused_pointwise!r}")
+
+
 #: Fused forwards replace instance ``forward`` attributes only, before precision and
 #: checkpointing, which wrap what they find.
 TECHNIQUE = Technique(
@@ -226,4 +232,5 @@ TECHNIQUE = Technique(
     info_key="fused_pointwise",
     engines=frozenset({"single", "data", "hf", "lightning"}),
     summary=lambda _: "fused pointwise",
+    check=_check,
 )

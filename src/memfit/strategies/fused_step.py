@@ -536,6 +536,35 @@ def _check_arguments(grad_accum_steps: int, max_grad_norm: float | None, clip_mo
         )
 
 
+def _check(plan: Any) -> None:
+    """The rules tying the fused step to the loss scaler and to exact clipping
+    (``Technique.check``)."""
+    if not plan.optimizer_in_backward:
+        return
+    if plan.parallel.world_size > 1 or plan.parallel.zero_stage:
+        raise ValueError(
+            "optimizer_in_backward cannot be combined with data parallelism: each gradient "
+            "must be averaged across processes (in DDP's or FSDP2's buckets) before its "
+            "step, which runs after the hooks the fused step uses; set optimizer_in_backward "
+            "false"
+        )
+    if plan.precision.mode == "fp16-mixed":
+        raise ValueError(
+            "optimizer_in_backward cannot be combined with fp16-mixed: the loss scaler must "
+            "see every gradient before any step; use bf16-mixed or bf16-pure instead"
+        )
+    if (
+        plan.max_grad_norm is not None
+        and plan.grad_clip_mode == "exact"
+        and plan.grad_accum_steps > 1
+    ):
+        raise ValueError(
+            "exact gradient clipping with optimizer_in_backward needs the whole accumulated "
+            "gradient, which accumulation keeps; use grad_clip_mode 'approx' or set "
+            "optimizer_in_backward false"
+        )
+
+
 #: The optimizer step fused into backward: built with the plan's optimizer (``memfit.apply``),
 #: so nothing of its own is applied to the model before that.
 TECHNIQUE = Technique(
@@ -545,4 +574,5 @@ TECHNIQUE = Technique(
     engines=frozenset({"single", "hf", "lightning"}),
     forbid={"fused-step": "the optimizer step fused into backward"},
     summary=lambda _: "optimizer step in backward",
+    check=_check,
 )

@@ -282,6 +282,12 @@ def check_grad_buffer(plan: Any) -> None:
         raise ValueError(f"grad_buffer must be true or false, got {plan.grad_buffer!r}")
     if not plan.grad_buffer:
         return
+    if plan.parallel.world_size > 1 or plan.parallel.zero_stage:
+        raise ValueError(
+            "grad_buffer cannot be combined with data parallelism: DDP already keeps "
+            "gradients as views into its contiguous buckets and FSDP2 shards them; set "
+            "grad_buffer false"
+        )
     if plan.optimizer_in_backward:
         raise ValueError(
             "grad_buffer cannot be combined with optimizer_in_backward: the fused step frees "

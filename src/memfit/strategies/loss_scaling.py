@@ -193,6 +193,17 @@ def _clip_refusal(plan: Any, engine: str) -> str | None:
     return None
 
 
+def _check_clipping(plan: Any) -> None:
+    """The clipping norm and mode (``Technique.check``)."""
+    if plan.max_grad_norm is not None and not plan.max_grad_norm > 0:
+        raise ValueError(f"max_grad_norm must be > 0 or null, got {plan.max_grad_norm!r}")
+    if plan.grad_clip_mode not in ("exact", "approx"):
+        raise ValueError(
+            f"grad_clip_mode {plan.grad_clip_mode!r} is not known; use 'exact' (an extra "
+            "norm-only backward) or 'approx' (the previous step's norm)"
+        )
+
+
 #: Gradient clipping to a global norm, by the stepper (or the fused step's hooks). Swappable
 #: unless the step is fused, where the optimizer-in-backward handle itself clips.
 CLIPPING = Technique(
@@ -205,4 +216,5 @@ CLIPPING = Technique(
     label=lambda plan: "max_grad_norm",
     swappable=lambda old, new: not new.optimizer_in_backward,
     summary=lambda config: f"clip {config[0]} ({config[1]})",
+    check=_check_clipping,
 )

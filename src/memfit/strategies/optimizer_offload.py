@@ -399,6 +399,40 @@ def _buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[int]]:
     return buckets
 
 
+def _check(plan: Any) -> None:
+    """The rules tying the host or disk step to the loss scaler, the fused step and exact
+    clipping (``Technique.check``)."""
+    off = plan.offload
+    if off is None or off.optimizer is None:
+        return
+    if plan.precision.mode == "fp16-mixed":
+        raise ValueError(
+            "optimizer offload cannot be combined with fp16-mixed: the loss scaler "
+            "checks device gradients that offload has moved; use bf16-mixed or bf16-pure"
+        )
+    if off.optimizer == "disk" and plan.optimizer_in_backward:
+        raise ValueError(
+            "optimizer offload to 'disk' steps after backward, group by group; set "
+            "optimizer_in_backward false (or use optimizer 'host', which steps in backward)"
+        )
+    if (
+        plan.optimizer_in_backward
+        and plan.max_grad_norm is not None
+        and plan.grad_clip_mode == "exact"
+    ):
+        raise ValueError(
+            "optimizer offload with optimizer_in_backward steps each bucket on the host "
+            "as its gradients land, before the global norm is known; use "
+            "grad_clip_mode 'approx' (the previous step's norm) or set max_grad_norm null"
+        )
+    if plan.parallel.world_size > 1 or plan.parallel.zero_stage:
+        raise ValueError(
+            "optimizer and parameter offload cannot be combined with data parallelism yet "
+            "(their gradient hooks would run before the gradients are averaged across "
+            "processes); keep offload activations only, or use one process"
+        )
+
+
 #: The optimizer on the host (ZeRO-Offload) or on disk (ZeRO-Infinity): built in place of the
 #: device optimizer when the plan's optimizer is built (``memfit.apply``), so nothing of its
 #: own is applied to the model.
@@ -416,4 +450,5 @@ TECHNIQUE = Technique(
         "host memory"
     },
     summary=lambda config: config.summary(),
+    check=_check,
 )

@@ -419,6 +419,29 @@ def _apply_technique(model: nn.Module, ctx: ApplyContext) -> ParameterOffloadHan
     return handle
 
 
+def _check(plan: Any) -> None:
+    """Streaming parameters needs the host optimizer's masters and no compile
+    (``Technique.check``)."""
+    off = plan.offload
+    if off is None or off.parameters is None:
+        return
+    if off.optimizer is None:
+        raise ValueError(
+            "offload parameters needs optimizer offload too (optimizer 'host'): the step "
+            "updates the parameters' host copies"
+        )
+    if off.optimizer == "disk":
+        raise ValueError(
+            "offload parameters streams blocks from the optimizer's host masters, which the "
+            "disk tier keeps in files; use optimizer 'host' with parameters 'host'"
+        )
+    if plan.compile_backend is not None:
+        raise ValueError(
+            "parameter offload cannot be combined with compile: its storage resizes run in "
+            "hooks torch.compile does not trace; set compile false"
+        )
+
+
 #: After precision (the host copies take the training dtype) and checkpointing (the
 #: recomputation runs inside a block's backward, after its fetch); refused with compile.
 TECHNIQUE = Technique(
@@ -431,4 +454,5 @@ TECHNIQUE = Technique(
     engines=frozenset({"single"}),
     refusal=offload_refusal,
     label=lambda plan: "offload",
+    check=_check,
 )

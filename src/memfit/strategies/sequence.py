@@ -292,6 +292,16 @@ def _max_seq_len_refusal(plan: Any, engine: str) -> str | None:
     return None
 
 
+def _check_max_seq_len(plan: Any) -> None:
+    """The truncation length (``Technique.check``)."""
+    if plan.max_seq_len is not None and (
+        not isinstance(plan.max_seq_len, int) or plan.max_seq_len < 1
+    ):
+        raise ValueError(
+            f"max_seq_len must be a whole number >= 1 or null, got {plan.max_seq_len!r}"
+        )
+
+
 #: Truncation of every micro-batch's sequences, by the step (``run_step``).
 MAX_SEQ_LEN = Technique(
     name="max_seq_len",
@@ -302,6 +312,7 @@ MAX_SEQ_LEN = Technique(
     swappable=True,
     allow={"shorter-seq": "truncate sequences to 1/2 or 1/4 of their length"},
     summary=lambda length: f"max length {length}",
+    check=_check_max_seq_len,
 )
 
 
