@@ -141,8 +141,10 @@ class Technique:
             steps, keeping the optimizer and its state (a technique with ``apply`` is taken off
             and applied again in place): ``True``, or ``swappable(old_plan, new_plan)``.
         candidates: ``candidates(plan, workload) -> configs``: the configs the planner tries
-            besides the plan's own (only built-ins' search is written in
-            :mod:`memfit.planner.candidates`; a user's technique gets one dimension).
+            besides the plan's own, asked under a dry run's fake tensors (a hook may build
+            the workload's model to see whether the technique applies). A built-in with this
+            hook is one dimension of the search, like a user's technique (the hand-written
+            dimensions of :mod:`memfit.planner.candidates` cover the others).
         memory_rank: ``memory_rank(config) -> number``: how much a config saves (higher
             saves more; off is 0), for the planner's dominance pruning (each user's technique
             is a dimension of its own). Without it the planner assumes the technique saves

@@ -13,8 +13,8 @@ import memfit
 from memfit.cli import app
 from memfit.estimate.cost import profile_workload, step_cost
 from memfit.planner import NothingFits, plan
-from memfit.planner.candidates import RANK_DIMENSIONS, fused_loss_applies, space_pairs
-from memfit.strategies.fused_loss import FusedLossConfig
+from memfit.planner.candidates import RANK_DIMENSIONS, space_pairs
+from memfit.strategies.fused_loss import FusedLossConfig, fused_loss_applies
 from memfit.targets import DEVICES
 from memfit.workload import load_workload
 

@@ -375,11 +375,11 @@ def _for_target(rungs: list[tuple[str, Plan]], target: DeviceProfile) -> list[tu
 def _lm_head(workload: Workload) -> tuple[int, int] | None:
     """(hidden, vocabulary) of the output head when the fused loss applies to the model."""
     from ..estimate.fake_kernels import dry_tensors
-    from ..planner.candidates import fused_loss_applies
+    from ..strategies.fused_loss import fused_loss_applies
 
-    if not fused_loss_applies(workload):
-        return None
     with dry_tensors():
+        if not fused_loss_applies(workload):
+            return None
         head = workload.build_model().get_output_embeddings()
         return head.in_features, head.out_features
 

@@ -24,10 +24,13 @@ the user's plan, whatever it is); it is computed from what the option keeps:
   linear layer, each over a 4-bit base with ``qlora``; the rank is the user's
   (``lora_rank``), the rest is searched. Ranked by :data:`memfit.strategies.lora.TECHNIQUE`'s
   ``memory_rank`` (a 4-bit base saves most, then fewer adapted layers);
-* the fused loss: on keeps no logits (one chunk of them), off keeps them all. It is on by
-  default in the search (it changes no numerics beyond rounding) for a model it applies to
-  (:func:`fused_loss_applies`), and costs one more head matmul in backward, so the search
-  takes it when the plain loss does not fit or is tied in the cost model.
+* every other technique, memfit's own (the fused loss) or a user's: one dimension each, the
+  configs its ``candidates`` hook offers (asked under fake tensors, so a hook may build the
+  model to see whether it applies), ranked by its ``memory_rank``. A built-in with such hooks
+  is searched unless one of its ``--forbid`` names is given (the fused loss: on keeps one
+  chunk of logits, off all of them; it changes no numerics beyond rounding and costs one more
+  head matmul in backward, so the search takes it when the plain loss does not fit or is tied
+  in the cost model); a user's is tried as :func:`extra_options` says.
 """
 
 from __future__ import annotations
@@ -42,7 +45,6 @@ from ..optim import registry as optim_registry
 from ..optim.config import OptimizerConfig
 from ..plan import Plan
 from ..strategies.fp8 import fp8_problem as _fp8_problem
-from ..strategies.fused_loss import FusedLossConfig
 from ..strategies.lora import TECHNIQUE as _LORA
 from ..strategies.lora import LoraConfig
 from ..strategies.offload import OffloadConfig
@@ -62,7 +64,6 @@ __all__ = [
     "check_names",
     "dominated",
     "forbid_names",
-    "fused_loss_applies",
     "generate",
     "maximal",
     "micro_batches",
@@ -70,6 +71,7 @@ __all__ = [
     "ordinal",
     "space_pairs",
     "state_bytes_per_parameter",
+    "technique_options",
     "trainable_fractions",
 ]
 
@@ -102,7 +104,8 @@ RANK_DIMENSIONS: tuple[str, ...] = (
     "per_tensor_step",
     "freezing",
     "sequence",
-    "fused_loss",
+    # memfit's own techniques searched through their hooks (the fused loss), in apply order.
+    *(t.name for t in _registered(builtin=True) if t.candidates is not None),
     "offload_optimizer",
     "offload_activations",
     "offload_parameters",
@@ -222,7 +225,8 @@ class Space:
     foreach: tuple[bool | None, ...]
     freezes: tuple[tuple[str, ...], ...]
     seq_lens: tuple[int | None, ...]
-    fused_losses: tuple[FusedLossConfig | None, ...] = (None,)
+    # memfit's own techniques searched through their hooks: (name, configs) each.
+    techniques: tuple[tuple[str, tuple[Any, ...]], ...] = ()
     offloads: tuple[OffloadConfig | None, ...] = (None,)
     pure_allowed: bool = False  # bf16-pure on its own (not only beside host masters)
     extras: tuple[tuple[tuple[str, Any], ...], ...] = ((),)  # users' techniques' configs
@@ -243,10 +247,9 @@ def options(
     """The options of every dimension, from ``base`` and the allowed and forbidden names.
 
     ``freezes`` are the freezing choices that apply to the model (default: the base plan's,
-    plus the embeddings and the body when ``freeze`` is allowed). The fused loss is added to
-    the base's choice unless ``fused-loss`` is forbidden or the model cannot take it
-    (:func:`fused_loss_applies`, a build on fake tensors). LoRA's candidates, when allowed,
-    have rank ``lora_rank`` (:func:`lora_options`).
+    plus the embeddings and the body when ``freeze`` is allowed). memfit's own techniques with
+    ``candidates`` hooks add theirs (:func:`technique_options`). LoRA's candidates, when
+    allowed, have rank ``lora_rank`` (:func:`lora_options`).
     """
     batch = workload.batch_size
     micros = micro_batches(batch) if "accumulation" not in forbid else [base.micro_batch_for(batch)]
@@ -281,11 +284,6 @@ def options(
         # mixed precision (exact fp32 updates), not bf16-pure's rounding, so no consent needed.
         if device.supports_bf16 and any(o is not None and o.optimizer for o in offloads):
             precisions.append("bf16-pure")
-    fused_losses: list[FusedLossConfig | None] = [base.fused_loss]
-    if "fused-loss" in forbid:
-        fused_losses = [None]
-    elif base.fused_loss is None and fused_loss_applies(workload):
-        fused_losses.append(FusedLossConfig())
     return Space(
         micros=tuple(micros),
         checkpointing=_unique(ckpts),
@@ -295,7 +293,7 @@ def options(
         foreach=_unique([base.optimizer.foreach] + ([False] if "foreach-off" not in forbid else [])),
         freezes=_unique(tuple(f) for f in freezes),
         seq_lens=_unique(seqs, key=lambda s: s or workload.seq_len),
-        fused_losses=tuple(fused_losses),
+        techniques=technique_options(workload, base, forbid),
         offloads=_unique(offloads, key=_offload_key),
         pure_allowed="bf16-pure" in allow,
         extras=extra_options(workload, base, allow, forbid),
@@ -331,6 +329,34 @@ def lora_options(base: Plan, allow: Sequence[str], rank: int = 16) -> tuple[Lora
             )
         )
     return _unique(out)
+
+
+def technique_options(
+    workload: Workload, base: Plan, forbid: Sequence[str]
+) -> tuple[tuple[str, tuple[Any, ...]], ...]:
+    """The configs of memfit's own techniques that the search varies through their hooks
+    (``candidates``, ``memory_rank``): the base plan's and the hook's, or only off when one of
+    the technique's ``--forbid`` names is given. The hooks run under fake tensors."""
+    from ..estimate.fake_kernels import dry_tensors
+
+    out = []
+    for technique in _registered(builtin=True):
+        if technique.candidates is None:
+            continue
+        if any(f in forbid for f in technique.forbid):
+            out.append((technique.name, (_OFF[technique.plan_field],)))
+            continue
+        with dry_tensors():
+            offered = technique.candidates(base, workload)
+        out.append((technique.name, _unique([technique.config(base), *offered])))
+    return tuple(out)
+
+
+#: Each plan field's "off" (its default).
+_OFF: dict[str, Any] = {
+    f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+    for f in dataclasses.fields(Plan)
+}
 
 
 def extra_options(
@@ -382,29 +408,12 @@ def _extra_ranks(
     return tuple(tables)
 
 
-_APPLIES: dict[tuple[str, int, int], bool] = {}
-
-
-def fused_loss_applies(workload: Workload) -> bool:
-    """Whether the fused loss applies to ``workload``'s model (a Hugging Face causal LM with
-    a linear head, see :func:`~memfit.strategies.fused_loss.apply_fused_loss`); built on fake
-    tensors once per workload name, depth and sequence length."""
-    key = (workload.name, workload.depth or 0, workload.seq_len)
-    if key not in _APPLIES:
-        from ..estimate.compose import block_pattern
-        from ..estimate.fake_kernels import dry_tensors
-        from ..strategies.fused_loss import apply_fused_loss
-
-        try:
-            with dry_tensors():
-                model = workload.build_model()
-                if workload.scalable and workload.depth:
-                    block_pattern(workload, model)  # the search needs it too: one build
-                apply_fused_loss(model).remove()
-            _APPLIES[key] = True
-        except ValueError:
-            _APPLIES[key] = False
-    return _APPLIES[key]
+def _technique_ranks(technique: Any, choices: Sequence[Any]) -> dict[Any, int]:
+    """A built-in's rank table over its configs: off (its field's default) saves nothing,
+    the others what its ``memory_rank`` says."""
+    off = _OFF[technique.plan_field]
+    rank = technique.memory_rank or (lambda config: 0.0)
+    return ordinal({c: 0.0 if c == off else -float(rank(c)) for c in choices})
 
 
 def _unique(items: Iterable[Any], key: Any = None) -> tuple[Any, ...]:
@@ -429,7 +438,7 @@ class _Ranks:
     state: dict[Any, int]
     freeze: dict[Any, int]
     seq: dict[Any, int]
-    fused_loss: dict[Any, int]
+    techniques: tuple[dict[Any, int], ...]  # per technique of Space.techniques
     opt_off: dict[Any, int]
     act_off: dict[Any, int]
     par_off: dict[Any, int]
@@ -449,8 +458,9 @@ class _Ranks:
             state=ordinal({o.name: state_bytes_per_parameter(o) for o in space.optimizers}),
             freeze=ordinal({f: trainable.get(f, 1.0) for f in space.freezes}),
             seq=ordinal({s: s or workload.seq_len for s in space.seq_lens}),
-            # The fused loss keeps one chunk of logits, the plain loss all of them.
-            fused_loss=ordinal({f: 0 if f is None else -1 for f in space.fused_losses}),
+            techniques=tuple(
+                _technique_ranks(_technique(name), choices) for name, choices in space.techniques
+            ),
             # Optimizer offload keeps no state and at most a bucket of gradients on the
             # device; activation offload keeps only what is too small to move. One rank
             # dimension each.
@@ -467,7 +477,7 @@ class _Ranks:
 
     def vector(
         self, m: int, ck: str, pr: str, opt: str, fu: bool, loops: bool, fz: Any, sq: Any,
-        fl: Any, of: Any, ex: Any, lo: Any = None,
+        te: tuple[Any, ...], of: Any, ex: Any, lo: Any = None,
     ) -> tuple[int, ...]:
         """The rank vector of one combination, in :data:`RANK_DIMENSIONS`' order."""
         return (
@@ -480,7 +490,7 @@ class _Ranks:
             int(loops),
             self.freeze[fz],
             self.seq[sq],
-            self.fused_loss[fl],
+            *(table[c] for table, c in zip(self.techniques, te, strict=True)),
             self.opt_off[_moves_optimizer(of)],
             self.act_off[_moves_activations(of)],
             self.par_off[_moves_parameters(of)],
@@ -517,7 +527,9 @@ def generate(
     cuda = bool(getattr(device, "is_cuda", False))
 
     out = []
-    for m, ck, pr, opt, fu, fe, fz, sq, fl, of, ex, lo in itertools.product(
+    names = [name for name, _ in space.techniques]
+    fields = {name: _technique(name).plan_field for name in names}
+    for m, ck, pr, opt, fu, fe, fz, sq, te, of, ex, lo in itertools.product(
         space.micros,
         space.checkpointing,
         space.precisions,
@@ -526,7 +538,7 @@ def generate(
         space.foreach,
         space.freezes,
         space.seq_lens,
-        space.fused_losses,
+        list(itertools.product(*(choices for _, choices in space.techniques))),
         space.offloads,
         space.extras,
         space.loras,
@@ -565,14 +577,14 @@ def generate(
                 ),
                 freeze=fz,
                 max_seq_len=sq,
-                fused_loss=fl,
                 offload=of,
                 extra=ex,
                 lora=lo,
+                **{fields[name]: config for name, config in zip(names, te, strict=True)},
             )
         except ValueError:
             continue  # an impossible combination: the Plan says so
-        rank = ranks.vector(m, ck, pr, opt.name, fu, loops, fz, sq, fl, of, ex, lo)
+        rank = ranks.vector(m, ck, pr, opt.name, fu, loops, fz, sq, te, of, ex, lo)
         out.append((plan, rank))
     return out
 

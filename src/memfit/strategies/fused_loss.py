@@ -356,6 +356,31 @@ def parse_fused_loss(value: Any) -> FusedLossConfig | None:
     )
 
 
+_APPLIES: dict[tuple[str, int, int], bool] = {}
+
+
+def fused_loss_applies(workload: Any) -> bool:
+    """Whether the fused loss applies to ``workload``'s model (a Hugging Face causal LM with
+    a linear head, see :func:`apply_fused_loss`): the model is built once per workload name,
+    depth and sequence length and the loss applied and taken off again. The planner asks it
+    under a dry run's fake tensors, where the build allocates nothing."""
+    key = (workload.name, workload.depth or 0, workload.seq_len)
+    if key not in _APPLIES:
+        try:
+            apply_fused_loss(workload.build_model()).remove()
+            _APPLIES[key] = True
+        except ValueError:
+            _APPLIES[key] = False
+    return _APPLIES[key]
+
+
+def _candidates(plan: Any, workload: Any) -> list[FusedLossConfig]:
+    """The planner's choice besides the plan's own: the default config, where it applies."""
+    if plan.fused_loss is None and fused_loss_applies(workload):
+        return [FusedLossConfig()]
+    return []
+
+
 def _summary(config: FusedLossConfig) -> str:
     chunk = config.chunk_size
     return "fused loss" + (f" (chunks of {chunk} tokens)" if chunk else "")
@@ -374,6 +399,9 @@ TECHNIQUE = Technique(
     forbid={"fused-loss": "the output head's loss computed in chunks (no full logits)"},
     summary=_summary,
     parse=parse_fused_loss,
+    candidates=_candidates,
+    # The fused loss keeps one chunk of logits, the plain loss all of them.
+    memory_rank=lambda config: 1.0,
     # chunked_cross_entropy keeps no logits for backward and recomputes them there, one
     # vocabulary block at a time: one more forward matmul of the head, 4 passes of tokens x
     # hidden x vocabulary instead of 3 (memfit/ops/cross_entropy.py's docstring; issue 12).
