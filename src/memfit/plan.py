@@ -405,6 +405,8 @@ class Plan:
             if par.pipeline > 1:
                 m = par.microbatches if par.microbatches is not None else 2 * par.pipeline
                 layout += f" ({par.schedule}, {m} micro-batches)"
+            if par.sequence:
+                layout += ", sequence parallel"
             if par.zero_stage:
                 layout += f", ZeRO stage {par.zero_stage}"
             parts.append(layout)

@@ -70,6 +70,12 @@ class ParallelConfig:
             ``zero-bubble`` (backward split into input and weight gradients to fill the bubble).
         microbatches: Micro-batches per step through the pipeline (``None``: ``2 x
             pipeline``); more shrinks the bubble and each micro-batch's activations.
+        sequence: Megatron's sequence parallelism, with ``tensor > 1``: the norms, dropouts
+            and residual stream between the blocks' attention and MLP hold ``sequence /
+            tensor`` tokens per rank, which divides their activations (about ``2 x hidden``
+            elements per token per block, plus dropout masks) by the tensor degree, and the
+            last norm's output too. The same communication volume (each all-reduce becomes a
+            reduce-scatter plus an all-gather); torch's ``SequenceParallel`` style does it.
     """
 
     data: int = 1
@@ -81,6 +87,7 @@ class ParallelConfig:
     pipeline: int = 1
     schedule: str = "1f1b"
     microbatches: int | None = None
+    sequence: bool = False
 
     def problems(self) -> list[str]:
         """What is wrong with these settings, one sentence each (empty when valid)."""
@@ -112,6 +119,19 @@ class ParallelConfig:
             not isinstance(self.microbatches, int) or self.microbatches < 1
         ):
             out.append(f"parallel microbatches must be a whole number >= 1 or null, got {self.microbatches!r}")
+        if not isinstance(self.sequence, bool):
+            out.append(f"parallel sequence must be true or false, got {self.sequence!r}")
+        elif self.sequence and self.tensor == 1:
+            out.append(
+                "parallel sequence splits the tensor-parallel group's norms along the sequence "
+                "and needs tensor > 1; set tensor to 2 or more, or sequence false"
+            )
+        elif self.sequence and self.pipeline > 1:
+            out.append(
+                "parallel sequence is not composed with a pipeline yet (the stages would pass "
+                "sequence-sharded activations, which the pipeline's buffers do not take); set "
+                "sequence false or pipeline 1"
+            )
         if self.backend not in (None, "gloo", "nccl"):
             out.append(f"parallel backend must be 'gloo', 'nccl' or null, got {self.backend!r}")
         return out

@@ -442,8 +442,8 @@ def build_layout(
 
     def prepare(module: nn.Module) -> None:
         if parallel.tensor > 1:
-            handles.append(apply_tensor_parallel(module, TensorParallelConfig(parallel.tensor),
-                                                 mesh["tp"]))
+            config = TensorParallelConfig(parallel.tensor, sequence_parallel=parallel.sequence)
+            handles.append(apply_tensor_parallel(module, config, mesh["tp"]))
         if parallel.data > 1 and parallel.sharded:
             _fully_shard(module, parallel, mesh["dp"])
 
