@@ -4,14 +4,22 @@ checkpointed and resumed ends bit for bit where the straight run ends."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from memfit import Plan
 from memfit.train import TrainConfig
-from memfit.train.layout_checkpoint import check_resumable, layout_name, rank_module
+from memfit.train.layout_checkpoint import (
+    _placement,
+    check_resumable,
+    check_resume_before_launch,
+    layout_name,
+    rank_module,
+)
 from memfit.train.layout_memory import rank_plot_path
-from memfit.train.manifest import CheckpointError
+from memfit.train.manifest import CheckpointError, write_manifest
 
 from ..distributed.harness import run_ranks
 
@@ -42,6 +50,7 @@ def _straight_then_halves(rank: int, world: int, parallel: dict, folder: str, da
     from memfit.train.run import prepare_run
 
     plan = Plan(parallel=parallel)
+    evals = _eval_against_unsplit(_config(data, plan, max_steps=4), plan)
     kept: dict[str, list] = {}
     real = layout_run._LayoutLoop
 
@@ -88,23 +97,50 @@ def _straight_then_halves(rank: int, world: int, parallel: dict, folder: str, da
         "local_param_bytes": local_param_bytes,
         "rank_reports": [r["peak_bytes"] for r in straight.rank_reports],
         "report_rank": report.meta["rank"],
+        "eval": evals,
     }
+
+
+def _eval_against_unsplit(config: TrainConfig, plan: Plan) -> tuple[float, float, int]:
+    """The held-out loss of the seeded model: unsplit (:func:`evaluate`, one process's way)
+    and through this rank's layout; and the held-out samples."""
+    from memfit.distributed.layout import LayoutStepper, build_layout
+    from memfit.train.callbacks.evaluation import evaluate
+    from memfit.train.layout_eval import eval_batches, evaluate_layout
+    from memfit.train.run import prepare_run
+    from memfit.train.streams import map_style_batches
+
+    run = prepare_run(config, world_size=1)
+    w = run.workload
+    whole, _ = w.build(seed=config.seed)
+    one = evaluate(whole, map_style_batches(run.eval, w.batch_size, run.collate))
+    model, _ = w.build(seed=config.seed)
+    layout = build_layout(model, plan.parallel, batch_size=w.batch_size)
+    split = evaluate_layout(layout, eval_batches(run.eval, w.batch_size, run.collate, w.seq_len),
+                            local_batch=LayoutStepper(layout, None).local_batch)
+    return one, split, len(run.eval)
+
+
+@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+def ranks(request, tmp_path_factory) -> tuple[list[dict], object]:
+    """Each layout's two ranks, run once for the tests below (a spawn costs seconds)."""
+    folder = tmp_path_factory.mktemp(request.param)
+    data = folder / "data.txt"
+    data.write_text(TEXT)
+    out = run_ranks(_straight_then_halves, 2, LAYOUTS[request.param], str(folder / "ck"),
+                    str(data), str(folder / "mem.png"), timeout=300)
+    return out, folder
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(LAYOUTS))
-def test_a_layout_run_resumes_bit_for_bit(tmp_path, name):
+def test_a_layout_run_resumes_bit_for_bit(ranks):
     """Four steps straight, and two steps + checkpoint + resume + two steps, on two gloo
     processes (a pipeline of two stages; a tensor-parallel pair): the same losses, the same
     held-out losses (at steps 2 and 4), and every rank's parameters equal bit for bit
-    (``torch.equal``). Every rank's memory report is its tracked peak, its parameters at the
-    peak are exactly the bytes of the parameters it holds, and each rank drew its plot."""
-    data = tmp_path / "data.txt"
-    data.write_text(TEXT)
-    png = tmp_path / "mem.png"
-    out = run_ranks(_straight_then_halves, 2, LAYOUTS[name], str(tmp_path / "ck"), str(data),
-                    str(png), timeout=300)
+    (``torch.equal``); the checkpoint folders hold DCP's index and the manifest, and no
+    temporary folder is left."""
+    out, folder = ranks
     for rank, got in enumerate(out):
         losses, evals, steps = got["straight"]
         assert steps == 4 and len(losses) == 4 and [s for s, _ in evals] == [2, 4]
@@ -114,59 +150,44 @@ def test_a_layout_run_resumes_bit_for_bit(tmp_path, name):
         assert got["resumed_checkpoint"].endswith("step-00000004")
         assert got["params_moved"]  # the second half trained: a test that can fail
         assert all(got["params_equal"].values()), got["params_equal"]
-        assert got["report_peak"] == got["peak"] == got["per_rank_peaks"][rank] > 0
-        assert got["report_params"] == got["local_param_bytes"]
-        assert got["rank_reports"] == got["per_rank_peaks"] and got["report_rank"] == rank
-        assert rank_plot_path(png, rank).stat().st_size > 0
     assert out[0]["straight"][:2] == out[1]["straight"][:2]  # every rank reports the same
-    ck = tmp_path / "ck" / "step-00000004"
+    ck = folder / "ck" / "step-00000004"
     assert {"manifest.json", ".metadata", "state.json"} <= {p.name for p in ck.iterdir()}
-    assert not [p for p in (tmp_path / "ck").iterdir() if p.name.startswith(".tmp")]
-
-
-def _eval_matches_unsplit(rank: int, world: int, parallel: dict) -> tuple[float, float]:
-    from memfit.distributed.layout import LayoutStepper, build_layout
-    from memfit.train.callbacks.evaluation import evaluate
-    from memfit.train.layout_eval import eval_batches, evaluate_layout
-    from memfit.train.run import prepare_run
-
-    plan = Plan(parallel=parallel)
-    run = prepare_run(TrainConfig(model="llama-tiny", plan=plan, batch_size=4, seq_len=16,
-                                  corpus_bytes=20_000, eval_fraction=0.05, seed=3), world_size=1)
-    w = run.workload
-    whole, _ = w.build(seed=3)
-    one = evaluate(whole, (b for b in _batches(run)), micro_batch_size=None)
-    model, _ = w.build(seed=3)
-    layout = build_layout(model, plan.parallel, batch_size=w.batch_size)
-    stepper = LayoutStepper(layout, None)
-    split = evaluate_layout(layout, eval_batches(run.eval, w.batch_size, run.collate, w.seq_len),
-                            local_batch=stepper.local_batch)
-    return one, split
-
-
-def _batches(run):
-    from memfit.train.streams import map_style_batches
-
-    return map_style_batches(run.eval, run.workload.batch_size, run.collate)
+    assert not [p for p in (folder / "ck").iterdir() if p.name.startswith(".tmp")]
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", sorted(LAYOUTS))
-def test_evaluation_equals_the_unsplit_models(name):
+@pytest.mark.slow
+def test_every_rank_reports_its_memory(ranks):
+    """Every rank's memory report is its tracked peak (the one its result and the gathered
+    figures give), its parameters at the peak are exactly the bytes of the parameters it holds
+    (each storage once), and each rank drew its own plot beside ``--plot``'s path."""
+    out, folder = ranks
+    for rank, got in enumerate(out):
+        assert got["report_peak"] == got["peak"] == got["per_rank_peaks"][rank] > 0
+        assert got["report_params"] == got["local_param_bytes"]
+        assert got["rank_reports"] == got["per_rank_peaks"] and got["report_rank"] == rank
+        assert rank_plot_path(folder / "mem.png", rank).stat().st_size > 0
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_evaluation_equals_the_unsplit_models(ranks):
     """The held-out loss through the layout (the pipeline's forward-only schedule; the tensor
     pair's vocabulary-sharded loss), with the last batch padded to the step's shape, equals
     the unsplit model's :func:`evaluate` on the same samples within 1e-5 (fp32 sums in
     another order), on every rank."""
-    for one, split in run_ranks(_eval_matches_unsplit, 2, LAYOUTS[name], timeout=180):
-        assert split == pytest.approx(one, abs=1e-5)
+    out, _ = ranks
+    for got in out:
+        one, split, samples = got["eval"]
+        assert samples % 4  # the last batch is short: padded to the step's shape
         assert one == one  # a real loss, not NaN
+        assert split == pytest.approx(one, abs=1e-5)
 
 
 # --------------------------------------------------------------------------- one process
 def test_a_checkpoint_of_another_layout_is_refused_in_one_sentence():
     plan = Plan(parallel=LAYOUTS["tensor2"])
-    from memfit.train.layout_checkpoint import _placement
-
     state = {"path": "ck/step-00000002", "world_size": 2,
              "layout": _placement(Plan(parallel=LAYOUTS["pipeline2"]).parallel)}
     check_resumable(state, Plan(parallel=LAYOUTS["pipeline2"]).parallel, 2)
@@ -176,6 +197,23 @@ def test_a_checkpoint_of_another_layout_is_refused_in_one_sentence():
         check_resumable(state, plan.parallel, 2)
     with pytest.raises(CheckpointError, match="not written by a tensor or pipeline run"):
         check_resumable({"path": "x", "world_size": 2}, plan.parallel, 2)
+
+
+def test_a_resume_is_checked_before_launch(tmp_path):
+    """The latest checkpoint's layout and step are read before any process starts (no
+    checksums): another layout, or no step left, is one sentence."""
+    pp2, tp2 = Plan(parallel=LAYOUTS["pipeline2"]).parallel, Plan(parallel=LAYOUTS["tensor2"]).parallel
+    ck = tmp_path / "step-00000002"
+    ck.mkdir()
+    (ck / "state.json").write_text(json.dumps({"step": 2, "world_size": 2,
+                                               "layout": _placement(pp2)}))
+    write_manifest(ck, 2)
+    check_resume_before_launch(tmp_path, pp2, 3)
+    check_resume_before_launch(tmp_path / "empty", tp2, 3)  # nothing to resume: from step 0
+    with pytest.raises(CheckpointError, match="at step 2 and max_steps is 2; raise --max-steps"):
+        check_resume_before_launch(tmp_path, pp2, 2)
+    with pytest.raises(CheckpointError, match="written under the layout data 1 x tensor 1 x"):
+        check_resume_before_launch(tmp_path, tp2, 3)
 
 
 def test_layout_name_and_rank_plot_paths(tmp_path):

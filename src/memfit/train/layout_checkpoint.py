@@ -27,6 +27,7 @@ weights, but each rank's RNG and a stage's optimizer state belong to its place i
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +35,18 @@ import torch.distributed as dist
 from torch import nn
 
 from ..distributed.config import ParallelConfig
-from .checkpoint import read_state, restore_rng_state, save_sharded_checkpoint
-from .manifest import CheckpointError
+from .checkpoint import (
+    STATE_FILE,
+    latest_checkpoint,
+    read_state,
+    restore_rng_state,
+    save_sharded_checkpoint,
+)
+from .manifest import CheckpointError, read_manifest
 
 __all__ = [
     "check_resumable",
+    "check_resume_before_launch",
     "layout_name",
     "load_layout_checkpoint",
     "rank_module",
@@ -201,3 +209,30 @@ def load_layout_checkpoint(
     if restore_rng and state.get("rank_rng") is not None:
         restore_rng_state(state["rank_rng"][dist.get_rank()])
     return state
+
+
+def check_resume_before_launch(
+    directory: str | Path, parallel: ParallelConfig, max_steps: int
+) -> None:
+    """Refuse, before any process starts, a resume that cannot run: the folder's latest
+    checkpoint written under another layout, or already at ``max_steps``. Reads only the
+    manifest and the state's JSON (no checksums: the load verifies every file).
+
+    Raises:
+        CheckpointError: one sentence naming what to change.
+    """
+    latest = latest_checkpoint(directory)
+    if latest is None:
+        return  # nothing to resume: the run starts from step 0, as the trainer's does
+    step = int(read_manifest(latest).get("step", 0))
+    try:
+        state = json.loads((latest / STATE_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {str(latest)!r} cannot be read ({e})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint {str(latest)!r} holds no trainer state")
+    check_resumable({**state, "path": str(latest)}, parallel, parallel.world_size)
+    if step >= max_steps:
+        raise CheckpointError(
+            f"no step was run: the checkpoint {latest} is at step {step} and max_steps is "
+            f"{max_steps}; raise --max-steps to train on")

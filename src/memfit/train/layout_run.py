@@ -74,10 +74,12 @@ def is_layout_plan(plan: Plan | None) -> bool:
 
 
 def check_layout_run(config: TrainConfig, plan: Plan) -> None:
-    """Refuse, before any process starts, what the tensor/pipeline path does not do.
+    """Refuse, before any process starts, what the tensor/pipeline path does not do, and a
+    resume that cannot run (the latest checkpoint of another layout, or at ``max_steps``).
 
     Raises:
         LayoutRunError: naming each setting, one sentence each, and what to use instead.
+        CheckpointError: for a resume that cannot run.
     """
     par = plan.parallel
     what = f"a tensor {par.tensor} x pipeline {par.pipeline} plan"
@@ -99,6 +101,10 @@ def check_layout_run(config: TrainConfig, plan: Plan) -> None:
             f"{', '.join(ignored)}; remove {'it' if len(ignored) == 1 else 'them'} from the plan")
     if problems:
         raise LayoutRunError("; ".join(problems))
+    if config.resume and config.checkpoint_dir is not None:
+        from .layout_checkpoint import check_resume_before_launch
+
+        check_resume_before_launch(config.checkpoint_dir, par, config.max_steps)
     from ..distributed.layout import check_layout
 
     # The model's heads, widths, vocabulary and blocks against the degrees, and the batch
@@ -428,15 +434,15 @@ class _LayoutLoop:
         tokens = count_tokens(batch)
         # The replica's share, on the device before the tracker starts (it is an input).
         share = self.stepper.local_batch(batch)
-        with self.memory.step(self.step_count, layout.parameters(), self.optimizer, self.device,
-                              (share["input_ids"], share["labels"])):
-            # The one loop: the layout's schedule runs the forwards and backwards (it splits
-            # the micro-batches), then the optimizer steps and drops the gradients.
-            with batches_are_local():
-                loss = float(run_step(
-                    layout.modules[0], share, stepper=self.stepper, autocast=self.autocast,
-                    loss_fn=None, micro_batch_size=layout.microbatches,
-                    normalization=plan.loss_normalization, max_seq_len=plan.max_seq_len))
+        tracked = self.memory.step(self.step_count, layout.parameters(), self.optimizer,
+                                   self.device, (share["input_ids"], share["labels"]))
+        # The one loop: the layout's schedule runs the forwards and backwards (it splits the
+        # micro-batches), then the optimizer steps and drops the gradients.
+        with tracked, batches_are_local():
+            loss = float(run_step(
+                layout.modules[0], share, stepper=self.stepper, autocast=self.autocast,
+                loss_fn=None, micro_batch_size=layout.microbatches,
+                normalization=plan.loss_normalization, max_seq_len=plan.max_seq_len))
         self.scheduler.step()
         if not math.isfinite(loss):
             kept = (f"the last good checkpoint is {self.last_checkpoint}" if self.last_checkpoint
