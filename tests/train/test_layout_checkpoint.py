@@ -32,9 +32,10 @@ LAYOUTS = {
 
 
 def _config(data: str, plan: Plan, **kw) -> TrainConfig:
+    kw.setdefault("eval_every", 2)
     return TrainConfig(model="llama-tiny", data=(data,), plan=plan, batch_size=4, seq_len=16,
-                       eval_fraction=0.05, eval_every=2, lr=0.003, warmup_steps=1,
-                       schedule="constant", track_every=1000, seed=5, **kw)
+                       eval_fraction=0.05, lr=0.003, warmup_steps=1, schedule="constant",
+                       track_every=1000, seed=5, **kw)
 
 
 def _local_params(result_modules) -> dict[str, torch.Tensor]:
@@ -61,9 +62,10 @@ def _straight_then_halves(rank: int, world: int, parallel: dict, folder: str, da
 
     layout_run._LayoutLoop = Keep
     try:
+        # Evaluated after every step: evaluation between steps must not change training.
         straight = layout_run.train_layout(
-            prepare_run(_config(data, plan, max_steps=4), world_size=1), plan, progress=False,
-            report_png=png)
+            prepare_run(_config(data, plan, max_steps=4, eval_every=1), world_size=1), plan,
+            progress=False, report_png=png)
         first = layout_run.train_layout(
             prepare_run(_config(data, plan, max_steps=2, checkpoint_dir=folder), world_size=1),
             plan, progress=False)
@@ -135,16 +137,18 @@ def ranks(request, tmp_path_factory) -> tuple[list[dict], object]:
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_a_layout_run_resumes_bit_for_bit(ranks):
-    """Four steps straight, and two steps + checkpoint + resume + two steps, on two gloo
-    processes (a pipeline of two stages; a tensor-parallel pair): the same losses, the same
-    held-out losses (at steps 2 and 4), and every rank's parameters equal bit for bit
-    (``torch.equal``); the checkpoint folders hold DCP's index and the manifest, and no
-    temporary folder is left."""
+    """Four steps straight (evaluated after each), and two steps + checkpoint + resume + two
+    steps (evaluated every two), on two gloo processes (a pipeline of two stages; a
+    tensor-parallel pair): the same losses, the same held-out losses at steps 2 and 4, and
+    every rank's parameters equal bit for bit (``torch.equal``); so neither a resume nor an
+    evaluation between steps changes training. The checkpoint folders hold DCP's index and
+    the manifest, and no temporary folder is left."""
     out, folder = ranks
     for rank, got in enumerate(out):
         losses, evals, steps = got["straight"]
-        assert steps == 4 and len(losses) == 4 and [s for s, _ in evals] == [2, 4]
-        assert got["resumed"] == got["straight"], f"rank {rank}"  # exact floats
+        assert steps == 4 and len(losses) == 4 and [s for s, _ in evals] == [1, 2, 3, 4]
+        # Exact floats.
+        assert got["resumed"] == (losses, [e for e in evals if e[0] in (2, 4)], 4), f"rank {rank}"
         assert got["first"][0] == losses[:2]
         assert got["first"][1].endswith("step-00000002")
         assert got["resumed_checkpoint"].endswith("step-00000004")
