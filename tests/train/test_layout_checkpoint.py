@@ -5,6 +5,8 @@ checkpointed and resumed ends bit for bit where the straight run ends."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import pytest
 import torch
@@ -72,6 +74,19 @@ def _straight_then_halves(rank: int, world: int, parallel: dict, folder: str, da
         resumed = layout_run.train_layout(
             prepare_run(_config(data, plan, max_steps=4, checkpoint_dir=folder, resume=True),
                         world_size=1), plan, progress=False)
+        # A SIGTERM to rank 1 during its second step: every rank stops after it, saved.
+        real_step = Keep.step
+
+        def step(self):
+            out = real_step(self)
+            if rank == 1 and self.step_count == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return out
+
+        Keep.step = step
+        stopped = layout_run.train_layout(
+            prepare_run(_config(data, plan, max_steps=4, checkpoint_dir=folder + "-sigterm"),
+                        world_size=1), plan, progress=False)
     finally:
         layout_run._LayoutLoop = real
     a, c = _local_params(kept["modules"][0]), _local_params(kept["modules"][2])
@@ -100,6 +115,7 @@ def _straight_then_halves(rank: int, world: int, parallel: dict, folder: str, da
         "rank_reports": [r["peak_bytes"] for r in straight.rank_reports],
         "report_rank": report.meta["rank"],
         "eval": evals,
+        "stopped": (stopped.steps, stopped.stopped_by, stopped.checkpoint, stopped.losses),
     }
 
 
@@ -158,6 +174,19 @@ def test_a_layout_run_resumes_bit_for_bit(ranks):
     ck = folder / "ck" / "step-00000004"
     assert {"manifest.json", ".metadata", "state.json"} <= {p.name for p in ck.iterdir()}
     assert not [p for p in (folder / "ck").iterdir() if p.name.startswith(".tmp")]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_sigterm_to_one_process_stops_every_process_with_a_checkpoint(ranks):
+    """A SIGTERM to rank 1 in step 2 of 4 (a pre-emption): both ranks stop after step 2,
+    having saved it, as the Trainer does; the steps run are the straight run's."""
+    out, _ = ranks
+    for rank, got in enumerate(out):
+        steps, by, checkpoint, losses = got["stopped"]
+        assert steps == 2 and checkpoint.endswith("-sigterm/step-00000002")
+        assert by == ("SIGTERM" if rank == 1 else "SIGTERM (another process)")
+        assert losses == got["straight"][0][:2]
 
 
 @pytest.mark.distributed

@@ -257,6 +257,10 @@ def _work_layout(
     evals = result.eval_losses
     if evals:
         out.print(f"eval loss {evals[-1][1]:.4f} after step {evals[-1][0]}", highlight=False)
+    if result.stopped_by:
+        saved = f"; checkpoint {result.checkpoint}, continue with --resume" if result.checkpoint else ""
+        out.print(f"stopped by {result.stopped_by} after step {result.steps}{saved}",
+                  highlight=False)
     if plot is not None:
         from ..train.layout_memory import rank_plot_path
 

@@ -35,6 +35,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,6 +175,8 @@ class LayoutRunResult:
             the highest peak), ``None`` when no step was tracked.
         rank_reports: Every rank's report as plain data (:meth:`MemoryReport.to_dict`, 200
             timeline points), in rank order.
+        stopped_by: ``"SIGTERM"`` when a signal to this process ended the run early (after a
+            checkpoint), ``"SIGTERM (another process)"`` when one to another did, else ``None``.
     """
 
     first_loss: float
@@ -189,6 +193,7 @@ class LayoutRunResult:
     checkpoint: str | None = None
     report: Any = None
     rank_reports: list[dict[str, Any] | None] = field(default_factory=list)
+    stopped_by: str | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -216,6 +221,7 @@ class LayoutRunResult:
             "checkpoint": self.checkpoint,
             "memory_report": top,
             "per_rank_memory_reports": list(self.rank_reports),
+            "stopped_by": self.stopped_by,
         }
 
 
@@ -238,7 +244,8 @@ def train_layout(
     the last (:mod:`memfit.train.layout_checkpoint`), and with ``resume`` the latest one is
     continued bit for bit. With evaluation samples (``run.eval``): the held-out loss every
     ``eval_every`` steps and after the last (:mod:`memfit.train.layout_eval`); a fine-tune's
-    saved weights are evaluated first, as step 0.
+    saved weights are evaluated first, as step 0. A SIGTERM to any process ends the run on
+    every process after the step in flight, with a checkpoint (``result.stopped_by``).
 
     Args:
         run: The run, as :func:`~memfit.train.run.prepare_run` builds it for one process
@@ -291,6 +298,7 @@ def train_layout(
         per_rank_peak_bytes=[int(g[0]) for g in gathered], coords=dict(loop.layout.coords),
         tokens=tokens, seconds=seconds, plan=plan.to_dict(), eval_losses=list(loop.eval_losses),
         checkpoint=loop.last_checkpoint, report=report, rank_reports=[g[1] for g in gathered],
+        stopped_by=loop.stopped_by,
     )
 
 
@@ -339,6 +347,7 @@ class _LayoutLoop:
         self.losses: list[float] = []
         self.eval_losses: list[tuple[int, float]] = []
         self.last_checkpoint: str | None = None
+        self.stopped_by: str | None = None
         self.memory = RankMemory(cfg.track_every)
         self.say: Any = None  # the progress bar's line above it, on rank 0
 
@@ -400,7 +409,10 @@ class _LayoutLoop:
     # ------------------------------------------------------------------ steps
     def train(self, bar: _Progress | None) -> tuple[float, int]:
         """Steps up to ``max_steps``, with evaluations and checkpoints when due; returns the
-        wall time and the tokens trained on."""
+        wall time and the tokens trained on. A SIGTERM (a scheduler's pre-emption) to any
+        process ends the run on every process after the step in flight, with a checkpoint
+        when there is a checkpoint folder, as the Trainer does."""
+        from ..distributed.data import any_rank
         from .callbacks.base import due
 
         cfg = self.config
@@ -409,17 +421,41 @@ class _LayoutLoop:
         if self.run.eval is not None and at_start:  # a fine-tune's saved weights first
             self.evaluate()
         tokens, t0 = 0, time.perf_counter()
-        while self.step_count < cfg.max_steps:
-            loss, n = self.step()
-            tokens += n
-            if bar is not None:
-                bar.advance(loss)
-            if self.run.eval is not None and due(self.step_count, cfg.max_steps, cfg.eval_every):
-                self.evaluate()
-            if cfg.checkpoint_dir is not None and due(self.step_count, cfg.max_steps,
-                                                      cfg.checkpoint_every):
-                self.save()
+        restore = self._catch_sigterm()
+        try:
+            while self.step_count < cfg.max_steps:
+                loss, n = self.step()
+                tokens += n
+                if bar is not None:
+                    bar.advance(loss)
+                if self.run.eval is not None and due(self.step_count, cfg.max_steps,
+                                                     cfg.eval_every):
+                    self.evaluate()
+                saved = cfg.checkpoint_dir is not None and due(
+                    self.step_count, cfg.max_steps, cfg.checkpoint_every)
+                if saved:
+                    self.save()
+                # Every process stops at the same step (a save is a collective).
+                if any_rank(self.stopped_by is not None, self.device):
+                    self.stopped_by = self.stopped_by or "SIGTERM (another process)"
+                    if cfg.checkpoint_dir is not None and not saved:
+                        self.save()
+                    break
+        finally:
+            restore()
         return time.perf_counter() - t0, tokens
+
+    def _catch_sigterm(self) -> Any:
+        """Note a SIGTERM in ``stopped_by`` (only the main thread may install a handler);
+        returns what puts the previous handler back."""
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+
+        def handler(signum: int, frame: Any) -> None:
+            self.stopped_by = signal.Signals(signum).name
+
+        previous = signal.signal(signal.SIGTERM, handler)
+        return lambda: signal.signal(signal.SIGTERM, previous)
 
     def step(self) -> tuple[float, int]:
         """One optimizer step through :func:`~memfit.apply.stepper.run_step`; returns its loss
