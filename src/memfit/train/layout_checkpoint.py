@@ -181,12 +181,14 @@ def load_layout_checkpoint(
     parallel: ParallelConfig,
     scheduler: Any = None,
     restore_rng: bool = True,
+    state: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Restore a checkpoint (or a run folder's latest) into this rank's ``modules``,
     ``optimizer`` and ``scheduler`` in place, and this rank's RNG states (a collective).
 
     Every file is checked against the manifest and the layout against ``parallel`` before
-    anything is loaded.
+    anything is loaded; ``state``: :func:`~memfit.train.checkpoint.read_state`'s result for
+    ``path``, when the caller already read (and verified) it.
 
     Returns:
         The run's state saved with it (``step``, ``data``, ``losses``, ... as given to
@@ -196,7 +198,8 @@ def load_layout_checkpoint(
         FileNotFoundError: when there is no checkpoint at ``path``.
         CheckpointError: for a corrupt checkpoint or one of another layout.
     """
-    state = read_state(path)
+    if state is None:
+        state = read_state(path)
     check_resumable(state, parallel, dist.get_world_size())
     try:
         read_layout_shards(Path(state["path"]), modules, optimizer)

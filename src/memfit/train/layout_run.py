@@ -366,9 +366,11 @@ class _LayoutLoop:
         latest = latest_checkpoint(cfg.checkpoint_dir)
         if latest is None:
             return
-        check_data(self, read_state(latest).get("data_files"))
+        state = read_state(latest)  # every file checked against the manifest, once
+        check_data(self, state.get("data_files"))
         state = load_layout_checkpoint(latest, self.layout.modules, self.optimizer,
-                                       parallel=self.plan.parallel, scheduler=self.scheduler)
+                                       parallel=self.plan.parallel, scheduler=self.scheduler,
+                                       state=state)
         self.stream.load_state_dict(state.get("data") or {})
         self.step_count = int(state["step"])
         self.losses = [float(x) for x in state.get("losses", [])]
