@@ -220,7 +220,7 @@ def _profile_ranks(
         fail(f"--world-size must be a whole number >= 1, got {world}")
     plan = plan or Plan()
     if plan.parallel.tensor > 1 or plan.parallel.pipeline > 1:
-        _profile_layout(workload, plan, world, json_path)
+        _profile_layout(workload, plan, world, json_path, target)
         return
     try:
         plan = plan.over_processes(world)
@@ -230,11 +230,14 @@ def _profile_ranks(
         pred = run_guarded(predict_ranks, workload, plan, steps=max(steps, 3), device=target)
     categories = [c for c in next(iter(pred.reports.values())).peak_by_category]
     table = Table(title=f"{workload.name}: {plan.summary()} (predicted per rank)")
-    for col in ["rank", "peak", *categories]:
+    device_cols = ["nccl", "device total"] if target.is_cuda else []
+    for col in ["rank", "peak", *categories, *device_cols]:
         table.add_column(col, justify="right")
     for r in range(world):
         rep = pred.reports.get(r)
         cells = [format_bytes(rep.peak_by_category.get(c, 0)) if rep else "as rank 0" for c in categories]
+        if device_cols:
+            cells += [format_bytes(pred.nccl_bytes[r]), format_bytes(pred.device_total_bytes[r])]
         table.add_row(str(r), format_bytes(pred.peak_bytes[r]), *cells)
     out.print(table)
     if json_path is not None:
@@ -244,15 +247,17 @@ def _profile_ranks(
         out.print(f"wrote {json_path}")
 
 
-def _profile_layout(workload: Any, plan: Any, world: int, json_path: Any) -> None:
+def _profile_layout(workload: Any, plan: Any, world: int, json_path: Any, target: Any) -> None:
     """``memfit profile --dry-run --world-size N`` for a tensor/pipeline plan: each rank's
     predicted peak from dry runs of its own program (:func:`memfit.estimate.layout.
-    predict_layout`)."""
+    predict_layout`), and on a CUDA target its NCCL communicators and device total."""
     import json
 
     from rich.table import Table
 
     from ..estimate.layout import predict_layout
+    from ..estimate.nccl import nccl_rank_bytes
+    from ..estimate.predictor import ALLOCATED_SHARE
     from ..optim import registry as optim_registry
 
     par = plan.parallel
@@ -272,17 +277,27 @@ def _profile_layout(workload: Any, plan: Any, world: int, json_path: Any) -> Non
         )
     with err.status(f"dry-running the {par.pipeline} pipeline stages of {workload.name}"):
         pred = run_guarded(predict_layout, workload, par, optimizer=plan.optimizer)
+    nccl = run_guarded(nccl_rank_bytes, par, target)
+    # On a GPU: the allocator's reserve (the layout replay's share) + context + communicators.
+    totals = [
+        (-(-int(p) * 100 // round(ALLOCATED_SHARE * 100)) + target.overhead_bytes + n)
+        if target.is_cuda else int(p)
+        for p, n in zip(pred.peak_bytes, nccl, strict=True)
+    ]
     table = Table(title=f"{workload.name}: {plan.summary()} (predicted per rank)")
-    for col in ("rank", "stage", "replica", "shard", "peak"):
+    device_cols = ("nccl", "device total") if target.is_cuda else ()
+    for col in ("rank", "stage", "replica", "shard", "peak", *device_cols):
         table.add_column(col, justify="right")
     for r, peak in enumerate(pred.peak_bytes):
         where = par.coordinates(r)
+        extra = [format_bytes(nccl[r]), format_bytes(totals[r])] if device_cols else []
         table.add_row(str(r), *(str(where[k]) for k in ("stage", "replica", "shard")),
-                      format_bytes(peak))
+                      format_bytes(peak), *extra)
     out.print(table)
     if json_path is not None:
         data = {"model": workload.name, "plan": plan.to_dict(), "world_size": world,
-                **pred.to_dict(), "predicted_rank_peak_bytes": list(pred.peak_bytes)}
+                **pred.to_dict(), "predicted_rank_peak_bytes": list(pred.peak_bytes),
+                "nccl_bytes": nccl, "predicted_device_total_bytes": totals}
         write_text(json_path, json.dumps(data, indent=2) + "\n")
         out.print(f"wrote {json_path}")
 
