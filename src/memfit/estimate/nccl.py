@@ -235,7 +235,10 @@ def process_groups(parallel: ParallelConfig, rank: int, gpus_per_node: int = 8) 
     it (torch's ``DeviceMesh`` reuses the default group for a 1-D mesh of the whole world).
     A tensor or pipeline layout's 3-D mesh (``pp x dp x tp``) creates a group per dimension:
     ``tensor`` (consecutive ranks), ``data`` (also FSDP2's under ZeRO 2/3) and ``pipeline``
-    (send/receive between neighbouring stages). Groups of one rank hold no buffers.
+    (send/receive between neighbouring stages). The default group stays counted beside them:
+    memfit's layout runs gather each rank's peak and checkpoint on it. Groups of one rank hold
+    no buffers. Not counted: the small groups of the ranks sharing a tied weight across
+    pipeline stages.
 
     Args:
         parallel: The plan's degrees.
