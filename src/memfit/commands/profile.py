@@ -71,6 +71,14 @@ _Snapshot = Annotated[
         "https://pytorch.org/memory_viz opens), modelled for the target's caching allocator.",
     ),
 ]
+_Html = Annotated[
+    Path | None,
+    typer.Option(
+        "--html",
+        help="Write the run's memory timeline as an HTML page to open in a browser (the "
+        "--snapshot data drawn by PyTorch's memory viewer, modelled for the target).",
+    ),
+]
 _Device = Annotated[
     str | None,
     typer.Option(
@@ -117,6 +125,7 @@ def profile(
     expert_load: _ExpertLoad = 1.0,
     world_size: _WorldSize = None,
     snapshot: _Snapshot = None,
+    html: _Html = None,
     data: _Data = None,
     tokenizer: _Tokenizer = None,
     text_field: _TextField = "text",
@@ -127,7 +136,7 @@ def profile(
     from ..workload import load_workload
 
     check_sizes(batch_size, seq_len, steps)
-    check_outputs({"--json": json_path, "--plot": plot, "--snapshot": snapshot})
+    check_outputs({"--json": json_path, "--plot": plot, "--snapshot": snapshot, "--html": html})
     if top < 0:
         fail(f"--top must be a whole number >= 0, got {top}")
     cap_bytes = parse_cap(cap)
@@ -141,8 +150,9 @@ def profile(
         share = max(batch_size // (world_size or 1), 1)
         seq_len = data_lengths(data, tokenizer, text_field, share, seq_len, model).max
     workload = run_guarded(load_workload, model, batch_size, seq_len)
-    if snapshot is not None and world_size is not None:
-        fail("--snapshot writes one process's timeline; leave out --world-size")
+    for flag, path in (("--snapshot", snapshot), ("--html", html)):
+        if path is not None and world_size is not None:
+            fail(f"{flag} writes one process's timeline; leave out --world-size")
     if world_size is not None:
         _profile_ranks(workload, the_plan, world_size, dry_run, steps, target, json_path)
         return
@@ -165,7 +175,7 @@ def profile(
             device=target,
             progress=progress,
             expert_load=expert_load,
-            keep_trace=snapshot is not None,
+            keep_trace=snapshot is not None or html is not None,
         ),
     )
     _print_report(report)
@@ -173,15 +183,26 @@ def profile(
     _write_report(report, json_path, plot, title)
     if snapshot is not None:
         _write_snapshot(report, snapshot)
+    if html is not None:
+        _write_snapshot(report, html, page=True)
 
 
-def _write_snapshot(report: Any, path: Path) -> None:
-    from ..accounting.snapshot import write_snapshot
+def _write_snapshot(report: Any, path: Path, *, page: bool = False) -> None:
+    """The run's PyTorch memory snapshot: the pickle (``--snapshot``) or PyTorch's viewer page
+    drawing it (``--html``)."""
+    from ..accounting.snapshot import write_html, write_snapshot
 
+    flag = "--html" if page else "--snapshot"
     if report.trace is None:
-        fail("this run kept no allocation trace, so --snapshot has nothing to write")
-    write_snapshot(report.trace, path)
-    out.print(f"wrote the memory snapshot to {path} (open it at https://pytorch.org/memory_viz)")
+        fail(f"this run kept no allocation trace, so {flag} has nothing to write")
+    try:
+        (write_html if page else write_snapshot)(report.trace, path)
+    except OSError as e:
+        fail(f"{flag} {path}: cannot write it ({e.strerror or e})")
+    if page:
+        out.print(f"wrote the memory timeline to {path} (open it in a browser)")
+    else:
+        out.print(f"wrote the memory snapshot to {path} (open it at https://pytorch.org/memory_viz)")
 
 
 def _write_report(report: Any, json_path: Path | None, plot: Path | None, title: str) -> None:
