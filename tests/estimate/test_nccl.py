@@ -121,8 +121,10 @@ def test_settings_come_from_the_environment():
 def test_nccl_buffsize_in_the_environment_reaches_the_prediction(monkeypatch):
     par = ParallelConfig(data=2)
     before = nccl_bytes(par, 0, A100)
+    assert nccl_rank_bytes(par, A100) == [before] * 2
     monkeypatch.setenv("NCCL_BUFFSIZE", str(8 * MiB))
     assert nccl_bytes(par, 0, A100) == before * 16 // 12
+    assert nccl_rank_bytes(par, A100) == [before * 16 // 12] * 2  # not a cached answer
     monkeypatch.setenv("NCCL_BUFFSIZE", "lots")
     with pytest.raises(ValueError, match=r"^NCCL_BUFFSIZE must be a whole number >= 1, got 'lots'$"):
         nccl_bytes(par, 0, A100)

@@ -34,6 +34,7 @@ the model within 10% of those figures.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -254,39 +255,54 @@ def process_groups(parallel: ParallelConfig, rank: int, gpus_per_node: int = 8) 
     def local(members: list[int]) -> int:
         return sum(1 for m in members if m // g == node)
 
-    groups = [ProcessGroup("world", world, local(list(range(world))))]
+    groups = [ProcessGroup("world", world, min(g, world - node * g))]
     if parallel.tensor == 1 and parallel.pipeline == 1:
         return groups
-    where = parallel.coordinates(rank)
-    coords = [parallel.coordinates(r) for r in range(world)]
-    for name, size, same in (
-        ("tensor", parallel.tensor, ("stage", "replica")),
-        ("data", parallel.data, ("stage", "shard")),
-        ("pipeline", parallel.pipeline, ("replica", "shard")),
-    ):
+    t, d, p = parallel.tensor, parallel.data, parallel.pipeline
+    at = parallel.coordinates(rank)
+    stage, replica, shard = at["stage"], at["replica"], at["shard"]
+
+    def rank_of(st: int, rep: int, sh: int) -> int:
+        return (st * d + rep) * t + sh
+
+    members = {
+        "tensor": [rank_of(stage, replica, i) for i in range(t)],
+        "data": [rank_of(stage, i, shard) for i in range(d)],
+        "pipeline": [rank_of(i, replica, shard) for i in range(p)],
+    }
+    for name, ranks in members.items():
+        size = len(ranks)
         if size <= 1:
             continue
-        members = [r for r, c in enumerate(coords) if all(c[k] == where[k] for k in same)]
         peers = 0
         if name == "pipeline":
-            stage = where["stage"]
             if size == 2:
                 peers = 1
             elif parallel.schedule in LOOPED_SCHEDULES:
                 peers = 2
             else:
                 peers = int(stage > 0) + int(stage < size - 1)
-        groups.append(ProcessGroup(name, size, local(members), peers))
+        groups.append(ProcessGroup(name, size, local(ranks), peers))
     return groups
 
 
 def communicator_bytes(group: ProcessGroup, target: DeviceProfile, settings: NcclSettings) -> int:
     """One rank's device bytes for ``group``'s communicator on ``target`` (see the module
     docstring for the model)."""
-    if group.size <= 1 or not target.is_cuda:
+    if not target.is_cuda:
+        return 0
+    hopper = (target.compute_capability or (0, 0))[0] == 9
+    return _group_bytes(group, settings.channels(target),
+                        hopper and bool(target.intra_node_bandwidth), settings)
+
+
+def _group_bytes(group: ProcessGroup, channels: int, nvls_capable: bool,
+                 settings: NcclSettings) -> int:
+    """:func:`communicator_bytes` for ``channels`` collective channels; ``nvls_capable``: a
+    Hopper node with NVSwitch."""
+    if group.size <= 1:
         return 0
     conn = settings.connection_bytes()
-    channels = settings.channels(target)
     if group.p2p_peers:
         per_peer = settings.net_channels_per_peer if group.crosses_nodes else channels
         return group.p2p_peers * per_peer * conn
@@ -296,9 +312,7 @@ def communicator_bytes(group: ProcessGroup, target: DeviceProfile, settings: Ncc
     if "tree" in settings.algorithms:
         # 2 (n - 1) / n neighbours on average, in exact integer arithmetic.
         total += channels * conn * 2 * (group.size - 1) // group.size
-    hopper = (target.compute_capability or (0, 0))[0] == 9
-    if ("nvls" in settings.algorithms and settings.nvls and hopper
-            and target.intra_node_bandwidth and group.local > 2):
+    if "nvls" in settings.algorithms and settings.nvls and nvls_capable and group.local > 2:
         nvls_channels = settings.nvls_channels or NVLS_CHANNELS_SM90
         total += nvls_channels * 2 * settings.nvls_chunksize * NCCL_STEPS * group.local
     return total
@@ -339,10 +353,27 @@ def nccl_rank_bytes(
     if parallel.world_size <= 1 or not target.is_cuda or parallel.backend == "gloo":
         return [0] * parallel.world_size
     settings = settings or NcclSettings.from_env()
-    return [
-        nccl_bytes(parallel, r, target, gpus_per_node=gpus_per_node, settings=settings)
-        for r in range(parallel.world_size)
-    ]
+    key = (parallel.data, parallel.tensor, parallel.pipeline, parallel.schedule)
+    hopper = (target.compute_capability or (0, 0))[0] == 9
+    return list(_rank_bytes(key, max(1, gpus_per_node), settings.channels(target),
+                            hopper and bool(target.intra_node_bandwidth), settings))
+
+
+@functools.lru_cache(maxsize=1024)
+def _rank_bytes(degrees: tuple[int, int, int, str], gpus_per_node: int, channels: int,
+                nvls_capable: bool, settings: NcclSettings) -> tuple[int, ...]:
+    """Every rank's bytes for one layout on one kind of device: the 3-D planner asks for the
+    same layouts many times (once per setting it prices)."""
+    data, tensor, pipeline, schedule = degrees
+    parallel = ParallelConfig(data=data, tensor=tensor, pipeline=pipeline, schedule=schedule)
+    known: dict[tuple[ProcessGroup, ...], int] = {}  # ranks alike cost alike
+    out = []
+    for r in range(parallel.world_size):
+        groups = tuple(process_groups(parallel, r, gpus_per_node))
+        if groups not in known:
+            known[groups] = sum(_group_bytes(g, channels, nvls_capable, settings) for g in groups)
+        out.append(known[groups])
+    return tuple(out)
 
 
 def rank_target(
