@@ -252,7 +252,7 @@ class _LayoutSearch:
         if confirm:
             for cand in fitting[:min(3, max_predictions)]:
                 plan = self._result(cand, candidates, fits=True, explanation="").plan
-                pred = _confirm(self.workload, plan, self.target, self.say)
+                pred = _confirm(self.workload, plan, self.target, self.say, self.g)
                 if pred is None:
                     break
                 if fits(pred, self.budget_bytes):
@@ -297,7 +297,7 @@ class _LayoutSearch:
                         checkpointing=ckpt, device=self.target, precision=self.precision,
                         optimizer=base.optimizer, gpus_per_node=g, microbatches=m,
                     )
-                    cand.fits = fits(layout_prediction(cand, self.target), self.budget_bytes)
+                    cand.fits = fits(layout_prediction(cand, self.target, g), self.budget_bytes)
                     candidates.append(cand)
         if not candidates:
             raise ValueError(
@@ -310,7 +310,7 @@ class _LayoutSearch:
                 fits: bool, explanation: str) -> PlanResult:
         return _result(cand, fits=fits, explanation=explanation, workload=self.workload,
                        base=self.base, budget=self.budget_bytes, target=self.target,
-                       candidates=candidates)
+                       candidates=candidates, gpus_per_node=self.g)
 
 
 def _check_search_options(allow: Iterable[str], forbid: Iterable[str],
@@ -349,7 +349,7 @@ def _layout_key(c: LayoutCandidate) -> tuple[int, int, int]:
 
 
 def _confirm(workload: Workload, plan: Plan, target: Any,
-             say: Callable[[str], None]) -> Prediction | None:
+             say: Callable[[str], None], gpus_per_node: int = 8) -> Prediction | None:
     """Each rank's peak from dry runs of its own program in a fake process group
     (:class:`memfit.estimate.predictor.Layout`), for what those dry runs model: a
     tensor or pipeline split in fp32, without checkpointing, with an optimizer the layout path
@@ -367,13 +367,15 @@ def _confirm(workload: Workload, plan: Plan, target: Any,
         return None
     say(f"predicting every rank of {plan.summary()}")
     try:
-        return Layout().predict(workload, plan, target)
+        return Layout(gpus_per_node).predict(workload, plan, target)
     except ValueError:
         return None
 
 
 def _result(cand: LayoutCandidate, *, fits: bool, explanation: str, workload: Workload,
-            base: Plan, budget: int, target: Any, candidates: list[LayoutCandidate]) -> PlanResult:
+            base: Plan, budget: int, target: Any, candidates: list[LayoutCandidate],
+            gpus_per_node: int = 8) -> PlanResult:
+    from ..estimate.nccl import nccl_rank_bytes
     from ..strategies.checkpointing import CheckpointConfig
 
     changes: dict[str, Any] = {
@@ -405,6 +407,8 @@ def _result(cand: LayoutCandidate, *, fits: bool, explanation: str, workload: Wo
             "stage_busy_seconds": list(cand.stage_busy_seconds),
             "checkpointing": cand.checkpointing,
             "microbatches": cand.microbatches,
+            # Each rank's NCCL communicators, counted in its fit (0 on the CPU).
+            "nccl_bytes": nccl_rank_bytes(cand.parallel, target, gpus_per_node=gpus_per_node),
             "alternatives": _alternatives(cand, candidates),
         },
     )
