@@ -99,7 +99,8 @@ def test_ranks_are_numbered_stage_then_replica_then_shard():
     [
         (ParallelConfig(tensor=3), "tensor parallelism of 3 does not divide the 4 attention heads"),
         (ParallelConfig(tensor=4), "does not divide the 2 key-value heads"),
-        (ParallelConfig(pipeline=3, microbatches=4), "does not divide the 4 layers evenly; use pipeline 2, 4"),
+        (ParallelConfig(pipeline=5, microbatches=8), "4 blocks cannot fill 5 pipeline stages"),
+        (ParallelConfig(pipeline=2, microbatches=2, cuts=(4,)), "pipeline cuts (4,) must be 1"),
         (ParallelConfig(pipeline=2, microbatches=1), "needs at least as many micro-batches"),
         (ParallelConfig(pipeline=2, schedule="interleaved-1f1b", microbatches=3), "multiple of the pipeline degree"),
         (ParallelConfig(data=3), "does not split into 3 replicas"),
