@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -501,14 +502,19 @@ def _fill(total: int, start: list[int], key: Callable[[int, int], float],
           allowed: Callable[[int, int], bool] | None = None) -> list[int] | None:
     """Hand out ``total`` blocks one at a time, each to the rank whose ``key`` after taking it
     is least (among the ranks ``allowed`` one more): for keys that grow with the blocks, the
-    split whose largest key is least. ``None`` when the ``allowed`` ranks cannot take them."""
+    split whose largest key is least. ``allowed`` must stay false once false (a bound on a
+    growing figure). ``None`` when the ``allowed`` ranks cannot take them all."""
     counts = list(start)
+    heap = [(key(r, k + 1), r) for r, k in enumerate(counts)]
+    heapq.heapify(heap)
     for _ in range(total - sum(start)):
-        options = [r for r in range(len(counts)) if allowed is None or allowed(r, counts[r] + 1)]
-        if not options:
+        while heap and allowed is not None and not allowed(heap[0][1], counts[heap[0][1]] + 1):
+            heapq.heappop(heap)  # this rank is full for good
+        if not heap:
             return None
-        r = min(options, key=lambda i: (key(i, counts[i] + 1), i))
+        _, r = heapq.heappop(heap)
         counts[r] += 1
+        heapq.heappush(heap, (key(r, counts[r] + 1), r))
     return counts
 
 
@@ -536,17 +542,26 @@ def balanced_cuts(shape: ModelShape, parallel: ParallelConfig, *, batch_size: in
                        optimizer=optimizer)
     p, layers = parallel.pipeline, shape.layers
     start = [model.v] * p  # a block on each of a rank's stages at least
+    # Both figures are affine in a rank's blocks (each block adds its states, its in-flight
+    # activations and its FLOPs): two evaluations per rank give them for every count.
+    peaks = [(model.memory(r, 1)[0], model.memory(r, 2)[0]) for r in range(p)]
+    works = [(model.flops(r, 1), model.flops(r, 2)) for r in range(p)]
 
     def peak(r: int, k: int) -> float:
-        return model.memory(r, k)[0]
+        one, two = peaks[r]
+        return one + (two - one) * (k - 1)
 
-    fastest = _fill(layers, start, model.flops)
+    def flops(r: int, k: int) -> float:
+        one, two = works[r]
+        return one + (two - one) * (k - 1)
+
+    fastest = _fill(layers, start, flops)
     assert fastest is not None  # no bound: every block finds a rank
-    t_best = max(model.flops(r, k) for r, k in enumerate(fastest)) * (1 + 1e-9)
-    time_split = _fill(layers, start, peak, lambda r, k: model.flops(r, k) <= t_best)
+    t_best = max(flops(r, k) for r, k in enumerate(fastest)) * (1 + 1e-9)
+    time_split = _fill(layers, start, peak, lambda r, k: flops(r, k) <= t_best)
     smallest = _fill(layers, start, peak)
     assert smallest is not None and time_split is not None
     m_best = max(peak(r, k) for r, k in enumerate(smallest))
-    memory_split = _fill(layers, start, model.flops, lambda r, k: peak(r, k) <= m_best)
+    memory_split = _fill(layers, start, flops, lambda r, k: peak(r, k) <= m_best)
     return {"time": model.cuts_of(time_split),
             "memory": model.cuts_of(memory_split or smallest)}
