@@ -152,9 +152,10 @@ class ParallelConfig:
         whole = all(isinstance(c, int) and not isinstance(c, bool) for c in cuts)
         if len(cuts) != n or not whole or cuts[0] < 1 or any(
                 a >= b for a, b in itertools.pairwise(cuts)):
-            return [f"parallel cuts {list(cuts)} must be {n} strictly increasing block indices "
-                    f">= 1 (the first block of each of the {self.schedule} pipeline's stages "
-                    f"after the first), or empty for an even split"]
+            what = "one block index" if n == 1 else f"{n} strictly increasing block indices"
+            return [f"parallel cuts {list(cuts)} must be {what} >= 1 (the first block of each "
+                    f"of the {self.schedule} pipeline's stages after the first), or empty for "
+                    "an even split"]
         return []
 
     @property
