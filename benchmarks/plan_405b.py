@@ -72,8 +72,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
-    from memfit.outputs import write_text
+    from memfit.outputs import exit_if_unwritable, write_text
 
+    names = ["torchtitan_405b.json", "torchtitan_405b.md",
+             *(f"torchtitan_405b_{schedule}.plan.json" for schedule in PUBLISHED)]
+    for name in names:
+        exit_if_unwritable({"--out": args.out / name}, folders={"--out": args.out})
     rows = []
     for schedule in PUBLISHED:
         plan_for(schedule).to_json(args.out / f"torchtitan_405b_{schedule}.plan.json")
