@@ -334,3 +334,24 @@ def test_torchtitan_s_405b_layout_is_accepted_and_cut_as_torchtitan_cuts_it(sche
     assert [len(cfg.stage_blocks(126, s)) for s in range(cfg.num_stages)] == sizes
     cand = _estimate(par, workload=LLAMA_405B, ckpt=True)
     assert len(cand.rank_peak_bytes) == 512
+
+
+@pytest.mark.parametrize(("cuts", "says"), [
+    ([3, 1], "parallel cuts [3, 1] must be one block index >= 1"),
+    ([2], "pipeline cuts (2,) must be 1 strictly increasing block indices between 1 and 1"),
+])
+def test_the_cli_refuses_cuts_that_cannot_work_in_one_sentence(tmp_path, cuts, says):
+    import json
+
+    from typer.testing import CliRunner
+
+    from memfit.cli import app
+
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"parallel": {"pipeline": 2, "microbatches": 2, "cuts": cuts}}))
+    args = ["plan", "--model", "llama-tiny", "--batch-size", "8", "--seq-len",
+            "32", "--budget", "1GiB", "--world-size", "2", "--gpus-per-node", "2", "--plan",
+            str(plan)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert says in " ".join(result.output.split()) and "Traceback" not in result.output
