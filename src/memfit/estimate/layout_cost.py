@@ -173,17 +173,31 @@ def _microbatches(parallel: ParallelConfig) -> int:
 # ------------------------------------------------------------------------------- profiling
 @dataclass(frozen=True)
 class _Profile:
-    """One micro-batch of one sample through one tensor-parallel rank's shapes."""
+    """One tensor-parallel rank's shapes, per sample of a micro-batch and per micro-batch.
+
+    What a forward keeps for backward is ``*_acts`` per sample plus ``*_fixed`` per
+    micro-batch, whatever its samples: autocast's half-precision copies of the weights, which
+    each forward makes and saves once (measured as the difference of a one- and a two-sample
+    forward: counting them per sample put 4 copies of every weight in a 4-sample micro-batch).
+    """
 
     block_params: int  # elements
     first_params: int
     last_params: int
-    block_acts: int  # bytes kept for backward by one block
+    block_acts: int  # bytes kept for backward by one block, per sample
     first_acts: int
     last_acts: int
-    block_flops: float  # forward + backward
+    block_flops: float  # forward + backward, per sample
     first_flops: float
     last_flops: float
+    block_fixed: int = 0  # bytes kept for backward by one block's forward, per micro-batch
+    first_fixed: int = 0
+    last_fixed: int = 0
+
+    def kept(self, part: str, samples: int) -> int:
+        """Bytes ``part`` (``block``, ``first``, ``last``) keeps for a micro-batch of
+        ``samples``."""
+        return getattr(self, f"{part}_fixed") + getattr(self, f"{part}_acts") * samples
 
 
 def _local_config(shape: ModelShape, tensor: int) -> Any:
@@ -219,25 +233,41 @@ def _profile(shape: ModelShape, tensor: int, seq_len: int, dtype: str, device: s
     with torch.device("meta"):
         model = _hf_model_from_config_impl(cfg, None)
     model = model.to_empty(device="cpu")
-    ids = torch.zeros(1, seq_len, dtype=torch.long)
-    autocast = (
-        torch.autocast("cpu", dtype=getattr(torch, dtype))
-        if dtype in ("bfloat16", "float16")
-        else contextlib.nullcontext()
-    )
-    with emulate(get_device(device)), autocast:
-        prof = profile_blocks(model, ids, ids)
-    block = prof.blocks[0]
+    runs = []
+    for samples in (1, 2):
+        ids = torch.zeros(samples, seq_len, dtype=torch.long)
+        autocast = (
+            torch.autocast("cpu", dtype=getattr(torch, dtype))
+            if dtype in ("bfloat16", "float16")
+            else contextlib.nullcontext()
+        )
+        with emulate(get_device(device)), autocast:
+            runs.append(profile_blocks(model, ids, ids))
+    one, two = runs
+
+    def per_sample(part: str) -> int:  # what a second sample adds
+        a = getattr(two, part) if part != "block" else two.blocks[0]
+        b = getattr(one, part) if part != "block" else one.blocks[0]
+        return a.activation_bytes - b.activation_bytes
+
+    def fixed(part: str) -> int:  # what the first sample keeps beyond that
+        b = getattr(one, part) if part != "block" else one.blocks[0]
+        return max(0, b.activation_bytes - per_sample(part))
+
+    block = one.blocks[0]
     out = _Profile(
         block_params=block.state_bytes // 4,
-        first_params=prof.first.state_bytes // 4,
-        last_params=prof.last.state_bytes // 4,
-        block_acts=block.activation_bytes,
-        first_acts=prof.first.activation_bytes,
-        last_acts=prof.last.activation_bytes,
+        first_params=one.first.state_bytes // 4,
+        last_params=one.last.state_bytes // 4,
+        block_acts=per_sample("block"),
+        first_acts=per_sample("first"),
+        last_acts=per_sample("last"),
         block_flops=block.compute,
-        first_flops=prof.first.compute,
-        last_flops=prof.last.compute,
+        first_flops=one.first.compute,
+        last_flops=one.last.compute,
+        block_fixed=fixed("block"),
+        first_fixed=fixed("first"),
+        last_fixed=fixed("last"),
     )
     if shape.family != "llama" and tensor > 1:
         out = _scale_other(out, tensor)
@@ -255,6 +285,8 @@ def _scale_other(prof: _Profile, t: int) -> _Profile:
         last_params=prof.last_params // t,
         block_acts=round(prof.block_acts * (10 + 24 / t) / 34),
         last_acts=prof.last_acts // t,
+        block_fixed=prof.block_fixed // t,  # weight copies, split like the weights
+        last_fixed=prof.last_fixed // t,
         block_flops=prof.block_flops / t,
         first_flops=prof.first_flops / t,
         last_flops=prof.last_flops / t,
@@ -452,17 +484,17 @@ class _RankModel:
             states += 2 * 4 * prof.block_params * (1 - 1 / d)
         if par.zero_stage == 2:  # whole between a block's forward and its backward
             states += 4 * params * (1 - 1 / d)
-        per_block = self.block_input if self.checkpointing else prof.block_acts * mb
+        per_block = self.block_input if self.checkpointing else prof.kept("block", mb)
         acts = blocks * per_block
-        acts += prof.first_acts * mb if first else 0
-        acts += prof.last_acts * mb if last else 0
+        acts += prof.kept("first", mb) if first else 0
+        acts += prof.kept("last", mb) if last else 0
         v, p = self.v, par.pipeline
         n = microbatches_in_flight(par.schedule, p, self.m, r, v if v > 1 else None) \
             if p > 1 else 1
         kept = n * acts / v
         # One block's backward: its saved tensors again as gradients (recomputed first when
         # checkpointed), and on the last stage the logits' gradient in fp32.
-        work = prof.block_acts * mb * (2 if self.checkpointing else 1)
+        work = prof.kept("block", mb) * (2 if self.checkpointing else 1)
         if last:
             work = max(work, 2 * 4 * mb * self.seq_len * (-(-self.shape.vocab // par.tensor)))
         grads = zero_model_state_bytes(params, d, par.zero_stage, param_bytes=0,
