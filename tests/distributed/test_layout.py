@@ -216,6 +216,8 @@ def test_llama_70b_predicts_in_seconds():
      "tensor-parallel degree 3 does not divide the 4 attention heads and the 2 key-value"),
     (ParallelConfig(pipeline=8, schedule="gpipe"), None, None,
      "4 blocks cannot fill 8 pipeline stages"),
+    (ParallelConfig(pipeline=2, microbatches=2, cuts=(4,)), None, None,
+     r"pipeline cuts \(4,\) must be 1 strictly increasing block indices between 1 and 3"),
     (ParallelConfig(pipeline=2, schedule="1f1b", microbatches=1), None, None,
      r"use microbatches >= 2 or the gpipe schedule"),
     (ParallelConfig(data=2, pipeline=2, microbatches=4), None, 4,

@@ -228,6 +228,12 @@ def test_a_checkpoint_of_another_layout_is_refused_in_one_sentence():
                        r"pipeline 2 .* on 2 processes and this run is data 1 x tensor 2 x "
                        r"pipeline 1 .* on 2; resume with the plan that wrote it"):
         check_resumable(state, plan.parallel, 2)
+    # Cuts place the blocks: a checkpoint of other cuts is another layout (JSON keeps lists).
+    cut = Plan(parallel={**LAYOUTS["pipeline2"], "cuts": [1]}).parallel
+    saved = json.loads(json.dumps({**state, "layout": _placement(cut)}))
+    check_resumable(saved, cut, 2)
+    with pytest.raises(CheckpointError, match=r"cuts \(1,\)"):
+        check_resumable(saved, Plan(parallel=LAYOUTS["pipeline2"]).parallel, 2)
     with pytest.raises(CheckpointError, match="not written by a tensor or pipeline run"):
         check_resumable({"path": "x", "world_size": 2}, plan.parallel, 2)
 

@@ -207,6 +207,8 @@ def test_is_layout_plan():
     (Plan(parallel={"tensor": 4}), {}, "tensor-parallel degree 4 does not divide"),
     (Plan(parallel={"data": 2, "tensor": 2, "microbatches": 3}), {},
      "a batch of 8 does not split into data 2 x microbatches 3"),
+    (Plan(parallel={**TP2_PP2, "cuts": [2]}), {},
+     r"pipeline cuts \(2,\) must be 1 strictly increasing block indices between 1 and 1"),
 ])
 def test_what_the_layout_path_does_not_do_is_refused_in_one_sentence(plan, config, match):
     with pytest.raises(ValueError, match=match):
@@ -215,6 +217,7 @@ def test_what_the_layout_path_does_not_do_is_refused_in_one_sentence(plan, confi
 
 def test_a_plain_tensor_x_pipeline_plan_passes_the_checks():
     check_layout_run(_config(), Plan(parallel=TP2_PP2))
+    check_layout_run(_config(), Plan(parallel={**TP2_PP2, "cuts": [1]}))  # llama-tiny: 2 blocks
     # Checkpoints, resume and evaluation are the layout path's too.
     check_layout_run(_config(checkpoint_dir="ck", checkpoint_every=2, resume=True,
                              eval_every=5), Plan(parallel=TP2_PP2))

@@ -16,6 +16,7 @@ and its ZeRO stages are built on torch.distributed (:mod:`memfit.distributed.dat
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 __all__ = ["PIPELINE_SCHEDULES", "ZERO_STAGES", "ParallelConfig"]
@@ -76,6 +77,17 @@ class ParallelConfig:
             elements per token per block, plus dropout masks) by the tensor degree, and the
             last norm's output too. The same communication volume (each all-reduce becomes a
             reduce-scatter plus an all-gather); torch's ``SequenceParallel`` style does it.
+        cuts: Where the pipeline cuts the blocks: the first block of each stage after the
+            first, ``stages - 1`` strictly increasing block indices (``stages`` is ``pipeline``,
+            or ``2 x pipeline`` for ``interleaved-1f1b`` and ``zero-bubble``); ``(15, 31)``
+            gives three stages blocks 0-14, 15-30 and 31 onwards. ``()``: an even split, the
+            remainder one block each to the middle stages, so any block count works. Costs
+            nothing at run time; it moves memory and time between stages: a stage's
+            parameters, gradients, optimizer state and in-flight activations grow with its
+            blocks, and the slowest stage sets the step. ``memfit plan`` picks cuts that
+            equalise the stages' predicted peaks as far as the step time allows (the last
+            stage's head and loss, or 1F1B's deeper in-flight queue on the first stages,
+            otherwise make one rank the largest).
     """
 
     data: int = 1
@@ -88,6 +100,7 @@ class ParallelConfig:
     schedule: str = "1f1b"
     microbatches: int | None = None
     sequence: bool = False
+    cuts: tuple[int, ...] = ()
 
     def problems(self) -> list[str]:
         """What is wrong with these settings, one sentence each (empty when valid)."""
@@ -134,7 +147,36 @@ class ParallelConfig:
             )
         if self.backend not in (None, "gloo", "nccl"):
             out.append(f"parallel backend must be 'gloo', 'nccl' or null, got {self.backend!r}")
+        out.extend(self._cut_problems())
         return out
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages in all: ``pipeline``, twice that for the schedules that place two
+        stages on each rank (``interleaved-1f1b``, ``zero-bubble``)."""
+        two = self.schedule in ("interleaved-1f1b", "zero-bubble")
+        return self.pipeline * (2 if two and self.pipeline > 1 else 1)
+
+    def _cut_problems(self) -> list[str]:
+        """The cuts' form (their fit to a model's blocks is checked where the model is known:
+        :func:`memfit.distributed.layout.check_layout`)."""
+        cuts = self.cuts
+        if not isinstance(cuts, tuple) or not cuts:
+            return [] if cuts == () else [
+                f"parallel cuts must be a tuple of block indices (a list in JSON) or empty, got "
+                f"{cuts!r}"]
+        if not isinstance(self.pipeline, int) or self.pipeline < 2:
+            return [f"parallel cuts {list(cuts)} need a pipeline; leave cuts empty with "
+                    f"pipeline {self.pipeline!r}"]
+        n = self.num_stages - 1
+        whole = all(isinstance(c, int) and not isinstance(c, bool) for c in cuts)
+        if len(cuts) != n or not whole or cuts[0] < 1 or any(
+                a >= b for a, b in itertools.pairwise(cuts)):
+            what = "one block index" if n == 1 else f"{n} strictly increasing block indices"
+            return [f"parallel cuts {list(cuts)} must be {what} >= 1 (the first block of each "
+                    f"of the {self.schedule} pipeline's stages after the first), or empty for "
+                    "an even split"]
+        return []
 
     @property
     def world_size(self) -> int:

@@ -108,7 +108,10 @@ def layout_microbatches(parallel: ParallelConfig) -> int:
 
 def pipeline_config(parallel: ParallelConfig, cuts: tuple[int, ...] | None = None) -> PipelineConfig:
     """The :class:`~memfit.distributed.pipeline.PipelineConfig` of ``parallel`` (its
-    ``pipeline`` degree, ``schedule`` and ``microbatches``; even cuts unless given)."""
+    ``pipeline`` degree, ``schedule`` and ``microbatches``; ``cuts`` when given, else the
+    plan's ``parallel.cuts``, else an even split)."""
+    if cuts is None and parallel.cuts:
+        cuts = tuple(parallel.cuts)
     return PipelineConfig(parallel.pipeline, parallel.schedule, parallel.microbatches, cuts)
 
 
@@ -413,8 +416,8 @@ def build_layout(
             logits that are a DTensor sharded on the last dimension.
         device: Where this rank computes (default: CPU with gloo; ``cuda:<local rank>`` on GPUs).
         batch_size: The global batch, to check it splits into ``data x microbatches``.
-        cuts: The pipeline's cut points (default: an even split; see
-            :attr:`~memfit.distributed.pipeline.PipelineConfig.cuts`).
+        cuts: The pipeline's cut points (default: ``parallel.cuts``, or an even split when
+            that is empty; see :attr:`~memfit.distributed.pipeline.PipelineConfig.cuts`).
 
     Returns:
         This rank's :class:`Layout`.

@@ -96,21 +96,25 @@ def read_layout_shards(folder: Path, modules: list[nn.Module], optimizer: Any) -
 
 
 #: The settings that decide which rank holds what: a resume must keep them.
-_PLACEMENT = ("data", "tensor", "pipeline", "schedule", "microbatches", "zero_stage", "sequence")
+_PLACEMENT = ("data", "tensor", "pipeline", "schedule", "microbatches", "zero_stage", "sequence",
+              "cuts")
 
 
 def _placement(parallel: ParallelConfig | dict[str, Any]) -> dict[str, Any]:
     values = parallel if isinstance(parallel, dict) else dataclasses.asdict(parallel)
     defaults = dataclasses.asdict(ParallelConfig())
-    return {k: values.get(k, defaults[k]) for k in _PLACEMENT}
+    out = {k: values.get(k, defaults[k]) for k in _PLACEMENT}
+    out["cuts"] = list(out["cuts"] or ())  # a tuple in the plan, a list once through JSON
+    return out
 
 
 def layout_name(parallel: ParallelConfig | dict[str, Any]) -> str:
     """A layout in words, as a refusal names it."""
     p = _placement(parallel)
+    cuts = f", cuts {tuple(p['cuts'])}" if p["cuts"] else ""
     return (f"data {p['data']} x tensor {p['tensor']} x pipeline {p['pipeline']} "
             f"({p['schedule']}, {p['microbatches'] or 'default'} micro-batches, ZeRO "
-            f"{p['zero_stage']})")
+            f"{p['zero_stage']}{cuts})")
 
 
 def save_layout_checkpoint(
