@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -13,7 +13,7 @@ from ...workload import Batch, split_batch
 from ..streams import is_map_style, map_style_batches, to_device
 from .base import Callback, StepInfo, TrainerLike, due
 
-__all__ = ["EvaluationCallback", "evaluate"]
+__all__ = ["EvaluationCallback", "eval_losses", "evaluate"]
 
 
 def evaluate(
@@ -38,13 +38,33 @@ def evaluate(
     Returns:
         The mean loss (NaN when there was no batch).
     """
+    total, weight = 0.0, 0
+    for loss, n in eval_losses(
+        model, batches, loss_fn=loss_fn, autocast=autocast, micro_batch_size=micro_batch_size
+    ):
+        total += float(loss) * n
+        weight += n
+    return total / weight if weight else float("nan")
+
+
+def eval_losses(
+    model: nn.Module,
+    batches: Iterable[Batch],
+    *,
+    loss_fn: Callable[[Any, Batch], torch.Tensor] | None = None,
+    autocast: Callable[[], Any] | None = None,
+    micro_batch_size: int | None = None,
+) -> Iterator[tuple[torch.Tensor, int]]:
+    """The pass :func:`evaluate` averages: each micro-batch's loss tensor and its weight (label
+    tokens, else samples), in eval mode without gradients. A dry run of the job
+    (:func:`memfit.train.job.predict_job`) runs this same pass on fake tensors, whose losses it
+    cannot read."""
     from ...strategies.accumulation import count_loss_terms
     from ...workload import batch_size_of, call_model, loss_from_output
 
     loss_fn = loss_fn or (lambda out, batch: loss_from_output(out))
     was_training = model.training
     model.eval()
-    total, weight = 0.0, 0
     try:
         with torch.no_grad():
             for batch in batches:
@@ -58,11 +78,10 @@ def evaluate(
                         continue
                     with autocast() if autocast is not None else contextlib.nullcontext():
                         loss = loss_fn(call_model(model, part), part)
-                    total += float(loss) * n
-                    weight += n
+                    yield loss, n
+                    del loss
     finally:
         model.train(was_training)
-    return total / weight if weight else float("nan")
 
 
 class EvaluationCallback(Callback):
@@ -76,6 +95,8 @@ class EvaluationCallback(Callback):
         collate_fn: Turns a list of samples into a batch.
         at_start: Also evaluate before the first step, as step 0 (a fine-tune's starting
             loss); not when a resumed run starts past step 0.
+        phases: The trainer's :class:`~memfit.train.job.PhaseRecorder`: the first evaluation
+            after a step is the job's ``eval`` phase.
     """
 
     def __init__(
@@ -85,9 +106,10 @@ class EvaluationCallback(Callback):
         every: int | None,
         collate_fn: Callable[[list[Any]], Batch],
         at_start: bool = False,
+        phases: Any = None,
     ) -> None:
         self.data, self.every, self.collate_fn = data, every, collate_fn
-        self.at_start = at_start
+        self.at_start, self.phases = at_start, phases
 
     def on_fit_start(self, trainer: TrainerLike) -> None:
         if self.data is None or not self.at_start or trainer.step_count != 0:
@@ -121,6 +143,12 @@ class EvaluationCallback(Callback):
     def on_step_end(self, trainer: TrainerLike, info: StepInfo) -> None:
         if self.data is None or not due(info.step, trainer.max_steps, self.every):
             return
-        value = self.evaluate(trainer)
+        phase = (
+            self.phases.phase("eval", trainer.model, trainer.optimizer)
+            if self.phases is not None
+            else contextlib.nullcontext()
+        )
+        with phase:
+            value = self.evaluate(trainer)
         trainer.eval_losses.append((info.step, value))
         trainer.say(f"step {info.step}: eval loss {value:.4f}")
