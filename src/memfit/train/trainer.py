@@ -53,9 +53,9 @@ from .callbacks.checkpointing import load_trainer, save_trainer
 from .checkpoint import latest_checkpoint
 from .config import DEFAULT_BATCH_SIZE, TrainConfig
 from .data import BatchStream, collate
-from .job import PhaseRecorder
 from .manifest import params_sha256
 from .oom import switch_plan
+from .phases import PhaseRecorder
 from .result import TrainResult
 from .schedule import LR_SCHEDULES, build_scheduler, lr_factor
 from .streams import IterableStream, WorkloadStream, count_tokens, is_map_style, to_device
