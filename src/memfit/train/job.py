@@ -6,16 +6,17 @@ job's phases on fake tensors under memfit's tracker, through the code the
 :class:`~memfit.train.Trainer` runs for real (``Workload.build`` and ``apply_plan``, the
 plan's ``TrainingSetup.step``, :func:`~memfit.train.callbacks.evaluation.eval_losses`,
 :func:`~memfit.train.checkpoint.checkpoint_state`, ``load_state_dict``), and the trainer
-measures the same phases with the same tracker (:class:`PhaseRecorder`, ``TrainResult.phases``),
-so the two compare byte for byte. The phases, in a job's order (:data:`JOB_PHASES`):
+measures the same phases with the same tracker (:class:`~memfit.train.phases.PhaseRecorder`,
+``TrainResult.phases``), so the two compare byte for byte. The phases, in a job's order (:data:`JOB_PHASES`):
 
 * ``load``: building the model (its saved weights read in the plan's weight dtype) and
   applying the plan (casts, adapters, the optimizer built, nothing stepped);
 * ``first_step``: the first training step of a fresh run, which creates the gradients and the
   optimizer's state (lazily, inside ``optimizer.step``);
 * ``steady_step``: the second step, whose optimizer state exists from its start;
-* ``eval``: an evaluation pass after training steps: no gradients and no optimizer step, the
-  plan's micro-batches and autocast, beside the parameters and the optimizer's state;
+* ``eval``: the first batch of an evaluation after training steps, made and evaluated: no
+  gradients and no optimizer step, the plan's micro-batches and autocast, beside the
+  parameters and the optimizer's state (predicted for a batch of the training batch's shape);
 * ``save``: writing a single-process checkpoint: the optimizer's ``state_dict`` and every
   RNG state copied to the host, contiguous (on the CPU those copies sit on the device beside
   the state; on a GPU they are host memory and the device pays nothing more);
@@ -34,7 +35,8 @@ Not predicted yet: a data-parallel job's sharded checkpoint through
 ``torch.distributed.checkpoint`` (:func:`predict_job` refuses a plan of several processes);
 the host memory of safetensors' byte copies (NumPy, outside any tensor operation); saved
 weights loaded in a dtype other than fp32, whose dry ``load`` builds the model at random in
-fp32 as a dry run always does.
+fp32 as a dry run always does; a QLoRA model's 4-bit weights file, whose ``load_checkpoint``
+is predicted as its state dict's.
 """
 
 from __future__ import annotations

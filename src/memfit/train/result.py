@@ -34,7 +34,7 @@ class TrainResult:
         stopped_by: ``"SIGTERM"`` when a signal ended the run early (after a checkpoint),
             else ``None``.
         phases: The job's phases this trainer measured, each the first time it happened
-            (a :class:`~memfit.train.job.JobPhases`: ``load``, ``first_step``,
+            (a :class:`~memfit.train.phases.JobPhases`: ``load``, ``first_step``,
             ``steady_step``, ``eval``, ``save`` in a fresh run; ``load_checkpoint`` and
             ``resume`` in a resumed one), to compare with :func:`~memfit.train.job.predict_job`.
     """

@@ -224,10 +224,8 @@ class Trainer:
             eval_data, every=cfg.eval_every, collate_fn=self.collate_fn, at_start=at_start,
             phases=self.phases,
         )
-        self.checkpoints = CheckpointCallback(
-            cfg.checkpoint_dir, every=cfg.checkpoint_every, keep=cfg.keep_checkpoints,
-            phases=self.phases,
-        )
+        self.checkpoints = CheckpointCallback(cfg.checkpoint_dir, every=cfg.checkpoint_every,
+                                              keep=cfg.keep_checkpoints, phases=self.phases)
         self.callbacks: list[Callback] = [self.oom, self.memory, self.progress]
         if on_step is not None:
             self.callbacks.append(OnStep(on_step))

@@ -103,7 +103,7 @@ class CheckpointCallback(Callback):
         folder: Where checkpoints go (``None``: this callback does nothing).
         every: Steps between checkpoints; ``None``: only after the last step.
         keep: Checkpoints kept; older ones are deleted.
-        phases: The trainer's :class:`~memfit.train.job.PhaseRecorder`: the first save is the
+        phases: The trainer's :class:`~memfit.train.phases.PhaseRecorder`: the first save is the
             job's ``save`` phase.
 
     Attributes:

@@ -95,8 +95,9 @@ class EvaluationCallback(Callback):
         collate_fn: Turns a list of samples into a batch.
         at_start: Also evaluate before the first step, as step 0 (a fine-tune's starting
             loss); not when a resumed run starts past step 0.
-        phases: The trainer's :class:`~memfit.train.job.PhaseRecorder`: the first evaluation
-            after a step is the job's ``eval`` phase.
+        phases: The trainer's :class:`~memfit.train.phases.PhaseRecorder`: the first batch of
+            the first evaluation after a step is the job's ``eval`` phase (one batch, so the
+            tracker's records stay small however large the evaluation data).
     """
 
     def __init__(
@@ -118,9 +119,12 @@ class EvaluationCallback(Callback):
         trainer.eval_losses.append((0, value))
         trainer.say(f"step 0: eval loss {value:.4f}")
 
-    def evaluate(self, trainer: TrainerLike) -> float:
+    def evaluate(
+        self, trainer: TrainerLike, first: contextlib.AbstractContextManager[Any] | None = None
+    ) -> float:
         """Mean loss on the evaluation data under the trainer's plan (NaN without data): its
-        precision's autocast and its micro-batches, so evaluation fits wherever a step does."""
+        precision's autocast and its micro-batches, so evaluation fits wherever a step does.
+        ``first`` is entered around the first batch: made (collated), evaluated, let go."""
         if self.data is None:
             return float("nan")
         batches = (
@@ -128,6 +132,8 @@ class EvaluationCallback(Callback):
             if is_map_style(self.data)
             else iter(self.data)
         )
+        if first is not None:
+            batches = _first_inside(batches, first)
         device = trainer.device
         setup = trainer.setup
         return evaluate(
@@ -146,9 +152,21 @@ class EvaluationCallback(Callback):
         phase = (
             self.phases.phase("eval", trainer.model, trainer.optimizer)
             if self.phases is not None
-            else contextlib.nullcontext()
+            else None
         )
-        with phase:
-            value = self.evaluate(trainer)
+        value = self.evaluate(trainer, phase)
         trainer.eval_losses.append((info.step, value))
         trainer.say(f"step {info.step}: eval loss {value:.4f}")
+
+
+def _first_inside(batches: Iterable[Batch], context: Any) -> Iterator[Batch]:
+    """``batches``, the first made and used inside ``context`` (left when the next is asked
+    for)."""
+    it = iter(batches)
+    with context:
+        batch = next(it, None)
+        if batch is None:
+            return
+        yield batch
+        del batch
+    yield from it

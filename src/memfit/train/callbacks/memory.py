@@ -60,7 +60,7 @@ class MemoryReportCallback(Callback):
         cap: Virtual memory cap in bytes (every step then runs under a tracker, which raises
             ``torch.OutOfMemoryError`` beyond it; the OOM fallback steps down).
         report_png: Write the report's plot here at the end.
-        phases: The trainer's :class:`~memfit.train.job.PhaseRecorder`, handed each tracked
+        phases: The trainer's :class:`~memfit.train.phases.PhaseRecorder`, handed each tracked
             step (its first, steady and resumed steps are phases of the job).
 
     Attributes:
