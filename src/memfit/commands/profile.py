@@ -8,6 +8,11 @@ data-parallel processes when it names none), each measured by memfit's tracker
 (:func:`profile_under_launcher`). Each process writes its report as ``out.rank{r}.json``;
 process 0 prints a table of rank x category and writes ``out.json`` with every rank's peak and
 categories.
+
+``memfit profile --job`` profiles a whole job instead of its steps: each phase's peak (load,
+first and steady step, evaluation, checkpoint save and load, resumed step) and the phase that
+sets the run's peak, predicted with ``--dry-run`` (:func:`memfit.train.job.predict_job`) or
+measured by the trainer (:func:`memfit.train.job.measure_job`); ``--steps`` does not apply.
 """
 
 from __future__ import annotations

@@ -36,7 +36,9 @@ Not predicted yet: a data-parallel job's sharded checkpoint through
 the host memory of safetensors' byte copies (NumPy, outside any tensor operation); saved
 weights loaded in a dtype other than fp32, whose dry ``load`` builds the model at random in
 fp32 as a dry run always does; a QLoRA model's 4-bit weights file, whose ``load_checkpoint``
-is predicted as its state dict's.
+is predicted as its state dict's; a compiled plan's saving, which
+:func:`~memfit.estimate.dryrun.measure` applies to its steps (the phases here are eager, as
+the tracker sees a compiled model run, in the trainer too).
 """
 
 from __future__ import annotations
