@@ -59,9 +59,11 @@ from ..distributed.layout import (
     pipeline_config,
 )
 from ..distributed.pipeline import PipelineConfig, build_stage, causal_lm_loss
+from ..distributed.replicas import local_shards
 from ..distributed.tensor import TensorParallelConfig, apply_tensor_parallel, shifted_cross_entropy
 from ..optim import registry as optim_registry
 from ..optim.config import OptimizerConfig
+from ..strategies.grad_buffer import apply_grad_buffer
 from ..workload import Workload, load_workload
 from .distributed import fake_process_group
 from .pipeline import _fake, _schedule_orders
@@ -289,6 +291,9 @@ def _role_costs(src: _Source, parallel: ParallelConfig, pipe_rank: int, depth: i
                     # real; the parameters stay fake (their own mode follows them).
                     with unset_fake_temporarily():
                         _fully_shard(stage, parallel, mesh["dp"])
+            if parallel.data > 1 and not parallel.sharded:
+                # What DDP takes (the local shards under tensor parallelism), and runs.
+                stages = {s: local_shards(st) for s, st in stages.items()}
             costs = _run_role(stages, num_stages, parallel, mesh, m, mb, seq_len, loss_fn,
                               optimizer, foreach, piped)
     return costs, real
@@ -306,6 +311,12 @@ def _run_role(stages: dict[int, nn.Module], num_stages: int, parallel: ParallelC
     fsdp = [st for st in stages.values() if piped and isinstance(st, FSDPModule)]
     params = list({id(p): p for stage in stages.values() for p in stage.parameters()}.values())
     opt, state_bytes = _primed_optimizer(optimizer, params, foreach)
+    # DDP (ZeRO 0) cannot be built on fake tensors (its constructor reads values). Its memory
+    # is its buckets: every gradient, contiguous, the .grad views of them, live for the whole
+    # run (memfit.distributed.replicas keeps them so); the contiguous gradient buffer holds
+    # exactly that, and DDP's all-reduce of them in place allocates nothing.
+    buckets = [apply_grad_buffer(st) for st in stages.values()] \
+        if parallel.data > 1 and not parallel.sharded else []
     if loss_fn is None:
         loss_fn = shifted_cross_entropy if parallel.tensor > 1 else causal_lm_loss
     run = _RoleRun(stages, num_stages, m, mb, seq_len, loss_fn, fsdp)
@@ -317,6 +328,7 @@ def _run_role(stages: dict[int, nn.Module], num_stages: int, parallel: ParallelC
     with track(None, opt) as tracker, ctx:
         run.tracker = tracker
         tracker.label(params, "parameters")
+        tracker.label([list(b.buffers.values()) for b in buckets], "gradients")
         static = run.inputs_and_buffers(params)
         for i in range(min(m, 2)):
             run.forwards(i)
@@ -324,9 +336,11 @@ def _run_role(stages: dict[int, nn.Module], num_stages: int, parallel: ParallelC
         a = tracker.event_stamp
         for st in fsdp:
             _fsdp_reduce(st)
-        grad_bytes = _reduce_gradients(params, parallel, mesh, m)
+        grad_bytes = _scale_gradients(params, m)
         opt.step()
         run.marks["O"] = (a, tracker.event_stamp)
+    for b in buckets:
+        b.remove()
     return _read_costs(_curve(tracker), run.marks, stages, m, static=static,
                        parameter_bytes=_nbytes(params), gradient_bytes=grad_bytes,
                        state_bytes=state_bytes)
@@ -368,6 +382,7 @@ class _RoleRun:
         stages, m, mb, seq_len, tracker = self.stages, self.m, self.mb, self.seq_len, self.tracker
         dtype = next((p.dtype for p in params if p.is_floating_point()), torch.float32)
         hf = next(iter(stages.values()))
+        hf = getattr(hf, "inner", hf)  # DDP's LocalShards of a tensor-parallel stage
         hidden = getattr(getattr(hf, "hf_config", None) or getattr(hf, "config", None),
                          "hidden_size", None)
         first, last = min(stages) == 0, max(stages) == self.num_stages - 1
@@ -428,22 +443,13 @@ class _RoleRun:
             self.marks["B", s, i] = (a, tracker.event_stamp)
 
 
-def _reduce_gradients(params: list[nn.Parameter], parallel: ParallelConfig, mesh: Any,
-                      m: int) -> int:
-    """The schedule's scaling by the micro-batch count and, unsharded, the data-parallel
-    all-reduce; returns the gradients' bytes."""
-    import torch.distributed as dist
-
-    for p in params:  # the schedule's scaling by the micro-batch count, in place
+def _scale_gradients(params: list[nn.Parameter], m: int) -> int:
+    """The schedule's scaling of the gradients by the micro-batch count, in place; returns
+    the gradients' bytes. (The data-parallel reduction happened in backward: DDP's in its
+    buckets, in place; FSDP2's by :func:`_fsdp_reduce`.)"""
+    for p in params:
         if p.grad is not None:
             p.grad.div_(m)
-    if parallel.data > 1 and not parallel.sharded:
-        group = mesh["dp"].get_group()
-        for p in params:
-            if p.grad is not None:
-                g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                dist.all_reduce(g, group=group)
-                g.div_(parallel.data)
     return _nbytes(p.grad for p in params if p.grad is not None)
 
 
