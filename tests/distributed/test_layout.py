@@ -100,9 +100,15 @@ def _ranks(rank: int, world: int) -> dict:
             runs = [s.submod for s in getattr(schedule, "_stages", None) or [schedule._stage]]
         else:  # what the accumulation loop runs
             runs = layout.replicas.ddps if layout.replicas is not None else layout.modules
+        # The storages the gradients live in (DDP's buckets, under DDP), and their bytes.
+        held = {p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes()
+                for p in layout.parameters()} if layout.replicas is not None else {}
         out[name] = {"loss": float(loss), "grads": grads, "coords": layout.coords,
                      "peak": tracker.report().peak_bytes, "reduced": reduced,
-                     "ddp": [isinstance(m, DistributedDataParallel) for m in runs]}
+                     "ddp": [isinstance(m, DistributedDataParallel) for m in runs],
+                     "grad_storage_bytes": sum(held.values()),
+                     "param_bytes": sum(p.numel() * p.element_size()
+                                        for p in layout.parameters())}
     return out
 
 
@@ -148,7 +154,9 @@ def test_data_replicas_are_torch_s_ddp_without_a_hand_written_gradient_all_reduc
     """With ``data > 1`` (ZeRO 0) what runs each stage is DDP (torch's pipeline stage or the
     accumulation loop calls it), and a warm step calls ``all_reduce`` only on scalars (the
     reported loss): no gradient goes through a hand-written all-reduce. Without data
-    parallelism nothing is wrapped."""
+    parallelism nothing is wrapped. After two steps (the first rebuilt DDP's buckets, the
+    second followed ``zero_grad(set_to_none=True)``) the gradients are views of DDP's buckets,
+    which hold exactly the gradients' bytes: no second copy."""
     data = LAYOUTS[name].data > 1
     for rank_out in results:
         out = rank_out[name]
@@ -156,6 +164,7 @@ def test_data_replicas_are_torch_s_ddp_without_a_hand_written_gradient_all_reduc
         assert all(n == 1 for n in out["reduced"]), out["reduced"]
         if data:
             assert out["reduced"], "the loss is averaged over the replicas"
+            assert out["grad_storage_bytes"] == out["param_bytes"]
 
 
 @pytest.mark.distributed
