@@ -160,7 +160,7 @@ def check_layout(
     if parallel.zero_stage == 1:
         problems.append(
             "zero_stage 1 (ZeroRedundancyOptimizer) is not composed with tensor or pipeline "
-            "parallelism; use zero_stage 0 (gradients all-reduced) or 2 or 3 (FSDP2)")
+            "parallelism; use zero_stage 0 (gradients all-reduced by DDP) or 2 or 3 (FSDP2)")
     if t > 1:
         known = (*supported_models(), "LlamaConfig", "GPT2Config")
         if type(model).__name__ not in known and not isinstance(model, StageModule):
@@ -279,11 +279,12 @@ class Layout:
     def _accumulate(self, inputs: torch.Tensor, labels: torch.Tensor, m: int) -> torch.Tensor:
         """Gradient accumulation over ``m`` micro-batches; under DDP only the last one's
         backward reduces the (accumulated) gradients."""
-        model = self.replicas.ddps[0] if self.replicas is not None else self.modules[0]
+        replicas = self.replicas
+        model = replicas.ddps[0] if replicas is not None else self.modules[0]
         total = torch.zeros(())
         for i, (x, y) in enumerate(zip(inputs.chunk(m), labels.chunk(m), strict=True)):
-            sync = self.replicas is None or i == m - 1
-            with contextlib.nullcontext() if sync else self.replicas.no_sync():  # type: ignore[union-attr]
+            hold = replicas.no_sync() if replicas is not None and i < m - 1 else None
+            with hold or contextlib.nullcontext():
                 out = model(x)  # DDP decides in its forward whether this backward reduces
                 loss = self.loss_fn(getattr(out, "logits", out), y) / m
                 loss.backward()

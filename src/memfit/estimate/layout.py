@@ -11,11 +11,17 @@ rank, as torchtitan's memory estimator does:
    build_layout` builds it; the rank's stages are built with
    :func:`~memfit.distributed.pipeline.build_stage` and split by
    :func:`~memfit.distributed.tensor.apply_tensor_parallel` on ``mesh["tp"]`` (DTensors whose
-   shards are fake tensors), then the optimizer's state is made by one step;
+   shards are fake tensors), then the optimizer's state is made by one step. Data parallelism
+   without sharding (ZeRO 0) is torch's DDP in the real run, which cannot be built on fake
+   tensors: its memory, the buckets that are the gradients for the whole run
+   (:mod:`memfit.distributed.replicas`), is held by a contiguous gradient buffer
+   (:func:`~memfit.strategies.grad_buffer.apply_grad_buffer`) over what DDP would take (the
+   local shards under tensor parallelism), live from the step's start; its all-reduce, in
+   place in the buckets, allocates nothing. ZeRO 2/3 is FSDP2, run as it is;
 2. under memfit's tracker, two micro-batches go through the rank's stages (forward, the last
    stage's loss under ``loss_parallel``, backward from a received gradient), as torch's
    pipeline stage runs them (inputs received into per-micro-batch buffers, output gradients
-   likewise), then gradient scaling, the data-parallel all-reduce and the optimizer step;
+   likewise), then gradient scaling (and FSDP2's reduce-scatter) and the optimizer step;
 3. each event's cost is read off the trace: what a forward keeps (its activations), the
    transient above the start of each forward and backward (the first backward, which creates
    the gradients, apart from the later ones, which accumulate), and the optimizer step's;
@@ -29,7 +35,8 @@ identical activations, gradients and states; the transients are either independe
 or linear in it). The other stages are one block each, so building costs little.
 
 Accuracy, against memfit's tracker on four real processes (tests/distributed/test_layout.py):
-within 1% for tensor x pipeline and data x pipeline with ZeRO 0, and for data x tensor. FSDP2
+within 1% for tensor x pipeline, and for data x pipeline and data x tensor with ZeRO 0 (DDP:
+0.2-0.5% on the test's tiny Llama). FSDP2
 (ZeRO 2/3) is followed as torch's pipeline stage drives it, but is less exact: 5% over for data
 2 x tensor 2 under ZeRO 3, and 24% over for data 2 x pipeline 2 under ZeRO 2 (the emulated
 unsharded-gradient accumulation holds more than the real run does; not yet understood).
@@ -84,13 +91,14 @@ class RoleCosts:
 
     Attributes:
         static: Live at the step's start: parameters, optimizer state, the pipeline's receive
-            buffers, the batch.
+            buffers, the batch; at ZeRO 0 with data replicas, the gradients (DDP's buckets).
         forward_kept: Per local stage: what a micro-batch's forward keeps until its backward.
         forward_over: Per local stage: the forward's transient peak above its start.
         backward_over: Per local stage: ``(first, later)`` backward transient peaks above their
             start (the first creates the gradients, the later ones accumulate).
         backward_delta: Per local stage: ``(first, later)`` change in live bytes over a
-            backward (``gradients - forward_kept`` for the first, ``-forward_kept`` after).
+            backward (``gradients - forward_kept`` for the first, ``-forward_kept`` after;
+            ``-forward_kept`` for both under DDP, whose buckets hold the gradients already).
         optimizer_over: The gradient reduction and optimizer step's transient above their start.
         parameter_bytes: This rank's parameter shards.
         gradient_bytes: Its gradients.
@@ -583,8 +591,9 @@ def predict_layout(
 
     The step predicted is a warm one, as :func:`~memfit.distributed.layout.build_layout`'s
     :meth:`~memfit.distributed.layout.Layout.step` runs it after the first: gradients set to
-    ``None`` before it, the optimizer's state already made; forwards and backwards in the
-    schedule's order, the gradient reduction, the optimizer step.
+    ``None`` before it (at ZeRO 0 with data replicas, DDP's buckets, which hold them, stay),
+    the optimizer's state already made; forwards and backwards in the schedule's order, the
+    gradient reduction, the optimizer step.
 
     Args:
         model_or_workload: A Hugging Face causal LM of the Llama or GPT-2 layout (real, meta or
