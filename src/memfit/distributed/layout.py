@@ -1,13 +1,15 @@
-"""3-D parallelism: tensor x pipeline x data parallelism composed at run time,
+"""4-D parallelism: tensor x pipeline x data x context parallelism composed at run time,
 :func:`build_layout`.
 
-Every rank of a world of ``pipeline x data x tensor`` processes calls :func:`build_layout` with
-the same model (same seed) and the same :class:`~memfit.distributed.config.ParallelConfig`.
-The ranks form a :class:`~torch.distributed.device_mesh.DeviceMesh` with dimensions
-``("pp", "dp", "tp")``, tensor parallelism innermost, so that a tensor-parallel group is
-consecutive ranks (one node, the fast link its per-block all-reduces want)::
+Every rank of a world of ``pipeline x data x context x tensor`` processes calls
+:func:`build_layout` with the same model (same seed) and the same
+:class:`~memfit.distributed.config.ParallelConfig`. The ranks form a
+:class:`~torch.distributed.device_mesh.DeviceMesh` with dimensions ``("pp", "dp", "cp",
+"tp")``, tensor parallelism innermost, so that a tensor-parallel group is consecutive ranks
+(one node, the fast link its per-block all-reduces want), context parallelism next (its
+per-block ring or all-to-all wants the node's links too)::
 
-    rank = (pp_index * data + dp_index) * tensor + tp_index
+    rank = ((pp_index * data + dp_index) * context + cp_index) * tensor + tp_index
 
 Each rank then holds:
 
@@ -24,6 +26,12 @@ Each rank then holds:
   2 and 3 shard each stage with FSDP2 (``fully_shard`` on ``mesh["dp"]``, every block then the
   stage), which torch's pipeline schedules drive themselves (gradient reduce-scatter after the
   last micro-batch's backward).
+
+* with ``context > 1`` (and one stage), each sample's sequence cut over the ``cp`` dimension
+  by :func:`~memfit.distributed.context.apply_context_parallel`: the rank runs its chunk, the
+  attention exchanges keys and values (ring) or re-splits by heads (all-to-all), and the
+  gradients are averaged over ``dp x cp`` together (FSDP2 shards over them together), each
+  context rank's loss being its share of the whole samples' mean.
 
 With ``pipeline == 1`` the "stage" is the whole model and a step runs its ``microbatches``
 (default 1) as gradient accumulation; with ``tensor == 1`` nothing is split by tensor.
@@ -47,6 +55,7 @@ from torch import nn
 from ..stepping import BaseStepper
 from ..workload import Batch
 from .config import ParallelConfig
+from .context import ContextParallel, apply_context_parallel, check_context_parallel
 from .pipeline import (
     Pipeline,
     PipelineConfig,
@@ -74,11 +83,12 @@ __all__ = [
     "check_layout",
     "layout_coords",
     "layout_microbatches",
+    "mesh_shape",
     "pipeline_config",
 ]
 
 #: The device mesh's dimension names, outermost first.
-MESH_DIMS = ("pp", "dp", "tp")
+MESH_DIMS = ("pp", "dp", "cp", "tp")
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -89,13 +99,28 @@ class LayoutError(ValueError):
 
 # --------------------------------------------------------------------------- arithmetic
 def layout_coords(rank: int, parallel: ParallelConfig) -> dict[str, int]:
-    """Where ``rank`` sits in the ``("pp", "dp", "tp")`` mesh: its pipeline stage index (rank
-    in the pipeline), data-parallel replica and tensor-parallel rank.
+    """Where ``rank`` sits in the ``("pp", "dp", "cp", "tp")`` mesh: its pipeline stage index
+    (rank in the pipeline), data-parallel replica, context chunk and tensor-parallel rank.
 
-    ``rank = (pp * data + dp) * tensor + tp``, tensor parallelism innermost.
+    ``rank = ((pp * data + dp) * context + cp) * tensor + tp``, tensor parallelism innermost.
     """
     where = parallel.coordinates(rank)
-    return {"pp": where["stage"], "dp": where["replica"], "tp": where["shard"]}
+    return {"pp": where["stage"], "dp": where["replica"], "cp": where["chunk"],
+            "tp": where["shard"]}
+
+
+def mesh_shape(parallel: ParallelConfig) -> tuple[int, int, int, int]:
+    """The device mesh's shape, in :data:`MESH_DIMS` order."""
+    return parallel.pipeline, parallel.data, parallel.context, parallel.tensor
+
+
+def replica_mesh(mesh: Any, parallel: ParallelConfig) -> Any:
+    """The one-dimensional mesh of the ranks that average their gradients: ``dp``, or ``dp``
+    and ``cp`` flattened into one (torchtitan's ``dp_shard_cp``) with context parallelism."""
+    if parallel.context == 1:
+        return mesh["dp"]
+    # DeviceMesh has no public flatten in torch 2.13; _flatten is what torchtitan uses.
+    return mesh["dp", "cp"]._flatten("dp_cp")
 
 
 def layout_microbatches(parallel: ParallelConfig) -> int:
@@ -148,16 +173,22 @@ def check_layout(
         raise LayoutError("; ".join(problems))
     if world_size is None and dist.is_available() and dist.is_initialized():
         world_size = dist.get_world_size()
-    d, t, p = parallel.data, parallel.tensor, parallel.pipeline
+    d, t, p, c = parallel.data, parallel.tensor, parallel.pipeline, parallel.context
     if world_size is not None and world_size != parallel.world_size:
         problems.append(
-            f"the layout data {d} x tensor {t} x pipeline {p} needs {parallel.world_size} "
-            f"processes but {world_size} were launched; choose degrees whose product is "
-            f"{world_size}")
+            f"the layout data {d} x tensor {t} x pipeline {p} x context {c} needs "
+            f"{parallel.world_size} processes but {world_size} were launched; choose degrees "
+            f"whose product is {world_size}")
     if parallel.zero_stage == 1:
         problems.append(
             "zero_stage 1 (ZeroRedundancyOptimizer) is not composed with tensor or pipeline "
             "parallelism; use zero_stage 0 (gradients all-reduced) or 2 or 3 (FSDP2)")
+    if c > 1 and p > 1:
+        problems.append(
+            f"context parallelism of {c} is not composed with a pipeline of {p} stages in "
+            "memfit; use pipeline 1 with context parallelism, or context 1")
+    if c > 1:
+        problems.extend(check_context_parallel(model, c, parallel.context_mode, tensor=t))
     if t > 1:
         known = (*supported_models(), "LlamaConfig", "GPT2Config")
         if type(model).__name__ not in known and not isinstance(model, StageModule):
@@ -204,6 +235,7 @@ class Layout:
         pipeline: The pipeline (its schedule), ``None`` when ``parallel.pipeline == 1``.
         tensor: The tensor-parallel handle of each module (empty when ``tensor == 1``).
         loss_fn: ``loss_fn(output, labels)``, a mean over the micro-batch, on the last stage.
+        context: The context-parallel handle (``None`` when ``context == 1``).
     """
 
     parallel: ParallelConfig
@@ -213,6 +245,7 @@ class Layout:
     pipeline: Pipeline | None
     tensor: list[TensorParallel] = field(default_factory=list)
     loss_fn: LossFn = causal_lm_loss
+    context: ContextParallel | None = None
 
     @property
     def microbatches(self) -> int:
@@ -259,7 +292,7 @@ class Layout:
                 loss = run_pipeline_step(self.pipeline, inputs, labels)
             else:
                 loss = self._accumulate(inputs, labels, m)
-        if self.parallel.data > 1:
+        if self.parallel.replicas > 1:
             loss = self._reduce_data_parallel(loss)
         return loss
 
@@ -275,8 +308,8 @@ class Layout:
         return total
 
     def _reduce_data_parallel(self, loss: torch.Tensor) -> torch.Tensor:
-        group = self.mesh["dp"].get_group()
-        d = self.parallel.data
+        group = replica_mesh(self.mesh, self.parallel).get_group()
+        d = self.parallel.replicas  # data x context: the gradients are averaged over both
         if not self.parallel.sharded:
             # FSDP2 reduces its own gradients; here each gradient is averaged in place.
             for p in self.parameters():
@@ -373,8 +406,7 @@ class LayoutStepper(BaseStepper):
 def _make_mesh(parallel: ParallelConfig, device: torch.device) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
-    shape = (parallel.pipeline, parallel.data, parallel.tensor)
-    return init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
+    return init_device_mesh(device.type, mesh_shape(parallel), mesh_dim_names=MESH_DIMS)
 
 
 def build_layout(
@@ -386,7 +418,7 @@ def build_layout(
     batch_size: int | None = None,
     cuts: tuple[int, ...] | None = None,
 ) -> Layout:
-    """Build this rank's share of ``model`` under a tensor x pipeline x data layout.
+    """Build this rank's share of ``model`` under a tensor x pipeline x data x context layout.
 
     Every rank of the default process group (``parallel.world_size`` of them) calls this with
     the same model (same weights: seed alike) and settings. Create the optimizer afterwards over
@@ -398,19 +430,24 @@ def build_layout(
     ``tensor`` (the blocks, embedding and head; norms are replicated) and, under ZeRO 2/3, by
     ``data``; plus the activations of the micro-batches its schedule keeps in flight
     (:func:`~memfit.distributed.pipeline.microbatches_in_flight`), divided by ``tensor`` for the
-    attention and MLP, and the last stage's logits at ``vocab / tensor`` per token.
+    attention and MLP, and the last stage's logits at ``vocab / tensor`` per token; with
+    ``context > 1`` the activations and logits of ``seq_len / context`` tokens, plus the
+    attention's keys and values in flight (:mod:`memfit.distributed.context`).
     :func:`memfit.estimate.layout.predict_layout` predicts it per rank.
 
     Args:
         model: A Hugging Face Llama-layout or GPT-2 causal LM (any model :func:`~memfit.
             distributed.pipeline.build_stage` can cut and :func:`~memfit.distributed.tensor.
             tp_plan_for` has a plan for; with ``tensor == 1`` an ``nn.Sequential`` works too).
-        parallel: The degrees (``data x tensor x pipeline`` must be the world size), the
-            pipeline ``schedule`` and ``microbatches``, the ZeRO stage (0, 2 or 3).
+        parallel: The degrees (``data x tensor x pipeline x context`` must be the world
+            size), the pipeline ``schedule`` and ``microbatches``, the ZeRO stage (0, 2 or 3),
+            the ``context_mode``.
         loss_fn: ``loss_fn(output, labels)`` on the last stage, a mean over the micro-batch.
             Default: the causal LM's shifted cross-entropy, computed on vocabulary-sharded
             logits when ``tensor > 1``. A custom one runs inside ``loss_parallel`` then, on
-            logits that are a DTensor sharded on the last dimension.
+            logits that are a DTensor sharded on the last dimension. With ``context > 1`` it
+            must be unset (the loss is :meth:`~memfit.distributed.context.ContextParallel.
+            loss`).
         device: Where this rank computes (default: CPU with gloo; ``cuda:<local rank>`` on GPUs).
         batch_size: The global batch, to check it splits into ``data x microbatches``.
         cuts: The pipeline's cut points (default: an even split; see
@@ -436,16 +473,25 @@ def build_layout(
     mesh = _make_mesh(parallel, device)
     rank = dist.get_rank()
     coords = layout_coords(rank, parallel)
+    if loss_fn is not None and parallel.context > 1:
+        raise LayoutError(
+            "with context parallelism the loss is each chunk's share of the whole samples' "
+            "causal LM loss (ContextParallel.loss); leave loss_fn unset")
     if loss_fn is None:
         loss_fn = shifted_cross_entropy if parallel.tensor > 1 else causal_lm_loss
     handles: list[TensorParallel] = []
+    context = None
+    if parallel.context > 1:
+        context = apply_context_parallel(model, mesh["cp"].get_group(), parallel.context_mode)
+        loss_fn = context.loss  # the chunk's share of the whole samples' mean
+    shard_mesh = replica_mesh(mesh, parallel)
 
     def prepare(module: nn.Module) -> None:
         if parallel.tensor > 1:
             handles.append(apply_tensor_parallel(module, TensorParallelConfig(parallel.tensor),
                                                  mesh["tp"]))
-        if parallel.data > 1 and parallel.sharded:
-            _fully_shard(module, parallel, mesh["dp"])
+        if parallel.replicas > 1 and parallel.sharded:
+            _fully_shard(module, parallel, shard_mesh)
 
     pipeline = None
     if parallel.pipeline > 1:
@@ -456,7 +502,7 @@ def build_layout(
         model.to(device)
         prepare(model)
         modules = [model]
-    return Layout(parallel, mesh, coords, modules, pipeline, handles, loss_fn)
+    return Layout(parallel, mesh, coords, modules, pipeline, handles, loss_fn, context)
 
 
 def _fully_shard(module: nn.Module, parallel: ParallelConfig, dp_mesh: Any) -> None:

@@ -7,7 +7,7 @@ the data-parallel replicas) the rank's own program runs on fake tensors inside a
 group (:func:`~memfit.estimate.distributed.fake_process_group`) in which this process is that
 rank, as torchtitan's memory estimator does:
 
-1. the ``("pp", "dp", "tp")`` device mesh is built as :func:`~memfit.distributed.layout.
+1. the ``("pp", "dp", "cp", "tp")`` device mesh is built as :func:`~memfit.distributed.layout.
    build_layout` builds it; the rank's stages are built with
    :func:`~memfit.distributed.pipeline.build_stage` and split by
    :func:`~memfit.distributed.tensor.apply_tensor_parallel` on ``mesh["tp"]`` (DTensors whose
@@ -56,8 +56,11 @@ from ..distributed.layout import (
     check_layout,
     layout_coords,
     layout_microbatches,
+    mesh_shape,
     pipeline_config,
+    replica_mesh,
 )
+from ..distributed.context import apply_context_parallel
 from ..distributed.pipeline import PipelineConfig, build_stage, causal_lm_loss
 from ..distributed.tensor import TensorParallelConfig, apply_tensor_parallel, shifted_cross_entropy
 from ..optim import registry as optim_registry
@@ -260,13 +263,17 @@ def _role_costs(src: _Source, parallel: ParallelConfig, pipe_rank: int, depth: i
     from torch.distributed.device_mesh import init_device_mesh
 
     world = parallel.world_size
-    rank = pipe_rank * parallel.data * parallel.tensor  # dp 0, tp 0
+    # dp 0, tp 0, and the last context chunk (the causal mask's fullest: it attends to all)
+    c = parallel.context
+    rank = (pipe_rank * parallel.data * c + c - 1) * parallel.tensor
     m = layout_microbatches(parallel)
     piped = parallel.pipeline > 1
     mine = pipeline_config(parallel).stage_indices(pipe_rank) if piped else (0,)
     with fake_process_group(world, rank):
-        mesh = init_device_mesh("cpu", (parallel.pipeline, parallel.data, parallel.tensor),
-                                mesh_dim_names=MESH_DIMS)
+        mesh = init_device_mesh("cpu", mesh_shape(parallel), mesh_dim_names=MESH_DIMS)
+        # The replicas' mesh (dp, or dp and cp flattened), made outside the fake mode: the
+        # mesh computes its ranks with tensor ops, which must be real.
+        replicas = replica_mesh(mesh, parallel)
         with _fake():
             if piped:
                 cfg, total, real = _shallow(parallel, src.num_blocks, mine, depth)
@@ -278,24 +285,27 @@ def _role_costs(src: _Source, parallel: ParallelConfig, pipe_rank: int, depth: i
                 model = src.build(n)
                 stages, real, num_stages = {0: model}, {0: src.num_blocks}, 1
             del model
+            if c > 1:  # the rank's chunk of every sample, and its share of the loss
+                loss_fn = apply_context_parallel(stages[0], mesh["cp"].get_group(),
+                                                 parallel.context_mode).loss
             for stage in stages.values():
                 if parallel.tensor > 1:
                     apply_tensor_parallel(stage, TensorParallelConfig(parallel.tensor),
                                           mesh["tp"])
-                if parallel.data > 1 and parallel.sharded:
+                if parallel.replicas > 1 and parallel.sharded:
                     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
                     # FSDP2 computes the rank's mesh coordinates with tensor ops, which must be
                     # real; the parameters stay fake (their own mode follows them).
                     with unset_fake_temporarily():
-                        _fully_shard(stage, parallel, mesh["dp"])
-            costs = _run_role(stages, num_stages, parallel, mesh, m, mb, seq_len, loss_fn,
+                        _fully_shard(stage, parallel, replicas)
+            costs = _run_role(stages, num_stages, parallel, replicas, m, mb, seq_len, loss_fn,
                               optimizer, foreach, piped)
     return costs, real
 
 
 def _run_role(stages: dict[int, nn.Module], num_stages: int, parallel: ParallelConfig,
-              mesh: Any, m: int, mb: int, seq_len: int, loss_fn: LossFn | None,
+              replicas: Any, m: int, mb: int, seq_len: int, loss_fn: LossFn | None,
               optimizer: Any, foreach: bool | None, piped: bool) -> RoleCosts:
     """Run two micro-batches through the rank's ``stages`` under the tracker, then the
     gradient reduction and the optimizer step, and read each event's costs off the trace."""
@@ -324,7 +334,7 @@ def _run_role(stages: dict[int, nn.Module], num_stages: int, parallel: ParallelC
         a = tracker.event_stamp
         for st in fsdp:
             _fsdp_reduce(st)
-        grad_bytes = _reduce_gradients(params, parallel, mesh, m)
+        grad_bytes = _reduce_gradients(params, parallel, replicas, m)
         opt.step()
         run.marks["O"] = (a, tracker.event_stamp)
     return _read_costs(_curve(tracker), run.marks, stages, m, static=static,
@@ -428,22 +438,22 @@ class _RoleRun:
             self.marks["B", s, i] = (a, tracker.event_stamp)
 
 
-def _reduce_gradients(params: list[nn.Parameter], parallel: ParallelConfig, mesh: Any,
+def _reduce_gradients(params: list[nn.Parameter], parallel: ParallelConfig, replicas: Any,
                       m: int) -> int:
-    """The schedule's scaling by the micro-batch count and, unsharded, the data-parallel
-    all-reduce; returns the gradients' bytes."""
+    """The schedule's scaling by the micro-batch count and, unsharded, the all-reduce over
+    the ``replicas`` mesh (data x context); returns the gradients' bytes."""
     import torch.distributed as dist
 
     for p in params:  # the schedule's scaling by the micro-batch count, in place
         if p.grad is not None:
             p.grad.div_(m)
-    if parallel.data > 1 and not parallel.sharded:
-        group = mesh["dp"].get_group()
+    if parallel.replicas > 1 and not parallel.sharded:
+        group = replicas.get_group()
         for p in params:
             if p.grad is not None:
                 g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
                 dist.all_reduce(g, group=group)
-                g.div_(parallel.data)
+                g.div_(parallel.replicas)
     return _nbytes(p.grad for p in params if p.grad is not None)
 
 
