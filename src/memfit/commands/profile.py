@@ -219,7 +219,7 @@ def _profile_ranks(
     if isinstance(world, bool) or world < 1:
         fail(f"--world-size must be a whole number >= 1, got {world}")
     plan = plan or Plan()
-    if plan.parallel.tensor > 1 or plan.parallel.pipeline > 1:
+    if plan.parallel.splits_model:
         _profile_layout(workload, plan, world, json_path)
         return
     try:

@@ -49,6 +49,7 @@ from torch import nn
 
 from ..accounting import track
 from ..distributed.config import ParallelConfig
+from ..distributed.context import apply_context_parallel
 from ..distributed.layout import (
     MESH_DIMS,
     LayoutError,
@@ -60,7 +61,6 @@ from ..distributed.layout import (
     pipeline_config,
     replica_mesh,
 )
-from ..distributed.context import apply_context_parallel
 from ..distributed.pipeline import PipelineConfig, build_stage, causal_lm_loss
 from ..distributed.tensor import TensorParallelConfig, apply_tensor_parallel, shifted_cross_entropy
 from ..optim import registry as optim_registry

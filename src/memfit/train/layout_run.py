@@ -63,7 +63,7 @@ class LayoutRunError(ValueError):
 
 def is_layout_plan(plan: Plan | None) -> bool:
     """Whether ``plan`` splits the model by tensor or pipeline (so trains through a layout)."""
-    return plan is not None and (plan.parallel.tensor > 1 or plan.parallel.pipeline > 1)
+    return plan is not None and plan.parallel.splits_model
 
 
 def check_layout_run(config: TrainConfig, plan: Plan) -> None:
