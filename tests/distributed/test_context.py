@@ -141,3 +141,85 @@ def test_a_rank_keeps_half_the_activations_of_the_unsplit_model(mode):
 def test_context_layouts_that_cannot_work_are_refused_before_launch(parallel, match):
     with pytest.raises(LayoutError, match=match):
         check_layout(_model(), parallel)
+
+
+# --------------------------------------------------------------------------- four processes
+FOUR = {
+    "tensor 2 x context 2": ParallelConfig(tensor=2, context=2),
+    "data 2 x context 2, ZeRO 3": ParallelConfig(data=2, context=2, zero_stage=3),
+}
+
+
+def _four_ranks(rank: int, world: int) -> dict:
+    import memfit
+
+    ids = _batch()
+    out = {}
+    for name, parallel in FOUR.items():
+        layout = build_layout(_model(), parallel, batch_size=BATCH)
+        d = layout.coords["dp"]
+        share = BATCH // parallel.data
+        local = ids[d * share:(d + 1) * share]  # this replica's samples
+        opt = torch.optim.AdamW(layout.parameters(), lr=1e-3)
+        loss = layout.step(local, local)
+        grads = layout.full_grads()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        with memfit.track(optimizer=opt) as tracker:
+            tracker.label(layout.parameters(), "parameters")
+            tracker.add_inputs((local,))
+            layout.step(local, local)
+            opt.step()
+        out[name] = {"loss": float(loss), "grads": grads, "peak": tracker.report().peak_bytes}
+    return out
+
+
+@pytest.fixture(scope="module")
+def four() -> list[dict]:
+    return run_ranks(_four_ranks, 4, timeout=400)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(FOUR))
+def test_context_composes_with_tensor_and_data_parallelism(four, reference, name):
+    """Context parallelism beside tensor parallelism (vocabulary-parallel loss on the chunk's
+    logits) and beside data parallelism with FSDP2 sharding over data x context: every rank's
+    loss and whole gradients equal the unsplit model's to 1e-5."""
+    want_loss, want = reference
+    for r, rank_out in enumerate(four):
+        out = rank_out[name]
+        assert out["loss"] == pytest.approx(want_loss, rel=RTOL)
+        for n, g in want.items():
+            torch.testing.assert_close(out["grads"][n], g, rtol=RTOL,
+                                       atol=RTOL * float(g.abs().max()), msg=f"rank {r}: {n}")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_tensor_x_context_ranks_peak_as_predicted(four):
+    """Each rank of tensor 2 x context 2 peaks within 3% of predict_layout's figure."""
+    name = "tensor 2 x context 2"
+    predicted = predict_layout(_model(), FOUR[name], batch_size=BATCH, seq_len=SEQ)
+    for r, (rank_out, p) in enumerate(zip(four, predicted.peak_bytes, strict=True)):
+        m = rank_out[name]["peak"]
+        assert p == pytest.approx(m, rel=MEMORY_RTOL), f"rank {r}: measured {m}, predicted {p}"
+
+
+def test_a_plan_s_context_degree_round_trips_and_bad_ones_are_one_sentence():
+    """``parallel.context`` and ``context_mode`` survive the plan's JSON; a bad degree or mode
+    is refused with one sentence naming the field."""
+    import json
+
+    from memfit.plan import Plan, PlanError
+
+    plan = Plan(parallel={"context": 4, "context_mode": "all-to-all", "tensor": 2})
+    back = Plan.from_dict(json.loads(plan.to_json()))
+    assert back == plan and back.parallel.context == 4
+    assert back.parallel.world_size == 8
+    assert "context 4 (all-to-all)" in plan.summary()
+    with pytest.raises(PlanError, match=r"^parallel context must be a whole number >= 1, got 0$"):
+        Plan(parallel={"context": 0})
+    with pytest.raises(PlanError, match=r"^parallel context_mode 'ulysses' is not known; use "
+                                        r"one of ring, all-to-all$"):
+        Plan(parallel={"context": 2, "context_mode": "ulysses"})
