@@ -258,7 +258,8 @@ def _profile_layout(workload: Any, plan: Any, world: int, json_path: Any) -> Non
     par = plan.parallel
     if par.world_size != world:
         fail(
-            f"the plan's data {par.data} x tensor {par.tensor} x pipeline {par.pipeline} is "
+            f"the plan's data {par.data} x tensor {par.tensor} x pipeline {par.pipeline} x "
+            f"context {par.context} is "
             f"{par.world_size} processes but --world-size is {world}; give --world-size "
             f"{par.world_size}"
         )
@@ -273,11 +274,11 @@ def _profile_layout(workload: Any, plan: Any, world: int, json_path: Any) -> Non
     with err.status(f"dry-running the {par.pipeline} pipeline stages of {workload.name}"):
         pred = run_guarded(predict_layout, workload, par, optimizer=plan.optimizer)
     table = Table(title=f"{workload.name}: {plan.summary()} (predicted per rank)")
-    for col in ("rank", "stage", "replica", "shard", "peak"):
+    for col in ("rank", "stage", "replica", "chunk", "shard", "peak"):
         table.add_column(col, justify="right")
     for r, peak in enumerate(pred.peak_bytes):
         where = par.coordinates(r)
-        table.add_row(str(r), *(str(where[k]) for k in ("stage", "replica", "shard")),
+        table.add_row(str(r), *(str(where[k]) for k in ("stage", "replica", "chunk", "shard")),
                       format_bytes(peak))
     out.print(table)
     if json_path is not None:

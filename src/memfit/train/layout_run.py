@@ -73,7 +73,7 @@ def check_layout_run(config: TrainConfig, plan: Plan) -> None:
         LayoutRunError: naming each setting, one sentence each, and what to use instead.
     """
     par = plan.parallel
-    what = f"a tensor {par.tensor} x pipeline {par.pipeline} plan"
+    what = f"a tensor {par.tensor} x pipeline {par.pipeline} x context {par.context} plan"
     problems = []
     if config.checkpoint_dir is not None or config.resume or config.checkpoint_every is not None:
         problems.append(
