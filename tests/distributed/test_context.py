@@ -137,10 +137,13 @@ def test_a_rank_keeps_half_the_activations_of_the_unsplit_model(mode):
     (ParallelConfig(context=4, tensor=2, context_mode="all-to-all"),
      "does not divide the 2 attention heads of a tensor rank"),
     (ParallelConfig(context=2, context_mode="sideways"), "context_mode 'sideways' is not known"),
+    (ParallelConfig(context=3), "context parallelism of 3 does not divide the sequence of 128 "
+                                "tokens into equal chunks; use a sequence length that is a "
+                                "multiple of 3"),
 ])
 def test_context_layouts_that_cannot_work_are_refused_before_launch(parallel, match):
     with pytest.raises(LayoutError, match=match):
-        check_layout(_model(), parallel)
+        check_layout(_model(), parallel, seq_len=SEQ)
 
 
 # --------------------------------------------------------------------------- four processes

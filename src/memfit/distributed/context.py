@@ -342,7 +342,15 @@ class ContextParallel:
     _undo: list[Callable[[], None]] = field(default_factory=list)
 
     def chunk(self, t: torch.Tensor) -> torch.Tensor:
-        """This rank's chunk of a ``batch x sequence`` tensor."""
+        """This rank's chunk of a ``batch x sequence`` tensor.
+
+        Raises:
+            ValueError: when the degree does not divide the sequence.
+        """
+        problems = check_context_parallel(self.model, self.degree, self.mode,
+                                          seq_len=t.shape[1])
+        if problems:
+            raise ValueError(problems[0])
         return t[:, context_chunk(t.shape[1], self.degree, self.index)]
 
     def positions(self, seq_len: int, device: torch.device) -> torch.Tensor:

@@ -144,6 +144,7 @@ def check_layout(
     batch_size: int | None = None,
     world_size: int | None = None,
     num_blocks: int | None = None,
+    seq_len: int | None = None,
 ) -> None:
     """Refuse a layout that cannot work, before any process group is touched.
 
@@ -152,7 +153,9 @@ def check_layout(
     tensor degree (:func:`~memfit.distributed.tensor.check_tensor_parallel`); the blocks
     against the pipeline stages and the micro-batches against the schedule
     (:meth:`~memfit.distributed.pipeline.PipelineConfig.problems`); the batch against ``data x
-    microbatches``; ZeRO stage 1, which memfit does not compose with the other dimensions.
+    microbatches``; ZeRO stage 1, which memfit does not compose with the other dimensions;
+    context parallelism against a pipeline, the sequence and (all-to-all) the heads
+    (:func:`~memfit.distributed.context.check_context_parallel`).
 
     Args:
         model: The whole model (a Hugging Face Llama or GPT-2 causal LM for tensor or pipeline
@@ -164,6 +167,7 @@ def check_layout(
             is open).
         num_blocks: The model's block count, when ``model`` is only its HF config (a
             prediction that builds no whole model).
+        seq_len: Tokens per sample, when known: context parallelism must divide it.
 
     Raises:
         LayoutError: naming every problem found.
@@ -188,7 +192,8 @@ def check_layout(
             f"context parallelism of {c} is not composed with a pipeline of {p} stages in "
             "memfit; use pipeline 1 with context parallelism, or context 1")
     if c > 1:
-        problems.extend(check_context_parallel(model, c, parallel.context_mode, tensor=t))
+        problems.extend(check_context_parallel(model, c, parallel.context_mode, tensor=t,
+                                               seq_len=seq_len))
     if t > 1:
         known = (*supported_models(), "LlamaConfig", "GPT2Config")
         if type(model).__name__ not in known and not isinstance(model, StageModule):

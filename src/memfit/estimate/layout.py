@@ -616,7 +616,7 @@ def predict_layout(
     """
     src, batch_size, seq_len = _source(model_or_workload, batch_size, seq_len)
     check_layout(src.config, parallel, batch_size=batch_size, world_size=parallel.world_size,
-                 num_blocks=src.num_blocks)
+                 num_blocks=src.num_blocks, seq_len=seq_len)
     m = layout_microbatches(parallel)
     mb = batch_size // (parallel.data * m)
     orders = _schedule_orders(pipeline_config(parallel)) if parallel.pipeline > 1 else None

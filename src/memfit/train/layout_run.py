@@ -103,7 +103,7 @@ def check_layout_run(config: TrainConfig, plan: Plan) -> None:
     # The model's heads, widths, vocabulary and blocks against the degrees, and the batch
     # against the replicas and micro-batches: built on the meta device, nothing allocated.
     check_layout(_meta_model(config), par, batch_size=config.batch_size or DEFAULT_BATCH_SIZE,
-                 world_size=par.world_size)
+                 world_size=par.world_size, seq_len=config.seq_len)
 
 
 def _meta_model(config: TrainConfig) -> torch.nn.Module:
