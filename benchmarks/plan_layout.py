@@ -68,8 +68,10 @@ def markdown(rows: list[dict]) -> str:
         for o in r["next"]:
             lines.append(f"| {o['layout']} | {o['step_seconds'] * 1e3:.0f} ms | "
                          f"{format_bytes(o['largest_rank_bytes'])} |")
-        stages = ", ".join(f"stage {i} {format_bytes(b)}" for i, b in enumerate(r["stage_peak_bytes"]))
-        lines += ["", f"Per stage (every rank of a stage alike): {stages}.", ""]
+        peaks = r["stage_peak_bytes"]
+        stages = ", ".join(f"stage {i} {format_bytes(b)}" for i, b in enumerate(peaks))
+        spread = f" (largest {max(peaks) / min(peaks) - 1:.1%} above smallest)" if len(peaks) > 1 else ""
+        lines += ["", f"Per stage (every rank of a stage alike): {stages}{spread}.", ""]
     return "\n".join(lines)
 
 

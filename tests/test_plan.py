@@ -134,3 +134,34 @@ def test_a_plan_spreads_over_processes_once():
     assert (staged.parallel.data, staged.parallel.zero_stage) == (8, 2)
     with pytest.raises(PlanError, match="the plan is for 4 processes but 2 were started"):
         four.over_processes(2)
+
+
+def test_pipeline_cuts_round_trip_and_name_the_stages(tmp_path):
+    plan = Plan(parallel={"tensor": 8, "pipeline": 4, "cuts": [30, 62, 94]})
+    assert plan.parallel.cuts == (30, 62, 94)
+    assert json.loads(plan.to_json())["parallel"]["cuts"] == [30, 62, 94]
+    assert Plan.from_dict(json.loads(plan.to_json())) == plan
+    plan.to_yaml(tmp_path / "p.yaml")
+    assert Plan.load(tmp_path / "p.yaml") == plan
+    assert "cut at blocks 30, 62, 94" in plan.summary()
+    assert Plan().to_dict()["parallel"]["cuts"] == []  # even: the default
+    # Two stages per rank: an interleaved pipeline of 2 ranks has 4 stages, 3 cuts.
+    assert Plan(parallel={"pipeline": 2, "schedule": "interleaved-1f1b", "microbatches": 4,
+                          "cuts": [2, 4, 6]}).parallel.num_stages == 4
+
+
+@pytest.mark.parametrize(("cuts", "match"), [
+    ([3, 2, 5], r"parallel cuts \[3, 2, 5\] must be 3 strictly increasing block indices >= 1"),
+    ([0, 2, 5], r"must be 3 strictly increasing"),
+    ([2, 5], r"must be 3 strictly increasing block indices >= 1 \(the first block of each"),
+    ([2, "x", 5], r"must be 3 strictly increasing"),
+    ("2,5,7", r"parallel cuts must be a tuple of block indices \(a list in JSON\) or empty"),
+])
+def test_bad_cuts_are_refused_in_one_sentence(cuts, match):
+    with pytest.raises(PlanError, match=match):
+        Plan(parallel={"pipeline": 4, "cuts": cuts})
+
+
+def test_cuts_without_a_pipeline_are_refused():
+    with pytest.raises(PlanError, match=r"parallel cuts \[2\] need a pipeline"):
+        Plan(parallel={"cuts": [2]})

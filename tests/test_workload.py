@@ -29,6 +29,7 @@ from memfit.workload import (
         ("llama-1b", 1.15e9, 1.3e9),
         ("llama-8b", 8.02e9, 8.04e9),  # Llama-3.1-8B: 8,030,261,248
         ("llama-70b", 70.5e9, 70.6e9),  # Llama-3.1-70B: 70,553,706,496
+        ("llama-3.1-405b", 405.8e9, 405.9e9),  # Llama-3.1-405B: 405,853,388,800
     ],
 )
 def test_presets_build_at_full_size_on_fake_tensors(name, low, high):

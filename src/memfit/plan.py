@@ -407,7 +407,10 @@ class Plan:
                 layout += f" x context {par.context} ({par.context_mode})"
             if par.pipeline > 1:
                 m = par.microbatches if par.microbatches is not None else 2 * par.pipeline
-                layout += f" ({par.schedule}, {m} micro-batches)"
+                cut = f", cut at blocks {', '.join(map(str, par.cuts))}" if par.cuts else ""
+                layout += f" ({par.schedule}, {m} micro-batches{cut})"
+            if par.sequence:
+                layout += ", sequence parallel"
             if par.zero_stage:
                 layout += f", ZeRO stage {par.zero_stage}"
             parts.append(layout)

@@ -210,6 +210,11 @@ PRESETS: dict[str, _Preset] = {
         ),
         "Llama-architecture causal LM (70.6B parameters, Llama-3.1-70B dimensions)",
     ),
+    "llama-3.1-405b": _Preset("llama", dict(  # the dimensions of Meta's config.json
+        vocab_size=128256, hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
+        num_attention_heads=128, num_key_value_heads=8, max_position_embeddings=131072,
+        rope_theta=500000.0, tie_word_embeddings=False),
+        "Llama 3.1 405B's dimensions (405.9B parameters, 126 blocks)"),
     "mixtral-8x7b": _Preset(
         "mixtral",
         dict(

@@ -19,6 +19,7 @@ CASES = {
     "bench_tracker_overhead": (["--json", "{tmp}/a-folder"], "--json {tmp}/a-folder: it is a folder; give a file name"),
     "bench_zero": (["--json", "{tmp}/a-file/z.json"], "--json {tmp}/a-file/z.json: {tmp}/a-file is a file, not a folder"),
     "plan_layout": (["--out", "{tmp}/a-file"], "--out {tmp}/a-file: it is a file, not a folder"),
+    "plan_405b": (["--out", "{tmp}/a-file"], "--out {tmp}/a-file: it is a file, not a folder"),
     "zero_table": (["--out", "{tmp}/a-file/zt"], "--out {tmp}/a-file/zt.json: {tmp}/a-file is a file, not a folder"),
     "gpu_offload": (["--out", "{tmp}/a-file/new"], "--out {tmp}/a-file/new: {tmp}/a-file is a file, not a folder"),
     "gpu_validate": (["--dry-only", "--out", "{tmp}/a-file"], "--out {tmp}/a-file: it is a file, not a folder"),

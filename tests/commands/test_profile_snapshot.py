@@ -1,9 +1,11 @@
-"""``memfit profile --snapshot``: a dry or real run's timeline for PyTorch's memory viewer."""
+"""``memfit profile --snapshot`` and ``--html``: a dry or real run's timeline for PyTorch's memory
+viewer, as its pickle or as the viewer's page."""
 
 from __future__ import annotations
 
 import pickle
 
+import pytest
 from typer.testing import CliRunner
 
 from memfit.cli import app
@@ -50,3 +52,46 @@ def test_snapshot_takes_one_process(tmp_path):
     assert result.exit_code == 2
     assert "--snapshot writes one process's timeline" in result.output
     assert not (tmp_path / "s.pickle").exists()
+
+
+def _embedded_snapshot(html: str):
+    """The snapshot PyTorch's viewer page carries: the base64 of its pickle, in a JSON list."""
+    import base64
+    import json
+    import re
+
+    files = json.loads(re.search(r"const local_files = (\[.*?\])\n", html).group(1))
+    assert [f["name"] for f in files] == ["snapshot.pickle"]
+    return pickle.loads(base64.b64decode(files[0]["base64"]))
+
+
+@pytest.mark.parametrize("dry", [True, False])
+def test_html_draws_the_snapshot_with_pytorchs_viewer(tmp_path, dry):
+    page, pickled = tmp_path / "timeline.html", tmp_path / "run.pickle"
+    args = ["profile", "--model", "gpt2-tiny", "-b", "2", "-l", "16", "--steps", "2",
+            "--html", str(page), "--snapshot", str(pickled), *(["--dry-run"] if dry else [])]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "wrote the memory timeline to" in result.output
+    html = page.read_text()
+    # PyTorch's page: its viewer script, the "Active Memory Timeline", and the run's snapshot
+    # embedded whole (the same one --snapshot pickles).
+    assert html.lstrip().startswith("<!DOCTYPE html>") and "MemoryViz.js" in html
+    assert "Active Memory Timeline" in html
+    embedded = _embedded_snapshot(html)
+    assert embedded == pickle.loads(pickled.read_bytes())
+    assert len(embedded["device_traces"][0]) > 100
+
+
+def test_html_to_a_path_that_cannot_be_written_is_one_sentence(tmp_path):
+    args = ["profile", "--model", "gpt2-tiny", "-b", "2", "-l", "16", "--dry-run"]
+    missing = tmp_path / "no" / "such" / "t.html"
+    result = runner.invoke(app, [*args, "--html", str(missing)])
+    assert result.exit_code == 2
+    assert f"--html {missing}: the folder {missing.parent} does not exist" in result.output
+    assert "Traceback" not in result.output
+    folder = runner.invoke(app, [*args, "--html", str(tmp_path)])
+    assert folder.exit_code == 2 and "it is a folder; give a file name" in folder.output
+    ranks = runner.invoke(app, [*args, "--world-size", "2", "--html", str(tmp_path / "t.html")])
+    assert ranks.exit_code == 2 and "--html writes one process's timeline" in ranks.output
+    assert not (tmp_path / "t.html").exists()

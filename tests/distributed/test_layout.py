@@ -1,9 +1,9 @@
 """Tensor x pipeline (x data) parallelism in four real processes (gloo, CPU), and every rank's
 peak predicted without launching.
 
-One spawn of four ranks builds a tiny Llama (fp32, no dropout) under three layouts: 2-way
-tensor x 2-stage pipeline with the 1F1B and the GPipe schedule, and 2-way data x 2-stage
-pipeline; each runs a step whose loss and gradients are compared with the unsplit model's, then
+One spawn of four ranks builds a tiny Llama (fp32, no dropout) under four layouts: 2-way
+tensor x 2-stage pipeline with the 1F1B and the GPipe schedule, 2-way data x 2-stage
+pipeline, and 2-way data x 2-way tensor with sequence parallelism; each runs a step whose loss and gradients are compared with the unsplit model's, then
 a warm step (forward, backward, optimizer step) measured by memfit's tracker, compared with
 :func:`~memfit.estimate.layout.predict_layout`.
 """
@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 
+import memfit
 from memfit.distributed.config import ParallelConfig
 from memfit.distributed.layout import LayoutError, build_layout, check_layout, layout_coords
 from memfit.estimate.layout import predict_layout
@@ -27,6 +28,8 @@ LAYOUTS = {
     "tp2 x pp2, 1f1b": ParallelConfig(tensor=2, pipeline=2, schedule="1f1b", microbatches=2),
     "tp2 x pp2, gpipe": ParallelConfig(tensor=2, pipeline=2, schedule="gpipe", microbatches=2),
     "dp2 x pp2, 1f1b": ParallelConfig(data=2, pipeline=2, schedule="1f1b", microbatches=2),
+    # Megatron's sequence parallelism: the norms and residual stream split along the sequence.
+    "dp2 x tp2, sequence": ParallelConfig(data=2, tensor=2, sequence=True),
 }
 #: Gradients gathered whole against the unsplit model's: only the order of the sums differs.
 RTOL = 1e-5
@@ -145,6 +148,31 @@ def test_gpipe_keeps_more_in_flight_than_1f1b_and_tensor_halves_the_blocks():
     assert one_f.peak_bytes[0] == one_f.peak_bytes[1] and one_f.peak_bytes[2] == one_f.peak_bytes[3]
 
 
+def test_sequence_parallelism_halves_what_the_norms_keep():
+    """Predicted on fake tensors: under 2-way tensor parallelism, Megatron's sequence
+    parallelism keeps half of what each RMSNorm saves for backward (its input and its
+    normalised output, two hidden-sized fp32 tensors per norm: two norms per block and the
+    final one), and nothing else changes; the peak drops by as much."""
+    kw = dict(batch_size=8, seq_len=SEQ)
+    plain = predict_layout(_model(), ParallelConfig(tensor=2), **kw)
+    split = predict_layout(_model(), ParallelConfig(tensor=2, sequence=True), **kw)
+    hidden = 8 * SEQ * 64 * 4  # one fp32 batch x sequence x hidden tensor
+    norms = 4 * 2 + 1
+    saved = plain.roles[0].forward_kept[0] - split.roles[0].forward_kept[0]
+    assert norms * hidden <= saved < (norms + 0.5) * hidden  # (+ their small rsqrt vectors)
+    assert plain.peak_bytes[0] - split.peak_bytes[0] == saved
+    assert split.roles[0].parameter_bytes == plain.roles[0].parameter_bytes
+
+
+def test_sequence_parallelism_needs_tensor_parallelism_and_no_pipeline():
+    with pytest.raises(ValueError, match="needs tensor > 1"):
+        memfit.Plan(parallel=ParallelConfig(data=2, sequence=True))
+    with pytest.raises(ValueError, match="not composed with a pipeline"):
+        memfit.Plan(parallel=ParallelConfig(tensor=2, pipeline=2, sequence=True))
+    plan = memfit.Plan(parallel=ParallelConfig(tensor=2, sequence=True))
+    assert memfit.Plan.from_dict(plan.to_dict()) == plan
+
+
 def test_deep_stages_extrapolate_from_one_and_two_blocks():
     """A stage of six blocks predicted from runs at one and two blocks equals the run of all
     six (identical blocks add identical bytes), within 1%."""
@@ -188,6 +216,8 @@ def test_llama_70b_predicts_in_seconds():
      "tensor-parallel degree 3 does not divide the 4 attention heads and the 2 key-value"),
     (ParallelConfig(pipeline=8, schedule="gpipe"), None, None,
      "4 blocks cannot fill 8 pipeline stages"),
+    (ParallelConfig(pipeline=2, microbatches=2, cuts=(4,)), None, None,
+     r"pipeline cuts \(4,\) must be 1 strictly increasing block indices between 1 and 3"),
     (ParallelConfig(pipeline=2, schedule="1f1b", microbatches=1), None, None,
      r"use microbatches >= 2 or the gpipe schedule"),
     (ParallelConfig(data=2, pipeline=2, microbatches=4), None, 4,

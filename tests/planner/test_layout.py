@@ -103,7 +103,8 @@ def test_ranks_are_numbered_stage_then_replica_then_shard():
     [
         (ParallelConfig(tensor=3), "tensor parallelism of 3 does not divide the 4 attention heads"),
         (ParallelConfig(tensor=4), "does not divide the 2 key-value heads"),
-        (ParallelConfig(pipeline=3, microbatches=4), "does not divide the 4 layers evenly; use pipeline 2, 4"),
+        (ParallelConfig(pipeline=5, microbatches=8), "4 blocks cannot fill 5 pipeline stages"),
+        (ParallelConfig(pipeline=2, microbatches=2, cuts=(4,)), "pipeline cuts (4,) must be 1"),
         (ParallelConfig(pipeline=2, microbatches=1), "needs at least as many micro-batches"),
         (ParallelConfig(pipeline=2, schedule="interleaved-1f1b", microbatches=3), "multiple of the pipeline degree"),
         (ParallelConfig(data=3), "does not split into 3 replicas"),
@@ -296,3 +297,102 @@ def test_the_cli_refuses_allow_offload_with_a_layout():
     assert len(lines) == 1 and lines[0].startswith(
         "error: --allow offload is not searched with --gpus-per-node"
     )
+
+
+# --------------------------------------------------------------------- uneven and balanced cuts
+def _spread(peaks: list[int]) -> float:
+    return max(peaks) / min(peaks) - 1
+
+
+def test_balanced_cuts_even_llama_70b_s_stage_peaks():
+    """llama-70b over data 1 x tensor 8 x pipeline 8 (zero-bubble, 8 micro-batches, the
+    README's winner at 8 x 128): an even split leaves the last rank (16 chunk micro-batches in
+    flight) a quarter above the second; the memory-balanced cuts bring every rank within 10%
+    of the others, and the fastest split's largest rank is no larger than the even split's."""
+    from memfit.estimate.layout_cost import balanced_cuts
+
+    workload = load_workload("llama-70b", 8, 128)
+    shape = model_shape(workload)
+    par = ParallelConfig(tensor=8, pipeline=8, schedule="zero-bubble", microbatches=8)
+    kw = dict(batch_size=8, seq_len=128, checkpointing=False, device=get_device("h100"),
+              precision="bf16-mixed", optimizer="adamw")
+    cuts = balanced_cuts(shape, par, **kw)
+    priced = {name: estimate_layout(shape, dataclasses.replace(par, cuts=c), gpus_per_node=8, **kw)
+              for name, c in {**cuts, "even": ()}.items()}
+    peaks = {name: c.rank_peak_bytes[::8] for name, c in priced.items()}  # one rank per stage
+    assert _spread(peaks["even"]) > 0.2
+    assert _spread(peaks["memory"]) < 0.10
+    assert max(peaks["memory"]) < max(peaks["even"])
+    assert max(peaks["time"]) <= max(peaks["even"])
+    assert priced["time"].step_seconds <= priced["even"].step_seconds
+    for c in cuts.values():  # 15 cuts: two stages per rank, each holding a block at least
+        assert len(c) == 15 and all(a < b for a, b in zip((0, *c), (*c, 80), strict=True))
+
+
+@pytest.mark.slow
+def test_the_planner_s_llama_70b_plan_has_stage_peaks_within_10_percent():
+    result = plan_layout("llama-70b", "h100", 64, 8, batch_size=8, seq_len=128)
+    par = result.plan.parallel
+    assert par.pipeline > 1 and par.cuts  # the planner's cuts are in the plan
+    per = par.data * par.tensor
+    stages = [result.rank_peak_bytes[s * per] for s in range(par.pipeline)]
+    assert _spread(stages) < 0.10
+    assert result.to_dict()["plan"]["parallel"]["cuts"] == list(par.cuts)
+
+
+def test_the_planner_keeps_a_plan_s_own_cuts_and_prices_uneven_stages():
+    """A plan that names its cuts is priced with them: three blocks on the first stage of
+    four make its rank the largest."""
+    base = Plan(parallel={"pipeline": 2, "microbatches": 2, "cuts": [3]})
+    result = plan_layout(DEEP, "1GiB", 2, 2, base=base, confirm=False)
+    assert result.plan.parallel.cuts == (3,)
+    even = _estimate(ParallelConfig(pipeline=2, microbatches=2))
+    cut = _estimate(ParallelConfig(pipeline=2, microbatches=2, cuts=(3,)))
+    assert cut.rank_peak_bytes[0] > even.rank_peak_bytes[0]
+    assert cut.stage_busy_seconds[0] > even.stage_busy_seconds[0]
+
+
+LLAMA_405B = load_workload("llama-3.1-405b", 256, 8192)
+
+
+@pytest.mark.parametrize(("schedule", "sizes"), [
+    ("1f1b", [15, 16, 16, 16, 16, 16, 16, 15]),
+    ("interleaved-1f1b", [7] + [8] * 14 + [7]),
+])
+def test_torchtitan_s_405b_layout_is_accepted_and_cut_as_torchtitan_cuts_it(schedule, sizes):
+    """Llama 3.1 405B's 126 blocks over torchtitan's data 8 x tensor 8 x pipeline 8 (local
+    batch 32 x 8192, 8 micro-batches): accepted, and the even split gives the stages the
+    blocks torchtitan's generate_split_points gives them (the remainder to the middle stages),
+    one stage per rank under 1F1B and two under interleaved 1F1B."""
+    from memfit.distributed.layout import pipeline_config
+
+    par = ParallelConfig(data=8, tensor=8, pipeline=8, zero_stage=2, schedule=schedule,
+                         microbatches=8)
+    shape = model_shape(LLAMA_405B)
+    assert shape.layers == 126
+    assert layout_problems(shape, par, 256, gpus_per_node=8) == []
+    cfg = pipeline_config(par)
+    assert [len(cfg.stage_blocks(126, s)) for s in range(cfg.num_stages)] == sizes
+    cand = _estimate(par, workload=LLAMA_405B, ckpt=True)
+    assert len(cand.rank_peak_bytes) == 512
+
+
+@pytest.mark.parametrize(("cuts", "says"), [
+    ([3, 1], "parallel cuts [3, 1] must be one block index >= 1"),
+    ([2], "pipeline cuts (2,) must be 1 strictly increasing block indices between 1 and 1"),
+])
+def test_the_cli_refuses_cuts_that_cannot_work_in_one_sentence(tmp_path, cuts, says):
+    import json
+
+    from typer.testing import CliRunner
+
+    from memfit.cli import app
+
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"parallel": {"pipeline": 2, "microbatches": 2, "cuts": cuts}}))
+    args = ["plan", "--model", "llama-tiny", "--batch-size", "8", "--seq-len",
+            "32", "--budget", "1GiB", "--world-size", "2", "--gpus-per-node", "2", "--plan",
+            str(plan)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert says in " ".join(result.output.split()) and "Traceback" not in result.output

@@ -14,6 +14,11 @@ an expandable segment in a 1 TiB range), the time stamps are the trace's event c
 each event's frames name the module that allocated (its qualified name as the file, the
 phase and the memory category as the function), where the real snapshot has Python stack
 frames.
+
+:func:`write_html` renders the same snapshot with PyTorch's own viewer
+(``_memory_viz.trace_plot``, called in :mod:`memfit.device`) into one HTML page to open in a
+browser: the snapshot is embedded in the page (base64 of its pickle), the viewer's script
+(PyTorch's ``MemoryViz.js``) is loaded from the jsDelivr CDN, as PyTorch's own pages do.
 """
 
 from __future__ import annotations
@@ -23,10 +28,11 @@ import pickle
 from pathlib import Path
 from typing import Any
 
+from ..device import memory_timeline_html
 from .allocator import AllocatorConfig, CachingAllocatorModel
 from .trace import CATEGORIES, PHASES, AllocationTrace
 
-__all__ = ["memory_snapshot", "write_snapshot"]
+__all__ = ["memory_snapshot", "write_html", "write_snapshot"]
 
 #: Where the modelled segments start (any address will do; this one looks like a device's).
 _BASE = 0x7F0000000000
@@ -168,3 +174,10 @@ def write_snapshot(trace: AllocationTrace, path: str | Path,
     """Pickle :func:`memory_snapshot` to ``path`` (what https://pytorch.org/memory_viz opens,
     like the file of PyTorch's ``memory._dump_snapshot``)."""
     Path(path).write_bytes(pickle.dumps(memory_snapshot(trace, config)))
+
+
+def write_html(trace: AllocationTrace, path: str | Path,
+               config: AllocatorConfig | None = None) -> None:
+    """Write :func:`memory_snapshot` as PyTorch's memory viewer page (its "Active Memory
+    Timeline") to ``path``: an HTML file carrying the whole snapshot."""
+    Path(path).write_text(memory_timeline_html(memory_snapshot(trace, config)))

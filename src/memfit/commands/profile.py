@@ -71,6 +71,14 @@ _Snapshot = Annotated[
         "https://pytorch.org/memory_viz opens), modelled for the target's caching allocator.",
     ),
 ]
+_Html = Annotated[
+    Path | None,
+    typer.Option(
+        "--html",
+        help="Write the run's memory timeline as an HTML page to open in a browser (the "
+        "--snapshot data drawn by PyTorch's memory viewer, modelled for the target).",
+    ),
+]
 _Device = Annotated[
     str | None,
     typer.Option(
@@ -117,6 +125,7 @@ def profile(
     expert_load: _ExpertLoad = 1.0,
     world_size: _WorldSize = None,
     snapshot: _Snapshot = None,
+    html: _Html = None,
     data: _Data = None,
     tokenizer: _Tokenizer = None,
     text_field: _TextField = "text",
@@ -127,7 +136,7 @@ def profile(
     from ..workload import load_workload
 
     check_sizes(batch_size, seq_len, steps)
-    check_outputs({"--json": json_path, "--plot": plot, "--snapshot": snapshot})
+    check_outputs({"--json": json_path, "--plot": plot, "--snapshot": snapshot, "--html": html})
     if top < 0:
         fail(f"--top must be a whole number >= 0, got {top}")
     cap_bytes = parse_cap(cap)
@@ -141,8 +150,9 @@ def profile(
         share = max(batch_size // (world_size or 1), 1)
         seq_len = data_lengths(data, tokenizer, text_field, share, seq_len, model).max
     workload = run_guarded(load_workload, model, batch_size, seq_len)
-    if snapshot is not None and world_size is not None:
-        fail("--snapshot writes one process's timeline; leave out --world-size")
+    for flag, path in (("--snapshot", snapshot), ("--html", html)):
+        if path is not None and world_size is not None:
+            fail(f"{flag} writes one process's timeline; leave out --world-size")
     if world_size is not None:
         _profile_ranks(workload, the_plan, world_size, dry_run, steps, target, json_path)
         return
@@ -165,7 +175,7 @@ def profile(
             device=target,
             progress=progress,
             expert_load=expert_load,
-            keep_trace=snapshot is not None,
+            keep_trace=snapshot is not None or html is not None,
         ),
     )
     _print_report(report)
@@ -173,15 +183,26 @@ def profile(
     _write_report(report, json_path, plot, title)
     if snapshot is not None:
         _write_snapshot(report, snapshot)
+    if html is not None:
+        _write_snapshot(report, html, page=True)
 
 
-def _write_snapshot(report: Any, path: Path) -> None:
-    from ..accounting.snapshot import write_snapshot
+def _write_snapshot(report: Any, path: Path, *, page: bool = False) -> None:
+    """The run's PyTorch memory snapshot: the pickle (``--snapshot``) or PyTorch's viewer page
+    drawing it (``--html``)."""
+    from ..accounting.snapshot import write_html, write_snapshot
 
+    flag = "--html" if page else "--snapshot"
     if report.trace is None:
-        fail("this run kept no allocation trace, so --snapshot has nothing to write")
-    write_snapshot(report.trace, path)
-    out.print(f"wrote the memory snapshot to {path} (open it at https://pytorch.org/memory_viz)")
+        fail(f"this run kept no allocation trace, so {flag} has nothing to write")
+    try:
+        (write_html if page else write_snapshot)(report.trace, path)
+    except OSError as e:
+        fail(f"{flag} {path}: cannot write it ({e.strerror or e})")
+    if page:
+        out.print(f"wrote the memory timeline to {path} (open it in a browser)")
+    else:
+        out.print(f"wrote the memory snapshot to {path} (open it at https://pytorch.org/memory_viz)")
 
 
 def _write_report(report: Any, json_path: Path | None, plot: Path | None, title: str) -> None:
@@ -220,7 +241,7 @@ def _profile_ranks(
         fail(f"--world-size must be a whole number >= 1, got {world}")
     plan = plan or Plan()
     if plan.parallel.splits_model:
-        _profile_layout(workload, plan, world, json_path)
+        _profile_layout(workload, plan, world, json_path, target)
         return
     try:
         plan = plan.over_processes(world)
@@ -230,11 +251,14 @@ def _profile_ranks(
         pred = run_guarded(predict_ranks, workload, plan, steps=max(steps, 3), device=target)
     categories = [c for c in next(iter(pred.reports.values())).peak_by_category]
     table = Table(title=f"{workload.name}: {plan.summary()} (predicted per rank)")
-    for col in ["rank", "peak", *categories]:
+    device_cols = ["nccl", "device total"] if target.is_cuda else []
+    for col in ["rank", "peak", *categories, *device_cols]:
         table.add_column(col, justify="right")
     for r in range(world):
         rep = pred.reports.get(r)
         cells = [format_bytes(rep.peak_by_category.get(c, 0)) if rep else "as rank 0" for c in categories]
+        if device_cols:
+            cells += [format_bytes(pred.nccl_bytes[r]), format_bytes(pred.device_total_bytes[r])]
         table.add_row(str(r), format_bytes(pred.peak_bytes[r]), *cells)
     out.print(table)
     if json_path is not None:
@@ -244,15 +268,17 @@ def _profile_ranks(
         out.print(f"wrote {json_path}")
 
 
-def _profile_layout(workload: Any, plan: Any, world: int, json_path: Any) -> None:
+def _profile_layout(workload: Any, plan: Any, world: int, json_path: Any, target: Any) -> None:
     """``memfit profile --dry-run --world-size N`` for a tensor/pipeline plan: each rank's
     predicted peak from dry runs of its own program (:func:`memfit.estimate.layout.
-    predict_layout`)."""
+    predict_layout`), and on a CUDA target its NCCL communicators and device total."""
     import json
 
     from rich.table import Table
 
     from ..estimate.layout import predict_layout
+    from ..estimate.nccl import nccl_rank_bytes
+    from ..estimate.predictor import ALLOCATED_SHARE
     from ..optim import registry as optim_registry
 
     par = plan.parallel
@@ -273,17 +299,27 @@ def _profile_layout(workload: Any, plan: Any, world: int, json_path: Any) -> Non
         )
     with err.status(f"dry-running the {par.pipeline} pipeline stages of {workload.name}"):
         pred = run_guarded(predict_layout, workload, par, optimizer=plan.optimizer)
+    nccl = run_guarded(nccl_rank_bytes, par, target)
+    # On a GPU: the allocator's reserve (the layout replay's share) + context + communicators.
+    totals = [
+        (-(-int(p) * 100 // round(ALLOCATED_SHARE * 100)) + target.overhead_bytes + n)
+        if target.is_cuda else int(p)
+        for p, n in zip(pred.peak_bytes, nccl, strict=True)
+    ]
     table = Table(title=f"{workload.name}: {plan.summary()} (predicted per rank)")
-    for col in ("rank", "stage", "replica", "chunk", "shard", "peak"):
+    device_cols = ("nccl", "device total") if target.is_cuda else ()
+    for col in ("rank", "stage", "replica", "chunk", "shard", "peak", *device_cols):
         table.add_column(col, justify="right")
     for r, peak in enumerate(pred.peak_bytes):
         where = par.coordinates(r)
+        extra = [format_bytes(nccl[r]), format_bytes(totals[r])] if device_cols else []
         table.add_row(str(r), *(str(where[k]) for k in ("stage", "replica", "chunk", "shard")),
-                      format_bytes(peak))
+                      format_bytes(peak), *extra)
     out.print(table)
     if json_path is not None:
         data = {"model": workload.name, "plan": plan.to_dict(), "world_size": world,
-                **pred.to_dict(), "predicted_rank_peak_bytes": list(pred.peak_bytes)}
+                **pred.to_dict(), "predicted_rank_peak_bytes": list(pred.peak_bytes),
+                "nccl_bytes": nccl, "predicted_device_total_bytes": totals}
         write_text(json_path, json.dumps(data, indent=2) + "\n")
         out.print(f"wrote {json_path}")
 

@@ -16,6 +16,7 @@ and its ZeRO stages are built on torch.distributed (:mod:`memfit.distributed.dat
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 __all__ = ["CONTEXT_MODES", "PIPELINE_SCHEDULES", "ZERO_STAGES", "ParallelConfig"]
@@ -73,6 +74,23 @@ class ParallelConfig:
             ``zero-bubble`` (backward split into input and weight gradients to fill the bubble).
         microbatches: Micro-batches per step through the pipeline (``None``: ``2 x
             pipeline``); more shrinks the bubble and each micro-batch's activations.
+        sequence: Megatron's sequence parallelism, with ``tensor > 1``: the norms, dropouts
+            and residual stream between the blocks' attention and MLP hold ``sequence /
+            tensor`` tokens per rank, which divides their activations (about ``2 x hidden``
+            elements per token per block, plus dropout masks) by the tensor degree, and the
+            last norm's output too. The same communication volume (each all-reduce becomes a
+            reduce-scatter plus an all-gather); torch's ``SequenceParallel`` style does it.
+        cuts: Where the pipeline cuts the blocks: the first block of each stage after the
+            first, ``stages - 1`` strictly increasing block indices (``stages`` is ``pipeline``,
+            or ``2 x pipeline`` for ``interleaved-1f1b`` and ``zero-bubble``); ``(15, 31)``
+            gives three stages blocks 0-14, 15-30 and 31 onwards. ``()``: an even split, the
+            remainder one block each to the middle stages, so any block count works. Costs
+            nothing at run time; it moves memory and time between stages: a stage's
+            parameters, gradients, optimizer state and in-flight activations grow with its
+            blocks, and the slowest stage sets the step. ``memfit plan`` picks cuts that
+            equalise the stages' predicted peaks as far as the step time allows (the last
+            stage's head and loss, or 1F1B's deeper in-flight queue on the first stages,
+            otherwise make one rank the largest).
         context: Context-parallel degree: every sample's sequence cut into this many
             contiguous chunks, one per rank (:mod:`memfit.distributed.context`). Each rank's
             activations, and its logits, hold ``seq_len / context`` tokens, so a sample too
@@ -100,6 +118,8 @@ class ParallelConfig:
     pipeline: int = 1
     schedule: str = "1f1b"
     microbatches: int | None = None
+    sequence: bool = False
+    cuts: tuple[int, ...] = ()
     context: int = 1
     context_mode: str = "ring"
 
@@ -138,9 +158,51 @@ class ParallelConfig:
                 f"parallel context_mode {self.context_mode!r} is not known; use one of "
                 f"{', '.join(CONTEXT_MODES)}"
             )
+        if not isinstance(self.sequence, bool):
+            out.append(f"parallel sequence must be true or false, got {self.sequence!r}")
+        elif self.sequence and self.tensor == 1:
+            out.append(
+                "parallel sequence splits the tensor-parallel group's norms along the sequence "
+                "and needs tensor > 1; set tensor to 2 or more, or sequence false"
+            )
+        elif self.sequence and self.pipeline > 1:
+            out.append(
+                "parallel sequence is not composed with a pipeline yet (the stages would pass "
+                "sequence-sharded activations, which the pipeline's buffers do not take); set "
+                "sequence false or pipeline 1"
+            )
         if self.backend not in (None, "gloo", "nccl"):
             out.append(f"parallel backend must be 'gloo', 'nccl' or null, got {self.backend!r}")
+        out.extend(self._cut_problems())
         return out
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages in all: ``pipeline``, twice that for the schedules that place two
+        stages on each rank (``interleaved-1f1b``, ``zero-bubble``)."""
+        two = self.schedule in ("interleaved-1f1b", "zero-bubble")
+        return self.pipeline * (2 if two and self.pipeline > 1 else 1)
+
+    def _cut_problems(self) -> list[str]:
+        """The cuts' form (their fit to a model's blocks is checked where the model is known:
+        :func:`memfit.distributed.layout.check_layout`)."""
+        cuts = self.cuts
+        if not isinstance(cuts, tuple) or not cuts:
+            return [] if cuts == () else [
+                f"parallel cuts must be a tuple of block indices (a list in JSON) or empty, got "
+                f"{cuts!r}"]
+        if not isinstance(self.pipeline, int) or self.pipeline < 2:
+            return [f"parallel cuts {list(cuts)} need a pipeline; leave cuts empty with "
+                    f"pipeline {self.pipeline!r}"]
+        n = self.num_stages - 1
+        whole = all(isinstance(c, int) and not isinstance(c, bool) for c in cuts)
+        if len(cuts) != n or not whole or cuts[0] < 1 or any(
+                a >= b for a, b in itertools.pairwise(cuts)):
+            what = "one block index" if n == 1 else f"{n} strictly increasing block indices"
+            return [f"parallel cuts {list(cuts)} must be {what} >= 1 (the first block of each "
+                    f"of the {self.schedule} pipeline's stages after the first), or empty for "
+                    "an even split"]
+        return []
 
     @property
     def world_size(self) -> int:

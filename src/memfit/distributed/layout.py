@@ -133,7 +133,10 @@ def layout_microbatches(parallel: ParallelConfig) -> int:
 
 def pipeline_config(parallel: ParallelConfig, cuts: tuple[int, ...] | None = None) -> PipelineConfig:
     """The :class:`~memfit.distributed.pipeline.PipelineConfig` of ``parallel`` (its
-    ``pipeline`` degree, ``schedule`` and ``microbatches``; even cuts unless given)."""
+    ``pipeline`` degree, ``schedule`` and ``microbatches``; ``cuts`` when given, else the
+    plan's ``parallel.cuts``, else an even split)."""
+    if cuts is None and parallel.cuts:
+        cuts = tuple(parallel.cuts)
     return PipelineConfig(parallel.pipeline, parallel.schedule, parallel.microbatches, cuts)
 
 
@@ -455,8 +458,8 @@ def build_layout(
             loss`).
         device: Where this rank computes (default: CPU with gloo; ``cuda:<local rank>`` on GPUs).
         batch_size: The global batch, to check it splits into ``data x microbatches``.
-        cuts: The pipeline's cut points (default: an even split; see
-            :attr:`~memfit.distributed.pipeline.PipelineConfig.cuts`).
+        cuts: The pipeline's cut points (default: ``parallel.cuts``, or an even split when
+            that is empty; see :attr:`~memfit.distributed.pipeline.PipelineConfig.cuts`).
 
     Returns:
         This rank's :class:`Layout`.
@@ -493,8 +496,8 @@ def build_layout(
 
     def prepare(module: nn.Module) -> None:
         if parallel.tensor > 1:
-            handles.append(apply_tensor_parallel(module, TensorParallelConfig(parallel.tensor),
-                                                 mesh["tp"]))
+            config = TensorParallelConfig(parallel.tensor, sequence_parallel=parallel.sequence)
+            handles.append(apply_tensor_parallel(module, config, mesh["tp"]))
         if parallel.replicas > 1 and parallel.sharded:
             _fully_shard(module, parallel, shard_mesh)
 

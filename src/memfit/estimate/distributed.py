@@ -10,7 +10,8 @@ once as DDP does; see :mod:`memfit.distributed.data`). ``ZeroRedundancyOptimizer
 real on the fake group.
 
 What torch lacks and this adds: one call that gives every rank's predicted peak for any world
-size, and the ZeRO paper's model-state formulas to check it against
+size, each rank's device total on a CUDA target with its NCCL communicators
+(:mod:`memfit.estimate.nccl`), and the ZeRO paper's model-state formulas to check it against
 (:func:`zero_model_state_bytes`).
 """
 
@@ -71,13 +72,25 @@ class RankPrediction:
         peak_bytes: Predicted peak per rank (rank order; length ``plan.parallel.data``).
         reports: The dry-run report of each rank that was dry-run.
         measured_ranks: The ranks that were dry-run (the others take rank 0's figure).
+        nccl_bytes: Each rank's NCCL communicator bytes (0 on the CPU and for one process).
+        device_total_bytes: Each rank's predicted device total: its allocator's reserved peak,
+            the CUDA context and workspaces, and its ``nccl_bytes``.
     """
 
-    def __init__(self, plan: Plan, peak_bytes: list[int], reports: dict[int, MemoryReport]):
+    def __init__(self, plan: Plan, peak_bytes: list[int], reports: dict[int, MemoryReport],
+                 nccl_bytes: list[int] | None = None):
         self.plan = plan
         self.peak_bytes = peak_bytes
         self.reports = reports
         self.measured_ranks = sorted(reports)
+        self.nccl_bytes = list(nccl_bytes) if nccl_bytes is not None else [0] * len(peak_bytes)
+        # A rank not dry-run holds rank 0's tensors with its own communicators.
+        base = reports.get(0) or next(iter(reports.values()))
+        self.device_total_bytes = [
+            reports[r].device_total_bytes if r in reports
+            else base.device_total_bytes - base.meta.get("nccl_bytes", 0) + self.nccl_bytes[r]
+            for r in range(len(peak_bytes))
+        ]
 
     @property
     def max_peak_bytes(self) -> int:
@@ -85,9 +98,12 @@ class RankPrediction:
         return max(self.peak_bytes)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: ``predicted_peak_bytes`` per rank, the largest, and which ranks ran."""
+        """JSON-ready: ``predicted_peak_bytes``, ``nccl_bytes`` and
+        ``predicted_device_total_bytes`` per rank, the largest peak, and which ranks ran."""
         return {
             "predicted_peak_bytes": list(self.peak_bytes),
+            "nccl_bytes": list(self.nccl_bytes),
+            "predicted_device_total_bytes": list(self.device_total_bytes),
             "predicted_max_rank_peak_bytes": self.max_peak_bytes,
             "dry_run_ranks": self.measured_ranks,
             "predicted_peak_by_category": {
@@ -105,6 +121,7 @@ def predict_ranks(
     seq_len: int | None = None,
     device: str | DeviceProfile | None = None,
     seed: int = 0,
+    gpus_per_node: int = 8,
 ) -> RankPrediction:
     """Predict each rank's peak for ``plan`` (its ``parallel.data`` ranks) by dry runs.
 
@@ -116,14 +133,21 @@ def predict_ranks(
         batch_size: With a SPEC: the global batch (default 8).
         seq_len: With a SPEC: tokens per sample (default 128).
         device: The target device of the dry runs (:func:`~memfit.estimate.dryrun.measure`'s;
-            default: this machine's own).
+            default: this machine's own). On a CUDA target each rank's device total includes
+            its NCCL communicators (:func:`~memfit.estimate.nccl.rank_target`).
         seed: Seed for model initialisation and the batch.
+        gpus_per_node: Devices per node (which of a group's ranks share a node).
 
     Raises:
-        ValueError: when the data-parallel degree does not divide the batch.
+        ValueError: when the data-parallel degree does not divide the batch, or for an
+            ``NCCL_*`` setting NCCL would not take.
     """
+    from ..targets import get_device
     from .dryrun import measure
+    from .nccl import NcclSettings, rank_target
 
+    target = get_device(device)
+    settings = NcclSettings.from_env()
     if isinstance(workload, str):
         workload = load_workload(workload, batch_size or 8, seq_len or 128)
     world = plan.parallel.data
@@ -132,9 +156,13 @@ def predict_ranks(
             f"a batch of {workload.batch_size} samples cannot be split evenly over {world} "
             f"processes; use a batch size that is a multiple of {world}"
         )
+    def on(rank: int) -> DeviceProfile:
+        return rank_target(target, plan.parallel, rank, gpus_per_node=gpus_per_node,
+                           settings=settings)
+
     if world == 1 and plan.parallel.zero_stage == 0:
-        report = measure(workload, plan, steps=steps, dry=True, device=device, seed=seed)
-        return RankPrediction(plan, [int(report.peak_bytes)], {0: report})
+        report = measure(workload, plan, steps=steps, dry=True, device=on(0), seed=seed)
+        return RankPrediction(plan, [int(report.peak_bytes)], {0: report}, [0])
     if world <= EVERY_RANK_UP_TO:
         ranks = list(range(world))
     elif plan.parallel.zero_stage == 0:
@@ -144,9 +172,10 @@ def predict_ranks(
     reports: dict[int, MemoryReport] = {}
     for rank in ranks:
         with fake_process_group(world, rank):
-            reports[rank] = measure(workload, plan, steps=steps, dry=True, device=device, seed=seed)
+            reports[rank] = measure(workload, plan, steps=steps, dry=True, device=on(rank),
+                                    seed=seed)
     peaks = [int(reports.get(r, reports[0]).peak_bytes) for r in range(world)]
-    return RankPrediction(plan, peaks, reports)
+    return RankPrediction(plan, peaks, reports, [on(r).nccl_bytes for r in range(world)])
 
 
 def zero_model_state_bytes(

@@ -290,8 +290,9 @@ def _role_costs(src: _Source, parallel: ParallelConfig, pipe_rank: int, depth: i
                                                  parallel.context_mode).loss
             for stage in stages.values():
                 if parallel.tensor > 1:
-                    apply_tensor_parallel(stage, TensorParallelConfig(parallel.tensor),
-                                          mesh["tp"])
+                    config = TensorParallelConfig(parallel.tensor,
+                                                  sequence_parallel=parallel.sequence)
+                    apply_tensor_parallel(stage, config, mesh["tp"])
                 if parallel.replicas > 1 and parallel.sharded:
                     from torch._subclasses.fake_tensor import unset_fake_temporarily
 

@@ -33,6 +33,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import heapq
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +49,7 @@ if TYPE_CHECKING:
 __all__ = [
     "LayoutCandidate",
     "ModelShape",
+    "balanced_cuts",
     "estimate_layout",
     "layout_problems",
     "model_shape",
@@ -131,7 +134,7 @@ def layout_problems(shape: ModelShape, parallel: ParallelConfig, batch_size: int
     naming what would work (empty when it can run).
 
     Checks: tensor parallelism within a node and dividing the heads, key-value heads and MLP
-    width; the pipeline's stages no more than the blocks, dividing them evenly; the batch
+    width; the pipeline's stages no more than the blocks (the plan's cuts fitting them); the batch
     split evenly over the replicas and the micro-batches; the schedule's micro-batch count;
     context parallelism dividing the sequence (and, all-to-all, each tensor rank's heads),
     without a pipeline.
@@ -162,15 +165,11 @@ def layout_problems(shape: ModelShape, parallel: ParallelConfig, batch_size: int
             f"{', '.join(map(str, works))}"
         )
     if p > 1:
-        if shape.layers % p:
-            works = [x for x in _divisors(shape.layers) if x > 1]
-            out.append(
-                f"a pipeline of {p} stages does not divide the {shape.layers} layers evenly; "
-                f"use pipeline {', '.join(map(str, works))}"
-            )
-        else:
-            cfg = PipelineConfig(p, parallel.schedule, _microbatches(parallel))
-            out.extend(cfg.problems(shape.layers))
+        # The stages need not divide the layers: the cuts (even, or the plan's) say who holds
+        # which; a stage must hold one at least.
+        cfg = PipelineConfig(p, parallel.schedule, _microbatches(parallel),
+                             tuple(parallel.cuts) or None)
+        out.extend(cfg.problems(shape.layers))
     m = _microbatches(parallel)
     if batch_size % (d * m):
         out.append(
@@ -189,17 +188,31 @@ def _microbatches(parallel: ParallelConfig) -> int:
 # ------------------------------------------------------------------------------- profiling
 @dataclass(frozen=True)
 class _Profile:
-    """One micro-batch of one sample through one tensor-parallel rank's shapes."""
+    """One tensor-parallel rank's shapes, per sample of a micro-batch and per micro-batch.
+
+    What a forward keeps for backward is ``*_acts`` per sample plus ``*_fixed`` per
+    micro-batch, whatever its samples: autocast's half-precision copies of the weights, which
+    each forward makes and saves once (measured as the difference of a one- and a two-sample
+    forward: counting them per sample put 4 copies of every weight in a 4-sample micro-batch).
+    """
 
     block_params: int  # elements
     first_params: int
     last_params: int
-    block_acts: int  # bytes kept for backward by one block
+    block_acts: int  # bytes kept for backward by one block, per sample
     first_acts: int
     last_acts: int
-    block_flops: float  # forward + backward
+    block_flops: float  # forward + backward, per sample
     first_flops: float
     last_flops: float
+    block_fixed: int = 0  # bytes kept for backward by one block's forward, per micro-batch
+    first_fixed: int = 0
+    last_fixed: int = 0
+
+    def kept(self, part: str, samples: int) -> int:
+        """Bytes ``part`` (``block``, ``first``, ``last``) keeps for a micro-batch of
+        ``samples``."""
+        return getattr(self, f"{part}_fixed") + getattr(self, f"{part}_acts") * samples
 
 
 def _local_config(shape: ModelShape, tensor: int) -> Any:
@@ -235,25 +248,41 @@ def _profile(shape: ModelShape, tensor: int, seq_len: int, dtype: str, device: s
     with torch.device("meta"):
         model = _hf_model_from_config_impl(cfg, None)
     model = model.to_empty(device="cpu")
-    ids = torch.zeros(1, seq_len, dtype=torch.long)
-    autocast = (
-        torch.autocast("cpu", dtype=getattr(torch, dtype))
-        if dtype in ("bfloat16", "float16")
-        else contextlib.nullcontext()
-    )
-    with emulate(get_device(device)), autocast:
-        prof = profile_blocks(model, ids, ids)
-    block = prof.blocks[0]
+    runs = []
+    for samples in (1, 2):
+        ids = torch.zeros(samples, seq_len, dtype=torch.long)
+        autocast = (
+            torch.autocast("cpu", dtype=getattr(torch, dtype))
+            if dtype in ("bfloat16", "float16")
+            else contextlib.nullcontext()
+        )
+        with emulate(get_device(device)), autocast:
+            runs.append(profile_blocks(model, ids, ids))
+    one, two = runs
+
+    def per_sample(part: str) -> int:  # what a second sample adds
+        a = getattr(two, part) if part != "block" else two.blocks[0]
+        b = getattr(one, part) if part != "block" else one.blocks[0]
+        return a.activation_bytes - b.activation_bytes
+
+    def fixed(part: str) -> int:  # what the first sample keeps beyond that
+        b = getattr(one, part) if part != "block" else one.blocks[0]
+        return max(0, b.activation_bytes - per_sample(part))
+
+    block = one.blocks[0]
     out = _Profile(
         block_params=block.state_bytes // 4,
-        first_params=prof.first.state_bytes // 4,
-        last_params=prof.last.state_bytes // 4,
-        block_acts=block.activation_bytes,
-        first_acts=prof.first.activation_bytes,
-        last_acts=prof.last.activation_bytes,
+        first_params=one.first.state_bytes // 4,
+        last_params=one.last.state_bytes // 4,
+        block_acts=per_sample("block"),
+        first_acts=per_sample("first"),
+        last_acts=per_sample("last"),
         block_flops=block.compute,
-        first_flops=prof.first.compute,
-        last_flops=prof.last.compute,
+        first_flops=one.first.compute,
+        last_flops=one.last.compute,
+        block_fixed=fixed("block"),
+        first_fixed=fixed("first"),
+        last_fixed=fixed("last"),
     )
     if shape.family != "llama" and tensor > 1:
         out = _scale_other(out, tensor)
@@ -271,6 +300,8 @@ def _scale_other(prof: _Profile, t: int) -> _Profile:
         last_params=prof.last_params // t,
         block_acts=round(prof.block_acts * (10 + 24 / t) / 34),
         last_acts=prof.last_acts // t,
+        block_fixed=prof.block_fixed // t,  # weight copies, split like the weights
+        last_fixed=prof.last_fixed // t,
         block_flops=prof.block_flops / t,
         first_flops=prof.first_flops / t,
         last_flops=prof.last_flops / t,
@@ -355,12 +386,60 @@ def _rank_peaks(parallel: ParallelConfig, peaks_by_stage: list[int]) -> list[int
             for r in range(parallel.world_size)]
 
 
+def estimate_layout(shape: ModelShape, parallel: ParallelConfig, *, batch_size: int,
+                    seq_len: int, checkpointing: bool, device: Any, precision: str,
+                    optimizer: OptimizerConfig | str, gpus_per_node: int,
+                    microbatches: int | None = None) -> LayoutCandidate:
+    """Price one layout (see the module docstring): every rank's peak and the step time.
+
+    ``optimizer``: the plan's (a name: its default settings); its state bytes per parameter
+    are the registry's (:meth:`~memfit.optim.registry.OptimizerSpec.bytes_per_parameter`).
+    ``microbatches``: with one stage, the gradient-accumulation steps per step (default 1);
+    with a pipeline, its ``parallel.microbatches``. The pipeline's stages hold the blocks
+    ``parallel.cuts`` gives them (an even split when empty; the layers need not divide).
+    """
+    model = _RankModel(shape, parallel, batch_size=batch_size, seq_len=seq_len,
+                       checkpointing=checkpointing, device=device, precision=precision,
+                       optimizer=optimizer, microbatches=microbatches)
+    p, m = parallel.pipeline, model.m
+    blocks = model.blocks_per_rank(parallel.cuts)
+    peaks_by_stage, cats_by_stage, stage_flops = [], [], []
+    for r in range(p):
+        peak, cats = model.memory(r, blocks[r])
+        peaks_by_stage.append(peak)
+        cats_by_stage.append(cats)
+        stage_flops.append(model.flops(r, blocks[r]))
+    busy = [f / model.rate for f in stage_flops]
+    compute = max(busy)
+    bubble = bubble_fraction(parallel.schedule, p, m)
+    most = max(blocks)
+    comm = communication(
+        parallel, device, gpus_per_node=gpus_per_node,
+        parameters=most * model.prof.block_params + model.prof.first_params,
+        block_output_bytes=model.block_input, blocks=most, microbatches=m,
+        checkpointing=checkpointing, backward_seconds=compute * 2 / 3,
+        context_bytes=model.context_bytes,
+    )
+    tp, pp, dp, cp = comm["tensor"], comm["pipeline"], comm["data"], comm["context"]
+    cost = StepCost(matmul=compute, pointwise=0.0, launch=0.0, optimizer=0.0,
+                    extra_backward=0.0, communication=tp + pp + dp + cp,
+                    bubble=compute * bubble)
+    step = cost.total
+    parts = {"compute": compute, "bubble": compute * bubble, "tensor": tp, "pipeline": pp,
+             "data": dp, "context": cp}
+    peaks = _rank_peaks(parallel, peaks_by_stage)
+    top = max(range(p), key=lambda i: peaks_by_stage[i])
+    return LayoutCandidate(parallel, checkpointing, peaks, step, parts, microbatches=m,
+                           by_category=cats_by_stage[top], stages=cats_by_stage,
+                           stage_busy_seconds=busy)
+
+
 def _context_costs(shape: ModelShape, parallel: ParallelConfig, mb: int, chunk: int,
                    act_bytes: int) -> tuple[int, float, float]:
     """What context parallelism adds to a rank, per block and micro-batch: its attention's
     buffers in backward (bytes), the last chunk's attention FLOPs beyond its own chunk's
-    (forward and backward), and the bytes its exchanges move (keys and values for the ring;
-    queries, keys, values and output for all-to-all)."""
+    (forward and backward, per sample), and the bytes its exchanges move (keys and values for
+    the ring; queries, keys, values and output for all-to-all)."""
     c, t = parallel.context, parallel.tensor
     if c == 1:
         return 0, 0.0, 0.0
@@ -379,99 +458,187 @@ def _context_costs(shape: ModelShape, parallel: ParallelConfig, mb: int, chunk: 
         moved = 2 * q + kv
     # The last chunk attends to all c - 1 earlier chunks in full: 4 FLOPs per query, key and
     # head dimension forward (scores and the weighted sum), twice that backward.
-    flops = 3 * 4 * mb * (shape.heads // t) * head_dim * chunk * chunk * (c - 1)
+    flops = 3 * 4 * (shape.heads // t) * head_dim * chunk * chunk * (c - 1)
     return int(extra), float(flops), float(moved)
 
 
-def estimate_layout(shape: ModelShape, parallel: ParallelConfig, *, batch_size: int,
-                    seq_len: int, checkpointing: bool, device: Any, precision: str,
-                    optimizer: OptimizerConfig | str, gpus_per_node: int,
-                    microbatches: int | None = None) -> LayoutCandidate:
-    """Price one layout (see the module docstring): every rank's peak and the step time.
+class _RankModel:
+    """The per-rank arithmetic of :func:`estimate_layout`: a pipeline rank's peak and FLOPs
+    as functions of how many blocks it holds (its stages' together), so that cuts can be
+    priced, and chosen (:func:`balanced_cuts`), without a dry run each."""
 
-    ``optimizer``: the plan's (a name: its default settings); its state bytes per parameter
-    are the registry's (:meth:`~memfit.optim.registry.OptimizerSpec.bytes_per_parameter`).
-    ``microbatches``: with one stage, the gradient-accumulation steps per step (default 1);
-    with a pipeline, its ``parallel.microbatches``.
-    """
-    from ..distributed.pipeline_plan import microbatches_in_flight
-    from .distributed import zero_model_state_bytes
+    def __init__(self, shape: ModelShape, parallel: ParallelConfig, *, batch_size: int,
+                 seq_len: int, checkpointing: bool, device: Any, precision: str,
+                 optimizer: OptimizerConfig | str, microbatches: int | None = None) -> None:
+        from ..distributed.pipeline_plan import PipelineConfig
 
-    t, p, d, c = parallel.tensor, parallel.pipeline, parallel.data, parallel.context
-    r = parallel.replicas  # ranks sharing (and averaging) the parameters: data x context
-    m = _microbatches(parallel) if p > 1 else (microbatches or 1)
-    mb = batch_size // (d * m)  # samples per micro-batch
-    dtype = {"bf16-mixed": "bfloat16", "fp16-mixed": "float16"}.get(precision, "float32")
-    chunk = seq_len // c  # a context rank's tokens of each sample
-    prof = _profile(shape, t, chunk, dtype, device.name)
-    act_bytes = 2 if dtype != "float32" else 4
-    per_stage = shape.layers // p
-    state = _state_bytes(optimizer)
-    v = 1 if parallel.schedule in ("gpipe", "1f1b") else 2
-    block_input = mb * chunk * shape.hidden * act_bytes
-    attn, attn_flops, cp_bytes = _context_costs(shape, parallel, mb, chunk, act_bytes)
+        t, p, d = parallel.tensor, parallel.pipeline, parallel.data
+        self.shape, self.parallel, self.checkpointing = shape, parallel, checkpointing
+        self.m = _microbatches(parallel) if p > 1 else (microbatches or 1)
+        self.mb = batch_size // (d * self.m)  # samples per micro-batch
+        # A context rank's tokens of each sample: its activations, logits and FLOPs.
+        self.seq_len = seq_len = seq_len // parallel.context
+        dtype = {"bf16-mixed": "bfloat16", "fp16-mixed": "float16"}.get(precision, "float32")
+        self.prof = _profile(shape, t, seq_len, dtype, device.name)
+        self.state = _state_bytes(optimizer)
+        self.v = 1 if parallel.schedule in ("gpipe", "1f1b") or p == 1 else 2
+        act_bytes = 2 if dtype != "float32" else 4
+        self.block_input = self.mb * seq_len * shape.hidden * act_bytes
+        self.attention, self.attention_flops, self.context_bytes = _context_costs(
+            shape, parallel, self.mb, seq_len, act_bytes)
+        self.config = PipelineConfig(p, parallel.schedule, self.m) if p > 1 else None
+        if self.config is not None:
+            last = self.config.num_stages - 1
+            held = [self.config.stage_indices(r) for r in range(p)]
+            self.ends = [(0 in h, last in h) for h in held]
+        else:
+            self.ends = [(True, True)]
+        rate = device.flops.get(
+            "bf16" if dtype == "bfloat16" else "fp16" if dtype == "float16" else "fp32")
+        tokens = self.mb * seq_len
+        self.rate = rate * device.matmul_efficiency * tokens / (tokens + device.half_tokens)
 
-    peaks_by_stage: list[int] = []
-    cats_by_stage: list[dict[str, int]] = []
-    stage_flops = []
-    for s in range(p):
-        first, last = s == 0, s == p - 1
-        if v == 2:  # two chunks per rank: the first chunk's rank also holds the last
-            first, last = s == 0, s == 0
-        params = per_stage * prof.block_params
+    @property
+    def num_stages(self) -> int:
+        """Stages in all (1 without a pipeline)."""
+        return self.config.num_stages if self.config is not None else 1
+
+    def blocks_per_rank(self, cuts: tuple[int, ...] = ()) -> list[int]:
+        """Each pipeline rank's blocks under ``cuts`` (an even split when empty)."""
+        if self.config is None:
+            return [self.shape.layers]
+        cfg = self.config
+        sizes = [len(dataclasses.replace(cfg, cuts=tuple(cuts) or None).stage_blocks(
+            self.shape.layers, s)) for s in range(cfg.num_stages)]
+        return [sum(sizes[s] for s in cfg.stage_indices(r)) for r in range(cfg.degree)]
+
+    def memory(self, r: int, blocks: int) -> tuple[int, dict[str, int]]:
+        """Pipeline rank ``r``'s peak holding ``blocks`` blocks, and its bytes by category."""
+        from ..distributed.pipeline_plan import microbatches_in_flight
+        from .distributed import zero_model_state_bytes
+
+        # The parameters' replicas (data x context) share ZeRO's shards.
+        par, prof, mb, d = self.parallel, self.prof, self.mb, self.parallel.replicas
+        first, last = self.ends[r]
+        params = blocks * prof.block_params
         params += prof.first_params if first else 0
         params += prof.last_params if last else 0
-        states = zero_model_state_bytes(params, r, parallel.zero_stage, state_bytes=state)
-        if parallel.zero_stage == 3:  # two blocks' parameters gathered at a time
-            states += 2 * 4 * prof.block_params * (1 - 1 / r)
-        if parallel.zero_stage == 2:  # whole between a block's forward and its backward
-            states += 4 * params * (1 - 1 / r)
-        per_block = block_input if checkpointing else prof.block_acts * mb
-        acts = per_stage * per_block
-        acts += prof.first_acts * mb if first else 0
-        acts += prof.last_acts * mb if last else 0
-        n = microbatches_in_flight(parallel.schedule, p, m, s, v if v > 1 else None) if p > 1 else 1
+        states = zero_model_state_bytes(params, d, par.zero_stage, state_bytes=self.state)
+        if par.zero_stage == 3:  # two blocks' parameters gathered at a time
+            states += 2 * 4 * prof.block_params * (1 - 1 / d)
+        if par.zero_stage == 2:  # whole between a block's forward and its backward
+            states += 4 * params * (1 - 1 / d)
+        per_block = self.block_input if self.checkpointing else prof.kept("block", mb)
+        acts = blocks * per_block
+        acts += prof.kept("first", mb) if first else 0
+        acts += prof.kept("last", mb) if last else 0
+        v, p = self.v, par.pipeline
+        n = microbatches_in_flight(par.schedule, p, self.m, r, v if v > 1 else None) \
+            if p > 1 else 1
         kept = n * acts / v
         # One block's backward: its saved tensors again as gradients (recomputed first when
         # checkpointed), and on the last stage the logits' gradient in fp32.
-        work = prof.block_acts * mb * (2 if checkpointing else 1) + attn
+        work = prof.kept("block", mb) * (2 if self.checkpointing else 1) + self.attention
         if last:
-            work = max(work, 2 * 4 * mb * chunk * (-(-shape.vocab // t)))
-        peaks_by_stage.append(int(states + kept + work))
-        grads = zero_model_state_bytes(params, r, parallel.zero_stage, param_bytes=0,
+            work = max(work, 2 * 4 * mb * self.seq_len * (-(-self.shape.vocab // par.tensor)))
+        grads = zero_model_state_bytes(params, d, par.zero_stage, param_bytes=0,
                                        grad_bytes=4, state_bytes=0)
-        opt = zero_model_state_bytes(params, r, parallel.zero_stage, param_bytes=0,
-                                     grad_bytes=0, state_bytes=state)
-        cats_by_stage.append({
-            "parameters": int(states - grads - opt), "gradients": int(grads),
-            "optimizer_state": int(opt), "activations": int(kept), "temporaries": int(work),
-        })
-        flops = per_stage * (prof.block_flops + attn_flops) * (4 / 3 if checkpointing else 1)
-        flops += (prof.first_flops if first else 0) + (prof.last_flops if last else 0)
-        stage_flops.append(flops * mb * m)
+        opt = zero_model_state_bytes(params, d, par.zero_stage, param_bytes=0,
+                                     grad_bytes=0, state_bytes=self.state)
+        cats = {"parameters": int(states - grads - opt), "gradients": int(grads),
+                "optimizer_state": int(opt), "activations": int(kept), "temporaries": int(work)}
+        return int(states + kept + work), cats
 
-    rate = device.flops.get("bf16" if dtype == "bfloat16" else "fp16" if dtype == "float16" else "fp32")
-    tokens = mb * chunk
-    eff = device.matmul_efficiency * tokens / (tokens + device.half_tokens)
-    busy = [f / (rate * eff) for f in stage_flops]
-    compute = max(busy)
-    bubble = bubble_fraction(parallel.schedule, p, m)
-    comm = communication(
-        parallel, device, gpus_per_node=gpus_per_node,
-        parameters=per_stage * prof.block_params + prof.first_params,
-        block_output_bytes=block_input, blocks=per_stage, microbatches=m,
-        checkpointing=checkpointing, backward_seconds=compute * 2 / 3,
-        context_bytes=cp_bytes,
-    )
-    tp, pp, dp, cp = comm["tensor"], comm["pipeline"], comm["data"], comm["context"]
-    cost = StepCost(matmul=compute, pointwise=0.0, launch=0.0, optimizer=0.0,
-                    extra_backward=0.0, communication=tp + pp + dp + cp,
-                    bubble=compute * bubble)
-    step = cost.total
-    parts = {"compute": compute, "bubble": compute * bubble, "tensor": tp, "pipeline": pp,
-             "data": dp, "context": cp}
-    peaks = _rank_peaks(parallel, peaks_by_stage)
-    top = max(range(p), key=lambda i: peaks_by_stage[i])
-    return LayoutCandidate(parallel, checkpointing, peaks, step, parts, microbatches=m,
-                           by_category=cats_by_stage[top], stages=cats_by_stage,
-                           stage_busy_seconds=busy)
+    def flops(self, r: int, blocks: int) -> float:
+        """Pipeline rank ``r``'s forward and backward FLOPs per step holding ``blocks``."""
+        prof = self.prof
+        first, last = self.ends[r]
+        flops = blocks * (prof.block_flops + self.attention_flops) * (
+            4 / 3 if self.checkpointing else 1)
+        flops += (prof.first_flops if first else 0) + (prof.last_flops if last else 0)
+        return flops * self.mb * self.m
+
+    def cuts_of(self, blocks: list[int]) -> tuple[int, ...]:
+        """The cuts that give each rank ``blocks[r]`` blocks, a rank's split as evenly as
+        may be over its stages (the earlier stage taking the odd block)."""
+        cfg = self.config
+        assert cfg is not None
+        sizes = [0] * cfg.num_stages
+        for r, k in enumerate(blocks):
+            mine = sorted(cfg.stage_indices(r))
+            for j, s in enumerate(mine):
+                sizes[s] = k // len(mine) + (1 if j < k % len(mine) else 0)
+        cuts, at = [], 0
+        for n in sizes[:-1]:
+            at += n
+            cuts.append(at)
+        return tuple(cuts)
+
+
+def _fill(total: int, start: list[int], key: Callable[[int, int], float],
+          allowed: Callable[[int, int], bool] | None = None) -> list[int] | None:
+    """Hand out ``total`` blocks one at a time, each to the rank whose ``key`` after taking it
+    is least (among the ranks ``allowed`` one more): for keys that grow with the blocks, the
+    split whose largest key is least. ``allowed`` must stay false once false (a bound on a
+    growing figure). ``None`` when the ``allowed`` ranks cannot take them all."""
+    counts = list(start)
+    heap = [(key(r, k + 1), r) for r, k in enumerate(counts)]
+    heapq.heapify(heap)
+    for _ in range(total - sum(start)):
+        while heap and allowed is not None and not allowed(heap[0][1], counts[heap[0][1]] + 1):
+            heapq.heappop(heap)  # this rank is full for good
+        if not heap:
+            return None
+        _, r = heapq.heappop(heap)
+        counts[r] += 1
+        heapq.heappush(heap, (key(r, counts[r] + 1), r))
+    return counts
+
+
+def balanced_cuts(shape: ModelShape, parallel: ParallelConfig, *, batch_size: int,
+                  seq_len: int, checkpointing: bool, device: Any, precision: str,
+                  optimizer: OptimizerConfig | str) -> dict[str, tuple[int, ...]]:
+    """The pipeline cuts the planner weighs for one setting, by the per-rank model of
+    :func:`estimate_layout` (a rank's peak and FLOPs grow with its blocks, so handing blocks
+    out one at a time to the rank that stays least is exact for the largest of them):
+
+    * ``time``: the least step compute (the busiest rank's FLOPs), and among the splits
+      that reach it, the one whose largest rank's peak is least: the stages' peaks as equal
+      as the fastest step allows;
+    * ``memory``: the least largest peak (each rank's peak equalised as far as whole blocks
+      go), and among those splits, the least step compute: for when memory binds.
+
+    Returns:
+        ``{"time": cuts, "memory": cuts}`` (the same cuts twice when they agree); empty
+        without a pipeline.
+    """
+    if parallel.pipeline == 1:
+        return {}
+    model = _RankModel(shape, parallel, batch_size=batch_size, seq_len=seq_len,
+                       checkpointing=checkpointing, device=device, precision=precision,
+                       optimizer=optimizer)
+    p, layers = parallel.pipeline, shape.layers
+    start = [model.v] * p  # a block on each of a rank's stages at least
+    # Both figures are affine in a rank's blocks (each block adds its states, its in-flight
+    # activations and its FLOPs): two evaluations per rank give them for every count.
+    peaks = [(model.memory(r, 1)[0], model.memory(r, 2)[0]) for r in range(p)]
+    works = [(model.flops(r, 1), model.flops(r, 2)) for r in range(p)]
+
+    def peak(r: int, k: int) -> float:
+        one, two = peaks[r]
+        return one + (two - one) * (k - 1)
+
+    def flops(r: int, k: int) -> float:
+        one, two = works[r]
+        return one + (two - one) * (k - 1)
+
+    fastest = _fill(layers, start, flops)
+    assert fastest is not None  # no bound: every block finds a rank
+    t_best = max(flops(r, k) for r, k in enumerate(fastest)) * (1 + 1e-9)
+    time_split = _fill(layers, start, peak, lambda r, k: flops(r, k) <= t_best)
+    smallest = _fill(layers, start, peak)
+    assert smallest is not None and time_split is not None
+    m_best = max(peak(r, k) for r, k in enumerate(smallest))
+    memory_split = _fill(layers, start, flops, lambda r, k: peak(r, k) <= m_best)
+    return {"time": model.cuts_of(time_split),
+            "memory": model.cuts_of(memory_split or smallest)}

@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from ..distributed.config import ParallelConfig
 from ..plan import Plan
 from ..targets import DeviceProfile, get_device
 from ..workload import Workload
@@ -126,7 +127,9 @@ class Ranks:
             method="ranks",
             extra={"ranks": ranks},
             reserved_bytes=int(report.peak_reserved_bytes or report.peak_bytes),
-            overhead_bytes=device.overhead_bytes if device.is_cuda else 0,
+            # The ranks' communicators differ only in layouts; the most any rank holds.
+            overhead_bytes=(device.overhead_bytes - device.nccl_bytes + max(ranks.nccl_bytes)
+                            if device.is_cuda else 0),
             target_device=device.name,
             host_bytes=int(report.peak_by_tier.get("host", 0)),
             rank_peak_bytes=list(ranks.peak_bytes),
@@ -138,7 +141,13 @@ class Layout:
     """Each pipeline rank's own program on fake tensors in a fake process group, replayed
     over its schedule: a tensor x pipeline layout in the plan's optimizer (the layout path's
     ones), fp32, without checkpointing. Its figures are allocated bytes; a CUDA target's
-    allocator is taken to reserve :data:`ALLOCATED_SHARE` more."""
+    allocator is taken to reserve :data:`ALLOCATED_SHARE` more.
+
+    Attributes:
+        gpus_per_node: Devices per node (which ranks of a group share a node: NCCL's buffers).
+    """
+
+    gpus_per_node: int = 8
 
     def predict(self, workload: Workload, plan: Plan, target: Target) -> Prediction:
         """See :class:`Predictor`.
@@ -161,7 +170,8 @@ class Layout:
             # The rest of the peak is the micro-batches' activations and the step's working
             # set, which the replay does not tell apart.
             cats["activations"] = max(0, peaks[top] - sum(cats.values()))
-        return _rank_prediction(peaks, cats, "layout", device, {"layout": pred})
+        return _rank_prediction(peaks, cats, "layout", device, {"layout": pred}, plan.parallel,
+                                self.gpus_per_node)
 
 
 @dataclass(frozen=True)
@@ -193,14 +203,16 @@ class LayoutModel:
             gpus_per_node=self.gpus_per_node,
             microbatches=plan.grad_accum_steps if par.pipeline == 1 else None,
         )
-        return layout_prediction(cand, device)
+        return layout_prediction(cand, device, self.gpus_per_node)
 
 
-def layout_prediction(cand: LayoutCandidate, target: Target) -> Prediction:
+def layout_prediction(cand: LayoutCandidate, target: Target, gpus_per_node: int = 8) -> Prediction:
     """The :class:`Prediction` of a layout the 3-D planner's model priced
-    (:func:`~memfit.estimate.layout_cost.estimate_layout`)."""
+    (:func:`~memfit.estimate.layout_cost.estimate_layout`), each rank's NCCL communicators
+    counted for nodes of ``gpus_per_node`` devices."""
     return _rank_prediction(list(cand.rank_peak_bytes), dict(cand.by_category),
-                            "layout-model", get_device(target), {"layout": cand})
+                            "layout-model", get_device(target), {"layout": cand},
+                            cand.parallel, gpus_per_node)
 
 
 #: Share of what a CUDA caching allocator reserves that the per-rank models' tensors fill:
@@ -209,20 +221,32 @@ ALLOCATED_SHARE = 0.95
 
 
 def _rank_prediction(peaks: list[int], by_category: dict[str, int], method: str,
-                     device: DeviceProfile, extra: dict) -> Prediction:
+                     device: DeviceProfile, extra: dict, parallel: ParallelConfig,
+                     gpus_per_node: int = 8) -> Prediction:
     """A prediction of each rank's allocated bytes; on a CUDA target the allocator reserves
-    :data:`ALLOCATED_SHARE` more (the largest rank's)."""
+    :data:`ALLOCATED_SHARE` more, and each rank holds its NCCL communicators
+    (:func:`~memfit.estimate.nccl.nccl_rank_bytes`): the figures are the rank whose reserve and
+    communicators together are largest (``extra["nccl_bytes"]``: every rank's)."""
+    from .nccl import nccl_rank_bytes
+
     top = max(peaks)
-    reserved = -(-top * 100 // round(ALLOCATED_SHARE * 100)) if device.is_cuda else top
+    if not device.is_cuda:
+        return Prediction(peak_bytes=top, by_category=by_category, phase_peaks={},
+                          peak_phase="", method=method, extra=extra, reserved_bytes=top,
+                          overhead_bytes=0, target_device=device.name, rank_peak_bytes=peaks)
+    nccl = nccl_rank_bytes(parallel, device, gpus_per_node=gpus_per_node)
+    share = round(ALLOCATED_SHARE * 100)
+    totals = [-(-p * 100 // share) + n for p, n in zip(peaks, nccl, strict=True)]
+    worst = max(range(len(peaks)), key=totals.__getitem__)
     return Prediction(
         peak_bytes=top,
         by_category=by_category,
         phase_peaks={},
         peak_phase="",
         method=method,
-        extra=extra,
-        reserved_bytes=reserved,
-        overhead_bytes=device.overhead_bytes if device.is_cuda else 0,
+        extra={**extra, "nccl_bytes": nccl},
+        reserved_bytes=totals[worst] - nccl[worst],
+        overhead_bytes=device.overhead_bytes - device.nccl_bytes + nccl[worst],
         target_device=device.name,
         rank_peak_bytes=peaks,
     )

@@ -28,7 +28,9 @@ def device_memory(trace: Any, target: DeviceProfile, peak_bytes: int) -> dict[st
 
     Returns:
         ``peak_allocated_bytes`` (rounded as the allocator rounds), ``peak_reserved_bytes``,
-        ``overhead_bytes`` and ``device_total_bytes`` (reserved plus overhead).
+        ``overhead_bytes`` (context, workspaces and, on a rank of several processes, NCCL's
+        communicators), ``nccl_bytes`` (that last share alone) and ``device_total_bytes``
+        (reserved plus overhead).
     """
     if not target.is_cuda:
         # The CPU has no caching allocator: what tensors hold is what the process holds.
@@ -36,6 +38,7 @@ def device_memory(trace: Any, target: DeviceProfile, peak_bytes: int) -> dict[st
             "peak_allocated_bytes": peak_bytes,
             "peak_reserved_bytes": peak_bytes,
             "overhead_bytes": 0,
+            "nccl_bytes": 0,
             "device_total_bytes": peak_bytes,
         }
     from ..accounting.allocator import AllocatorConfig, replay_records
@@ -48,6 +51,7 @@ def device_memory(trace: Any, target: DeviceProfile, peak_bytes: int) -> dict[st
         "peak_allocated_bytes": replay.peak_allocated_bytes,
         "peak_reserved_bytes": replay.peak_reserved_bytes,
         "overhead_bytes": overhead,
+        "nccl_bytes": target.nccl_bytes,
         "device_total_bytes": replay.peak_reserved_bytes + overhead,
     }
 
@@ -104,7 +108,9 @@ def upper_edge(total_bytes: int, target_is_cuda: bool) -> int:
 
 def add_device_memory(report: MemoryReport, tracker: Any, target: DeviceProfile) -> None:
     """Fill ``report``'s device fields for ``target`` from ``tracker``'s allocation trace,
-    with their error band (:func:`error_band`)."""
+    with their error band (:func:`error_band`). A target set for one rank of several
+    processes (:func:`memfit.estimate.nccl.rank_target`) adds its NCCL communicators to the
+    device total, and ``meta["nccl_bytes"]`` says how much."""
     values = device_memory(tracker.trace(), target, report.peak_bytes)
     report.peak_reserved_bytes = values["peak_reserved_bytes"]
     report.overhead_bytes = values["overhead_bytes"]
@@ -117,5 +123,6 @@ def add_device_memory(report: MemoryReport, tracker: Any, target: DeviceProfile)
         target_device=target.name,
         peak_allocated_bytes=values["peak_allocated_bytes"],
         predicted_device_total_bytes=values["device_total_bytes"],
+        nccl_bytes=values["nccl_bytes"],
         error_band=error_band(figures, target),
     )

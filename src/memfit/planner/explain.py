@@ -134,7 +134,9 @@ def _what_fits(target: DeviceProfile, winner: Candidate) -> str:
     return (
         f"Fitted on {target.name}: the device total, {format_bytes(winner.peak_bytes or 0)} of "
         f"tensors, {format_bytes(winner.reserved_bytes or 0)} reserved by the caching allocator "
-        f"(model), plus {format_bytes(target.overhead_bytes)} of CUDA context and workspaces."
+        f"(model), plus {format_bytes(target.overhead_bytes)} of CUDA context and workspaces"
+        + (f" (NCCL's communicators: {format_bytes(target.nccl_bytes)})."
+           if target.nccl_bytes else ".")
     )
 
 

@@ -31,6 +31,7 @@ from ..estimate.layout_cost import (
     LayoutCandidate,
     ModelShape,
     _divisors,
+    balanced_cuts,
     estimate_layout,
     layout_problems,
     model_shape,
@@ -266,7 +267,7 @@ class _LayoutSearch:
         if confirm:
             for cand in fitting[:min(3, max_predictions)]:
                 plan = self._result(cand, candidates, fits=True, explanation="").plan
-                pred = _confirm(self.workload, plan, self.target, self.say)
+                pred = _confirm(self.workload, plan, self.target, self.say, self.g)
                 if pred is None:
                     break
                 if fits(pred, self.budget_bytes):
@@ -329,13 +330,15 @@ class _LayoutSearch:
             self.say(f"pricing {name}")
             for par, m in settings:
                 for ckpt in ckpts:
-                    cand = estimate_layout(
-                        shape, par, batch_size=workload.batch_size, seq_len=workload.seq_len,
+                    priced = [estimate_layout(
+                        shape, cut, batch_size=workload.batch_size, seq_len=workload.seq_len,
                         checkpointing=ckpt, device=self.target, precision=self.precision,
                         optimizer=base.optimizer, gpus_per_node=g, microbatches=m,
-                    )
-                    cand.fits = fits(layout_prediction(cand, self.target), self.budget_bytes)
-                    candidates.append(cand)
+                    ) for cut in self._cuts(shape, par, ckpt)]
+                    for cand in _weigh_cuts(priced):
+                        cand.fits = fits(layout_prediction(cand, self.target, g),
+                                         self.budget_bytes)
+                        candidates.append(cand)
         if not candidates:
             raise ValueError(
                 f"no layout of {self.world_size} processes can split {workload.name} at a "
@@ -343,11 +346,44 @@ class _LayoutSearch:
             )
         return candidates
 
+    def _cuts(self, shape: ModelShape, par: ParallelConfig, ckpt: bool) -> list[ParallelConfig]:
+        """``par`` with each pipeline split the search weighs (:func:`~memfit.estimate.
+        layout_cost.balanced_cuts`: the most even peaks, and the fastest split with its
+        stages' peaks as even as that allows); the plan's own cuts when it gives them, and
+        ``par`` alone without a pipeline."""
+        if par.pipeline == 1 or par.cuts:
+            return [par]
+        options = balanced_cuts(
+            shape, par, batch_size=self.workload.batch_size, seq_len=self.workload.seq_len,
+            checkpointing=ckpt, device=self.target, precision=self.precision,
+            optimizer=self.base.optimizer)
+        # The memory-balanced split first: _weigh_cuts keeps it unless the other is faster.
+        splits = dict.fromkeys((options["memory"], options["time"]))
+        return [dataclasses.replace(par, cuts=c) for c in splits]
+
     def _result(self, cand: LayoutCandidate, candidates: list[LayoutCandidate], *,
                 fits: bool, explanation: str) -> PlanResult:
         return _result(cand, fits=fits, explanation=explanation, workload=self.workload,
                        base=self.base, budget=self.budget_bytes, target=self.target,
-                       candidates=candidates)
+                       candidates=candidates, gpus_per_node=self.g)
+
+
+#: A split that evens the stages' peaks is kept in place of the fastest split when it is
+#: slower by no more than this share of the step: below the cost model's resolution, and every
+#: rank gains headroom (the largest rank's peak falls, the others' rise towards it).
+EVEN_PEAKS_TOLERANCE = 0.03
+
+
+def _weigh_cuts(priced: list[LayoutCandidate]) -> list[LayoutCandidate]:
+    """The pipeline splits of one setting worth searching: the memory-balanced one (first)
+    alone when the fastest gains no more than :data:`EVEN_PEAKS_TOLERANCE` of the step
+    over it, else both (the search takes the faster where it fits)."""
+    if len(priced) < 2:
+        return priced
+    even, fast = priced[0], min(priced, key=lambda c: c.step_seconds)
+    if even.step_seconds <= fast.step_seconds * (1 + EVEN_PEAKS_TOLERANCE):
+        return [even]
+    return priced
 
 
 def _check_search_options(allow: Iterable[str], forbid: Iterable[str],
@@ -386,7 +422,7 @@ def _layout_key(c: LayoutCandidate) -> tuple[int, int, int, int]:
 
 
 def _confirm(workload: Workload, plan: Plan, target: Any,
-             say: Callable[[str], None]) -> Prediction | None:
+             say: Callable[[str], None], gpus_per_node: int = 8) -> Prediction | None:
     """Each rank's peak from dry runs of its own program in a fake process group
     (:class:`memfit.estimate.predictor.Layout`), for what those dry runs model: a
     tensor or pipeline split in fp32, without checkpointing, with an optimizer the layout path
@@ -404,13 +440,15 @@ def _confirm(workload: Workload, plan: Plan, target: Any,
         return None
     say(f"predicting every rank of {plan.summary()}")
     try:
-        return Layout().predict(workload, plan, target)
+        return Layout(gpus_per_node).predict(workload, plan, target)
     except ValueError:
         return None
 
 
 def _result(cand: LayoutCandidate, *, fits: bool, explanation: str, workload: Workload,
-            base: Plan, budget: int, target: Any, candidates: list[LayoutCandidate]) -> PlanResult:
+            base: Plan, budget: int, target: Any, candidates: list[LayoutCandidate],
+            gpus_per_node: int = 8) -> PlanResult:
+    from ..estimate.nccl import nccl_rank_bytes
     from ..strategies.checkpointing import CheckpointConfig
 
     changes: dict[str, Any] = {
@@ -442,6 +480,8 @@ def _result(cand: LayoutCandidate, *, fits: bool, explanation: str, workload: Wo
             "stage_busy_seconds": list(cand.stage_busy_seconds),
             "checkpointing": cand.checkpointing,
             "microbatches": cand.microbatches,
+            # Each rank's NCCL communicators, counted in its fit (0 on the CPU).
+            "nccl_bytes": nccl_rank_bytes(cand.parallel, target, gpus_per_node=gpus_per_node),
             "alternatives": _alternatives(cand, candidates),
         },
     )

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 
 from ..distributed.config import ZERO_STAGES, ParallelConfig
 from ..plan import Plan
-from ..targets import DeviceProfile
+from ..targets import DeviceProfile, get_device, parse_budget
 from ..units import format_bytes
 from ..workload import Workload, load_workload
 from .result import NothingFits, PlanResult
@@ -87,6 +87,10 @@ def plan_parallel(
             f"samples; use a batch size that is a multiple of {world_size}"
         )
     base = base or Plan()
+    # Every rank holds its NCCL communicators beside the context (estimate.nccl): the
+    # search fits each rank's device total with them, on the device it plans for.
+    budget_device = parse_budget(budget)[1]
+    target = get_device(device) if device else (budget_device or get_device(None))
     # Each search plans one rank: its share of the batch (micro-batches, costs, dry runs).
     local = workload.replace(batch_size=workload.batch_size // world_size)
     search = functools.partial(
@@ -100,7 +104,7 @@ def plan_parallel(
         disk_dir=disk_dir,
         jobs=jobs,
     )
-    results = _stage_results(local, budget, base, world_size, stages, search, say)
+    results = _stage_results(local, budget, base, world_size, stages, search, say, target)
     if not results:
         raise ValueError(f"no ZeRO stage can shard the plan's optimizer {base.optimizer.name!r}")
     fitting = [r for r in results if r.fits]
@@ -108,7 +112,7 @@ def plan_parallel(
         raise _nothing_fits(results, world_size)
     best = min(fitting, key=lambda r: (round(r.predicted_step_time_ratio, 3), r.plan.parallel.zero_stage))
     say(f"predicting every rank: {best.plan.summary()}")
-    ranks = predict_ranks(workload, best.plan, device=best.device)
+    ranks = predict_ranks(workload, best.plan, device=target)
     best.rank_peak_bytes = list(ranks.peak_bytes)
     best.predicted_peak_bytes = ranks.max_peak_bytes
     best.explanation = _explain(best, results, world_size)
@@ -124,12 +128,15 @@ def _stage_results(
     stages: Iterable[int],
     search: Callable[..., PlanResult],
     say: Callable[[str], None],
+    target: DeviceProfile,
 ) -> list[PlanResult]:
     """Each ZeRO stage's answer (fitting or the closest) for one rank's share ``local`` of
-    the batch, searched inside a fake process group of the world size; a stage the base
-    plan's optimizer cannot be sharded by is left out."""
+    the batch, searched inside a fake process group of the world size on ``target`` as a
+    rank sees it (its NCCL communicators counted); a stage the base plan's optimizer cannot
+    be sharded by is left out."""
     from ..distributed.data import batches_are_local
     from ..estimate.distributed import fake_process_group
+    from ..estimate.nccl import rank_target
 
     results: list[PlanResult] = []
     for stage in stages:
@@ -142,7 +149,9 @@ def _stage_results(
         say(f"ZeRO stage {stage} on {world_size} processes")
         with fake_process_group(world_size), batches_are_local():
             try:
-                result = search(local, budget, base=staged)
+                # Data parallelism alone: every rank joins the same one group.
+                result = search(local, budget, base=staged,
+                                device=rank_target(target, staged.parallel, 0))
             except NothingFits as e:
                 result = e.result
         results.append(result)

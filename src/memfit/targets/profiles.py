@@ -65,6 +65,9 @@ class DeviceProfile:
         workspace_bytes: cuBLAS/cuDNN workspaces. PyTorch allocates the cuBLAS workspace
             through its caching allocator once per handle and stream; memfit counts it here,
             beside the context, as fixed device overhead.
+        nccl_bytes: NCCL's communicator buffers on one rank of a multi-process run (0 for
+            one process): set per rank by :func:`memfit.estimate.nccl.rank_target`, part of
+            ``overhead_bytes`` like the context.
         host_mem_bandwidth: Bytes/s a host-side optimizer step streams through host memory
             (optimizer offload's step is bound by it). Default 100 GB/s: a server socket's
             DDR5 channels give about 300 GB/s in theory; one optimizer process, like
@@ -97,6 +100,7 @@ class DeviceProfile:
     compute_capability: tuple[int, int] | None = None
     context_bytes: int = 0
     workspace_bytes: int = 0
+    nccl_bytes: int = 0
     extra: Mapping[str, Any] = field(default_factory=dict)
     host_mem_bandwidth: float = 100e9
     disk_bandwidth: float = 2e9
@@ -127,8 +131,9 @@ class DeviceProfile:
 
     @property
     def overhead_bytes(self) -> int:
-        """Device memory used outside tensors: CUDA context plus library workspaces."""
-        return self.context_bytes + self.workspace_bytes
+        """Device memory used outside tensors: CUDA context, library workspaces and (on a rank
+        of several processes) NCCL's communicators."""
+        return self.context_bytes + self.workspace_bytes + self.nccl_bytes
 
     @property
     def budget_bytes(self) -> int:

@@ -29,7 +29,7 @@ import random
 import re
 import shutil
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,7 @@ __all__ = [
     "restore_rng_state",
     "rng_state",
     "save_checkpoint",
+    "save_sharded_checkpoint",
 ]
 
 _NAME = re.compile(r"^step-(\d+)$")
@@ -148,7 +149,10 @@ def save_checkpoint(
         raise CheckpointError(f"cannot create the checkpoint folder {str(root)!r} ({e.strerror})") from None
     final = root / f"step-{int(step):08d}"
     if _world() > 1:
-        return _save_sharded(root, final, int(step), model, optimizer, scheduler, state, keep)
+        from .sharded_checkpoint import save_sharded
+
+        return _save_sharded(root, final, int(step), lambda tmp: save_sharded(tmp, model, optimizer),
+                             scheduler, state, keep)
     tmp = root / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     trainer_state = {
         "step": int(step),
@@ -191,23 +195,50 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def save_sharded_checkpoint(
+    directory: str | os.PathLike[str],
+    step: int,
+    write_shards: Callable[[Path], None],
+    *,
+    scheduler: Any = None,
+    state: Mapping[str, Any] | None = None,
+    keep: int | None = 3,
+) -> Path:
+    """Write a checkpoint of ``step`` from every process of the open process group (a
+    collective), atomically, keeping the last ``keep``: ``write_shards(folder)`` writes each
+    process's weights and optimizer state into the temporary folder (through
+    ``torch.distributed.checkpoint``), then process 0 adds the trainer state (``state``, the
+    scheduler, every process's RNG), the manifest, and renames the folder into place.
+
+    Raises:
+        CheckpointError: for a write that fails; the previous checkpoints are left as they were.
+    """
+    if keep is not None and keep < 1:
+        raise ValueError(f"keep must be >= 1 or None, got {keep!r}")
+    root = Path(directory)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"cannot create the checkpoint folder {str(root)!r} ({e.strerror})") from None
+    final = root / f"step-{int(step):08d}"
+    return _save_sharded(root, final, int(step), write_shards, scheduler, state, keep)
+
+
 def _save_sharded(
     root: Path,
     final: Path,
     step: int,
-    model: nn.Module,
-    optimizer: Any,
+    write_shards: Callable[[Path], None],
     scheduler: Any,
     state: Mapping[str, Any] | None,
     keep: int | None,
 ) -> Path:
     """A checkpoint of a run on several processes (every process calls it): the weights and
-    optimizer state sharded (:mod:`memfit.train.sharded_checkpoint`), the trainer state and
-    every process's RNG written by process 0, then the manifest and the atomic rename."""
+    optimizer state sharded by ``write_shards`` (:mod:`memfit.train.sharded_checkpoint`,
+    :mod:`memfit.train.layout_checkpoint`), the trainer state and every process's RNG written
+    by process 0, then the manifest and the atomic rename."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.api import CheckpointException
-
-    from .sharded_checkpoint import save_sharded
 
     rank = dist.get_rank()
     tmp = root / f".tmp-{final.name}-sharded"
@@ -218,7 +249,7 @@ def _save_sharded(
     rngs: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(rngs, rng_state())
     try:
-        save_sharded(tmp, model, optimizer)
+        write_shards(tmp)
         dist.barrier()
         if rank == 0:
             trainer_state = {
