@@ -21,17 +21,19 @@ Each rank then holds:
   the entries for modules the stage lacks). The last stage's logits stay sharded over the
   vocabulary and the loss, and its backward, run under ``loss_parallel``: full-vocabulary
   logits never exist on one rank;
-* with ``data > 1``, gradients reduced over the ``dp`` dimension: ``zero_stage`` 0 all-reduces
-  (and averages) every gradient after the schedule, in place (no memory beyond the gradients);
-  2 and 3 shard each stage with FSDP2 (``fully_shard`` on ``mesh["dp"]``, every block then the
-  stage), which torch's pipeline schedules drive themselves (gradient reduce-scatter after the
-  last micro-batch's backward).
+* with ``data > 1``, gradients reduced over the ``dp`` dimension by torch's data-parallel
+  engines, which torch's pipeline schedules drive themselves (a reduction in the last
+  micro-batch's backward only): ``zero_stage`` 0 wraps each stage in ``DistributedDataParallel``
+  on ``mesh["dp"]``'s group, its gradients views of DDP's buckets, which live for the whole run
+  (:mod:`memfit.distributed.replicas`; under tensor parallelism DDP takes the stage's local
+  shards); 2 and 3 shard each stage with FSDP2 (``fully_shard`` on ``mesh["dp"]``, every block
+  then the stage; gradient reduce-scatter after the last micro-batch's backward).
 
 * with ``context > 1`` (and one stage), each sample's sequence cut over the ``cp`` dimension
   by :func:`~memfit.distributed.context.apply_context_parallel`: the rank runs its chunk, the
   attention exchanges keys and values (ring) or re-splits by heads (all-to-all), and the
-  gradients are averaged over ``dp x cp`` together (FSDP2 shards over them together), each
-  context rank's loss being its share of the whole samples' mean.
+  gradients are averaged over ``dp x cp`` together (DDP's or FSDP2's group is ``dp`` and
+  ``cp`` flattened), each context rank's loss being its share of the whole samples' mean.
 
 With ``pipeline == 1`` the "stage" is the whole model and a step runs its ``microbatches``
 (default 1) as gradient accumulation; with ``tensor == 1`` nothing is split by tensor.
@@ -65,6 +67,7 @@ from .pipeline import (
     model_blocks,
     run_pipeline_step,
 )
+from .replicas import LocalShards, Replicas, replicate
 from .tensor import (
     TensorParallel,
     TensorParallelConfig,
@@ -189,7 +192,7 @@ def check_layout(
     if parallel.zero_stage == 1:
         problems.append(
             "zero_stage 1 (ZeroRedundancyOptimizer) is not composed with tensor or pipeline "
-            "parallelism; use zero_stage 0 (gradients all-reduced) or 2 or 3 (FSDP2)")
+            "parallelism; use zero_stage 0 (gradients all-reduced by DDP) or 2 or 3 (FSDP2)")
     if c > 1 and p > 1:
         problems.append(
             f"context parallelism of {c} is not composed with a pipeline of {p} stages in "
@@ -243,6 +246,8 @@ class Layout:
         pipeline: The pipeline (its schedule), ``None`` when ``parallel.pipeline == 1``.
         tensor: The tensor-parallel handle of each module (empty when ``tensor == 1``).
         loss_fn: ``loss_fn(output, labels)``, a mean over the micro-batch, on the last stage.
+        replicas: With ``data x context > 1`` and ZeRO 0, each module under DDP
+            (:class:`~memfit.distributed.replicas.Replicas`); ``None`` otherwise.
         context: The context-parallel handle (``None`` when ``context == 1``).
     """
 
@@ -253,6 +258,7 @@ class Layout:
     pipeline: Pipeline | None
     tensor: list[TensorParallel] = field(default_factory=list)
     loss_fn: LossFn = causal_lm_loss
+    replicas: Replicas | None = None
     context: ContextParallel | None = None
 
     @property
@@ -261,7 +267,10 @@ class Layout:
         return layout_microbatches(self.parallel)
 
     def parameters(self) -> list[nn.Parameter]:
-        """This rank's parameters, each once: what its optimizer steps."""
+        """This rank's parameters, each once: what its optimizer steps (under DDP with tensor
+        parallelism, the local shards DDP reduces, which share the DTensors' storage)."""
+        if self.replicas is not None:
+            return self.replicas.parameters()
         seen: dict[int, nn.Parameter] = {}
         for module in self.modules:
             for p in module.parameters():
@@ -295,55 +304,61 @@ class Layout:
             raise LayoutError(
                 f"a replica's batch of {inputs.shape[0]} does not split into {m} equal "
                 f"micro-batches; give each replica a multiple of {m} samples")
+        if self.replicas is not None:
+            self.replicas.before_step()
         with self.loss_context():
             if self.pipeline is not None:
                 loss = run_pipeline_step(self.pipeline, inputs, labels)
             else:
                 loss = self._accumulate(inputs, labels, m)
+        if self.replicas is not None:
+            self.replicas.after_step()
         if self.parallel.replicas > 1:
-            loss = self._reduce_data_parallel(loss)
+            loss = self._mean_over_replicas(loss)
         return loss
 
     def _accumulate(self, inputs: torch.Tensor, labels: torch.Tensor, m: int) -> torch.Tensor:
-        model = self.modules[0]
+        """Gradient accumulation over ``m`` micro-batches; under DDP only the last one's
+        backward reduces the (accumulated) gradients."""
+        replicas = self.replicas
+        model = replicas.ddps[0] if replicas is not None else self.modules[0]
         total = torch.zeros(())
-        for x, y in zip(inputs.chunk(m), labels.chunk(m), strict=True):
-            out = model(x)
-            loss = self.loss_fn(getattr(out, "logits", out), y) / m
-            loss.backward()
+        for i, (x, y) in enumerate(zip(inputs.chunk(m), labels.chunk(m), strict=True)):
+            hold = replicas.no_sync() if replicas is not None and i < m - 1 else None
+            with hold or contextlib.nullcontext():
+                out = model(x)  # DDP decides in its forward whether this backward reduces
+                loss = self.loss_fn(getattr(out, "logits", out), y) / m
+                loss.backward()
             loss = loss.detach()
             total = total + (loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
         return total
 
-    def _reduce_data_parallel(self, loss: torch.Tensor) -> torch.Tensor:
-        group = replica_mesh(self.mesh, self.parallel).get_group()
-        d = self.parallel.replicas  # data x context: the gradients are averaged over both
-        if not self.parallel.sharded:
-            # FSDP2 reduces its own gradients; here each gradient is averaged in place.
-            for p in self.parameters():
-                if p.grad is not None:
-                    g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                    dist.all_reduce(g, group=group)
-                    g.div_(d)
+    def _mean_over_replicas(self, loss: torch.Tensor) -> torch.Tensor:
+        """The reported loss averaged over the data-parallel replicas (one scalar: a metric;
+        the gradients were reduced by DDP or FSDP2 in backward)."""
         loss = loss.clone()
-        dist.all_reduce(loss, group=group)
-        return loss / d
+        # Data x context: each context rank's loss is its share of its samples' mean.
+        dist.all_reduce(loss, group=replica_mesh(self.mesh, self.parallel).get_group())
+        return loss / self.parallel.replicas
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """This rank's modules' gradients whole, under the model's parameter names (a
-        collective over the tensor-parallel group: each of its ranks must call it)."""
+        collective over the tensor-parallel group: each of its ranks must call it). Copies:
+        under DDP the gradients are its buckets, which the next step zeroes and refills."""
         out: dict[str, torch.Tensor] = {}
         for i, module in enumerate(self.modules):
             tied = getattr(module, "tied", {})
+            shards = self.replicas.ddps[i].module if self.replicas is not None else None
             if self.tensor:
-                grads = self.tensor[i].full_grads()
+                named = shards.named_grads() if isinstance(shards, LocalShards) else None
+                grads = self.tensor[i].full_grads(named)
             else:
                 grads = {n: p.grad.detach() for n, p in module.named_parameters()
                          if p.grad is not None}
             for name, g in grads.items():
                 if hasattr(g, "full_tensor"):  # FSDP2's shards over the data dimension
                     g = g.full_tensor()
-                out[tied.get(name, name)] = g
+                out[tied.get(name, name)] = g.clone() if self.replicas is not None else g
         return out
 
 
@@ -402,7 +417,9 @@ class LayoutStepper(BaseStepper):
         self.optimizer.step()
 
     def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        # Under DDP the gradients are views of its buckets, live for the whole run: zeroed in
+        # place they stay views (dropping them frees nothing, and Layout.step would re-attach).
+        self.optimizer.zero_grad(set_to_none=self.layout.replicas is None)
 
     def state_dict(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict()}
@@ -492,14 +509,28 @@ def build_layout(
     if parallel.context > 1:
         context = apply_context_parallel(model, mesh["cp"].get_group(), parallel.context_mode)
         loss_fn = context.loss  # the chunk's share of the whole samples' mean
-    shard_mesh = replica_mesh(mesh, parallel)
+    shard_mesh = replica_mesh(mesh, parallel)  # dp, or dp and cp flattened
+    ddps: list[nn.Module] = []
 
-    def prepare(module: nn.Module) -> None:
+    def prepare(module: nn.Module) -> nn.Module | None:
         if parallel.tensor > 1:
             config = TensorParallelConfig(parallel.tensor, sequence_parallel=parallel.sequence)
             handles.append(apply_tensor_parallel(module, config, mesh["tp"]))
         if parallel.replicas > 1 and parallel.sharded:
             _fully_shard(module, parallel, shard_mesh)
+        elif parallel.replicas > 1:
+            ddp = replicate(module, shard_mesh.get_group(), bucket_bytes=parallel.bucket_bytes,
+                            device=device)
+            if parallel.pipeline > 1:
+                # torch's pipeline stage arms DDP's reduction itself, before the last
+                # micro-batch's backward, and runs every forward under no_sync. Its shape
+                # inference at the first step runs one more forward, outside no_sync, and no
+                # weight backward: that forward would arm the reduction for the first
+                # micro-batch's backward instead. Never arming it in a forward fixes that.
+                ddp.require_backward_grad_sync = False
+            ddps.append(ddp)
+            return ddp
+        return None
 
     pipeline = None
     if parallel.pipeline > 1:
@@ -510,7 +541,22 @@ def build_layout(
         model.to(device)
         prepare(model)
         modules = [model]
-    return Layout(parallel, mesh, coords, modules, pipeline, handles, loss_fn, context)
+    replicas = Replicas(ddps) if ddps else None
+    if replicas is not None and pipeline is not None and parallel.tensor > 1:
+        _tie_shards(pipeline, ddps)
+    return Layout(parallel, mesh, coords, modules, pipeline, handles, loss_fn, replicas,
+                  context)
+
+
+def _tie_shards(pipeline: Pipeline, ddps: list[nn.Module]) -> None:
+    """Under DDP with tensor parallelism the gradients are the local shards': sum a tied
+    weight's copies across stages there (the stages' DTensor parameters get none)."""
+    shard: dict[int, nn.Parameter] = {}
+    for ddp in ddps:
+        if isinstance(ddp.module, LocalShards):
+            shard.update(ddp.module.shard_of())
+    pipeline.ties = [([shard.get(id(p), p) for p in params], group)
+                     for params, group in pipeline.ties]
 
 
 def _fully_shard(module: nn.Module, parallel: ParallelConfig, dp_mesh: Any) -> None:

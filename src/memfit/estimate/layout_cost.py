@@ -8,8 +8,9 @@ How a layout is priced, per rank:
   (:func:`memfit.estimate.pipeline.profile_blocks`): the bytes a block's forward keeps for
   backward, the embeddings' and the head's with the loss, the parameters and the FLOPs, at the
   target's kernels. A stage's ranks then hold their parameters, gradients and optimizer state
-  (sharded over ``data`` by the ZeRO stage: :func:`~memfit.estimate.distributed.
-  zero_model_state_bytes`), the activations of the micro-batches the schedule keeps in flight
+  for the whole step (sharded over ``data`` by the ZeRO stage: :func:`~memfit.estimate.
+  distributed.zero_model_state_bytes`; at ZeRO 0 the gradients are DDP's buckets, live from
+  the run's start, :mod:`memfit.distributed.replicas`), the activations of the micro-batches the schedule keeps in flight
   (:func:`~memfit.distributed.pipeline_plan.microbatches_in_flight`; with checkpointing only
   each block's input), and one block's backward working set.
 * **Time.** A :class:`~memfit.estimate.cost.StepCost`, as every plan's: the stage's FLOPs at

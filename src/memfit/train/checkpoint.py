@@ -40,6 +40,7 @@ from .manifest import MANIFEST_FILE, CheckpointError, flatten, unflatten, verify
 
 __all__ = [
     "CheckpointError",
+    "checkpoint_state",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
@@ -154,15 +155,8 @@ def save_checkpoint(
         return _save_sharded(root, final, int(step), lambda tmp: save_sharded(tmp, model, optimizer),
                              scheduler, state, keep)
     tmp = root / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    trainer_state = {
-        "step": int(step),
-        "rng": rng_state(),
-        "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "optimizer": optimizer.state_dict() if optimizer is not None else None,
-        **dict(state or {}),
-    }
     # Flattened before anything is written: state that cannot be stored fails here.
-    tree, tensors = flatten(trainer_state)
+    tree, tensors = checkpoint_state(int(step), optimizer, scheduler, state)
     try:
         tmp.mkdir()
         _write(tmp, int(step), model, tree, tensors)
@@ -187,6 +181,44 @@ def save_checkpoint(
         raise
     _prune(root, keep)
     return final
+
+
+def checkpoint_state(
+    step: int, optimizer: Any = None, scheduler: Any = None, state: Mapping[str, Any] | None = None
+) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The trainer state a single-process checkpoint stores, split for writing: the JSON tree
+    and its tensors (:func:`~memfit.train.manifest.flatten`).
+
+    This is where saving costs memory beyond the training state: the optimizer's
+    ``state_dict`` references its tensors, and flattening copies each (and every RNG state) to
+    the host, contiguous. On the CPU those copies sit beside the state until the checkpoint is
+    written; on a GPU they are host memory. Writing the files afterwards (safetensors) reads
+    the weights through NumPy, which no tensor operation shows.
+
+    Raises:
+        CheckpointError: for state that is neither tensors nor JSON data.
+    """
+    trainer_state = {
+        "step": int(step),
+        "rng": _rng_to_store(),
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        **dict(state or {}),
+    }
+    return flatten(trainer_state)
+
+
+def _rng_to_store() -> dict[str, Any]:
+    """:func:`rng_state`; in a dry run of a job (fake tensors), fake tensors of its tensors'
+    shapes: torch's generators hand out real tensors, which fake tensors' conversion would copy
+    once more than the real save does."""
+    from torch._guards import active_fake_mode
+    from torch.utils._pytree import tree_map_only
+
+    state = rng_state()
+    if active_fake_mode() is None:
+        return state
+    return tree_map_only(torch.Tensor, lambda t: torch.empty(t.shape, dtype=t.dtype), state)
 
 
 def _world() -> int:

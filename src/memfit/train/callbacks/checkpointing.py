@@ -8,7 +8,9 @@ resume is named rather than silently trained on), the loss history and the loss 
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
+from typing import Any
 
 from ...plan import Plan
 from ..checkpoint import load_checkpoint, read_state, save_checkpoint
@@ -108,17 +110,27 @@ class CheckpointCallback(Callback):
         folder: Where checkpoints go (``None``: this callback does nothing).
         every: Steps between checkpoints; ``None``: only after the last step.
         keep: Checkpoints kept; older ones are deleted.
+        phases: The trainer's :class:`~memfit.train.phases.PhaseRecorder`: the first save is the
+            job's ``save`` phase.
 
     Attributes:
         last: The path of the last checkpoint written, if any.
     """
 
-    def __init__(self, folder: str | Path | None, *, every: int | None, keep: int = 3) -> None:
+    def __init__(
+        self, folder: str | Path | None, *, every: int | None, keep: int = 3, phases: Any = None
+    ) -> None:
         self.folder = Path(folder) if folder is not None else None
-        self.every, self.keep = every, keep
+        self.every, self.keep, self.phases = every, keep, phases
         self.last: str | None = None
 
     def on_step_end(self, trainer: TrainerLike, info: StepInfo) -> None:
         if self.folder is None or not due(info.step, trainer.max_steps, self.every):
             return
-        self.last = str(save_trainer(trainer, self.folder, keep=self.keep))
+        phase = (
+            self.phases.phase("save", trainer.model, trainer.optimizer)
+            if self.phases is not None
+            else contextlib.nullcontext()
+        )
+        with phase:
+            self.last = str(save_trainer(trainer, self.folder, keep=self.keep))
