@@ -455,9 +455,8 @@ def build_layout(
     ``tensor`` (the blocks, embedding and head; norms are replicated) and, under ZeRO 2/3, by
     ``data``; plus the activations of the micro-batches its schedule keeps in flight
     (:func:`~memfit.distributed.pipeline.microbatches_in_flight`), divided by ``tensor`` for the
-    attention and MLP, and the last stage's logits at ``vocab / tensor`` per token; with
-    ``context > 1`` the activations and logits of ``seq_len / context`` tokens, plus the
-    attention's keys and values in flight (:mod:`memfit.distributed.context`).
+    attention and MLP, and the last stage's logits at ``vocab / tensor`` per token, of
+    ``seq_len / context`` tokens (:mod:`memfit.distributed.context`).
     :func:`memfit.estimate.layout.predict_layout` predicts it per rank.
 
     Args:
@@ -470,9 +469,7 @@ def build_layout(
         loss_fn: ``loss_fn(output, labels)`` on the last stage, a mean over the micro-batch.
             Default: the causal LM's shifted cross-entropy, computed on vocabulary-sharded
             logits when ``tensor > 1``. A custom one runs inside ``loss_parallel`` then, on
-            logits that are a DTensor sharded on the last dimension. With ``context > 1`` it
-            must be unset (the loss is :meth:`~memfit.distributed.context.ContextParallel.
-            loss`).
+            logits that are a DTensor sharded on the last dimension. Unset with context.
         device: Where this rank computes (default: CPU with gloo; ``cuda:<local rank>`` on GPUs).
         batch_size: The global batch, to check it splits into ``data x microbatches``.
         cuts: The pipeline's cut points (default: ``parallel.cuts``, or an even split when
@@ -498,17 +495,8 @@ def build_layout(
     mesh = _make_mesh(parallel, device)
     rank = dist.get_rank()
     coords = layout_coords(rank, parallel)
-    if loss_fn is not None and parallel.context > 1:
-        raise LayoutError(
-            "with context parallelism the loss is each chunk's share of the whole samples' "
-            "causal LM loss (ContextParallel.loss); leave loss_fn unset")
-    if loss_fn is None:
-        loss_fn = shifted_cross_entropy if parallel.tensor > 1 else causal_lm_loss
+    loss_fn, context = _loss_and_context(model, parallel, mesh, loss_fn)
     handles: list[TensorParallel] = []
-    context = None
-    if parallel.context > 1:
-        context = apply_context_parallel(model, mesh["cp"].get_group(), parallel.context_mode)
-        loss_fn = context.loss  # the chunk's share of the whole samples' mean
     shard_mesh = replica_mesh(mesh, parallel)  # dp, or dp and cp flattened
     ddps: list[nn.Module] = []
 
@@ -546,6 +534,22 @@ def build_layout(
         _tie_shards(pipeline, ddps)
     return Layout(parallel, mesh, coords, modules, pipeline, handles, loss_fn, replicas,
                   context)
+
+
+def _loss_and_context(model: nn.Module, parallel: ParallelConfig, mesh: Any,
+                      loss_fn: LossFn | None) -> tuple[LossFn, ContextParallel | None]:
+    """The last stage's loss, and with ``context > 1`` the model cut into this rank's chunk
+    (its loss the chunk's share of the whole samples' mean)."""
+    if parallel.context == 1:
+        if loss_fn is None:
+            loss_fn = shifted_cross_entropy if parallel.tensor > 1 else causal_lm_loss
+        return loss_fn, None
+    if loss_fn is not None:
+        raise LayoutError(
+            "with context parallelism the loss is each chunk's share of the whole samples' "
+            "causal LM loss (ContextParallel.loss); leave loss_fn unset")
+    context = apply_context_parallel(model, mesh["cp"].get_group(), parallel.context_mode)
+    return context.loss, context
 
 
 def _tie_shards(pipeline: Pipeline, ddps: list[nn.Module]) -> None:
