@@ -49,6 +49,7 @@ def workdir(tmp_path_factory) -> Path:
     Plan(parallel=TP2_PP2, precision="bf16-mixed").to_json(d / "tp2pp2_bf16.json")
     Plan(precision="bf16-mixed").to_json(d / "one_bf16.json")
     Plan(parallel=TP2_PP2, checkpointing="full").to_json(d / "tp2pp2_ckpt.json")
+    Plan(parallel={"context": 2}).to_json(d / "cp2.json")
     return d
 
 
@@ -190,6 +191,21 @@ def test_checkpoints_evaluation_and_plots_of_a_pipeline_run(workdir: Path):
 
 
 # --------------------------------------------------------------------------- one process
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_context_parallelism_trains_like_one_process(workdir: Path, one_process: dict):
+    """``--nproc-per-node 2`` with a context 2 plan (ring attention; each sample's 32 tokens
+    cut in two): every step's loss equals one process's within 1e-4, and each rank's measured
+    peak is within 3% of predict_layout's figure and below the one process's peak."""
+    got = _run(workdir, "cp2", "--nproc-per-node", "2", "--plan", "cp2.json")
+    assert got["world_size"] == 2 and got["plan"]["parallel"]["context"] == 2
+    assert got["losses"] == pytest.approx(one_process["losses"], abs=TOL)
+    measured, predicted = got["per_rank_peak_bytes"], got["predicted_rank_peak_bytes"]
+    for rank, (m, p) in enumerate(zip(measured, predicted, strict=True)):
+        assert p == pytest.approx(m, rel=0.03), f"rank {rank}: measured {m}, predicted {p}"
+    assert max(measured) < one_process["peak_bytes"]
+
+
 def _config(**kw) -> TrainConfig:
     return TrainConfig(model="llama-tiny", batch_size=8, seq_len=32, nproc_per_node=4, **kw)
 

@@ -310,7 +310,7 @@ def _profile_ranks(
     if isinstance(world, bool) or world < 1:
         fail(f"--world-size must be a whole number >= 1, got {world}")
     plan = plan or Plan()
-    if plan.parallel.tensor > 1 or plan.parallel.pipeline > 1:
+    if plan.parallel.splits_model:
         _profile_layout(workload, plan, world, json_path, target)
         return
     try:
@@ -354,7 +354,8 @@ def _profile_layout(workload: Any, plan: Any, world: int, json_path: Any, target
     par = plan.parallel
     if par.world_size != world:
         fail(
-            f"the plan's data {par.data} x tensor {par.tensor} x pipeline {par.pipeline} is "
+            f"the plan's data {par.data} x tensor {par.tensor} x pipeline {par.pipeline} x "
+            f"context {par.context} is "
             f"{par.world_size} processes but --world-size is {world}; give --world-size "
             f"{par.world_size}"
         )
@@ -377,12 +378,12 @@ def _profile_layout(workload: Any, plan: Any, world: int, json_path: Any, target
     ]
     table = Table(title=f"{workload.name}: {plan.summary()} (predicted per rank)")
     device_cols = ("nccl", "device total") if target.is_cuda else ()
-    for col in ("rank", "stage", "replica", "shard", "peak", *device_cols):
+    for col in ("rank", "stage", "replica", "chunk", "shard", "peak", *device_cols):
         table.add_column(col, justify="right")
     for r, peak in enumerate(pred.peak_bytes):
         where = par.coordinates(r)
         extra = [format_bytes(nccl[r]), format_bytes(totals[r])] if device_cols else []
-        table.add_row(str(r), *(str(where[k]) for k in ("stage", "replica", "shard")),
+        table.add_row(str(r), *(str(where[k]) for k in ("stage", "replica", "chunk", "shard")),
                       format_bytes(peak), *extra)
     out.print(table)
     if json_path is not None:

@@ -191,7 +191,8 @@ def _check_plan_degree(settings: TrainConfig) -> None:
     if is_layout_plan(plan):
         if par.world_size != n:
             raise ValueError(
-                f"the plan's data {par.data} x tensor {par.tensor} x pipeline {par.pipeline} is "
+                f"the plan's data {par.data} x tensor {par.tensor} x pipeline {par.pipeline} x "
+                f"context {par.context} is "
                 f"{par.world_size} processes but --nproc-per-node is {n}; give "
                 f"--nproc-per-node {par.world_size} or degrees whose product is {n}"
             )
@@ -231,7 +232,7 @@ def _work_layout(
         f"[bold]{run.workload.name}[/]: {run.workload.description}; batch "
         f"{run.workload.batch_size}, length {run.workload.seq_len}; data: {run.data_name}; "
         f"plan: [bold]{plan.summary()}[/] over {world} processes (data {par.data} x tensor "
-        f"{par.tensor} x pipeline {par.pipeline})",
+        f"{par.tensor} x pipeline {par.pipeline} x context {par.context})",
         highlight=False,
     )
     init_worker(par.backend)

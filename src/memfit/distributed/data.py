@@ -463,8 +463,7 @@ TECHNIQUE = Technique(
     plan_field="parallel",
     order=110,
     is_on=lambda plan: (plan.parallel.data > 1 or bool(plan.parallel.zero_stage))
-    and plan.parallel.tensor == 1
-    and plan.parallel.pipeline == 1,
+    and not plan.parallel.splits_model,
     apply=_apply_technique,
     info_key="data_parallel",
     check=_check,

@@ -1,13 +1,15 @@
-"""3-D parallelism: tensor x pipeline x data parallelism composed at run time,
+"""4-D parallelism: tensor x pipeline x data x context parallelism composed at run time,
 :func:`build_layout`.
 
-Every rank of a world of ``pipeline x data x tensor`` processes calls :func:`build_layout` with
-the same model (same seed) and the same :class:`~memfit.distributed.config.ParallelConfig`.
-The ranks form a :class:`~torch.distributed.device_mesh.DeviceMesh` with dimensions
-``("pp", "dp", "tp")``, tensor parallelism innermost, so that a tensor-parallel group is
-consecutive ranks (one node, the fast link its per-block all-reduces want)::
+Every rank of a world of ``pipeline x data x context x tensor`` processes calls
+:func:`build_layout` with the same model (same seed) and the same
+:class:`~memfit.distributed.config.ParallelConfig`. The ranks form a
+:class:`~torch.distributed.device_mesh.DeviceMesh` with dimensions ``("pp", "dp", "cp",
+"tp")``, tensor parallelism innermost, so that a tensor-parallel group is consecutive ranks
+(one node, the fast link its per-block all-reduces want), context parallelism next (its
+per-block ring or all-to-all wants the node's links too)::
 
-    rank = (pp_index * data + dp_index) * tensor + tp_index
+    rank = ((pp_index * data + dp_index) * context + cp_index) * tensor + tp_index
 
 Each rank then holds:
 
@@ -26,6 +28,12 @@ Each rank then holds:
   (:mod:`memfit.distributed.replicas`; under tensor parallelism DDP takes the stage's local
   shards); 2 and 3 shard each stage with FSDP2 (``fully_shard`` on ``mesh["dp"]``, every block
   then the stage; gradient reduce-scatter after the last micro-batch's backward).
+
+* with ``context > 1`` (and one stage), each sample's sequence cut over the ``cp`` dimension
+  by :func:`~memfit.distributed.context.apply_context_parallel`: the rank runs its chunk, the
+  attention exchanges keys and values (ring) or re-splits by heads (all-to-all), and the
+  gradients are averaged over ``dp x cp`` together (DDP's or FSDP2's group is ``dp`` and
+  ``cp`` flattened), each context rank's loss being its share of the whole samples' mean.
 
 With ``pipeline == 1`` the "stage" is the whole model and a step runs its ``microbatches``
 (default 1) as gradient accumulation; with ``tensor == 1`` nothing is split by tensor.
@@ -49,6 +57,7 @@ from torch import nn
 from ..stepping import BaseStepper
 from ..workload import Batch
 from .config import ParallelConfig
+from .context import ContextParallel, apply_context_parallel, check_context_parallel
 from .pipeline import (
     Pipeline,
     PipelineConfig,
@@ -77,11 +86,12 @@ __all__ = [
     "check_layout",
     "layout_coords",
     "layout_microbatches",
+    "mesh_shape",
     "pipeline_config",
 ]
 
 #: The device mesh's dimension names, outermost first.
-MESH_DIMS = ("pp", "dp", "tp")
+MESH_DIMS = ("pp", "dp", "cp", "tp")
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -92,13 +102,28 @@ class LayoutError(ValueError):
 
 # --------------------------------------------------------------------------- arithmetic
 def layout_coords(rank: int, parallel: ParallelConfig) -> dict[str, int]:
-    """Where ``rank`` sits in the ``("pp", "dp", "tp")`` mesh: its pipeline stage index (rank
-    in the pipeline), data-parallel replica and tensor-parallel rank.
+    """Where ``rank`` sits in the ``("pp", "dp", "cp", "tp")`` mesh: its pipeline stage index
+    (rank in the pipeline), data-parallel replica, context chunk and tensor-parallel rank.
 
-    ``rank = (pp * data + dp) * tensor + tp``, tensor parallelism innermost.
+    ``rank = ((pp * data + dp) * context + cp) * tensor + tp``, tensor parallelism innermost.
     """
     where = parallel.coordinates(rank)
-    return {"pp": where["stage"], "dp": where["replica"], "tp": where["shard"]}
+    return {"pp": where["stage"], "dp": where["replica"], "cp": where["chunk"],
+            "tp": where["shard"]}
+
+
+def mesh_shape(parallel: ParallelConfig) -> tuple[int, int, int, int]:
+    """The device mesh's shape, in :data:`MESH_DIMS` order."""
+    return parallel.pipeline, parallel.data, parallel.context, parallel.tensor
+
+
+def replica_mesh(mesh: Any, parallel: ParallelConfig) -> Any:
+    """The one-dimensional mesh of the ranks that average their gradients: ``dp``, or ``dp``
+    and ``cp`` flattened into one (torchtitan's ``dp_shard_cp``) with context parallelism."""
+    if parallel.context == 1:
+        return mesh["dp"]
+    # DeviceMesh has no public flatten in torch 2.13; _flatten is what torchtitan uses.
+    return mesh["dp", "cp"]._flatten("dp_cp")
 
 
 def layout_microbatches(parallel: ParallelConfig) -> int:
@@ -125,6 +150,7 @@ def check_layout(
     batch_size: int | None = None,
     world_size: int | None = None,
     num_blocks: int | None = None,
+    seq_len: int | None = None,
 ) -> None:
     """Refuse a layout that cannot work, before any process group is touched.
 
@@ -133,7 +159,9 @@ def check_layout(
     tensor degree (:func:`~memfit.distributed.tensor.check_tensor_parallel`); the blocks
     against the pipeline stages and the micro-batches against the schedule
     (:meth:`~memfit.distributed.pipeline.PipelineConfig.problems`); the batch against ``data x
-    microbatches``; ZeRO stage 1, which memfit does not compose with the other dimensions.
+    microbatches``; ZeRO stage 1, which memfit does not compose with the other dimensions;
+    context parallelism against a pipeline, the sequence and (all-to-all) the heads
+    (:func:`~memfit.distributed.context.check_context_parallel`).
 
     Args:
         model: The whole model (a Hugging Face Llama or GPT-2 causal LM for tensor or pipeline
@@ -145,6 +173,7 @@ def check_layout(
             is open).
         num_blocks: The model's block count, when ``model`` is only its HF config (a
             prediction that builds no whole model).
+        seq_len: Tokens per sample, when known: context parallelism must divide it.
 
     Raises:
         LayoutError: naming every problem found.
@@ -154,16 +183,23 @@ def check_layout(
         raise LayoutError("; ".join(problems))
     if world_size is None and dist.is_available() and dist.is_initialized():
         world_size = dist.get_world_size()
-    d, t, p = parallel.data, parallel.tensor, parallel.pipeline
+    d, t, p, c = parallel.data, parallel.tensor, parallel.pipeline, parallel.context
     if world_size is not None and world_size != parallel.world_size:
         problems.append(
-            f"the layout data {d} x tensor {t} x pipeline {p} needs {parallel.world_size} "
-            f"processes but {world_size} were launched; choose degrees whose product is "
-            f"{world_size}")
+            f"the layout data {d} x tensor {t} x pipeline {p} x context {c} needs "
+            f"{parallel.world_size} processes but {world_size} were launched; choose degrees "
+            f"whose product is {world_size}")
     if parallel.zero_stage == 1:
         problems.append(
             "zero_stage 1 (ZeroRedundancyOptimizer) is not composed with tensor or pipeline "
             "parallelism; use zero_stage 0 (gradients all-reduced by DDP) or 2 or 3 (FSDP2)")
+    if c > 1 and p > 1:
+        problems.append(
+            f"context parallelism of {c} is not composed with a pipeline of {p} stages in "
+            "memfit; use pipeline 1 with context parallelism, or context 1")
+    if c > 1:
+        problems.extend(check_context_parallel(model, c, parallel.context_mode, tensor=t,
+                                               seq_len=seq_len))
     if t > 1:
         known = (*supported_models(), "LlamaConfig", "GPT2Config")
         if type(model).__name__ not in known and not isinstance(model, StageModule):
@@ -210,8 +246,9 @@ class Layout:
         pipeline: The pipeline (its schedule), ``None`` when ``parallel.pipeline == 1``.
         tensor: The tensor-parallel handle of each module (empty when ``tensor == 1``).
         loss_fn: ``loss_fn(output, labels)``, a mean over the micro-batch, on the last stage.
-        replicas: With ``data > 1`` and ZeRO 0, each module under DDP
+        replicas: With ``data x context > 1`` and ZeRO 0, each module under DDP
             (:class:`~memfit.distributed.replicas.Replicas`); ``None`` otherwise.
+        context: The context-parallel handle (``None`` when ``context == 1``).
     """
 
     parallel: ParallelConfig
@@ -222,6 +259,7 @@ class Layout:
     tensor: list[TensorParallel] = field(default_factory=list)
     loss_fn: LossFn = causal_lm_loss
     replicas: Replicas | None = None
+    context: ContextParallel | None = None
 
     @property
     def microbatches(self) -> int:
@@ -275,7 +313,7 @@ class Layout:
                 loss = self._accumulate(inputs, labels, m)
         if self.replicas is not None:
             self.replicas.after_step()
-        if self.parallel.data > 1:
+        if self.parallel.replicas > 1:
             loss = self._mean_over_replicas(loss)
         return loss
 
@@ -299,8 +337,9 @@ class Layout:
         """The reported loss averaged over the data-parallel replicas (one scalar: a metric;
         the gradients were reduced by DDP or FSDP2 in backward)."""
         loss = loss.clone()
-        dist.all_reduce(loss, group=self.mesh["dp"].get_group())
-        return loss / self.parallel.data
+        # Data x context: each context rank's loss is its share of its samples' mean.
+        dist.all_reduce(loss, group=replica_mesh(self.mesh, self.parallel).get_group())
+        return loss / self.parallel.replicas
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """This rank's modules' gradients whole, under the model's parameter names (a
@@ -392,8 +431,7 @@ class LayoutStepper(BaseStepper):
 def _make_mesh(parallel: ParallelConfig, device: torch.device) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
-    shape = (parallel.pipeline, parallel.data, parallel.tensor)
-    return init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
+    return init_device_mesh(device.type, mesh_shape(parallel), mesh_dim_names=MESH_DIMS)
 
 
 def build_layout(
@@ -405,7 +443,7 @@ def build_layout(
     batch_size: int | None = None,
     cuts: tuple[int, ...] | None = None,
 ) -> Layout:
-    """Build this rank's share of ``model`` under a tensor x pipeline x data layout.
+    """Build this rank's share of ``model`` under a tensor x pipeline x data x context layout.
 
     Every rank of the default process group (``parallel.world_size`` of them) calls this with
     the same model (same weights: seed alike) and settings. Create the optimizer afterwards over
@@ -417,19 +455,21 @@ def build_layout(
     ``tensor`` (the blocks, embedding and head; norms are replicated) and, under ZeRO 2/3, by
     ``data``; plus the activations of the micro-batches its schedule keeps in flight
     (:func:`~memfit.distributed.pipeline.microbatches_in_flight`), divided by ``tensor`` for the
-    attention and MLP, and the last stage's logits at ``vocab / tensor`` per token.
+    attention and MLP, and the last stage's logits at ``vocab / tensor`` per token, of
+    ``seq_len / context`` tokens (:mod:`memfit.distributed.context`).
     :func:`memfit.estimate.layout.predict_layout` predicts it per rank.
 
     Args:
         model: A Hugging Face Llama-layout or GPT-2 causal LM (any model :func:`~memfit.
             distributed.pipeline.build_stage` can cut and :func:`~memfit.distributed.tensor.
             tp_plan_for` has a plan for; with ``tensor == 1`` an ``nn.Sequential`` works too).
-        parallel: The degrees (``data x tensor x pipeline`` must be the world size), the
-            pipeline ``schedule`` and ``microbatches``, the ZeRO stage (0, 2 or 3).
+        parallel: The degrees (``data x tensor x pipeline x context`` must be the world
+            size), the pipeline ``schedule`` and ``microbatches``, the ZeRO stage (0, 2 or 3),
+            the ``context_mode``.
         loss_fn: ``loss_fn(output, labels)`` on the last stage, a mean over the micro-batch.
             Default: the causal LM's shifted cross-entropy, computed on vocabulary-sharded
             logits when ``tensor > 1``. A custom one runs inside ``loss_parallel`` then, on
-            logits that are a DTensor sharded on the last dimension.
+            logits that are a DTensor sharded on the last dimension. Unset with context.
         device: Where this rank computes (default: CPU with gloo; ``cuda:<local rank>`` on GPUs).
         batch_size: The global batch, to check it splits into ``data x microbatches``.
         cuts: The pipeline's cut points (default: ``parallel.cuts``, or an even split when
@@ -455,19 +495,19 @@ def build_layout(
     mesh = _make_mesh(parallel, device)
     rank = dist.get_rank()
     coords = layout_coords(rank, parallel)
-    if loss_fn is None:
-        loss_fn = shifted_cross_entropy if parallel.tensor > 1 else causal_lm_loss
+    loss_fn, context = _loss_and_context(model, parallel, mesh, loss_fn)
     handles: list[TensorParallel] = []
+    shard_mesh = replica_mesh(mesh, parallel)  # dp, or dp and cp flattened
     ddps: list[nn.Module] = []
 
     def prepare(module: nn.Module) -> nn.Module | None:
         if parallel.tensor > 1:
             config = TensorParallelConfig(parallel.tensor, sequence_parallel=parallel.sequence)
             handles.append(apply_tensor_parallel(module, config, mesh["tp"]))
-        if parallel.data > 1 and parallel.sharded:
-            _fully_shard(module, parallel, mesh["dp"])
-        elif parallel.data > 1:
-            ddp = replicate(module, mesh["dp"].get_group(), bucket_bytes=parallel.bucket_bytes,
+        if parallel.replicas > 1 and parallel.sharded:
+            _fully_shard(module, parallel, shard_mesh)
+        elif parallel.replicas > 1:
+            ddp = replicate(module, shard_mesh.get_group(), bucket_bytes=parallel.bucket_bytes,
                             device=device)
             if parallel.pipeline > 1:
                 # torch's pipeline stage arms DDP's reduction itself, before the last
@@ -492,7 +532,24 @@ def build_layout(
     replicas = Replicas(ddps) if ddps else None
     if replicas is not None and pipeline is not None and parallel.tensor > 1:
         _tie_shards(pipeline, ddps)
-    return Layout(parallel, mesh, coords, modules, pipeline, handles, loss_fn, replicas)
+    return Layout(parallel, mesh, coords, modules, pipeline, handles, loss_fn, replicas,
+                  context)
+
+
+def _loss_and_context(model: nn.Module, parallel: ParallelConfig, mesh: Any,
+                      loss_fn: LossFn | None) -> tuple[LossFn, ContextParallel | None]:
+    """The last stage's loss, and with ``context > 1`` the model cut into this rank's chunk
+    (its loss the chunk's share of the whole samples' mean)."""
+    if parallel.context == 1:
+        if loss_fn is None:
+            loss_fn = shifted_cross_entropy if parallel.tensor > 1 else causal_lm_loss
+        return loss_fn, None
+    if loss_fn is not None:
+        raise LayoutError(
+            "with context parallelism the loss is each chunk's share of the whole samples' "
+            "causal LM loss (ContextParallel.loss); leave loss_fn unset")
+    context = apply_context_parallel(model, mesh["cp"].get_group(), parallel.context_mode)
+    return context.loss, context
 
 
 def _tie_shards(pipeline: Pipeline, ddps: list[nn.Module]) -> None:

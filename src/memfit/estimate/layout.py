@@ -7,7 +7,7 @@ the data-parallel replicas) the rank's own program runs on fake tensors inside a
 group (:func:`~memfit.estimate.distributed.fake_process_group`) in which this process is that
 rank, as torchtitan's memory estimator does:
 
-1. the ``("pp", "dp", "tp")`` device mesh is built as :func:`~memfit.distributed.layout.
+1. the ``("pp", "dp", "cp", "tp")`` device mesh is built as :func:`~memfit.distributed.layout.
    build_layout` builds it; the rank's stages are built with
    :func:`~memfit.distributed.pipeline.build_stage` and split by
    :func:`~memfit.distributed.tensor.apply_tensor_parallel` on ``mesh["tp"]`` (DTensors whose
@@ -56,6 +56,7 @@ from torch import nn
 
 from ..accounting import track
 from ..distributed.config import ParallelConfig
+from ..distributed.context import apply_context_parallel
 from ..distributed.layout import (
     MESH_DIMS,
     LayoutError,
@@ -63,7 +64,9 @@ from ..distributed.layout import (
     check_layout,
     layout_coords,
     layout_microbatches,
+    mesh_shape,
     pipeline_config,
+    replica_mesh,
 )
 from ..distributed.pipeline import PipelineConfig, build_stage, causal_lm_loss
 from ..distributed.replicas import local_shards
@@ -270,13 +273,17 @@ def _role_costs(src: _Source, parallel: ParallelConfig, pipe_rank: int, depth: i
     from torch.distributed.device_mesh import init_device_mesh
 
     world = parallel.world_size
-    rank = pipe_rank * parallel.data * parallel.tensor  # dp 0, tp 0
+    # dp 0, tp 0, and the last context chunk (the causal mask's fullest: it attends to all)
+    c = parallel.context
+    rank = (pipe_rank * parallel.data * c + c - 1) * parallel.tensor
     m = layout_microbatches(parallel)
     piped = parallel.pipeline > 1
     mine = pipeline_config(parallel).stage_indices(pipe_rank) if piped else (0,)
     with fake_process_group(world, rank):
-        mesh = init_device_mesh("cpu", (parallel.pipeline, parallel.data, parallel.tensor),
-                                mesh_dim_names=MESH_DIMS)
+        mesh = init_device_mesh("cpu", mesh_shape(parallel), mesh_dim_names=MESH_DIMS)
+        # The replicas' mesh (dp, or dp and cp flattened), made outside the fake mode: the
+        # mesh computes its ranks with tensor ops, which must be real.
+        replicas = replica_mesh(mesh, parallel)
         with _fake():
             if piped:
                 cfg, total, real = _shallow(parallel, src.num_blocks, mine, depth)
@@ -288,19 +295,22 @@ def _role_costs(src: _Source, parallel: ParallelConfig, pipe_rank: int, depth: i
                 model = src.build(n)
                 stages, real, num_stages = {0: model}, {0: src.num_blocks}, 1
             del model
+            if c > 1:  # the rank's chunk of every sample, and its share of the loss
+                loss_fn = apply_context_parallel(stages[0], mesh["cp"].get_group(),
+                                                 parallel.context_mode).loss
             for stage in stages.values():
                 if parallel.tensor > 1:
                     config = TensorParallelConfig(parallel.tensor,
                                                   sequence_parallel=parallel.sequence)
                     apply_tensor_parallel(stage, config, mesh["tp"])
-                if parallel.data > 1 and parallel.sharded:
+                if parallel.replicas > 1 and parallel.sharded:
                     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
                     # FSDP2 computes the rank's mesh coordinates with tensor ops, which must be
                     # real; the parameters stay fake (their own mode follows them).
                     with unset_fake_temporarily():
-                        _fully_shard(stage, parallel, mesh["dp"])
-            if parallel.data > 1 and not parallel.sharded:
+                        _fully_shard(stage, parallel, replicas)
+            if parallel.replicas > 1 and not parallel.sharded:
                 # What DDP takes (the local shards under tensor parallelism), and runs.
                 stages = {s: local_shards(st) for s, st in stages.items()}
             costs = _run_role(stages, num_stages, parallel, mesh, m, mb, seq_len, loss_fn,
@@ -325,7 +335,7 @@ def _run_role(stages: dict[int, nn.Module], num_stages: int, parallel: ParallelC
     # run (memfit.distributed.replicas keeps them so); the contiguous gradient buffer holds
     # exactly that, and DDP's all-reduce of them in place allocates nothing.
     buckets = [apply_grad_buffer(st) for st in stages.values()] \
-        if parallel.data > 1 and not parallel.sharded else []
+        if parallel.replicas > 1 and not parallel.sharded else []
     if loss_fn is None:
         loss_fn = shifted_cross_entropy if parallel.tensor > 1 else causal_lm_loss
     run = _RoleRun(stages, num_stages, m, mb, seq_len, loss_fn, fsdp)
@@ -622,7 +632,7 @@ def predict_layout(
     """
     src, batch_size, seq_len = _source(model_or_workload, batch_size, seq_len)
     check_layout(src.config, parallel, batch_size=batch_size, world_size=parallel.world_size,
-                 num_blocks=src.num_blocks)
+                 num_blocks=src.num_blocks, seq_len=seq_len)
     m = layout_microbatches(parallel)
     mb = batch_size // (parallel.data * m)
     orders = _schedule_orders(pipeline_config(parallel)) if parallel.pipeline > 1 else None

@@ -21,6 +21,12 @@ How a layout is priced, per rank:
   block per micro-batch, the point-to-point activations between stages, and the
   data-parallel gradient reduction that backward does not hide (stage 3 gathers the
   parameters twice more).
+* **Context parallelism.** A context rank is profiled at ``seq_len / context`` tokens (its
+  chunk's activations, logits and FLOPs), its model states are sharded over ``data x
+  context`` under ZeRO 2/3, its backward's working set adds the attention's buffers (the
+  ring's keys, values and their gradients in flight, or all-to-all's re-split copies), the
+  last chunk's compute adds its attention to every earlier chunk (contiguous chunks under
+  the causal mask), and the communication adds the ring's hops or the all-to-alls.
 """
 
 from __future__ import annotations
@@ -124,18 +130,27 @@ def _divisors(n: int) -> list[int]:
 
 
 def layout_problems(shape: ModelShape, parallel: ParallelConfig, batch_size: int,
-                    gpus_per_node: int | None = None) -> list[str]:
+                    gpus_per_node: int | None = None, *, seq_len: int | None = None) -> list[str]:
     """What stops ``parallel`` from training ``shape`` at ``batch_size``, one sentence each
     naming what would work (empty when it can run).
 
     Checks: tensor parallelism within a node and dividing the heads, key-value heads and MLP
     width; the pipeline's stages no more than the blocks (the plan's cuts fitting them); the batch
-    split evenly over the replicas and the micro-batches; the schedule's micro-batch count.
+    split evenly over the replicas and the micro-batches; the schedule's micro-batch count;
+    context parallelism dividing the sequence (and, all-to-all, each tensor rank's heads),
+    without a pipeline.
     """
+    from ..distributed.context import check_context_parallel
     from ..distributed.pipeline_plan import PipelineConfig
 
     out: list[str] = []
-    t, p, d = parallel.tensor, parallel.pipeline, parallel.data
+    t, p, d, c = parallel.tensor, parallel.pipeline, parallel.data, parallel.context
+    if c > 1 and p > 1:
+        out.append(f"context parallelism of {c} is not composed with a pipeline of {p} stages "
+                   "in memfit; use pipeline 1 with context parallelism, or context 1")
+    if c > 1 and not shape.heads % t:
+        out.extend(check_context_parallel(shape.config, c, parallel.context_mode, tensor=t,
+                                          seq_len=seq_len))
     if gpus_per_node is not None and t > gpus_per_node:
         out.append(
             f"tensor parallelism of {t} does not fit in a node of {gpus_per_node} devices "
@@ -305,7 +320,7 @@ class LayoutCandidate:
         rank_peak_bytes: Predicted peak per rank, in rank order.
         step_seconds: Predicted seconds per step.
         parts: The step's seconds by part (``compute``, ``bubble``, ``tensor``, ``pipeline``,
-            ``data``).
+            ``data``, ``context``).
         fits: Whether every rank fits the budget.
         microbatches: Micro-batches per step (the pipeline's, or accumulation's).
         by_category: The largest rank's peak by category.
@@ -338,7 +353,7 @@ class LayoutCandidate:
             bits.append(f"{par.schedule} x{self.microbatches}")
         elif self.microbatches > 1:
             bits.append(f"accumulation {self.microbatches}")
-        if par.data > 1:
+        if par.replicas > 1:
             bits.append(f"ZeRO {par.zero_stage}")
         if self.checkpointing:
             bits.append("checkpointing")
@@ -348,12 +363,10 @@ class LayoutCandidate:
         """The layout in words."""
         par = self.parallel
         degrees = f"data {par.data}, tensor {par.tensor}, pipeline {par.pipeline}"
+        if par.context > 1:
+            degrees += f", context {par.context} ({par.context_mode})"
         rest = self.settings().replace(f" x{self.microbatches}", f" x {self.microbatches} micro-batches")
         return degrees + (", " + rest if rest else "")
-
-
-def _rank_of(stage: int, replica: int, shard: int, par: ParallelConfig) -> int:
-    return (stage * par.data + replica) * par.tensor + shard
 
 
 def rank_coordinates(rank: int, parallel: ParallelConfig) -> dict[str, int]:
@@ -370,12 +383,8 @@ def _state_bytes(optimizer: OptimizerConfig | str) -> float:
 
 def _rank_peaks(parallel: ParallelConfig, peaks_by_stage: list[int]) -> list[int]:
     """Every rank's peak: its stage's (all replicas and tensor shards of a stage alike)."""
-    peaks = [0] * parallel.world_size
-    for s in range(parallel.pipeline):
-        for r in range(parallel.data):
-            for k in range(parallel.tensor):
-                peaks[_rank_of(s, r, k, parallel)] = peaks_by_stage[s]
-    return peaks
+    return [peaks_by_stage[parallel.coordinates(r)["stage"]]
+            for r in range(parallel.world_size)]
 
 
 def estimate_layout(shape: ModelShape, parallel: ParallelConfig, *, batch_size: int,
@@ -410,18 +419,48 @@ def estimate_layout(shape: ModelShape, parallel: ParallelConfig, *, batch_size: 
         parameters=most * model.prof.block_params + model.prof.first_params,
         block_output_bytes=model.block_input, blocks=most, microbatches=m,
         checkpointing=checkpointing, backward_seconds=compute * 2 / 3,
+        context_bytes=model.context_bytes,
     )
-    tp, pp, dp = comm["tensor"], comm["pipeline"], comm["data"]
+    tp, pp, dp, cp = comm["tensor"], comm["pipeline"], comm["data"], comm["context"]
     cost = StepCost(matmul=compute, pointwise=0.0, launch=0.0, optimizer=0.0,
-                    extra_backward=0.0, communication=tp + pp + dp, bubble=compute * bubble)
+                    extra_backward=0.0, communication=tp + pp + dp + cp,
+                    bubble=compute * bubble)
     step = cost.total
     parts = {"compute": compute, "bubble": compute * bubble, "tensor": tp, "pipeline": pp,
-             "data": dp}
+             "data": dp, "context": cp}
     peaks = _rank_peaks(parallel, peaks_by_stage)
     top = max(range(p), key=lambda i: peaks_by_stage[i])
     return LayoutCandidate(parallel, checkpointing, peaks, step, parts, microbatches=m,
                            by_category=cats_by_stage[top], stages=cats_by_stage,
                            stage_busy_seconds=busy)
+
+
+def _context_costs(shape: ModelShape, parallel: ParallelConfig, mb: int, chunk: int,
+                   act_bytes: int) -> tuple[int, float, float]:
+    """What context parallelism adds to a rank, per block and micro-batch: its attention's
+    buffers in backward (bytes), the last chunk's attention FLOPs beyond its own chunk's
+    (forward and backward, per sample), and the bytes its exchanges move (keys and values for
+    the ring; queries, keys, values and output for all-to-all)."""
+    c, t = parallel.context, parallel.tensor
+    if c == 1:
+        return 0, 0.0, 0.0
+    head_dim = getattr(shape.config, "head_dim", None) or shape.hidden // shape.heads
+    q = mb * chunk * (shape.heads // t) * head_dim * act_bytes
+    kv = 2 * mb * chunk * (shape.kv_heads // t) * head_dim * act_bytes  # keys and values
+    if parallel.context_mode == "ring":
+        # Backward: keys, values and their gradients' sums travel together, one bundle held
+        # and one received (4 kv); the queries' gradient sum in fp32; one block's keys and
+        # values repeated to the query heads and their gradients (GQA).
+        extra = 4 * kv + q * 4 // act_bytes + 2 * kv * (shape.heads // shape.kv_heads)
+        moved = kv
+    else:
+        # Queries, keys, values and the output re-split: a sent and a received copy of each.
+        extra = 2 * (2 * q + kv)
+        moved = 2 * q + kv
+    # The last chunk attends to all c - 1 earlier chunks in full: 4 FLOPs per query, key and
+    # head dimension forward (scores and the weighted sum), twice that backward.
+    flops = 3 * 4 * (shape.heads // t) * head_dim * chunk * chunk * (c - 1)
+    return int(extra), float(flops), float(moved)
 
 
 class _RankModel:
@@ -438,12 +477,16 @@ class _RankModel:
         self.shape, self.parallel, self.checkpointing = shape, parallel, checkpointing
         self.m = _microbatches(parallel) if p > 1 else (microbatches or 1)
         self.mb = batch_size // (d * self.m)  # samples per micro-batch
-        self.seq_len = seq_len
+        # A context rank's tokens of each sample: its activations, logits and FLOPs.
+        self.seq_len = seq_len = seq_len // parallel.context
         dtype = {"bf16-mixed": "bfloat16", "fp16-mixed": "float16"}.get(precision, "float32")
         self.prof = _profile(shape, t, seq_len, dtype, device.name)
         self.state = _state_bytes(optimizer)
         self.v = 1 if parallel.schedule in ("gpipe", "1f1b") or p == 1 else 2
-        self.block_input = self.mb * seq_len * shape.hidden * (2 if dtype != "float32" else 4)
+        act_bytes = 2 if dtype != "float32" else 4
+        self.block_input = self.mb * seq_len * shape.hidden * act_bytes
+        self.attention, self.attention_flops, self.context_bytes = _context_costs(
+            shape, parallel, self.mb, seq_len, act_bytes)
         self.config = PipelineConfig(p, parallel.schedule, self.m) if p > 1 else None
         if self.config is not None:
             last = self.config.num_stages - 1
@@ -475,7 +518,8 @@ class _RankModel:
         from ..distributed.pipeline_plan import microbatches_in_flight
         from .distributed import zero_model_state_bytes
 
-        par, prof, mb, d = self.parallel, self.prof, self.mb, self.parallel.data
+        # The parameters' replicas (data x context) share ZeRO's shards.
+        par, prof, mb, d = self.parallel, self.prof, self.mb, self.parallel.replicas
         first, last = self.ends[r]
         params = blocks * prof.block_params
         params += prof.first_params if first else 0
@@ -495,7 +539,7 @@ class _RankModel:
         kept = n * acts / v
         # One block's backward: its saved tensors again as gradients (recomputed first when
         # checkpointed), and on the last stage the logits' gradient in fp32.
-        work = prof.kept("block", mb) * (2 if self.checkpointing else 1)
+        work = prof.kept("block", mb) * (2 if self.checkpointing else 1) + self.attention
         if last:
             work = max(work, 2 * 4 * mb * self.seq_len * (-(-self.shape.vocab // par.tensor)))
         grads = zero_model_state_bytes(params, d, par.zero_stage, param_bytes=0,
@@ -510,7 +554,8 @@ class _RankModel:
         """Pipeline rank ``r``'s forward and backward FLOPs per step holding ``blocks``."""
         prof = self.prof
         first, last = self.ends[r]
-        flops = blocks * prof.block_flops * (4 / 3 if self.checkpointing else 1)
+        flops = blocks * (prof.block_flops + self.attention_flops) * (
+            4 / 3 if self.checkpointing else 1)
         flops += (prof.first_flops if first else 0) + (prof.last_flops if last else 0)
         return flops * self.mb * self.m
 

@@ -72,7 +72,7 @@ class LayoutRunError(ValueError):
 
 def is_layout_plan(plan: Plan | None) -> bool:
     """Whether ``plan`` splits the model by tensor or pipeline (so trains through a layout)."""
-    return plan is not None and (plan.parallel.tensor > 1 or plan.parallel.pipeline > 1)
+    return plan is not None and plan.parallel.splits_model
 
 
 def check_layout_run(config: TrainConfig, plan: Plan) -> None:
@@ -84,7 +84,7 @@ def check_layout_run(config: TrainConfig, plan: Plan) -> None:
         CheckpointError: for a resume that cannot run.
     """
     par = plan.parallel
-    what = f"a tensor {par.tensor} x pipeline {par.pipeline} plan"
+    what = f"a tensor {par.tensor} x pipeline {par.pipeline} x context {par.context} plan"
     problems = []
     if config.cap is not None:
         problems.append(
@@ -120,7 +120,7 @@ def check_layout_run(config: TrainConfig, plan: Plan) -> None:
     # The model's heads, widths, vocabulary and blocks against the degrees, and the batch
     # against the replicas and micro-batches: built on the meta device, nothing allocated.
     check_layout(_meta_model(config), par, batch_size=config.batch_size or DEFAULT_BATCH_SIZE,
-                 world_size=par.world_size)
+                 world_size=par.world_size, seq_len=config.seq_len)
 
 
 def _meta_model(config: TrainConfig) -> torch.nn.Module:
