@@ -94,13 +94,13 @@ def check_layout_run(config: TrainConfig, plan: Plan) -> None:
         problems.append(
             f"{what} builds torch's {', '.join(layout_optimizers())} over the ranks' shards, not "
             f"optimizer {plan.optimizer.name!r}; use one of those")
-    if config.checkpoint_dir is not None and par.data > 1 and not par.sharded:
+    if config.checkpoint_dir is not None and par.replicas > 1 and not par.sharded:
         # Under DDP (distributed/replicas.py) a resumed run was seen to leave the straight
         # run's losses from its second step on (data 2 x pipeline 2), and under tensor
         # parallelism DDP steps the shards as plain local tensors, which
         # torch.distributed.checkpoint's get_state_dict cannot map to the model's names.
         problems.append(
-            f"{what} with data {par.data} at ZeRO stage {par.zero_stage} (DDP) has no "
+            f"{what} with {par.replicas} replicas at ZeRO stage {par.zero_stage} (DDP) has no "
             "checkpoints yet; use zero_stage 2 or 3 (FSDP2), or leave out --checkpoint-dir")
     ignored = _ignored_techniques(plan)
     if ignored:
