@@ -34,6 +34,8 @@ BAD: dict[str, dict[str, list[str] | None]] = {
         "--json": [UNWRITABLE, A_FOLDER],
         "--plot": [UNWRITABLE, A_FOLDER],
         "--snapshot": [UNWRITABLE, A_FOLDER],
+        "--html": [UNWRITABLE, A_FOLDER],
+        "--job": None,
         "--cap": ["lots", "0"],
         "--top": ["-1"],
         "--device": ["no-such-gpu"],
@@ -197,7 +199,7 @@ def _plain_plan(tmp_path) -> str:
 # ------------------------------------------------------------------------------ output paths
 # Every path option of every command: what it writes (a file or a folder), or that it is read.
 OUTPUTS: dict[str, dict[str, str]] = {
-    "profile": {"--json": "file", "--plot": "file", "--snapshot": "file"},
+    "profile": {"--json": "file", "--plot": "file", "--snapshot": "file", "--html": "file"},
     "plan": {"--json": "file", "--save": "file", "--disk-dir": "existing folder"},
     "train": {"--json": "file", "--plot": "file", "--checkpoint-dir": "folder"},
     "bench ladder": {"--json": "file", "--markdown": "file"},
