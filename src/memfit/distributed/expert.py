@@ -9,10 +9,12 @@ expert -> an all-to-all of the counts, then of the tokens -> this rank's experts
 own experts module, at ``n/E`` experts, so whichever kernel it dispatches to runs) -> an
 all-to-all back -> the router-weighted sum, in the token order the unsplit block uses.
 
-torch.distributed gives the differentiable all-to-all
-(``torch.distributed.nn.functional.all_to_all_single``) and the process groups
-(``init_device_mesh``); what torch lacks and this adds:
+torch.distributed gives the all-to-all (``all_to_all_single``, uneven splits; gloo runs it
+on the CPU) and the process groups (``init_device_mesh``); what torch lacks and this adds:
 
+* an all-to-all autograd understands through a public API (:class:`_AllToAll`: its backward
+  is the all-to-all back; ``torch.distributed.nn.functional``'s is deprecated and
+  ``_functional_collectives``' is private);
 * the dispatch and combine around a transformers MoE block, and the split of its fused expert
   tensors (``gate_up_proj``, ``down_proj``) to this rank's experts;
 * gradients averaged correctly over the two kinds of groups: the replicated parameters over
@@ -153,6 +155,25 @@ def apply_expert_parallel(model: nn.Module, degree: int, data: int,
     return ExpertParallel(degree, data, group, replicas, mesh["replica"], params)
 
 
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` of rows, ``x``'s split by ``sent`` rows per rank, the result's
+    by ``got``; backward sends the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, got: list[int], sent: list[int],
+                group: Any) -> torch.Tensor:
+        ctx.got, ctx.sent, ctx.group = got, sent, group
+        out = x.new_empty((sum(got), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), got, sent, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        out = grad.new_empty((sum(ctx.sent), *grad.shape[1:]))
+        dist.all_to_all_single(out, grad.contiguous(), ctx.sent, ctx.got, group=ctx.group)
+        return out, None, None, None
+
+
 class _Dispatch:
     """One MoE block's place in its expert group."""
 
@@ -174,8 +195,6 @@ class _Dispatch:
 
 def _forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     """An expert-parallel MixtralSparseMoeBlock forward (see the module docstring)."""
-    from torch.distributed.nn.functional import all_to_all_single
-
     ep: _Dispatch = self._memfit_expert
     b, s, h = hidden_states.shape
     if self.training and self.jitter_noise > 0:
@@ -195,15 +214,13 @@ def _forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     send_splits = [sum(sent[r * l:(r + 1) * l]) for r in range(ep.degree)]
     recv_splits = [sum(got[r * l:(r + 1) * l]) for r in range(ep.degree)]
     tokens = x[order // k]
-    recv = all_to_all_single(tokens.new_empty(sum(recv_splits), h), tokens, recv_splits,
-                             send_splits, group=ep.group)
+    recv = _AllToAll.apply(tokens, recv_splits, send_splits, ep.group)
     # Received rows come by source rank, then local expert: their local expert ids.
     local_ids = [e for r in range(ep.degree) for e in range(l) for _ in range(got[r * l + e])]
     ids = torch.tensor(local_ids, dtype=torch.long, device=x.device).reshape(-1, 1)
     ones = torch.ones(len(local_ids), 1, dtype=weights.dtype, device=x.device)
     out = self.experts(recv, ids, ones)
-    back = all_to_all_single(out.new_empty(tokens.shape[0], h), out, send_splits, recv_splits,
-                             group=ep.group)
+    back = _AllToAll.apply(out, send_splits, recv_splits, ep.group)
     scaled = back * weights.reshape(-1)[order].unsqueeze(-1).to(back.dtype)
     y = torch.zeros_like(x).index_add(0, order // k, scaled.to(x.dtype))
     return y.reshape(b, s, h)
