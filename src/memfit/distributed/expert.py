@@ -184,9 +184,9 @@ class _Dispatch:
         """The token counts this rank receives, per source rank then local expert, from the
         per-expert ``counts`` it sends: exchanged for real, or in a dry run what the routing
         policy gives every rank (the same routing as this one's)."""
-        e, l = self.degree, self.local
+        e, m = self.degree, self.local
         if is_fake(counts):
-            mine = counts.tolist()[self.index * l:(self.index + 1) * l]  # the policy's values
+            mine = counts.tolist()[self.index * m:(self.index + 1) * m]  # the policy's values
             return mine * e
         got = torch.empty_like(counts)
         dist.all_to_all_single(got, counts, group=self.group)
@@ -210,13 +210,13 @@ def _forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     counts = torch.bincount(flat, minlength=n)
     sent = counts.tolist()
     got = ep.received(counts)
-    l = ep.local
-    send_splits = [sum(sent[r * l:(r + 1) * l]) for r in range(ep.degree)]
-    recv_splits = [sum(got[r * l:(r + 1) * l]) for r in range(ep.degree)]
+    m = ep.local
+    send_splits = [sum(sent[r * m:(r + 1) * m]) for r in range(ep.degree)]
+    recv_splits = [sum(got[r * m:(r + 1) * m]) for r in range(ep.degree)]
     tokens = x[order // k]
     recv = _AllToAll.apply(tokens, recv_splits, send_splits, ep.group)
     # Received rows come by source rank, then local expert: their local expert ids.
-    local_ids = [e for r in range(ep.degree) for e in range(l) for _ in range(got[r * l + e])]
+    local_ids = [e for r in range(ep.degree) for e in range(m) for _ in range(got[r * m + e])]
     ids = torch.tensor(local_ids, dtype=torch.long, device=x.device).reshape(-1, 1)
     ones = torch.ones(len(local_ids), 1, dtype=weights.dtype, device=x.device)
     out = self.experts(recv, ids, ones)
