@@ -412,7 +412,8 @@ class Plan:
                 layout += f", ZeRO stage {par.zero_stage}"
             parts.append(layout)
         elif par.data > 1 or par.zero_stage:
-            parts.append(f"{par.data} processes, ZeRO stage {par.zero_stage}")
+            experts = f", experts split over {par.expert}" if par.expert > 1 else ""
+            parts.append(f"{par.data} processes, ZeRO stage {par.zero_stage}{experts}")
         if self.compile_backend is not None:
             parts.append(
                 "compiled" if self.compile_backend == "inductor" else f"compiled ({self.compile_backend})"

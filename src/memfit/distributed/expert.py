@@ -90,20 +90,25 @@ class ExpertParallel:
 
 
 def apply_expert_parallel(model: nn.Module, degree: int, data: int,
-                          device_type: str = "cpu") -> ExpertParallel:
+                          device_type: str = "cpu",
+                          data_ranks: list[list[int]] | None = None) -> ExpertParallel:
     """Split ``model``'s MoE experts over ``degree`` ranks of each expert group, in place.
 
-    Call it in every rank of a process group of ``data`` ranks (``degree`` divides ``data``),
-    before the data-parallel engine wraps the model (:func:`memfit.distributed.data.
-    apply_data_parallel` does). Memory: each rank keeps ``1 / degree`` of the expert
-    parameters (and so of their gradients and optimizer state); the dispatched tokens and the
-    experts' outputs are each ``tokens x top_k x hidden`` per layer, as in the unsplit block.
+    Call it in every rank of the world, each with the same arguments, before the
+    data-parallel engine wraps the model (:func:`memfit.distributed.data.apply_data_parallel`
+    and :func:`memfit.distributed.layout.build_layout` do). Memory: each rank keeps
+    ``1 / degree`` of the expert parameters (and so of their gradients and optimizer state);
+    the dispatched tokens and the experts' outputs are each ``tokens x top_k x hidden`` per
+    layer, as in the unsplit block.
 
     Args:
-        model: The model, on its device (every rank built it alike).
+        model: The model (or a pipeline stage of it), on its device (every rank built it
+            alike).
         degree: The expert-parallel degree.
-        data: The data-parallel degree (the world).
+        data: The data-parallel degree; ``degree`` divides it.
         device_type: The device the process group communicates on (``cpu`` or ``cuda``).
+        data_ranks: Every data-parallel group of the world, as lists of ranks (default: the
+            whole world is one): each is carved into expert groups of consecutive members.
 
     Returns:
         The :class:`ExpertParallel` handle.
@@ -112,8 +117,6 @@ def apply_expert_parallel(model: nn.Module, degree: int, data: int,
         ValueError: when the model has no MoE block memfit can split, or ``degree`` does not
             divide its experts or ``data``.
     """
-    from torch.distributed.device_mesh import init_device_mesh
-
     blocks = list(moe_blocks(model))
     if not blocks:
         raise ValueError(
@@ -130,13 +133,10 @@ def apply_expert_parallel(model: nn.Module, degree: int, data: int,
     if data % degree:
         raise ValueError(f"parallel expert {degree} must divide data {data}")
     rank = dist.get_rank()
-    # Expert groups are consecutive ranks (within a node); their replicas stride by degree.
-    mesh = init_device_mesh(device_type, (data // degree, degree),
-                            mesh_dim_names=("replica", "expert"))
-    group = mesh.get_group("expert")
-    replicas = mesh.get_group("replica") if data > degree else None
+    group, replicas, mesh, index = _groups(degree, data_ranks or [list(range(data))],
+                                          rank, device_type)
     local = n // degree
-    first = rank % degree * local
+    first = index * local
     params: dict[str, nn.Parameter] = {}
     for name, block in blocks:
         experts = block.experts
@@ -150,9 +150,34 @@ def apply_expert_parallel(model: nn.Module, degree: int, data: int,
             # divided by the data degree, it is the average the replicated parameters get.
             mine.register_hook(lambda g, d=data: g / d)
         experts.num_experts = local
-        block._memfit_expert = _Dispatch(degree, rank % degree, local, group)
+        block._memfit_expert = _Dispatch(degree, index, local, group)
         block.forward = _forward.__get__(block)
-    return ExpertParallel(degree, data, group, replicas, mesh["replica"], params)
+    return ExpertParallel(degree, data, group, replicas if data > degree else None, mesh,
+                          params)
+
+
+def _groups(degree: int, data_ranks: list[list[int]], rank: int,
+            device_type: str) -> tuple[Any, Any, Any, int]:
+    """This rank's expert group, replica group (and its device mesh, for FSDP2) and index in
+    its expert group. Every rank creates every group, in the same order (``new_group``'s
+    rule): the expert groups are consecutive members of a data group (within a node), the
+    replicas stride by ``degree``."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mine: dict[str, Any] = {}
+    for ranks in data_ranks:
+        for g in range(len(ranks) // degree):
+            members = ranks[g * degree:(g + 1) * degree]
+            made = dist.new_group(members)
+            if rank in members:
+                mine["expert"], mine["index"] = made, members.index(rank)
+        for j in range(degree):
+            members = ranks[j::degree]
+            made = dist.new_group(members)
+            if rank in members:
+                mine["replica"] = made
+                mine["mesh"] = DeviceMesh.from_group(made, device_type)
+    return mine["expert"], mine["replica"], mine["mesh"], mine["index"]
 
 
 class _AllToAll(torch.autograd.Function):

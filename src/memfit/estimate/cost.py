@@ -525,6 +525,7 @@ def communication(
     checkpointing: bool,
     backward_seconds: float,
     gradient_bytes: float = 4.0,
+    routed_bytes: float = 0.0,
 ) -> dict[str, float]:
     """One rank's seconds of communication per step, by kind (``tensor``, ``pipeline``,
     ``data``): what :func:`step_cost` and the 3-D planner's
@@ -546,6 +547,9 @@ def communication(
         checkpointing: Whether blocks are recomputed (a third forward all-reduce each).
         backward_seconds: The backward's compute, which the gradient reduction overlaps.
         gradient_bytes: Bytes per gradient element reduced (fp32: 4).
+        routed_bytes: With ``parallel.expert > 1``: one micro-batch's routed tokens per
+            mixture-of-experts block (``tokens x top_k x hidden`` elements), what each
+            all-to-all of the dispatch or the combine moves (``expert``).
     """
     t, p, d = parallel.tensor, parallel.pipeline, parallel.data
     g = gpus_per_node if gpus_per_node is not None else min(parallel.world_size, 8)
@@ -566,7 +570,14 @@ def communication(
               * (1.5 if parallel.zero_stage == 3 else 1))
     dp_total = volume / dp_bw if d > 1 else 0.0
     dp = max(0.0, dp_total - DP_OVERLAP * backward_seconds)
-    return {"tensor": tp, "pipeline": pp, "data": dp}
+    # Expert parallelism: per MoE block and micro-batch, two all-to-alls forward (dispatch,
+    # combine), two backward (a third pair forward with recomputation), each sending
+    # (e - 1) / e of the routed tokens away; within a node while the group fits in one.
+    e = parallel.expert
+    ep_bw = node if e <= g else net
+    ep = ((6 if checkpointing else 4) * routed_bytes * (e - 1) / e / ep_bw * blocks * m
+          if e > 1 else 0.0)
+    return {"tensor": tp, "pipeline": pp, "data": dp, "expert": ep}
 
 
 def _microbatches(par: ParallelConfig, s: _Step) -> int:

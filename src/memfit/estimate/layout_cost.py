@@ -63,6 +63,8 @@ class ModelShape:
         mlp: MLP width.
         vocab: Vocabulary rows.
         config: The HF config itself.
+        experts: Routed experts per mixture-of-experts block (0: a dense model).
+        top_k: Experts each token is routed to.
     """
 
     family: str
@@ -73,6 +75,14 @@ class ModelShape:
     mlp: int
     vocab: int
     config: Any = dataclasses.field(compare=False, repr=False)
+    experts: int = 0
+    top_k: int = 0
+
+    @property
+    def expert_block_params(self) -> int:
+        """Elements of one block's experts (Mixtral's: ``gate_up_proj`` and ``down_proj``,
+        ``3 x hidden x mlp`` each); 0 for a dense model."""
+        return self.experts * 3 * self.hidden * self.mlp
 
 
 def model_shape(workload: Workload) -> ModelShape:
@@ -100,9 +110,9 @@ def model_shape(workload: Workload) -> ModelShape:
     hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None)
     model_type = str(getattr(cfg, "model_type", ""))
     family = "llama" if model_type in ("llama", "mistral", "qwen2") else model_type
-    if family not in ("llama", "gpt2"):
+    if family not in ("llama", "gpt2", "mixtral"):
         raise WorkloadError(
-            f"the 3-D planner splits causal LMs of the Llama and GPT-2 layouts, not "
+            f"the 3-D planner splits causal LMs of the Llama, Mixtral and GPT-2 layouts, not "
             f"{workload.name!r} ({model_type}); plan data parallelism for it with --world-size "
             "alone"
         )
@@ -115,6 +125,8 @@ def model_shape(workload: Workload) -> ModelShape:
         mlp=sizes.get("MLP width", 4 * int(hidden)),
         vocab=int(cfg.vocab_size),
         config=cfg,
+        experts=int(getattr(cfg, "num_local_experts", 0) or 0) if family == "mixtral" else 0,
+        top_k=int(getattr(cfg, "num_experts_per_tok", 0) or 0) if family == "mixtral" else 0,
     )
 
 
@@ -155,12 +167,38 @@ def layout_problems(shape: ModelShape, parallel: ParallelConfig, batch_size: int
         cfg = PipelineConfig(p, parallel.schedule, _microbatches(parallel),
                              tuple(parallel.cuts) or None)
         out.extend(cfg.problems(shape.layers))
+    out.extend(_expert_problems(shape, parallel))
     m = _microbatches(parallel)
     if batch_size % (d * m):
         out.append(
             f"a batch of {batch_size} samples does not split into {d} replicas x {m} "
             f"micro-batches; use a batch size that is a multiple of {d * m}"
         )
+    return out
+
+
+def _expert_problems(shape: ModelShape, parallel: ParallelConfig) -> list[str]:
+    """What stops a mixture-of-experts model's layout, or an expert degree, from running."""
+    t, p, e = parallel.tensor, parallel.pipeline, parallel.expert
+    out = []
+    if shape.experts and t > 1:
+        out.append(
+            "memfit's tensor parallelism does not split mixture-of-experts blocks yet; use "
+            "tensor 1 (expert parallelism splits the experts)")
+    if e > 1:
+        if not shape.experts:
+            out.append(f"parallel expert {e} needs a mixture-of-experts model; use expert 1")
+        elif shape.experts % e:
+            works = [x for x in _divisors(shape.experts) if parallel.data % x == 0]
+            out.append(f"parallel expert {e} does not divide the {shape.experts} experts; use "
+                       f"expert {', '.join(map(str, works))}")
+        if parallel.data % e:
+            out.append(f"parallel expert {e} must divide data {parallel.data}")
+        if t > 1 or p > 1:
+            out.append("parallel expert is not composed with tensor or pipeline parallelism "
+                       "yet; use tensor 1 and pipeline 1 with it")
+        if parallel.zero_stage == 1:
+            out.append("parallel expert is not composed with zero_stage 1; use 0, 2 or 3")
     return out
 
 
@@ -337,6 +375,8 @@ class LayoutCandidate:
             bits.append(f"{par.schedule} x{self.microbatches}")
         elif self.microbatches > 1:
             bits.append(f"accumulation {self.microbatches}")
+        if par.expert > 1:
+            bits.append(f"expert {par.expert}")
         if par.data > 1:
             bits.append(f"ZeRO {par.zero_stage}")
         if self.checkpointing:
@@ -406,16 +446,18 @@ def estimate_layout(shape: ModelShape, parallel: ParallelConfig, *, batch_size: 
     most = max(blocks)
     comm = communication(
         parallel, device, gpus_per_node=gpus_per_node,
-        parameters=most * model.prof.block_params + model.prof.first_params,
+        parameters=most * model.block_params + model.prof.first_params,
         block_output_bytes=model.block_input, blocks=most, microbatches=m,
         checkpointing=checkpointing, backward_seconds=compute * 2 / 3,
+        routed_bytes=model.routed,
     )
-    tp, pp, dp = comm["tensor"], comm["pipeline"], comm["data"]
+    tp, pp, dp, ep = comm["tensor"], comm["pipeline"], comm["data"], comm["expert"]
     cost = StepCost(matmul=compute, pointwise=0.0, launch=0.0, optimizer=0.0,
-                    extra_backward=0.0, communication=tp + pp + dp, bubble=compute * bubble)
+                    extra_backward=0.0, communication=tp + pp + dp + ep,
+                    bubble=compute * bubble)
     step = cost.total
     parts = {"compute": compute, "bubble": compute * bubble, "tensor": tp, "pipeline": pp,
-             "data": dp}
+             "data": dp, "expert": ep}
     peaks = _rank_peaks(parallel, peaks_by_stage)
     top = max(range(p), key=lambda i: peaks_by_stage[i])
     return LayoutCandidate(parallel, checkpointing, peaks, step, parts, microbatches=m,
@@ -443,6 +485,13 @@ class _RankModel:
         self.state = _state_bytes(optimizer)
         self.v = 1 if parallel.schedule in ("gpipe", "1f1b") or p == 1 else 2
         self.block_input = self.mb * seq_len * shape.hidden * (2 if dtype != "float32" else 4)
+        # Expert parallelism: a rank keeps 1/e of each block's experts; each MoE block's
+        # dispatch moves a micro-batch's routed tokens (``top_k`` per token).
+        e = parallel.expert
+        self.expert_params = shape.expert_block_params / e if e > 1 else 0.0
+        self.block_params = self.prof.block_params - (
+            shape.expert_block_params - self.expert_params if e > 1 else 0)
+        self.routed = self.block_input * shape.top_k if e > 1 else 0.0
         self.config = PipelineConfig(p, parallel.schedule, self.m) if p > 1 else None
         if self.config is not None:
             last = self.config.num_stages - 1
@@ -476,15 +525,26 @@ class _RankModel:
 
         par, prof, mb, d = self.parallel, self.prof, self.mb, self.parallel.data
         first, last = self.ends[r]
-        params = blocks * prof.block_params
+        # The experts' share of this rank's parameters shards over their replicas only.
+        experts = blocks * self.expert_params
+        params = blocks * self.block_params - experts
         params += prof.first_params if first else 0
         params += prof.last_params if last else 0
-        states = zero_model_state_bytes(params, d, par.zero_stage, state_bytes=self.state)
+        groups = ((params, d), (experts, d // par.expert)) if experts else ((params, d),)
+
+        def zero(**kw: float) -> float:
+            return sum(zero_model_state_bytes(n, w, par.zero_stage, **kw) for n, w in groups)
+
+        states = zero(state_bytes=self.state)
         if par.zero_stage == 3:  # two blocks' parameters gathered at a time
-            states += 2 * 4 * prof.block_params * (1 - 1 / d)
+            dense = self.block_params - self.expert_params
+            states += 2 * 4 * (dense * (1 - 1 / d)
+                               + self.expert_params * (1 - par.expert / d))
         if par.zero_stage == 2:  # whole between a block's forward and its backward
-            states += 4 * params * (1 - 1 / d)
+            states += 4 * sum(n * (1 - 1 / w) for n, w in groups)
         per_block = self.block_input if self.checkpointing else prof.kept("block", mb)
+        # The combine's weighted product keeps the routed tokens it received back.
+        per_block += 0 if self.checkpointing else self.routed
         acts = blocks * per_block
         acts += prof.kept("first", mb) if first else 0
         acts += prof.kept("last", mb) if last else 0
@@ -497,10 +557,8 @@ class _RankModel:
         work = prof.kept("block", mb) * (2 if self.checkpointing else 1)
         if last:
             work = max(work, 2 * 4 * mb * self.seq_len * (-(-self.shape.vocab // par.tensor)))
-        grads = zero_model_state_bytes(params, d, par.zero_stage, param_bytes=0,
-                                       grad_bytes=4, state_bytes=0)
-        opt = zero_model_state_bytes(params, d, par.zero_stage, param_bytes=0,
-                                     grad_bytes=0, state_bytes=self.state)
+        grads = zero(param_bytes=0, grad_bytes=4, state_bytes=0)
+        opt = zero(param_bytes=0, grad_bytes=0, state_bytes=self.state)
         cats = {"parameters": int(states - grads - opt), "gradients": int(grads),
                 "optimizer_state": int(opt), "activations": int(kept), "temporaries": int(work)}
         return int(states + kept + work), cats

@@ -17,6 +17,7 @@ dry runs of its own program in a fake process group when
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -88,6 +89,10 @@ def _settings(d: int, t: int, p: int, batch_size: int, base: ParallelConfig,
     # With a tensor or pipeline split, replicas shard through FSDP2 (stages 2 and 3) or
     # all-reduce (stage 0); ZeroRedundancyOptimizer is not composed with them.
     stages = ((0, 1, 2, 3) if t == 1 and p == 1 else (0, 2, 3)) if d > 1 else (0,)
+    # Expert parallelism (a mixture-of-experts model without a tensor or pipeline split):
+    # every degree that divides the experts and the replicas; ZeRO 1 is not composed with it.
+    experts = [x for x in _divisors(d) if shape.experts % x == 0] \
+        if shape.experts and t == 1 and p == 1 and base.expert == 1 else [base.expert]
     schedules: tuple[str, ...] = (
         ("1f1b", "interleaved-1f1b", "zero-bubble", "gpipe") if p > 1 else ("1f1b",)
     )
@@ -96,14 +101,12 @@ def _settings(d: int, t: int, p: int, batch_size: int, base: ParallelConfig,
         schedules = (base.schedule,)
         if base.microbatches is not None:
             counts = [base.microbatches]
-    for stage in stages:
-        for schedule in schedules:
-            for m in counts:
-                par = dataclasses.replace(base, data=d, tensor=t, pipeline=p, zero_stage=stage,
-                                          schedule=schedule if p > 1 else base.schedule,
-                                          microbatches=m if p > 1 else None)
-                if not layout_problems(shape, par, batch_size, gpus_per_node):
-                    yield par, m
+    for e, stage, schedule, m in itertools.product(experts, stages, schedules, counts):
+        par = dataclasses.replace(base, data=d, tensor=t, pipeline=p, zero_stage=stage,
+                                  schedule=schedule if p > 1 else base.schedule,
+                                  microbatches=m if p > 1 else None, expert=e)
+        if not layout_problems(shape, par, batch_size, gpus_per_node):
+            yield par, m
 
 
 def plan_layout(
@@ -496,7 +499,8 @@ def _why_slower(best: LayoutCandidate, other: LayoutCandidate) -> str:
     what = {"compute": "more compute per rank (recomputation or a smaller share of the work)",
             "bubble": "a larger pipeline bubble", "tensor": "more tensor-parallel all-reduces",
             "pipeline": "more point-to-point traffic between stages",
-            "data": "more gradient traffic across replicas"}[key]
+            "data": "more gradient traffic across replicas",
+            "expert": "more all-to-all traffic between expert ranks"}[key]
     return f": {what}, {diffs[key]:.3g} s more per step"
 
 
