@@ -124,3 +124,44 @@ def test_each_rank_s_peak_matches_its_prediction(config_path, stage):
                      for r, (m, p) in enumerate(zip(measured, predicted, strict=True)))
     for m, p in zip(measured, predicted, strict=True):
         assert p == pytest.approx(m, rel=MEMORY_RTOL), rows
+
+
+LAYOUT = ParallelConfig(data=2, pipeline=2, expert=2, microbatches=2)
+
+
+def _layout_grads(rank: int, world: int) -> dict:
+    """One step of a data 2 x pipeline 2 x expert 2 layout: its loss and this rank's stage's
+    gradients (its experts' among them)."""
+    from memfit.distributed.layout import build_layout
+
+    layout = build_layout(_model(), LAYOUT, batch_size=BATCH)
+    d = layout.coords["dp"]
+    share = BATCH // LAYOUT.data
+    ids = _batch()[d * share:(d + 1) * share]
+    loss = layout.step(ids, ids)
+    share = EXPERTS // LAYOUT.expert
+    first = d % LAYOUT.expert * share
+    return {"loss": float(loss), "grads": layout.full_grads(), "experts": (first, first + share)}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_expert_parallel_under_a_pipeline_equals_one_process():
+    """Expert groups carved from each stage's replicas (data 2 x pipeline 2 x expert 2, four
+    processes): the loss and every gradient equal the unsplit model's to 1e-5."""
+    results = run_ranks(_layout_grads, 4, timeout=400)
+    model = _model()
+    ids = _batch()
+    want_loss = model(input_ids=ids, labels=ids).loss
+    want_loss.backward()
+    want = {n: p.grad for n, p in model.named_parameters()}
+    seen = set()
+    for rank, out in enumerate(results):
+        assert out["loss"] == pytest.approx(float(want_loss.detach()), rel=RTOL), rank
+        lo, hi = out["experts"]
+        for name, got in out["grads"].items():
+            g = want[name][lo:hi] if ".experts." in name else want[name]
+            seen.add(name)
+            torch.testing.assert_close(got, g, rtol=RTOL, atol=RTOL * float(g.abs().max()),
+                                       msg=f"{name} (rank {rank})")
+    assert seen == set(want)

@@ -28,7 +28,8 @@ def test_expert_degree_round_trips_through_plan_json():
         ({"data": 4, "expert": True}, "whole number >= 1"),
         ({"data": 6, "expert": 4}, "must divide data 6"),
         ({"data": 4, "expert": 2, "zero_stage": 1}, "zero_stage 1"),
-        ({"data": 2, "tensor": 2, "expert": 2}, "tensor or pipeline"),
+        ({"data": 2, "tensor": 2, "expert": 2}, "tensor parallelism"),
+        ({"data": 2, "pipeline": 2, "expert": 2, "zero_stage": 2}, "zero_stage 0 only"),
     ],
 )
 def test_bad_expert_settings_are_one_sentence(fields, words):

@@ -481,11 +481,15 @@ def _apply_technique(model: nn.Module, ctx: ApplyContext) -> DataParallel | None
 def _check(plan: Any) -> None:
     """What several processes cannot run yet (``Technique.check``)."""
     par = plan.parallel
-    if par.expert > 1 and (par.tensor > 1 or par.pipeline > 1):
+    if par.expert > 1 and par.tensor > 1:
         raise ValueError(
-            "parallel expert is not composed with tensor or pipeline parallelism yet (the "
-            "layout engine does not dispatch tokens between expert ranks); set tensor and "
-            "pipeline 1, or expert 1"
+            "parallel expert is not composed with tensor parallelism yet (memfit's tensor "
+            "split does not know mixture-of-experts blocks); set tensor 1, or expert 1"
+        )
+    if par.expert > 1 and par.pipeline > 1 and par.zero_stage:
+        raise ValueError(
+            "parallel expert under a pipeline runs with zero_stage 0 only (FSDP2 does not "
+            "shard a stage's experts over their replicas yet); set zero_stage 0"
         )
     if par.expert > 1 and par.zero_stage == 1:
         raise ValueError(

@@ -216,6 +216,8 @@ class Layout:
     pipeline: Pipeline | None
     tensor: list[TensorParallel] = field(default_factory=list)
     loss_fn: LossFn = causal_lm_loss
+    #: With ``parallel.expert > 1``: each module's expert split (:mod:`.expert`).
+    experts: list[Any] = field(default_factory=list)
 
     @property
     def microbatches(self) -> int:
@@ -281,9 +283,13 @@ class Layout:
         group = self.mesh["dp"].get_group()
         d = self.parallel.data
         if not self.parallel.sharded:
-            # FSDP2 reduces its own gradients; here each gradient is averaged in place.
+            # FSDP2 reduces its own gradients; here each gradient is averaged in place, an
+            # expert's over its replicas only (a hook divided it by ``data`` already).
+            own = {id(p) for e in self.experts for p in e.parameters.values()}
+            for e in self.experts:
+                e.sync()
             for p in self.parameters():
-                if p.grad is not None:
+                if p.grad is not None and id(p) not in own:
                     g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
                     dist.all_reduce(g, group=group)
                     g.div_(d)
@@ -442,8 +448,14 @@ def build_layout(
     if loss_fn is None:
         loss_fn = shifted_cross_entropy if parallel.tensor > 1 else causal_lm_loss
     handles: list[TensorParallel] = []
+    experts: list[Any] = []
 
     def prepare(module: nn.Module) -> None:
+        if parallel.expert > 1:
+            from .expert import apply_expert_parallel
+
+            experts.append(apply_expert_parallel(module, parallel.expert, parallel.data,
+                                                 device.type, _data_groups(parallel)))
         if parallel.tensor > 1:
             config = TensorParallelConfig(parallel.tensor, sequence_parallel=parallel.sequence)
             handles.append(apply_tensor_parallel(module, config, mesh["tp"]))
@@ -459,7 +471,14 @@ def build_layout(
         model.to(device)
         prepare(model)
         modules = [model]
-    return Layout(parallel, mesh, coords, modules, pipeline, handles, loss_fn)
+    return Layout(parallel, mesh, coords, modules, pipeline, handles, loss_fn, experts)
+
+
+def _data_groups(parallel: ParallelConfig) -> list[list[int]]:
+    """Every data-parallel group's ranks (one per stage and tensor shard)."""
+    d, t = parallel.data, parallel.tensor
+    return [[(s * d + r) * t + k for r in range(d)]
+            for s in range(parallel.pipeline) for k in range(t)]
 
 
 def _fully_shard(module: nn.Module, parallel: ParallelConfig, dp_mesh: Any) -> None:

@@ -194,9 +194,11 @@ def _expert_problems(shape: ModelShape, parallel: ParallelConfig) -> list[str]:
                        f"expert {', '.join(map(str, works))}")
         if parallel.data % e:
             out.append(f"parallel expert {e} must divide data {parallel.data}")
-        if t > 1 or p > 1:
-            out.append("parallel expert is not composed with tensor or pipeline parallelism "
-                       "yet; use tensor 1 and pipeline 1 with it")
+        if t > 1:
+            out.append("parallel expert is not composed with tensor parallelism yet; use "
+                       "tensor 1 with it")
+        if p > 1 and parallel.zero_stage:
+            out.append("parallel expert under a pipeline runs with zero_stage 0 only")
         if parallel.zero_stage == 1:
             out.append("parallel expert is not composed with zero_stage 1; use 0, 2 or 3")
     return out

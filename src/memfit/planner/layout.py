@@ -89,10 +89,10 @@ def _settings(d: int, t: int, p: int, batch_size: int, base: ParallelConfig,
     # With a tensor or pipeline split, replicas shard through FSDP2 (stages 2 and 3) or
     # all-reduce (stage 0); ZeroRedundancyOptimizer is not composed with them.
     stages = ((0, 1, 2, 3) if t == 1 and p == 1 else (0, 2, 3)) if d > 1 else (0,)
-    # Expert parallelism (a mixture-of-experts model without a tensor or pipeline split):
-    # every degree that divides the experts and the replicas; ZeRO 1 is not composed with it.
+    # Expert parallelism (a mixture-of-experts model without a tensor split): every degree
+    # that divides the experts and the replicas (layout_problems drops what cannot run).
     experts = [x for x in _divisors(d) if shape.experts % x == 0] \
-        if shape.experts and t == 1 and p == 1 and base.expert == 1 else [base.expert]
+        if shape.experts and t == 1 and base.expert == 1 else [base.expert]
     schedules: tuple[str, ...] = (
         ("1f1b", "interleaved-1f1b", "zero-bubble", "gpipe") if p > 1 else ("1f1b",)
     )
