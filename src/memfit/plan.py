@@ -408,6 +408,8 @@ class Plan:
                 layout += f" ({par.schedule}, {m} micro-batches{cut})"
             if par.sequence:
                 layout += ", sequence parallel"
+            if par.expert > 1:
+                layout += f", experts split over {par.expert}"
             if par.zero_stage:
                 layout += f", ZeRO stage {par.zero_stage}"
             parts.append(layout)

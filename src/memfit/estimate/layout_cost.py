@@ -448,7 +448,7 @@ def estimate_layout(shape: ModelShape, parallel: ParallelConfig, *, batch_size: 
     most = max(blocks)
     comm = communication(
         parallel, device, gpus_per_node=gpus_per_node,
-        parameters=most * model.block_params + model.prof.first_params,
+        parameters=most * model.reduced_block_params + model.prof.first_params,
         block_output_bytes=model.block_input, blocks=most, microbatches=m,
         checkpointing=checkpointing, backward_seconds=compute * 2 / 3,
         routed_bytes=model.routed,
@@ -494,6 +494,14 @@ class _RankModel:
         self.block_params = self.prof.block_params - (
             shape.expert_block_params - self.expert_params if e > 1 else 0)
         self.routed = self.block_input * shape.top_k if e > 1 else 0.0
+        # The gradients a replica reduces: an expert's only over its replicas (d / e of them).
+        self.reduced_block_params = self.block_params - (
+            self.expert_params if e > 1 and parallel.data == e else 0)
+        # torch's FLOP counter has no formula for transformers' grouped expert matmul
+        # (aten._grouped_mm): a routed token's expert FLOPs (top_k experts, three matrices,
+        # forward and backward) are added per sample here.
+        self.expert_flops = (6 * shape.top_k * 3 * shape.hidden * shape.mlp * seq_len
+                             if shape.experts else 0)
         self.config = PipelineConfig(p, parallel.schedule, self.m) if p > 1 else None
         if self.config is not None:
             last = self.config.num_stages - 1
@@ -569,7 +577,8 @@ class _RankModel:
         """Pipeline rank ``r``'s forward and backward FLOPs per step holding ``blocks``."""
         prof = self.prof
         first, last = self.ends[r]
-        flops = blocks * prof.block_flops * (4 / 3 if self.checkpointing else 1)
+        flops = blocks * (prof.block_flops + self.expert_flops) * (
+            4 / 3 if self.checkpointing else 1)
         flops += (prof.first_flops if first else 0) + (prof.last_flops if last else 0)
         return flops * self.mb * self.m
 
