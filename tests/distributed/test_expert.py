@@ -132,24 +132,41 @@ LAYOUT = ParallelConfig(data=2, pipeline=2, expert=2, microbatches=2)
 def _layout_grads(rank: int, world: int) -> dict:
     """One step of a data 2 x pipeline 2 x expert 2 layout: its loss and this rank's stage's
     gradients (its experts' among them)."""
+    import memfit
     from memfit.distributed.layout import build_layout
 
     layout = build_layout(_model(), LAYOUT, batch_size=BATCH)
     d = layout.coords["dp"]
     share = BATCH // LAYOUT.data
     ids = _batch()[d * share:(d + 1) * share]
+    opt = torch.optim.AdamW(layout.parameters(), lr=1e-3)
     loss = layout.step(ids, ids)
+    grads = layout.full_grads()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    # A warm step, tracked (as tests/distributed/test_layout.py measures a layout).
+    with memfit.track(optimizer=opt) as tracker:
+        tracker.label(layout.parameters(), "parameters")
+        tracker.add_inputs((ids,))
+        layout.step(ids, ids)
+        opt.step()
     share = EXPERTS // LAYOUT.expert
     first = d % LAYOUT.expert * share
-    return {"loss": float(loss), "grads": layout.full_grads(), "experts": (first, first + share)}
+    return {"loss": float(loss), "grads": grads, "experts": (first, first + share),
+            "peak": tracker.report().peak_bytes}
+
+
+@pytest.fixture(scope="module")
+def layout_results() -> list[dict]:
+    return run_ranks(_layout_grads, 4, timeout=400)
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_expert_parallel_under_a_pipeline_equals_one_process():
+def test_expert_parallel_under_a_pipeline_equals_one_process(layout_results):
     """Expert groups carved from each stage's replicas (data 2 x pipeline 2 x expert 2, four
     processes): the loss and every gradient equal the unsplit model's to 1e-5."""
-    results = run_ranks(_layout_grads, 4, timeout=400)
+    results = layout_results
     model = _model()
     ids = _batch()
     want_loss = model(input_ids=ids, labels=ids).loss
@@ -165,3 +182,24 @@ def test_expert_parallel_under_a_pipeline_equals_one_process():
             torch.testing.assert_close(got, g, rtol=RTOL, atol=RTOL * float(g.abs().max()),
                                        msg=f"{name} (rank {rank})")
     assert seen == set(want)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_layout_prediction_matches_each_rank_s_peak(layout_results):
+    """Each rank's tracked peak over a warm step of the expert-split pipeline is within 3% of
+    predict_layout's dry run of its role (computed here without any process group), and
+    the split is what makes it smaller than the unsplit experts' prediction."""
+    import dataclasses
+
+    from memfit.estimate.layout import predict_layout
+
+    predicted = predict_layout(_model(), LAYOUT, batch_size=BATCH, seq_len=SEQ).peak_bytes
+    whole = predict_layout(_model(), dataclasses.replace(LAYOUT, expert=1), batch_size=BATCH,
+                           seq_len=SEQ).peak_bytes
+    measured = [out["peak"] for out in layout_results]
+    rows = "; ".join(f"rank {r}: measured {m} B, predicted {p} B ({(p - m) / m:+.2%})"
+                     for r, (m, p) in enumerate(zip(measured, predicted, strict=True)))
+    for m, p, w in zip(measured, predicted, whole, strict=True):
+        assert p == pytest.approx(m, rel=MEMORY_RTOL), rows
+        assert p < w

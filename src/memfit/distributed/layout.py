@@ -72,6 +72,7 @@ __all__ = [
     "LayoutStepper",
     "build_layout",
     "check_layout",
+    "data_groups",
     "layout_coords",
     "layout_microbatches",
     "pipeline_config",
@@ -455,7 +456,7 @@ def build_layout(
             from .expert import apply_expert_parallel
 
             experts.append(apply_expert_parallel(module, parallel.expert, parallel.data,
-                                                 device.type, _data_groups(parallel)))
+                                                 device.type, data_groups(parallel)))
         if parallel.tensor > 1:
             config = TensorParallelConfig(parallel.tensor, sequence_parallel=parallel.sequence)
             handles.append(apply_tensor_parallel(module, config, mesh["tp"]))
@@ -474,7 +475,7 @@ def build_layout(
     return Layout(parallel, mesh, coords, modules, pipeline, handles, loss_fn, experts)
 
 
-def _data_groups(parallel: ParallelConfig) -> list[list[int]]:
+def data_groups(parallel: ParallelConfig) -> list[list[int]]:
     """Every data-parallel group's ranks (one per stage and tensor shard)."""
     d, t = parallel.data, parallel.tensor
     return [[(s * d + r) * t + k for r in range(d)]

@@ -279,6 +279,12 @@ def _role_costs(src: _Source, parallel: ParallelConfig, pipe_rank: int, depth: i
                 stages, real, num_stages = {0: model}, {0: src.num_blocks}, 1
             del model
             for stage in stages.values():
+                if parallel.expert > 1:  # this rank's experts (build_layout's split)
+                    from ..distributed.expert import apply_expert_parallel
+                    from ..distributed.layout import data_groups
+
+                    apply_expert_parallel(stage, parallel.expert, parallel.data, "cpu",
+                                          data_groups(parallel))
                 if parallel.tensor > 1:
                     config = TensorParallelConfig(parallel.tensor,
                                                   sequence_parallel=parallel.sequence)
@@ -290,8 +296,12 @@ def _role_costs(src: _Source, parallel: ParallelConfig, pipe_rank: int, depth: i
                     # real; the parameters stay fake (their own mode follows them).
                     with unset_fake_temporarily():
                         _fully_shard(stage, parallel, mesh["dp"])
-            costs = _run_role(stages, num_stages, parallel, mesh, m, mb, seq_len, loss_fn,
-                              optimizer, foreach, piped)
+            # Expert parallelism reads the routing's token counts: memfit's balanced policy.
+            from .values import DryRunValues
+
+            with DryRunValues() if parallel.expert > 1 else contextlib.nullcontext():
+                costs = _run_role(stages, num_stages, parallel, mesh, m, mb, seq_len, loss_fn,
+                                  optimizer, foreach, piped)
     return costs, real
 
 
