@@ -67,3 +67,29 @@ def test_mixtral_8x7b_on_16_h100s_splits_its_experts():
     assert max(result.rank_peak_bytes) <= result.budget_bytes
     assert result.plan.to_dict()["parallel"]["expert"] == result.plan.parallel.expert
     assert "experts split over" in result.plan.summary()
+
+
+def test_expert_load_raises_the_ranks_holding_expert_0(shape):
+    """Under expert_load 4 the first rank of each expert group (it holds expert 0) receives
+    3 x expert 0's share of every group member's tokens more and its peak grows; the other
+    ranks keep the balanced figure."""
+    par = ParallelConfig(data=8, pipeline=2, microbatches=1, schedule="gpipe", expert=4)
+    even = _price(shape, par)
+    kw = dict(batch_size=BATCH, seq_len=SEQ, checkpointing=False, device=get_device("h100"),
+              precision="bf16-mixed", optimizer="adamw", gpus_per_node=NODE)
+    loaded = estimate_layout(shape, par, expert_load=4, **kw)
+    for rank, (a, b) in enumerate(zip(even.rank_peak_bytes, loaded.rank_peak_bytes,
+                                      strict=True)):
+        holds_expert_0 = par.coordinates(rank)["replica"] % par.expert == 0
+        assert (b > a) if holds_expert_0 else (b == a), rank
+    assert estimate_layout(shape, par, expert_load=1, **kw).rank_peak_bytes == \
+        even.rank_peak_bytes
+
+
+def test_expert_load_is_refused_without_the_layout_planner():
+    from memfit.planner.entry import plan
+
+    with pytest.raises(ValueError, match="--expert-load is priced by the layout planner"):
+        plan(SPEC, "h100", world_size=8, expert_load=2)
+    with pytest.raises(ValueError, match="--expert-load must be a number >= 1"):
+        plan_layout(SPEC, "h100", WORLD, NODE, confirm=False, expert_load=0.5)

@@ -422,7 +422,8 @@ def _rank_peaks(parallel: ParallelConfig, peaks_by_stage: list[int]) -> list[int
 def estimate_layout(shape: ModelShape, parallel: ParallelConfig, *, batch_size: int,
                     seq_len: int, checkpointing: bool, device: Any, precision: str,
                     optimizer: OptimizerConfig | str, gpus_per_node: int,
-                    microbatches: int | None = None) -> LayoutCandidate:
+                    microbatches: int | None = None,
+                    expert_load: float = 1.0) -> LayoutCandidate:
     """Price one layout (see the module docstring): every rank's peak and the step time.
 
     ``optimizer``: the plan's (a name: its default settings); its state bytes per parameter
@@ -430,6 +431,10 @@ def estimate_layout(shape: ModelShape, parallel: ParallelConfig, *, batch_size: 
     ``microbatches``: with one stage, the gradient-accumulation steps per step (default 1);
     with a pipeline, its ``parallel.microbatches``. The pipeline's stages hold the blocks
     ``parallel.cuts`` gives them (an even split when empty; the layers need not divide).
+    ``expert_load``: with ``parallel.expert > 1``, the routing the ranks holding expert 0 (the
+    first of each expert group) must fit: ``c`` times expert 0's balanced share of every
+    group member's routed tokens, kept by its experts for backward
+    (:func:`_routed_token_bytes` per token).
     """
     model = _RankModel(shape, parallel, batch_size=batch_size, seq_len=seq_len,
                        checkpointing=checkpointing, device=device, precision=precision,
@@ -461,10 +466,44 @@ def estimate_layout(shape: ModelShape, parallel: ParallelConfig, *, batch_size: 
     parts = {"compute": compute, "bubble": compute * bubble, "tensor": tp, "pipeline": pp,
              "data": dp, "expert": ep}
     peaks = _rank_peaks(parallel, peaks_by_stage)
+    if parallel.expert > 1 and expert_load > 1:
+        extra = _overload_bytes(shape, parallel, model, expert_load, device.name)
+        for rank in range(parallel.world_size):
+            c = parallel.coordinates(rank)
+            if c["replica"] % parallel.expert == 0:  # holds expert 0
+                peaks[rank] += blocks[c["stage"]] * extra
+        for i, cats in enumerate(cats_by_stage):
+            cats["activations"] += blocks[i] * extra
+            peaks_by_stage[i] += blocks[i] * extra
     top = max(range(p), key=lambda i: peaks_by_stage[i])
     return LayoutCandidate(parallel, checkpointing, peaks, step, parts, microbatches=m,
                            by_category=cats_by_stage[top], stages=cats_by_stage,
                            stage_busy_seconds=busy)
+
+
+def _overload_bytes(shape: ModelShape, parallel: ParallelConfig, model: _RankModel,
+                    load: float, device: str) -> float:
+    """What one block of the rank holding expert 0 keeps beyond its balanced share under
+    ``load``: each of its group's ``expert`` ranks sends it ``(load - 1)`` times expert 0's
+    share (``tokens x top_k / experts``) more tokens, at most every token."""
+    tokens = model.mb * model.seq_len
+    share = tokens * shape.top_k / shape.experts
+    more = min(tokens, load * share) - share
+    dtype = {"bf16-mixed": "bfloat16", "fp16-mixed": "float16"}.get(model.precision, "float32")
+    per_token = _routed_token_bytes(shape, model.seq_len, dtype, device)
+    return parallel.expert * more * per_token
+
+
+@functools.lru_cache(maxsize=16)
+def _routed_token_bytes(shape: ModelShape, seq_len: int, dtype: str, device: str) -> float:
+    """Bytes an MoE block keeps for backward per routed token (one token at one expert):
+    the difference of one-block profiles at top-2 and top-1 routing, per token."""
+    one = dataclasses.replace(shape, top_k=1, config=shape.config.__class__(
+        **{**shape.config.to_dict(), "num_experts_per_tok": 1}))
+    two = dataclasses.replace(shape, top_k=2, config=shape.config.__class__(
+        **{**shape.config.to_dict(), "num_experts_per_tok": 2}))
+    a, b = _profile(one, 1, seq_len, dtype, device), _profile(two, 1, seq_len, dtype, device)
+    return max(0, b.block_acts - a.block_acts) / seq_len
 
 
 class _RankModel:
@@ -483,6 +522,7 @@ class _RankModel:
         self.mb = batch_size // (d * self.m)  # samples per micro-batch
         self.seq_len = seq_len
         dtype = {"bf16-mixed": "bfloat16", "fp16-mixed": "float16"}.get(precision, "float32")
+        self.precision = precision
         self.prof = _profile(shape, t, seq_len, dtype, device.name)
         self.state = _state_bytes(optimizer)
         self.v = 1 if parallel.schedule in ("gpipe", "1f1b") or p == 1 else 2

@@ -127,6 +127,7 @@ def plan_layout(
     disk_dir: str | None = None,
     jobs: int = 2,
     confirm: bool = True,
+    expert_load: float = 1.0,
 ) -> PlanResult:
     """The fastest 3-D layout over ``world_size`` processes whose every rank fits ``budget``.
 
@@ -160,6 +161,9 @@ def plan_layout(
             model, in this process.
         confirm: Predict the winner's every rank by dry runs of its own program
             (:func:`memfit.estimate.layout.predict_layout`) when that is available.
+        expert_load: Mixture-of-experts routing each layout must fit: ``1`` balanced;
+            ``c > 1``: expert 0 takes ``c`` times its share of every rank's tokens, so the
+            rank holding it receives that many more (its peak is the one that must fit).
 
     Raises:
         TypeError: for a keyword this function does not take.
@@ -186,9 +190,13 @@ def plan_layout(
         workload = load_workload(workload, batch_size or 8, seq_len or 128)
     budget_bytes, budget_device = parse_budget(budget)
     target = get_device(device) if device else (budget_device or get_device(None))
+    if not isinstance(expert_load, (int, float)) or isinstance(expert_load, bool) or not (
+            1 <= expert_load < float("inf")):
+        raise ValueError(f"--expert-load must be a number >= 1 (1: balanced), got "
+                         f"{expert_load!r}")
     base, precision = _base_plan(base, target, forbid)
     search = _LayoutSearch(workload, world_size, g, base, precision, target, budget_bytes,
-                           forbid, progress or (lambda msg: None))
+                           forbid, progress or (lambda msg: None), float(expert_load))
     result = search.run(confirm=confirm, max_predictions=max_predictions)
     result.seconds = time.perf_counter() - started
     return result
@@ -228,6 +236,7 @@ class _LayoutSearch:
     budget_bytes: int
     forbid: tuple[str, ...]
     say: Callable[[str], None]
+    expert_load: float = 1.0
 
     def run(self, *, confirm: bool, max_predictions: int) -> PlanResult:
         """The winner's :class:`PlanResult` (without ``seconds``).
@@ -300,6 +309,7 @@ class _LayoutSearch:
                         shape, cut, batch_size=workload.batch_size, seq_len=workload.seq_len,
                         checkpointing=ckpt, device=self.target, precision=self.precision,
                         optimizer=base.optimizer, gpus_per_node=g, microbatches=m,
+                        expert_load=self.expert_load,
                     ) for cut in self._cuts(shape, par, ckpt)]
                     for cand in _weigh_cuts(priced):
                         cand.fits = fits(layout_prediction(cand, self.target, g),
