@@ -77,3 +77,17 @@ def test_expert_load_makes_the_first_rank_of_a_group_the_largest(tmp_path):
     assert even.peak_bytes[0] == even.peak_bytes[1] < whole.peak_bytes[0]
     assert loaded.peak_bytes[0] > loaded.peak_bytes[1]
     assert loaded.peak_bytes[0] > even.peak_bytes[0]
+
+
+def test_dry_run_counts_fall_back_to_balanced_without_known_values():
+    """A fake tensor whose values no policy gave (more routed tokens than a shadow holds)
+    stands for the balanced split; real counts are read as they are."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memfit.distributed.expert import _counts
+
+    assert _counts(torch.tensor([3, 1, 0, 6]), 10, 4) == [3, 1, 0, 6]
+    with FakeTensorMode():
+        fake = torch.empty(4, dtype=torch.long)
+        assert _counts(fake, 10, 4) == [3, 3, 2, 2]

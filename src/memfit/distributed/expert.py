@@ -205,17 +205,27 @@ class _Dispatch:
     def __init__(self, degree: int, index: int, local: int, group: Any) -> None:
         self.degree, self.index, self.local, self.group = degree, index, local, group
 
-    def received(self, counts: torch.Tensor) -> list[int]:
+    def received(self, counts: torch.Tensor, sent: list[int]) -> list[int]:
         """The token counts this rank receives, per source rank then local expert, from the
-        per-expert ``counts`` it sends: exchanged for real, or in a dry run what the routing
-        policy gives every rank (the same routing as this one's)."""
+        per-expert ``counts`` it sends (``sent``, as numbers): exchanged for real, or in a dry
+        run what the routing policy gives every rank (the same routing as this one's)."""
         e, m = self.degree, self.local
         if is_fake(counts):
-            mine = counts.tolist()[self.index * m:(self.index + 1) * m]  # the policy's values
-            return mine * e
+            return sent[self.index * m:(self.index + 1) * m] * e
         got = torch.empty_like(counts)
         dist.all_to_all_single(got, counts, group=self.group)
         return got.tolist()
+
+
+def _counts(counts: torch.Tensor, routed: int, n: int) -> list[int]:
+    """``counts`` as numbers. A dry run knows them from memfit's routing policy; where it
+    does not (more routed tokens than a shadow holds), they are the balanced split."""
+    if not is_fake(counts):
+        return counts.tolist()
+    try:
+        return counts.tolist()
+    except Exception:  # fake tensors refuse a value they do not know
+        return [routed // n + (1 if i < routed % n else 0) for i in range(n)]
 
 
 def _forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -233,8 +243,8 @@ def _forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     # Routed slots sorted by expert (so by destination rank); stable: a token's order kept.
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=n)
-    sent = counts.tolist()
-    got = ep.received(counts)
+    sent = _counts(counts, flat.numel(), n)
+    got = ep.received(counts, sent)
     m = ep.local
     send_splits = [sum(sent[r * m:(r + 1) * m]) for r in range(ep.degree)]
     recv_splits = [sum(got[r * m:(r + 1) * m]) for r in range(ep.degree)]
