@@ -203,3 +203,43 @@ def test_layout_prediction_matches_each_rank_s_peak(layout_results):
     for m, p, w in zip(measured, predicted, whole, strict=True):
         assert p == pytest.approx(m, rel=MEMORY_RTOL), rows
         assert p < w
+
+
+def _train(plan: dict) -> dict[str, torch.Tensor]:
+    """Two AdamW steps of ``plan`` through apply_plan (the stepper's local batch, its
+    accumulation and the experts' synchronisation on the last micro-batch), the parameters
+    after them."""
+    from memfit.apply.compose import apply_plan
+
+    model = _model()
+    setup = apply_plan(model, Plan.from_dict(plan))
+    g = torch.Generator().manual_seed(2)
+    for _ in range(2):
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+        setup.step({"input_ids": ids, "labels": ids})
+    out = {}
+    for name, p in model.named_parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name] = full.detach().clone()
+    return out
+
+
+def _train_ranks(rank: int, world: int, plan: dict) -> tuple[int, dict[str, torch.Tensor]]:
+    return rank % PARALLEL.expert, _train(plan)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_training_with_accumulation_equals_one_process():
+    """Two steps of two accumulated micro-batches through apply_plan (data 2 x expert 2,
+    ZeRO 0) leave every parameter as one process on the whole batch does, to 1e-5."""
+    plan = Plan(parallel=PARALLEL, grad_accum_steps=2)
+    results = run_ranks(_train_ranks, 2, plan.to_dict(), timeout=300)
+    want = _train(plan.replace(parallel={}).to_dict())
+    share = EXPERTS // PARALLEL.expert
+    for rank, (index, got) in enumerate(results):
+        for name, w in want.items():
+            if ".experts." in name:
+                w = w[index * share:(index + 1) * share]
+            torch.testing.assert_close(got[name], w, rtol=RTOL, atol=RTOL * float(w.abs().max()),
+                                       msg=f"{name} (rank {rank})")
