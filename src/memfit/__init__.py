@@ -33,10 +33,12 @@ if TYPE_CHECKING:  # the lazy names below, for type checkers and editors
     from .strategies.fused_step import optimizer_in_backward
     from .targets import DeviceProfile
     from .train import Prepared, TrainConfig, Trainer, prepare
+    from .train.job import JobPhases, measure_job, predict_job
 
 __all__ = [
     "CATEGORIES",
     "PRESETS",
+    "JobPhases",
     "MemoryReport",
     "MemoryTracker",
     "NothingFits",
@@ -55,9 +57,11 @@ __all__ = [
     "format_bytes",
     "load_workload",
     "measure",
+    "measure_job",
     "optimizer_in_backward",
     "parse_size",
     "plan",
+    "predict_job",
     "prepare",
     "track",
 ]
@@ -75,6 +79,9 @@ _LAZY = {
     "Prepared": ("memfit.train", "Prepared"),
     "PlanResult": ("memfit.planner", "PlanResult"),
     "NothingFits": ("memfit.planner", "NothingFits"),
+    "predict_job": ("memfit.train.job", "predict_job"),
+    "measure_job": ("memfit.train.job", "measure_job"),
+    "JobPhases": ("memfit.train.job", "JobPhases"),
 }
 
 

@@ -153,7 +153,7 @@ class Plan:
             buffer per step; no extra compute. Same numerics. Refused with
             ``optimizer_in_backward`` and with optimizer offload, which free or move each
             gradient as soon as it is ready.
-        parallel: Data, tensor and pipeline parallelism and ZeRO (see
+        parallel: Data, tensor, pipeline and context parallelism and ZeRO (see
             :class:`~memfit.distributed.config.ParallelConfig`).
         lora: Low-rank adapters on a frozen base, LoRA or (``quantize_base: nf4``) QLoRA
             (see :class:`~memfit.strategies.lora.LoraConfig`; needs ``memfit[peft]``):
@@ -241,10 +241,11 @@ class Plan:
                 "which replace gradient accumulation; leave micro_batch_size unset and "
                 "grad_accum_steps 1"
             )
-        if (par.tensor > 1 or par.pipeline > 1) and par.zero_stage == 1:
+        if par.splits_model and par.zero_stage == 1:
             raise PlanError(
                 "zero_stage 1 (ZeroRedundancyOptimizer) is not composed with tensor or pipeline "
-                "parallelism; use zero_stage 0 (gradients all-reduced) or 2 or 3 (FSDP2)"
+                "parallelism, nor with context parallelism; use zero_stage 0 (gradients "
+                "all-reduced) or 2 or 3 (FSDP2)"
             )
         # What each technique cannot do on several processes is its own check's.
 
@@ -400,8 +401,10 @@ class Plan:
         if self.grad_buffer:
             parts.append("contiguous gradient buffer")
         par = self.parallel
-        if par.tensor > 1 or par.pipeline > 1:
+        if par.splits_model:
             layout = f"data {par.data} x tensor {par.tensor} x pipeline {par.pipeline}"
+            if par.context > 1:
+                layout += f" x context {par.context} ({par.context_mode})"
             if par.pipeline > 1:
                 m = par.microbatches if par.microbatches is not None else 2 * par.pipeline
                 cut = f", cut at blocks {', '.join(map(str, par.cuts))}" if par.cuts else ""

@@ -2,15 +2,19 @@
 peak predicted without launching.
 
 One spawn of four ranks builds a tiny Llama (fp32, no dropout) under four layouts: 2-way
-tensor x 2-stage pipeline with the 1F1B and the GPipe schedule, 2-way data x 2-stage
-pipeline, and 2-way data x 2-way tensor with sequence parallelism; each runs a step whose loss and gradients are compared with the unsplit model's, then
-a warm step (forward, backward, optimizer step) measured by memfit's tracker, compared with
+tensor x 2-stage pipeline with the 1F1B and the GPipe schedule, 2-way data x 2-stage pipeline,
+2-way data x 2-way tensor with two accumulated micro-batches, and 2-way data x 2-way tensor
+with sequence parallelism (all ZeRO 0: torch's DDP); each runs a step whose loss and gradients
+are compared with the unsplit model's, then a warm step (forward, backward, optimizer step)
+measured by memfit's tracker, compared with
 :func:`~memfit.estimate.layout.predict_layout`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -28,6 +32,7 @@ LAYOUTS = {
     "tp2 x pp2, 1f1b": ParallelConfig(tensor=2, pipeline=2, schedule="1f1b", microbatches=2),
     "tp2 x pp2, gpipe": ParallelConfig(tensor=2, pipeline=2, schedule="gpipe", microbatches=2),
     "dp2 x pp2, 1f1b": ParallelConfig(data=2, pipeline=2, schedule="1f1b", microbatches=2),
+    "dp2 x tp2, 2 micro-batches": ParallelConfig(data=2, tensor=2, microbatches=2),
     # Megatron's sequence parallelism: the norms and residual stream split along the sequence.
     "dp2 x tp2, sequence": ParallelConfig(data=2, tensor=2, sequence=True),
 }
@@ -49,7 +54,28 @@ def _batch() -> torch.Tensor:
     return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
 
 
+@contextlib.contextmanager
+def _all_reduce_sizes(sizes: list[int]) -> Iterator[None]:
+    """Record the element count of every tensor ``torch.distributed.all_reduce`` is called
+    with inside."""
+    import torch.distributed as dist
+
+    real = dist.all_reduce
+
+    def spy(tensor, *args, **kwargs):
+        sizes.append(tensor.numel())
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = spy
+    try:
+        yield
+    finally:
+        dist.all_reduce = real
+
+
 def _ranks(rank: int, world: int) -> dict:
+    from torch.nn.parallel import DistributedDataParallel
+
     import memfit
 
     ids = _batch()
@@ -64,14 +90,29 @@ def _ranks(rank: int, world: int) -> dict:
         grads = layout.full_grads()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        # The warm step (the first inferred the shapes between stages and made the state).
-        with memfit.track(optimizer=opt) as tracker:
+        # The warm step (the first inferred the shapes between stages and made the state),
+        # with the size of every tensor all_reduce is called with (DDP's buckets do not go
+        # through it: its C++ reducer calls the process group itself).
+        reduced: list[int] = []
+        with _all_reduce_sizes(reduced), memfit.track(optimizer=opt) as tracker:
             tracker.label(layout.parameters(), "parameters")
             tracker.add_inputs((local,))
             layout.step(local, local)
             opt.step()
+        if layout.pipeline is not None:  # what torch's PipelineStage runs
+            schedule = layout.pipeline.schedule
+            runs = [s.submod for s in getattr(schedule, "_stages", None) or [schedule._stage]]
+        else:  # what the accumulation loop runs
+            runs = layout.replicas.ddps if layout.replicas is not None else layout.modules
+        # The storages the gradients live in (DDP's buckets, under DDP), and their bytes.
+        held = {p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes()
+                for p in layout.parameters()} if layout.replicas is not None else {}
         out[name] = {"loss": float(loss), "grads": grads, "coords": layout.coords,
-                     "peak": tracker.report().peak_bytes}
+                     "peak": tracker.report().peak_bytes, "reduced": reduced,
+                     "ddp": [isinstance(m, DistributedDataParallel) for m in runs],
+                     "grad_storage_bytes": sum(held.values()),
+                     "param_bytes": sum(p.numel() * p.element_size()
+                                        for p in layout.parameters())}
     return out
 
 
@@ -107,6 +148,27 @@ def test_layout_equals_unsplit_model(results, reference, name):
     for n, g in want.items():
         torch.testing.assert_close(got[n], g, rtol=RTOL, atol=RTOL * float(g.abs().max()),
                                    msg=n)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_data_replicas_are_torch_s_ddp_without_a_hand_written_gradient_all_reduce(results,
+                                                                                  name):
+    """With ``data > 1`` (ZeRO 0) what runs each stage is DDP (torch's pipeline stage or the
+    accumulation loop calls it), and a warm step calls ``all_reduce`` only on scalars (the
+    reported loss): no gradient goes through a hand-written all-reduce. Without data
+    parallelism nothing is wrapped. After two steps (the first rebuilt DDP's buckets, the
+    second followed ``zero_grad(set_to_none=True)``) the gradients are views of DDP's buckets,
+    which hold exactly the gradients' bytes: no second copy."""
+    data = LAYOUTS[name].data > 1
+    for rank_out in results:
+        out = rank_out[name]
+        assert out["ddp"] and all(d == data for d in out["ddp"]), out["ddp"]
+        assert all(n == 1 for n in out["reduced"]), out["reduced"]
+        if data:
+            assert out["reduced"], "the loss is averaged over the replicas"
+            assert out["grad_storage_bytes"] == out["param_bytes"]
 
 
 @pytest.mark.distributed

@@ -85,10 +85,14 @@ def test_zero_stages_shard_the_state_over_the_replicas(stage: int):
 def test_ranks_are_numbered_stage_then_replica_then_shard():
     par = ParallelConfig(data=2, tensor=2, pipeline=2)
     coords = [rank_coordinates(r, par) for r in range(8)]
-    assert coords[0] == {"stage": 0, "replica": 0, "shard": 0}
-    assert coords[1] == {"stage": 0, "replica": 0, "shard": 1}
-    assert coords[2] == {"stage": 0, "replica": 1, "shard": 0}
-    assert coords[7] == {"stage": 1, "replica": 1, "shard": 1}
+    assert coords[0] == {"stage": 0, "replica": 0, "chunk": 0, "shard": 0}
+    assert coords[1] == {"stage": 0, "replica": 0, "chunk": 0, "shard": 1}
+    assert coords[2] == {"stage": 0, "replica": 1, "chunk": 0, "shard": 0}
+    assert coords[7] == {"stage": 1, "replica": 1, "chunk": 0, "shard": 1}
+    # Context chunks sit between the replicas and the tensor shards.
+    four = ParallelConfig(data=2, tensor=2, context=2)
+    assert [tuple(rank_coordinates(r, four).values()) for r in (1, 2, 5, 7)] == [
+        (0, 0, 0, 1), (0, 0, 1, 0), (0, 1, 0, 1), (0, 1, 1, 1)]
     est = _estimate(dataclasses.replace(par, microbatches=2), workload=DEEP, m=None)
     # The stages differ (embeddings, head, in-flight micro-batches); ranks of a stage agree.
     assert len(set(est.rank_peak_bytes[:4])) == 1 and len(set(est.rank_peak_bytes[4:])) == 1
@@ -172,6 +176,43 @@ def test_llama_70b_on_64_gpus_fits_every_rank():
     budget = get_device("h100")
     assert max(result.rank_peak_bytes) <= budget.budget_bytes
     assert result.plan.parallel.tensor <= 8
+
+
+def test_context_parallelism_cuts_a_rank_s_activations_and_costs_traffic():
+    """Two context ranks each hold half of every sample's tokens: a block's activations and
+    the last stage's logits halve (within 5%: autocast's bf16 weight copies, saved for
+    backward, do not shrink), the parameters stay whole without ZeRO, and the ring's
+    key-value traffic is priced."""
+    long = load_workload("llama-tiny", 2, 2048).with_depth(4)
+    one = _estimate(ParallelConfig(), workload=long)
+    two = _estimate(ParallelConfig(context=2), workload=long)
+    assert two.by_category["activations"] == pytest.approx(one.by_category["activations"] / 2,
+                                                           rel=0.05)
+    assert two.by_category["parameters"] == one.by_category["parameters"]
+    assert two.parts["context"] > 0 and one.parts["context"] == 0
+    sharded = _estimate(ParallelConfig(context=2, zero_stage=3), workload=long)
+    assert sharded.by_category["optimizer_state"] == pytest.approx(
+        one.by_category["optimizer_state"] / 2, rel=1e-6)
+
+
+def test_context_parallelism_is_not_searched_when_a_layout_without_it_fits():
+    """The tiny model at a short sequence fits 4 ranks without context parallelism: no
+    context-parallel layout is priced, since its key-value traffic buys nothing."""
+    result = plan_layout(TINY, "1GiB", 4, 4, confirm=False)
+    assert result.plan.parallel.context == 1
+    assert all(c.parallel.context == 1 for c in result.layouts)
+
+
+@pytest.mark.slow
+def test_a_128k_token_sample_of_llama_8b_trains_by_context_parallelism():
+    """memfit plan --model llama-8b --batch-size 1 --seq-len 131072 --world-size 8
+    --gpus-per-node 8 --budget h100: no data x tensor x pipeline layout fits a sample of
+    128k tokens, and the answer cuts it over context ranks, every rank within the budget."""
+    result = plan_layout("llama-8b", "h100", 8, 8, batch_size=1, seq_len=131072)
+    par = result.plan.parallel
+    assert result.fits and par.context > 1 and par.world_size == 8
+    assert max(result.rank_peak_bytes) <= result.budget_bytes
+    assert not any(c.fits for c in result.layouts if c.parallel.context == 1)
 
 
 def test_the_cli_prints_the_layout_and_writes_every_rank(tmp_path):

@@ -462,3 +462,25 @@ def test_plan_with_bf16_pure_steps(gpt2):
     assert all(
         s["exp_avg"].dtype == torch.bfloat16 for s in setup.optimizer.state.values()
     )
+
+
+def test_a_cast_under_fake_tensors_frees_the_old_weights_and_keeps_ties():
+    # Under fake tensors cast_module replaces each parameter (Module.to cannot swap them);
+    # the replaced objects must let go of their fp32 storage, as module.to frees it in a real
+    # run, or a dry run of loading a bf16-pure model counts the fp32 weights twice.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memfit.strategies.precision import cast_module
+
+    with FakeTensorMode():
+        emb, head = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)
+        head.weight = emb.weight  # tied, as a language model's head
+        model = nn.Sequential(emb, head)
+        originals = list(model.parameters())
+        with memfit.track(model) as tracker:
+            cast_module(model, torch.bfloat16)
+        params = list(model.parameters())
+        assert len(params) == 1 and params[0].dtype == torch.bfloat16
+        assert model[1].weight is model[0].weight
+        assert tracker.live_bytes == 10 * 4 * 2  # the bf16 weight alone
+        assert originals[0].untyped_storage()._cdata == params[0].untyped_storage()._cdata

@@ -1,6 +1,7 @@
 """``memfit train`` with a tensor / pipeline plan (:mod:`memfit.train.layout_run`): four real
 processes train llama-tiny like one process on the whole batch, every rank's peak measured and
-predicted; what the layout path does not do is refused before anything starts."""
+predicted; two keep checkpoints, evaluate and plot their memory; what the layout path does not
+do is refused before anything starts."""
 
 from __future__ import annotations
 
@@ -43,10 +44,12 @@ def workdir(tmp_path_factory) -> Path:
     (d / "run.yaml").write_text(CONFIG)
     Plan(parallel=TP2_PP2).to_json(d / "tp2pp2.json")
     Plan(parallel=DP2_PP2).to_json(d / "dp2pp2.json")
+    Plan(parallel={"pipeline": 2, "microbatches": 2}).to_json(d / "pp2.json")
     Plan().to_json(d / "one.json")
     Plan(parallel=TP2_PP2, precision="bf16-mixed").to_json(d / "tp2pp2_bf16.json")
     Plan(precision="bf16-mixed").to_json(d / "one_bf16.json")
     Plan(parallel=TP2_PP2, checkpointing="full").to_json(d / "tp2pp2_ckpt.json")
+    Plan(parallel={"context": 2}).to_json(d / "cp2.json")
     return d
 
 
@@ -153,15 +156,56 @@ def test_activation_checkpointing_applies_to_every_stage(workdir: Path, tp2pp2: 
 
 
 @pytest.mark.subprocess
-def test_checkpoints_with_a_tensor_x_pipeline_plan_are_refused_before_launch(workdir: Path):
-    run = _memfit(workdir, "--nproc-per-node", "4", "--plan", "tp2pp2.json",
-                  "--checkpoint-dir", "ck", timeout=60)
-    assert run.returncode == 2, run.stderr[-3000:]
-    assert "trains without checkpoints" in run.stderr and "Traceback" not in run.stderr
-    assert not (workdir / "ck").exists()
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_checkpoints_evaluation_and_plots_of_a_pipeline_run(workdir: Path):
+    """``--nproc-per-node 2`` with a pipeline-2 plan, ``--checkpoint-dir --save-every 1
+    --keep 2 --plot``, evaluating every 2 steps: exit 0; the JSON has the held-out losses at
+    steps 2 and 3 (the last), every rank's memory report (its peak the rank's measured peak)
+    and the last checkpoint; the two newest checkpoints are kept, each with its manifest;
+    each process drew its own plot. Resuming at ``max_steps`` already reached is one
+    sentence and exit 2."""
+    (workdir / "run_eval.yaml").write_text(
+        CONFIG.replace("eval_fraction: 0", "eval_fraction: 0.05\neval_every: 2"))
+    args = ("--config", "run_eval.yaml", "--nproc-per-node", "2", "--plan", "pp2.json",
+            "--checkpoint-dir", "ck", "--save-every", "1", "--keep", "2")
+    run = _memfit(workdir, *args, "--plot", "mem.png", "--json", "pp2_out.json")
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads((workdir / "pp2_out.json").read_text())
+    assert [s for s, _ in got["eval_losses"]] == [2, 3]
+    assert all(loss == loss for _, loss in got["eval_losses"])  # not NaN
+    reports = got["per_rank_memory_reports"]
+    assert [r["peak_bytes"] for r in reports] == got["per_rank_peak_bytes"]
+    assert [r["rank"] for r in reports] == [0, 1]
+    assert got["memory_report"]["peak_bytes"] == got["peak_bytes"]
+    kept = sorted(p.name for p in (workdir / "ck").iterdir())
+    assert kept == ["step-00000002", "step-00000003"]
+    assert got["checkpoint"].endswith("step-00000003")
+    assert (workdir / "ck" / "step-00000003" / "manifest.json").is_file()
+    for rank in (0, 1):
+        assert (workdir / f"mem-rank{rank}.png").stat().st_size > 0
+    again = _memfit(workdir, *args, "--resume", timeout=120)
+    assert again.returncode == 2, again.stderr[-3000:]
+    assert "max_steps is 3; raise --max-steps" in again.stderr
+    assert "Traceback" not in again.stderr
 
 
 # --------------------------------------------------------------------------- one process
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_context_parallelism_trains_like_one_process(workdir: Path, one_process: dict):
+    """``--nproc-per-node 2`` with a context 2 plan (ring attention; each sample's 32 tokens
+    cut in two): every step's loss equals one process's within 1e-4, and each rank's measured
+    peak is within 3% of predict_layout's figure and below the one process's peak."""
+    got = _run(workdir, "cp2", "--nproc-per-node", "2", "--plan", "cp2.json")
+    assert got["world_size"] == 2 and got["plan"]["parallel"]["context"] == 2
+    assert got["losses"] == pytest.approx(one_process["losses"], abs=TOL)
+    measured, predicted = got["per_rank_peak_bytes"], got["predicted_rank_peak_bytes"]
+    for rank, (m, p) in enumerate(zip(measured, predicted, strict=True)):
+        assert p == pytest.approx(m, rel=0.03), f"rank {rank}: measured {m}, predicted {p}"
+    assert max(measured) < one_process["peak_bytes"]
+
+
 def _config(**kw) -> TrainConfig:
     return TrainConfig(model="llama-tiny", batch_size=8, seq_len=32, nproc_per_node=4, **kw)
 
@@ -172,10 +216,7 @@ def test_is_layout_plan():
 
 
 @pytest.mark.parametrize(("plan", "config", "match"), [
-    (Plan(parallel=TP2_PP2), {"resume": True, "checkpoint_dir": "ck"},
-     "trains without checkpoints"),
     (Plan(parallel=TP2_PP2), {"cap": "1GiB"}, "--cap is not applied"),
-    (Plan(parallel=TP2_PP2), {"eval_every": 5}, "does not evaluate"),
     (Plan(parallel=TP2_PP2, optimizer="adamw8bit"), {}, "not optimizer 'adamw8bit'"),
     (Plan(parallel=TP2_PP2, checkpointing="sqrt", precision="fp16-mixed"), {},
      "ignore the plan's precision 'fp16-mixed', checkpointing 'sqrt'; remove them"),
@@ -193,5 +234,8 @@ def test_what_the_layout_path_does_not_do_is_refused_in_one_sentence(plan, confi
 def test_a_plain_tensor_x_pipeline_plan_passes_the_checks():
     check_layout_run(_config(), Plan(parallel=TP2_PP2))
     check_layout_run(_config(), Plan(parallel={**TP2_PP2, "cuts": [1]}))  # llama-tiny: 2 blocks
+    # Checkpoints, resume and evaluation are the layout path's too.
+    check_layout_run(_config(checkpoint_dir="ck", checkpoint_every=2, resume=True,
+                             eval_every=5), Plan(parallel=TP2_PP2))
     with pytest.raises(LayoutRunError):
         check_layout_run(_config(), Plan(parallel=TP2_PP2, compile=True))

@@ -204,10 +204,10 @@ def apply_plan(
             "pass no optimizer (or set optimizer_in_backward false)"
         )
     _check_offload(plan, optimizer)
-    if plan.parallel.tensor > 1 or plan.parallel.pipeline > 1:
+    if plan.parallel.splits_model:
         raise ValueError(
             f"the plan splits the model over tensor {plan.parallel.tensor} x pipeline "
-            f"{plan.parallel.pipeline} processes, which apply_plan (one model per process) "
+            f"{plan.parallel.pipeline} x context {plan.parallel.context} processes, which apply_plan (one model per process) "
             "cannot do; build each rank's share with memfit.distributed.layout.build_layout"
         )
     engine = _ENGINE.get() or (

@@ -313,7 +313,7 @@ def _write_answer(
 def _stages_line(result: Any) -> str:
     """Each pipeline stage's ranks and their largest predicted peak, in one line."""
     par = result.plan.parallel
-    per = par.data * par.tensor
+    per = par.data * par.tensor * par.context  # a stage's ranks are consecutive
     peaks = result.rank_peak_bytes
     return ", ".join(
         f"stage {s} (ranks {s * per}-{s * per + per - 1}) {format_bytes(max(peaks[s * per:(s + 1) * per]))}"

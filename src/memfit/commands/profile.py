@@ -8,6 +8,11 @@ data-parallel processes when it names none), each measured by memfit's tracker
 (:func:`profile_under_launcher`). Each process writes its report as ``out.rank{r}.json``;
 process 0 prints a table of rank x category and writes ``out.json`` with every rank's peak and
 categories.
+
+``memfit profile --job`` profiles a whole job instead of its steps: each phase's peak (load,
+first and steady step, evaluation, checkpoint save and load, resumed step) and the phase that
+sets the run's peak, predicted with ``--dry-run`` (:func:`memfit.train.job.predict_job`) or
+measured by the trainer (:func:`memfit.train.job.measure_job`); ``--steps`` does not apply.
 """
 
 from __future__ import annotations
@@ -106,6 +111,17 @@ _WorldSize = Annotated[
     ),
 ]
 
+_Job = Annotated[
+    bool,
+    typer.Option(
+        "--job",
+        help="Profile the whole job, phase by phase: model load, first and steady step, "
+        "evaluation, checkpoint save, checkpoint load, resumed step; names the phase that sets "
+        "the run's peak. With --dry-run: predicted for --device on fake tensors; without: "
+        "measured by the trainer on this machine.",
+    ),
+]
+
 _Data = data_option("profile")
 _Tokenizer = TokenizerOption
 _TextField = TextFieldOption
@@ -130,6 +146,7 @@ def profile(
     data: _Data = None,
     tokenizer: _Tokenizer = None,
     text_field: _TextField = "text",
+    job: _Job = False,
 ) -> None:
     """Measure where a training step's memory goes, by category, phase and module."""
     quiet_libraries()
@@ -154,6 +171,10 @@ def profile(
     for flag, path in (("--snapshot", snapshot), ("--html", html)):
         if path is not None and world_size is not None:
             fail(f"{flag} writes one process's timeline; leave out --world-size")
+    if job:
+        _check_job_options(world_size, snapshot, html, plot, cap, dry_run, device)
+        _profile_job(workload, the_plan, dry_run, target, expert_load, json_path)
+        return
     if world_size is not None:
         _profile_ranks(workload, the_plan, world_size, dry_run, steps, target, json_path,
                        expert_load)
@@ -187,6 +208,55 @@ def profile(
         _write_snapshot(report, snapshot)
     if html is not None:
         _write_snapshot(report, html, page=True)
+
+
+def _check_job_options(
+    world_size: int | None, snapshot: Path | None, html: Path | None, plot: Path | None,
+    cap: str | None, dry_run: bool, device: str | None,
+) -> None:
+    """``--job`` profiles one process's phases, each under its own tracker: refuse what it
+    does not do, in one sentence."""
+    for flag, given in (("--world-size", world_size), ("--snapshot", snapshot),
+                        ("--html", html), ("--plot", plot), ("--cap", cap)):
+        if given is not None:
+            fail(f"--job profiles one process's phases and takes no {flag}; leave it out")
+    if not dry_run and device is not None:
+        fail("--job without --dry-run measures this machine; add --dry-run to predict "
+             f"{device}")
+
+
+def _profile_job(
+    workload: Workload, plan: Plan | None, dry: bool, target: Any, expert_load: float,
+    json_path: Path | None,
+) -> None:
+    """``memfit profile --job``: each phase's peak, predicted (``--dry-run``) or measured by
+    the trainer, as a table naming the peak phase and, with ``--json``, a ``job`` object."""
+    import json
+
+    from ..train.job import measure_job, predict_job
+
+    what = "dry-running" if dry else "running"
+    with err.status(f"{what} the phases of a job of {workload.name} for {target.name}"):
+        if dry:
+            phases = run_guarded(
+                predict_job, workload, plan, device=target, expert_load=expert_load
+            )
+        else:
+            phases = run_guarded(measure_job, workload, plan)
+    mode = "predicted on fake tensors" if dry else "measured by the trainer"
+    title = (f"{workload.name}, batch {workload.batch_size}, length {workload.seq_len}: "
+             f"the job's phases ({mode}, target {target.name if dry else 'this machine'})")
+    out.print(phases.table(title))
+    top = phases.peak_phase
+    out.print(f"the run's peak is set by [bold]{top}[/]: "
+              f"[bold]{format_bytes(phases.peak_bytes)}[/] of tensors", highlight=False)
+    if json_path is not None:
+        data = {"model": workload.name, "batch_size": workload.batch_size,
+                "seq_len": workload.seq_len, "dry_run": dry,
+                "target_device": target.name if dry else None,
+                "plan": (plan or Plan()).to_dict(), "job": phases.to_dict()}
+        write_text(json_path, json.dumps(data, indent=2) + "\n")
+        out.print(f"wrote {json_path}")
 
 
 def _write_snapshot(report: Any, path: Path, *, page: bool = False) -> None:
@@ -245,7 +315,7 @@ def _profile_ranks(
     if isinstance(world, bool) or world < 1:
         fail(f"--world-size must be a whole number >= 1, got {world}")
     plan = plan or Plan()
-    if plan.parallel.tensor > 1 or plan.parallel.pipeline > 1:
+    if plan.parallel.splits_model:
         _profile_layout(workload, plan, world, json_path, target)
         return
     try:
@@ -290,7 +360,8 @@ def _profile_layout(workload: Any, plan: Any, world: int, json_path: Any, target
     par = plan.parallel
     if par.world_size != world:
         fail(
-            f"the plan's data {par.data} x tensor {par.tensor} x pipeline {par.pipeline} is "
+            f"the plan's data {par.data} x tensor {par.tensor} x pipeline {par.pipeline} x "
+            f"context {par.context} is "
             f"{par.world_size} processes but --world-size is {world}; give --world-size "
             f"{par.world_size}"
         )
@@ -313,12 +384,12 @@ def _profile_layout(workload: Any, plan: Any, world: int, json_path: Any, target
     ]
     table = Table(title=f"{workload.name}: {plan.summary()} (predicted per rank)")
     device_cols = ("nccl", "device total") if target.is_cuda else ()
-    for col in ("rank", "stage", "replica", "shard", "peak", *device_cols):
+    for col in ("rank", "stage", "replica", "chunk", "shard", "peak", *device_cols):
         table.add_column(col, justify="right")
     for r, peak in enumerate(pred.peak_bytes):
         where = par.coordinates(r)
         extra = [format_bytes(nccl[r]), format_bytes(totals[r])] if device_cols else []
-        table.add_row(str(r), *(str(where[k]) for k in ("stage", "replica", "shard")),
+        table.add_row(str(r), *(str(where[k]) for k in ("stage", "replica", "chunk", "shard")),
                       format_bytes(peak), *extra)
     out.print(table)
     if json_path is not None:

@@ -97,11 +97,6 @@ def train(
         settings = build_config(config, {k: v for k, v in flags.items() if v is not None})
         _check_plan_degree(settings)  # before any process starts (and again in each, harmless)
         _check_config_outputs(settings, config, given_checkpoint_dir=checkpoint_dir is not None)
-        if plot is not None and is_layout_plan(settings.load_plan()):
-            raise ValueError(
-                "--plot draws the single-model memory report, which a tensor or pipeline plan's "
-                "run does not make; leave it out (--json has every process's peak)"
-            )
         if settings.nproc_per_node > 1 and not under_launcher():
             failed = launch(settings.nproc_per_node, _argv(locals()))
             if failed is not None:
@@ -118,7 +113,8 @@ def train(
         given = settings.load_plan()
         if is_layout_plan(given):
             assert given is not None
-            _work_layout(settings, given, world, json_path=json_path, out=out, err=err)
+            _work_layout(settings, given, world, plot=plot, json_path=json_path, out=out,
+                         err=err)
             return
         rank = init_worker(given.parallel.backend if given is not None else None)[0]
         try:
@@ -195,7 +191,8 @@ def _check_plan_degree(settings: TrainConfig) -> None:
     if is_layout_plan(plan):
         if par.world_size != n:
             raise ValueError(
-                f"the plan's data {par.data} x tensor {par.tensor} x pipeline {par.pipeline} is "
+                f"the plan's data {par.data} x tensor {par.tensor} x pipeline {par.pipeline} x "
+                f"context {par.context} is "
                 f"{par.world_size} processes but --nproc-per-node is {n}; give "
                 f"--nproc-per-node {par.world_size} or degrees whose product is {n}"
             )
@@ -208,10 +205,12 @@ def _check_plan_degree(settings: TrainConfig) -> None:
 
 
 def _work_layout(
-    settings: TrainConfig, plan: Any, world: int, *, json_path: Path | None, out: Any, err: Any
+    settings: TrainConfig, plan: Any, world: int, *, plot: Path | None, json_path: Path | None,
+    out: Any, err: Any,
 ) -> None:
     """Train a tensor/pipeline plan in this process (one of ``world``) through
-    :mod:`memfit.train.layout_run`; join and leave the process group here."""
+    :mod:`memfit.train.layout_run`; join and leave the process group here. ``--plot`` is
+    drawn by every process, its own report beside the path given (``mem-rank0.png``, ...)."""
     import os
 
     from ..console import exit_without_teardown, fail
@@ -233,13 +232,13 @@ def _work_layout(
         f"[bold]{run.workload.name}[/]: {run.workload.description}; batch "
         f"{run.workload.batch_size}, length {run.workload.seq_len}; data: {run.data_name}; "
         f"plan: [bold]{plan.summary()}[/] over {world} processes (data {par.data} x tensor "
-        f"{par.tensor} x pipeline {par.pipeline})",
+        f"{par.tensor} x pipeline {par.pipeline} x context {par.context})",
         highlight=False,
     )
     init_worker(par.backend)
     try:
         try:
-            result = train_layout(run, plan, console=err, progress=rank == 0)
+            result = train_layout(run, plan, console=err, progress=rank == 0, report_png=plot)
         except (torch.OutOfMemoryError, TrainingDiverged) as e:
             fail(str(e), code=1)
         except (WorkloadError, ValueError) as e:
@@ -256,6 +255,18 @@ def _work_layout(
         + (" (predicted " + ", ".join(_fmt(p) for p in predicted) + ")" if predicted else ""),
         highlight=False,
     )
+    evals = result.eval_losses
+    if evals:
+        out.print(f"eval loss {evals[-1][1]:.4f} after step {evals[-1][0]}", highlight=False)
+    if result.stopped_by:
+        saved = f"; checkpoint {result.checkpoint}, continue with --resume" if result.checkpoint else ""
+        out.print(f"stopped by {result.stopped_by} after step {result.steps}{saved}",
+                  highlight=False)
+    if plot is not None:
+        from ..train.layout_memory import rank_plot_path
+
+        out.print("wrote " + ", ".join(str(rank_plot_path(plot, r)) for r in range(world)),
+                  highlight=False)
     if json_path is not None and rank == 0:
         cfg = run.config
         data = result.to_dict()

@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-__all__ = ["PIPELINE_SCHEDULES", "ZERO_STAGES", "ParallelConfig"]
+__all__ = ["CONTEXT_MODES", "PIPELINE_SCHEDULES", "ZERO_STAGES", "ParallelConfig"]
 
 MiB = 1 << 20
 
@@ -33,6 +33,9 @@ PIPELINE_SCHEDULES = {
     "interleaved-1f1b": "ScheduleInterleaved1F1B",
     "zero-bubble": "ScheduleZBVZeroBubble",
 }
+
+#: How a context-parallel group shares attention (:mod:`memfit.distributed.context`).
+CONTEXT_MODES = ("ring", "all-to-all")
 
 
 @dataclass(frozen=True)
@@ -60,7 +63,7 @@ class ParallelConfig:
         tensor: Tensor-parallel degree (Megatron-style: attention split by heads, the MLP by
             columns then rows, the vocabulary across ranks): parameters, gradients, states and
             most activations divided by it; two all-reduces per layer in forward and backward
-            (within a node). The world is ``data x tensor x pipeline`` processes.
+            (within a node). The world is ``data x tensor x pipeline x context`` processes.
         pipeline: Pipeline-parallel degree: the blocks cut into this many stages, one per
             process; each holds its stage's states and its in-flight micro-batches' activations;
             idle for the bubble, about ``(pipeline - 1) / (microbatches + pipeline - 1)`` of a
@@ -88,6 +91,22 @@ class ParallelConfig:
             equalise the stages' predicted peaks as far as the step time allows (the last
             stage's head and loss, or 1F1B's deeper in-flight queue on the first stages,
             otherwise make one rank the largest).
+        context: Context-parallel degree: every sample's sequence cut into this many
+            contiguous chunks, one per rank (:mod:`memfit.distributed.context`). Each rank's
+            activations, and its logits, hold ``seq_len / context`` tokens, so a sample too
+            long for one device trains; the parameters are replicated over the context ranks
+            (ZeRO 2/3 shards them over ``data x context``), and their gradients are averaged
+            over ``data x context`` like data parallelism's. Costs the attention's
+            communication: ``context - 1`` hops of every block's keys and values per forward
+            (ring), twice that in backward (keys, values and their gradients), or four
+            all-to-alls of the block's queries, keys, values and output (all-to-all).
+        context_mode: ``ring`` (ring attention: the keys and values travel round the ranks,
+            each rank merging its queries' partial softmaxes; holds two chunks' keys and values
+            in flight beyond the plain attention) or ``all-to-all`` (Ulysses: queries, keys
+            and values re-split from sequence chunks to head groups around attention, which
+            then sees the whole sequence for ``heads / context`` heads; needs the heads per
+            tensor rank divisible by ``context``; transient copies of the block's q, k, v and
+            output).
         expert: Expert-parallel degree, for mixture-of-experts models: each MoE layer's
             experts are split over ``expert`` ranks carved out of the data-parallel ranks (as
             DeepSpeed-MoE and torchtitan do), so the expert parameters, gradients and optimizer
@@ -109,6 +128,8 @@ class ParallelConfig:
     microbatches: int | None = None
     sequence: bool = False
     cuts: tuple[int, ...] = ()
+    context: int = 1
+    context_mode: str = "ring"
     expert: int = 1
 
     def problems(self) -> list[str]:
@@ -128,7 +149,7 @@ class ParallelConfig:
                 "parallel reshard_after_forward must be true or false, got "
                 f"{self.reshard_after_forward!r}"
             )
-        for name in ("tensor", "pipeline"):
+        for name in ("tensor", "pipeline", "context"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 out.append(f"parallel {name} must be a whole number >= 1, got {v!r}")
@@ -141,6 +162,11 @@ class ParallelConfig:
             not isinstance(self.microbatches, int) or self.microbatches < 1
         ):
             out.append(f"parallel microbatches must be a whole number >= 1 or null, got {self.microbatches!r}")
+        if self.context_mode not in CONTEXT_MODES:
+            out.append(
+                f"parallel context_mode {self.context_mode!r} is not known; use one of "
+                f"{', '.join(CONTEXT_MODES)}"
+            )
         if not isinstance(self.sequence, bool):
             out.append(f"parallel sequence must be true or false, got {self.sequence!r}")
         elif self.sequence and self.tensor == 1:
@@ -202,17 +228,34 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        """Processes the plan runs on: ``data x tensor x pipeline``."""
-        return self.data * self.tensor * self.pipeline
+        """Processes the plan runs on: ``data x tensor x pipeline x context``."""
+        return self.data * self.tensor * self.pipeline * self.context
+
+    @property
+    def splits_model(self) -> bool:
+        """Whether the plan trains through a layout (:func:`~memfit.distributed.layout.
+        build_layout`): tensor, pipeline or context parallelism above 1."""
+        return self.tensor > 1 or self.pipeline > 1 or self.context > 1
+
+    @property
+    def replicas(self) -> int:
+        """Ranks that hold the same parameters and average their gradients: ``data x
+        context`` (a context rank trains on its chunk of every sample, a data rank on its
+        samples)."""
+        return self.data * self.context
 
     def coordinates(self, rank: int) -> dict[str, int]:
-        """Where ``rank`` sits: its pipeline ``stage``, data-parallel ``replica`` and
-        tensor-parallel ``shard``. Tensor parallelism is innermost (its ranks consecutive, so
-        within a node): ``rank = (stage x data + replica) x tensor + shard``."""
+        """Where ``rank`` sits: its pipeline ``stage``, data-parallel ``replica``,
+        context-parallel ``chunk`` and tensor-parallel ``shard``. Tensor parallelism is
+        innermost (its ranks consecutive, so within a node), context next (its ring or
+        all-to-all per block wants the node's links too): ``rank = ((stage x data + replica)
+        x context + chunk) x tensor + shard``."""
+        t, c = self.tensor, self.context
         return {
-            "stage": rank // (self.tensor * self.data),
-            "replica": rank // self.tensor % self.data,
-            "shard": rank % self.tensor,
+            "stage": rank // (t * c * self.data),
+            "replica": rank // (t * c) % self.data,
+            "chunk": rank // t % c,
+            "shard": rank % t,
         }
 
     @property

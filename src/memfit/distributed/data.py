@@ -486,6 +486,11 @@ def _check(plan: Any) -> None:
             "parallel expert is not composed with tensor parallelism yet (memfit's tensor "
             "split does not know mixture-of-experts blocks); set tensor 1, or expert 1"
         )
+    if par.expert > 1 and par.context > 1:
+        raise ValueError(
+            "parallel expert is not composed with context parallelism yet (the expert groups "
+            "would have to be carved from data x context); set context 1, or expert 1"
+        )
     if par.expert > 1 and par.pipeline > 1 and par.zero_stage:
         raise ValueError(
             "parallel expert under a pipeline runs with zero_stage 0 only (FSDP2 does not "
@@ -516,8 +521,7 @@ TECHNIQUE = Technique(
     plan_field="parallel",
     order=110,
     is_on=lambda plan: (plan.parallel.data > 1 or bool(plan.parallel.zero_stage))
-    and plan.parallel.tensor == 1
-    and plan.parallel.pipeline == 1,
+    and not plan.parallel.splits_model,
     apply=_apply_technique,
     info_key="data_parallel",
     check=_check,

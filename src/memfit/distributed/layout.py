@@ -1,13 +1,15 @@
-"""3-D parallelism: tensor x pipeline x data parallelism composed at run time,
+"""4-D parallelism: tensor x pipeline x data x context parallelism composed at run time,
 :func:`build_layout`.
 
-Every rank of a world of ``pipeline x data x tensor`` processes calls :func:`build_layout` with
-the same model (same seed) and the same :class:`~memfit.distributed.config.ParallelConfig`.
-The ranks form a :class:`~torch.distributed.device_mesh.DeviceMesh` with dimensions
-``("pp", "dp", "tp")``, tensor parallelism innermost, so that a tensor-parallel group is
-consecutive ranks (one node, the fast link its per-block all-reduces want)::
+Every rank of a world of ``pipeline x data x context x tensor`` processes calls
+:func:`build_layout` with the same model (same seed) and the same
+:class:`~memfit.distributed.config.ParallelConfig`. The ranks form a
+:class:`~torch.distributed.device_mesh.DeviceMesh` with dimensions ``("pp", "dp", "cp",
+"tp")``, tensor parallelism innermost, so that a tensor-parallel group is consecutive ranks
+(one node, the fast link its per-block all-reduces want), context parallelism next (its
+per-block ring or all-to-all wants the node's links too)::
 
-    rank = (pp_index * data + dp_index) * tensor + tp_index
+    rank = ((pp_index * data + dp_index) * context + cp_index) * tensor + tp_index
 
 Each rank then holds:
 
@@ -19,11 +21,19 @@ Each rank then holds:
   the entries for modules the stage lacks). The last stage's logits stay sharded over the
   vocabulary and the loss, and its backward, run under ``loss_parallel``: full-vocabulary
   logits never exist on one rank;
-* with ``data > 1``, gradients reduced over the ``dp`` dimension: ``zero_stage`` 0 all-reduces
-  (and averages) every gradient after the schedule, in place (no memory beyond the gradients);
-  2 and 3 shard each stage with FSDP2 (``fully_shard`` on ``mesh["dp"]``, every block then the
-  stage), which torch's pipeline schedules drive themselves (gradient reduce-scatter after the
-  last micro-batch's backward).
+* with ``data > 1``, gradients reduced over the ``dp`` dimension by torch's data-parallel
+  engines, which torch's pipeline schedules drive themselves (a reduction in the last
+  micro-batch's backward only): ``zero_stage`` 0 wraps each stage in ``DistributedDataParallel``
+  on ``mesh["dp"]``'s group, its gradients views of DDP's buckets, which live for the whole run
+  (:mod:`memfit.distributed.replicas`; under tensor parallelism DDP takes the stage's local
+  shards); 2 and 3 shard each stage with FSDP2 (``fully_shard`` on ``mesh["dp"]``, every block
+  then the stage; gradient reduce-scatter after the last micro-batch's backward).
+
+* with ``context > 1`` (and one stage), each sample's sequence cut over the ``cp`` dimension
+  by :func:`~memfit.distributed.context.apply_context_parallel`: the rank runs its chunk, the
+  attention exchanges keys and values (ring) or re-splits by heads (all-to-all), and the
+  gradients are averaged over ``dp x cp`` together (DDP's or FSDP2's group is ``dp`` and
+  ``cp`` flattened), each context rank's loss being its share of the whole samples' mean.
 
 With ``pipeline == 1`` the "stage" is the whole model and a step runs its ``microbatches``
 (default 1) as gradient accumulation; with ``tensor == 1`` nothing is split by tensor.
@@ -47,6 +57,7 @@ from torch import nn
 from ..stepping import BaseStepper
 from ..workload import Batch
 from .config import ParallelConfig
+from .context import ContextParallel, apply_context_parallel, check_context_parallel
 from .pipeline import (
     Pipeline,
     PipelineConfig,
@@ -56,6 +67,7 @@ from .pipeline import (
     model_blocks,
     run_pipeline_step,
 )
+from .replicas import LocalShards, Replicas, replicate
 from .tensor import (
     TensorParallel,
     TensorParallelConfig,
@@ -75,11 +87,12 @@ __all__ = [
     "data_groups",
     "layout_coords",
     "layout_microbatches",
+    "mesh_shape",
     "pipeline_config",
 ]
 
 #: The device mesh's dimension names, outermost first.
-MESH_DIMS = ("pp", "dp", "tp")
+MESH_DIMS = ("pp", "dp", "cp", "tp")
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -90,13 +103,28 @@ class LayoutError(ValueError):
 
 # --------------------------------------------------------------------------- arithmetic
 def layout_coords(rank: int, parallel: ParallelConfig) -> dict[str, int]:
-    """Where ``rank`` sits in the ``("pp", "dp", "tp")`` mesh: its pipeline stage index (rank
-    in the pipeline), data-parallel replica and tensor-parallel rank.
+    """Where ``rank`` sits in the ``("pp", "dp", "cp", "tp")`` mesh: its pipeline stage index
+    (rank in the pipeline), data-parallel replica, context chunk and tensor-parallel rank.
 
-    ``rank = (pp * data + dp) * tensor + tp``, tensor parallelism innermost.
+    ``rank = ((pp * data + dp) * context + cp) * tensor + tp``, tensor parallelism innermost.
     """
     where = parallel.coordinates(rank)
-    return {"pp": where["stage"], "dp": where["replica"], "tp": where["shard"]}
+    return {"pp": where["stage"], "dp": where["replica"], "cp": where["chunk"],
+            "tp": where["shard"]}
+
+
+def mesh_shape(parallel: ParallelConfig) -> tuple[int, int, int, int]:
+    """The device mesh's shape, in :data:`MESH_DIMS` order."""
+    return parallel.pipeline, parallel.data, parallel.context, parallel.tensor
+
+
+def replica_mesh(mesh: Any, parallel: ParallelConfig) -> Any:
+    """The one-dimensional mesh of the ranks that average their gradients: ``dp``, or ``dp``
+    and ``cp`` flattened into one (torchtitan's ``dp_shard_cp``) with context parallelism."""
+    if parallel.context == 1:
+        return mesh["dp"]
+    # DeviceMesh has no public flatten in torch 2.13; _flatten is what torchtitan uses.
+    return mesh["dp", "cp"]._flatten("dp_cp")
 
 
 def layout_microbatches(parallel: ParallelConfig) -> int:
@@ -123,6 +151,7 @@ def check_layout(
     batch_size: int | None = None,
     world_size: int | None = None,
     num_blocks: int | None = None,
+    seq_len: int | None = None,
 ) -> None:
     """Refuse a layout that cannot work, before any process group is touched.
 
@@ -131,7 +160,9 @@ def check_layout(
     tensor degree (:func:`~memfit.distributed.tensor.check_tensor_parallel`); the blocks
     against the pipeline stages and the micro-batches against the schedule
     (:meth:`~memfit.distributed.pipeline.PipelineConfig.problems`); the batch against ``data x
-    microbatches``; ZeRO stage 1, which memfit does not compose with the other dimensions.
+    microbatches``; ZeRO stage 1, which memfit does not compose with the other dimensions;
+    context parallelism against a pipeline, the sequence and (all-to-all) the heads
+    (:func:`~memfit.distributed.context.check_context_parallel`).
 
     Args:
         model: The whole model (a Hugging Face Llama or GPT-2 causal LM for tensor or pipeline
@@ -143,6 +174,7 @@ def check_layout(
             is open).
         num_blocks: The model's block count, when ``model`` is only its HF config (a
             prediction that builds no whole model).
+        seq_len: Tokens per sample, when known: context parallelism must divide it.
 
     Raises:
         LayoutError: naming every problem found.
@@ -152,16 +184,23 @@ def check_layout(
         raise LayoutError("; ".join(problems))
     if world_size is None and dist.is_available() and dist.is_initialized():
         world_size = dist.get_world_size()
-    d, t, p = parallel.data, parallel.tensor, parallel.pipeline
+    d, t, p, c = parallel.data, parallel.tensor, parallel.pipeline, parallel.context
     if world_size is not None and world_size != parallel.world_size:
         problems.append(
-            f"the layout data {d} x tensor {t} x pipeline {p} needs {parallel.world_size} "
-            f"processes but {world_size} were launched; choose degrees whose product is "
-            f"{world_size}")
+            f"the layout data {d} x tensor {t} x pipeline {p} x context {c} needs "
+            f"{parallel.world_size} processes but {world_size} were launched; choose degrees "
+            f"whose product is {world_size}")
     if parallel.zero_stage == 1:
         problems.append(
             "zero_stage 1 (ZeroRedundancyOptimizer) is not composed with tensor or pipeline "
-            "parallelism; use zero_stage 0 (gradients all-reduced) or 2 or 3 (FSDP2)")
+            "parallelism; use zero_stage 0 (gradients all-reduced by DDP) or 2 or 3 (FSDP2)")
+    if c > 1 and p > 1:
+        problems.append(
+            f"context parallelism of {c} is not composed with a pipeline of {p} stages in "
+            "memfit; use pipeline 1 with context parallelism, or context 1")
+    if c > 1:
+        problems.extend(check_context_parallel(model, c, parallel.context_mode, tensor=t,
+                                               seq_len=seq_len))
     if t > 1:
         known = (*supported_models(), "LlamaConfig", "GPT2Config")
         if type(model).__name__ not in known and not isinstance(model, StageModule):
@@ -208,6 +247,9 @@ class Layout:
         pipeline: The pipeline (its schedule), ``None`` when ``parallel.pipeline == 1``.
         tensor: The tensor-parallel handle of each module (empty when ``tensor == 1``).
         loss_fn: ``loss_fn(output, labels)``, a mean over the micro-batch, on the last stage.
+        replicas: With ``data x context > 1`` and ZeRO 0, each module under DDP
+            (:class:`~memfit.distributed.replicas.Replicas`); ``None`` otherwise.
+        context: The context-parallel handle (``None`` when ``context == 1``).
     """
 
     parallel: ParallelConfig
@@ -217,6 +259,8 @@ class Layout:
     pipeline: Pipeline | None
     tensor: list[TensorParallel] = field(default_factory=list)
     loss_fn: LossFn = causal_lm_loss
+    replicas: Replicas | None = None
+    context: ContextParallel | None = None
     #: With ``parallel.expert > 1``: each module's expert split (:mod:`.expert`).
     experts: list[Any] = field(default_factory=list)
 
@@ -226,7 +270,10 @@ class Layout:
         return layout_microbatches(self.parallel)
 
     def parameters(self) -> list[nn.Parameter]:
-        """This rank's parameters, each once: what its optimizer steps."""
+        """This rank's parameters, each once: what its optimizer steps (under DDP with tensor
+        parallelism, the local shards DDP reduces, which share the DTensors' storage)."""
+        if self.replicas is not None:
+            return self.replicas.parameters()
         seen: dict[int, nn.Parameter] = {}
         for module in self.modules:
             for p in module.parameters():
@@ -260,59 +307,63 @@ class Layout:
             raise LayoutError(
                 f"a replica's batch of {inputs.shape[0]} does not split into {m} equal "
                 f"micro-batches; give each replica a multiple of {m} samples")
+        if self.replicas is not None:
+            self.replicas.before_step()
         with self.loss_context():
             if self.pipeline is not None:
                 loss = run_pipeline_step(self.pipeline, inputs, labels)
             else:
                 loss = self._accumulate(inputs, labels, m)
-        if self.parallel.data > 1:
-            loss = self._reduce_data_parallel(loss)
+        if self.replicas is not None:
+            self.replicas.after_step()
+        for split in self.experts:  # each expert's gradient over its replicas only
+            split.sync()
+        if self.parallel.replicas > 1:
+            loss = self._mean_over_replicas(loss)
         return loss
 
     def _accumulate(self, inputs: torch.Tensor, labels: torch.Tensor, m: int) -> torch.Tensor:
-        model = self.modules[0]
+        """Gradient accumulation over ``m`` micro-batches; under DDP only the last one's
+        backward reduces the (accumulated) gradients."""
+        replicas = self.replicas
+        model = replicas.ddps[0] if replicas is not None else self.modules[0]
         total = torch.zeros(())
-        for x, y in zip(inputs.chunk(m), labels.chunk(m), strict=True):
-            out = model(x)
-            loss = self.loss_fn(getattr(out, "logits", out), y) / m
-            loss.backward()
+        for i, (x, y) in enumerate(zip(inputs.chunk(m), labels.chunk(m), strict=True)):
+            hold = replicas.no_sync() if replicas is not None and i < m - 1 else None
+            with hold or contextlib.nullcontext():
+                out = model(x)  # DDP decides in its forward whether this backward reduces
+                loss = self.loss_fn(getattr(out, "logits", out), y) / m
+                loss.backward()
             loss = loss.detach()
             total = total + (loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
         return total
 
-    def _reduce_data_parallel(self, loss: torch.Tensor) -> torch.Tensor:
-        group = self.mesh["dp"].get_group()
-        d = self.parallel.data
-        if not self.parallel.sharded:
-            # FSDP2 reduces its own gradients; here each gradient is averaged in place, an
-            # expert's over its replicas only (a hook divided it by ``data`` already).
-            own = {id(p) for e in self.experts for p in e.parameters.values()}
-            for e in self.experts:
-                e.sync()
-            for p in self.parameters():
-                if p.grad is not None and id(p) not in own:
-                    g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                    dist.all_reduce(g, group=group)
-                    g.div_(d)
+    def _mean_over_replicas(self, loss: torch.Tensor) -> torch.Tensor:
+        """The reported loss averaged over the data-parallel replicas (one scalar: a metric;
+        the gradients were reduced by DDP or FSDP2 in backward)."""
         loss = loss.clone()
-        dist.all_reduce(loss, group=group)
-        return loss / d
+        # Data x context: each context rank's loss is its share of its samples' mean.
+        dist.all_reduce(loss, group=replica_mesh(self.mesh, self.parallel).get_group())
+        return loss / self.parallel.replicas
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """This rank's modules' gradients whole, under the model's parameter names (a
-        collective over the tensor-parallel group: each of its ranks must call it)."""
+        collective over the tensor-parallel group: each of its ranks must call it). Copies:
+        under DDP the gradients are its buckets, which the next step zeroes and refills."""
         out: dict[str, torch.Tensor] = {}
         for i, module in enumerate(self.modules):
             tied = getattr(module, "tied", {})
+            shards = self.replicas.ddps[i].module if self.replicas is not None else None
             if self.tensor:
-                grads = self.tensor[i].full_grads()
+                named = shards.named_grads() if isinstance(shards, LocalShards) else None
+                grads = self.tensor[i].full_grads(named)
             else:
                 grads = {n: p.grad.detach() for n, p in module.named_parameters()
                          if p.grad is not None}
             for name, g in grads.items():
                 if hasattr(g, "full_tensor"):  # FSDP2's shards over the data dimension
                     g = g.full_tensor()
-                out[tied.get(name, name)] = g
+                out[tied.get(name, name)] = g.clone() if self.replicas is not None else g
         return out
 
 
@@ -371,7 +422,9 @@ class LayoutStepper(BaseStepper):
         self.optimizer.step()
 
     def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        # Under DDP the gradients are views of its buckets, live for the whole run: zeroed in
+        # place they stay views (dropping them frees nothing, and Layout.step would re-attach).
+        self.optimizer.zero_grad(set_to_none=self.layout.replicas is None)
 
     def state_dict(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict()}
@@ -383,8 +436,7 @@ class LayoutStepper(BaseStepper):
 def _make_mesh(parallel: ParallelConfig, device: torch.device) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
-    shape = (parallel.pipeline, parallel.data, parallel.tensor)
-    return init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
+    return init_device_mesh(device.type, mesh_shape(parallel), mesh_dim_names=MESH_DIMS)
 
 
 def build_layout(
@@ -396,7 +448,7 @@ def build_layout(
     batch_size: int | None = None,
     cuts: tuple[int, ...] | None = None,
 ) -> Layout:
-    """Build this rank's share of ``model`` under a tensor x pipeline x data layout.
+    """Build this rank's share of ``model`` under a tensor x pipeline x data x context layout.
 
     Every rank of the default process group (``parallel.world_size`` of them) calls this with
     the same model (same weights: seed alike) and settings. Create the optimizer afterwards over
@@ -408,19 +460,21 @@ def build_layout(
     ``tensor`` (the blocks, embedding and head; norms are replicated) and, under ZeRO 2/3, by
     ``data``; plus the activations of the micro-batches its schedule keeps in flight
     (:func:`~memfit.distributed.pipeline.microbatches_in_flight`), divided by ``tensor`` for the
-    attention and MLP, and the last stage's logits at ``vocab / tensor`` per token.
+    attention and MLP, and the last stage's logits at ``vocab / tensor`` per token, of
+    ``seq_len / context`` tokens (:mod:`memfit.distributed.context`).
     :func:`memfit.estimate.layout.predict_layout` predicts it per rank.
 
     Args:
         model: A Hugging Face Llama-layout or GPT-2 causal LM (any model :func:`~memfit.
             distributed.pipeline.build_stage` can cut and :func:`~memfit.distributed.tensor.
             tp_plan_for` has a plan for; with ``tensor == 1`` an ``nn.Sequential`` works too).
-        parallel: The degrees (``data x tensor x pipeline`` must be the world size), the
-            pipeline ``schedule`` and ``microbatches``, the ZeRO stage (0, 2 or 3).
+        parallel: The degrees (``data x tensor x pipeline x context`` must be the world
+            size), the pipeline ``schedule`` and ``microbatches``, the ZeRO stage (0, 2 or 3),
+            the ``context_mode``.
         loss_fn: ``loss_fn(output, labels)`` on the last stage, a mean over the micro-batch.
             Default: the causal LM's shifted cross-entropy, computed on vocabulary-sharded
             logits when ``tensor > 1``. A custom one runs inside ``loss_parallel`` then, on
-            logits that are a DTensor sharded on the last dimension.
+            logits that are a DTensor sharded on the last dimension. Unset with context.
         device: Where this rank computes (default: CPU with gloo; ``cuda:<local rank>`` on GPUs).
         batch_size: The global batch, to check it splits into ``data x microbatches``.
         cuts: The pipeline's cut points (default: ``parallel.cuts``, or an even split when
@@ -446,22 +500,30 @@ def build_layout(
     mesh = _make_mesh(parallel, device)
     rank = dist.get_rank()
     coords = layout_coords(rank, parallel)
-    if loss_fn is None:
-        loss_fn = shifted_cross_entropy if parallel.tensor > 1 else causal_lm_loss
+    loss_fn, context = _loss_and_context(model, parallel, mesh, loss_fn)
     handles: list[TensorParallel] = []
+    shard_mesh = replica_mesh(mesh, parallel)  # dp, or dp and cp flattened
+    ddps: list[nn.Module] = []
+
     experts: list[Any] = []
 
-    def prepare(module: nn.Module) -> None:
-        if parallel.expert > 1:
-            from .expert import apply_expert_parallel
-
-            experts.append(apply_expert_parallel(module, parallel.expert, parallel.data,
-                                                 device.type, data_groups(parallel)))
-        if parallel.tensor > 1:
-            config = TensorParallelConfig(parallel.tensor, sequence_parallel=parallel.sequence)
-            handles.append(apply_tensor_parallel(module, config, mesh["tp"]))
-        if parallel.data > 1 and parallel.sharded:
-            _fully_shard(module, parallel, mesh["dp"])
+    def prepare(module: nn.Module) -> nn.Module | None:
+        _split(module, parallel, mesh, device, handles, experts)
+        if parallel.replicas > 1 and parallel.sharded:
+            _fully_shard(module, parallel, shard_mesh)
+        elif parallel.replicas > 1:
+            ddp = replicate(module, shard_mesh.get_group(), bucket_bytes=parallel.bucket_bytes,
+                            device=device)
+            if parallel.pipeline > 1:
+                # torch's pipeline stage arms DDP's reduction itself, before the last
+                # micro-batch's backward, and runs every forward under no_sync. Its shape
+                # inference at the first step runs one more forward, outside no_sync, and no
+                # weight backward: that forward would arm the reduction for the first
+                # micro-batch's backward instead. Never arming it in a forward fixes that.
+                ddp.require_backward_grad_sync = False
+            ddps.append(ddp)
+            return ddp
+        return None
 
     pipeline = None
     if parallel.pipeline > 1:
@@ -472,14 +534,69 @@ def build_layout(
         model.to(device)
         prepare(model)
         modules = [model]
-    return Layout(parallel, mesh, coords, modules, pipeline, handles, loss_fn, experts)
+    replicas = Replicas(ddps) if ddps else None
+    if replicas is not None and pipeline is not None and parallel.tensor > 1:
+        _tie_shards(pipeline, ddps)
+    return Layout(parallel, mesh, coords, modules, pipeline, handles, loss_fn, replicas,
+                  context, experts)
+
+
+def _split(module: nn.Module, parallel: ParallelConfig, mesh: Any, device: torch.device,
+           handles: list[TensorParallel], experts: list[Any]) -> None:
+    """``module``'s experts split over its expert ranks (into ``experts``), then its
+    matrices over the tensor-parallel ranks (into ``handles``)."""
+    if parallel.expert > 1:
+        experts.append(_split_experts(module, parallel, device))
+    if parallel.tensor > 1:
+        config = TensorParallelConfig(parallel.tensor, sequence_parallel=parallel.sequence)
+        handles.append(apply_tensor_parallel(module, config, mesh["tp"]))
+
+
+def _split_experts(module: nn.Module, parallel: ParallelConfig, device: torch.device) -> Any:
+    """``module``'s experts split over its data group's expert ranks (:mod:`.expert`), and
+    left out of DDP: their replicas average them (``ExpertParallel.sync``, after the step)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from .expert import apply_expert_parallel
+
+    split = apply_expert_parallel(module, parallel.expert, parallel.data, device.type,
+                                  data_groups(parallel))
+    DDP._set_params_and_buffers_to_ignore_for_model(module, list(split.parameters))
+    return split
 
 
 def data_groups(parallel: ParallelConfig) -> list[list[int]]:
-    """Every data-parallel group's ranks (one per stage and tensor shard)."""
-    d, t = parallel.data, parallel.tensor
-    return [[(s * d + r) * t + k for r in range(d)]
-            for s in range(parallel.pipeline) for k in range(t)]
+    """Every data-parallel group's ranks (one per stage, context chunk and tensor shard)."""
+    d, c, t = parallel.data, parallel.context, parallel.tensor
+    return [[((s * d + r) * c + ch) * t + k for r in range(d)]
+            for s in range(parallel.pipeline) for ch in range(c) for k in range(t)]
+
+
+def _loss_and_context(model: nn.Module, parallel: ParallelConfig, mesh: Any,
+                      loss_fn: LossFn | None) -> tuple[LossFn, ContextParallel | None]:
+    """The last stage's loss, and with ``context > 1`` the model cut into this rank's chunk
+    (its loss the chunk's share of the whole samples' mean)."""
+    if parallel.context == 1:
+        if loss_fn is None:
+            loss_fn = shifted_cross_entropy if parallel.tensor > 1 else causal_lm_loss
+        return loss_fn, None
+    if loss_fn is not None:
+        raise LayoutError(
+            "with context parallelism the loss is each chunk's share of the whole samples' "
+            "causal LM loss (ContextParallel.loss); leave loss_fn unset")
+    context = apply_context_parallel(model, mesh["cp"].get_group(), parallel.context_mode)
+    return context.loss, context
+
+
+def _tie_shards(pipeline: Pipeline, ddps: list[nn.Module]) -> None:
+    """Under DDP with tensor parallelism the gradients are the local shards': sum a tied
+    weight's copies across stages there (the stages' DTensor parameters get none)."""
+    shard: dict[int, nn.Parameter] = {}
+    for ddp in ddps:
+        if isinstance(ddp.module, LocalShards):
+            shard.update(ddp.module.shard_of())
+    pipeline.ties = [([shard.get(id(p), p) for p in params], group)
+                     for params, group in pipeline.ties]
 
 
 def _fully_shard(module: nn.Module, parallel: ParallelConfig, dp_mesh: Any) -> None:

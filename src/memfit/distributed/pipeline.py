@@ -358,7 +358,8 @@ def build_pipeline(model: nn.Module, config: PipelineConfig, *,
         device: Where the stages run (default: the model's device).
         prepare: Called on each stage module before torch's ``PipelineStage`` wraps it, to
             change it in place (tensor parallelism, FSDP2 sharding: what
-            :mod:`memfit.distributed.layout` applies per stage).
+            :mod:`memfit.distributed.layout` applies per stage); a module it returns (DDP
+            around the stage) is what the ``PipelineStage`` runs instead of the stage.
 
     Raises:
         PipelineError: for a model memfit cannot split, settings that cannot work or a group
@@ -383,11 +384,14 @@ def build_pipeline(model: nn.Module, config: PipelineConfig, *,
     device = torch.device(device)
     indices = config.stage_indices(rank)
     stages = [build_stage(model, config, s) for s in indices]
+    runs: list[nn.Module] = list(stages)
     if prepare is not None:
-        for stage in stages:
-            prepare(stage)
+        for i, stage in enumerate(stages):
+            wrapper = prepare(stage)
+            if isinstance(wrapper, nn.Module):
+                runs[i] = wrapper
     torch_stages = [pipelining.PipelineStage(m, s, config.num_stages, device, group=group)
-                    for m, s in zip(stages, indices, strict=True)]
+                    for m, s in zip(runs, indices, strict=True)]
     cls = getattr(pipelining, PIPELINE_SCHEDULES[config.schedule])
     single = config.schedule in ("gpipe", "1f1b")
     schedule = cls(torch_stages[0] if single else torch_stages, config.num_microbatches,
@@ -495,4 +499,8 @@ def _sum_tied_grads(pipeline: Pipeline) -> None:
             # Under tensor parallelism each copy's shard is reduced with the same shard's.
             dist.all_reduce(_local(total), group=group)
         for p in params:
-            p.grad = total.clone() if len(params) > 1 else total
+            if p.grad is not None:
+                # In place: a gradient that is a view of DDP's bucket must stay one.
+                p.grad.copy_(total)
+            else:
+                p.grad = total.clone() if len(params) > 1 else total

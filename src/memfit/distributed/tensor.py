@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -564,10 +564,20 @@ class TensorParallel:
         A collective: every rank of the mesh must call it."""
         return self._full(self.model.named_parameters())
 
-    def full_grads(self) -> dict[str, torch.Tensor]:
+    def full_grads(
+        self, named: Iterable[tuple[str, torch.Tensor | None]] | None = None
+    ) -> dict[str, torch.Tensor]:
         """Every parameter's gradient whole, as :meth:`full_state_dict` lays out parameters
-        (parameters without a gradient are left out). A collective, like it."""
-        return self._full((n, p.grad) for n, p in self.model.named_parameters())
+        (parameters without a gradient are left out). A collective, like it.
+
+        Args:
+            named: ``(name, gradient)`` pairs to gather instead of the parameters' ``.grad``
+                (where another module holds them: DDP's local shards, see
+                :class:`~memfit.distributed.replicas.LocalShards`).
+        """
+        if named is None:
+            named = ((n, p.grad) for n, p in self.model.named_parameters())
+        return self._full(iter(named))
 
 
 def shifted_cross_entropy(

@@ -525,10 +525,11 @@ def communication(
     checkpointing: bool,
     backward_seconds: float,
     gradient_bytes: float = 4.0,
+    context_bytes: float = 0.0,
     routed_bytes: float = 0.0,
 ) -> dict[str, float]:
     """One rank's seconds of communication per step, by kind (``tensor``, ``pipeline``,
-    ``data``): what :func:`step_cost` and the 3-D planner's
+    ``data``, ``context``): what :func:`step_cost` and the 3-D planner's
     :func:`~memfit.estimate.layout_cost.estimate_layout` both add.
 
     Args:
@@ -547,11 +548,14 @@ def communication(
         checkpointing: Whether blocks are recomputed (a third forward all-reduce each).
         backward_seconds: The backward's compute, which the gradient reduction overlaps.
         gradient_bytes: Bytes per gradient element reduced (fp32: 4).
+        context_bytes: With context parallelism, one micro-batch's chunk of a block's keys
+            and values (``ring``: what travels per hop) or of its queries, keys, values and
+            output (``all-to-all``: what is re-split), on this rank.
         routed_bytes: With ``parallel.expert > 1``: one micro-batch's routed tokens per
             mixture-of-experts block (``tokens x top_k x hidden`` elements), what each
             all-to-all of the dispatch or the combine moves (``expert``).
     """
-    t, p, d = parallel.tensor, parallel.pipeline, parallel.data
+    t, p, d, c = parallel.tensor, parallel.pipeline, parallel.data, parallel.context
     g = gpus_per_node if gpus_per_node is not None else min(parallel.world_size, 8)
     node, net = device.node_link_bandwidth, device.cross_node_bandwidth
     m = microbatches
@@ -560,15 +564,24 @@ def communication(
     per_allreduce = block_output_bytes * 2 * (t - 1) / t / node if t > 1 else 0.0
     tp = (6 if checkpointing else 4) * per_allreduce * blocks * m
     # Pipeline: each micro-batch's hidden state forward and its gradient back, per boundary.
-    pp_bw = node if t * d < g else net
+    pp_bw = node if t * c * d < g else net
     pp = 2 * block_output_bytes * m / pp_bw if p > 1 else 0.0
+    # Context (placed inside the data replicas, outside tensor): per block and micro-batch, the
+    # ring's c - 1 hops of the keys and values forward and c hops of them with their gradients
+    # backward (counted as not hidden by compute); all-to-all's 4 exchanges forward and 4
+    # backward, each moving (c - 1) / c of its share.
+    cp_bw = node if t * c <= g else net
+    hops = (3 * c - 1) if parallel.context_mode == "ring" else 2 * (c - 1) / c
+    recompute = 1.5 if checkpointing else 1.0  # a recomputed forward exchanges again
+    cp = context_bytes * hops * recompute * blocks * m / cp_bw if c > 1 else 0.0
     # Data parallelism: the gradients reduced once per step (an all-reduce, or ZeRO's
     # reduce-scatter and the parameters' all-gather after the step: the same 2 (d - 1) / d);
     # stage 3 also gathers the parameters in forward and in backward.
-    dp_bw = node if t * d <= g else net
-    volume = (gradient_bytes * max(parameters, 1) * 2 * (d - 1) / d
+    dp_bw = node if t * c * d <= g else net
+    r = d * c  # context ranks average their gradients with the data replicas
+    volume = (gradient_bytes * max(parameters, 1) * 2 * (r - 1) / r
               * (1.5 if parallel.zero_stage == 3 else 1))
-    dp_total = volume / dp_bw if d > 1 else 0.0
+    dp_total = volume / dp_bw if r > 1 else 0.0
     dp = max(0.0, dp_total - DP_OVERLAP * backward_seconds)
     # Expert parallelism: per MoE block and micro-batch, two all-to-alls forward (dispatch,
     # combine), two backward (a third pair forward with recomputation), each sending
@@ -577,7 +590,7 @@ def communication(
     ep_bw = node if e <= g else net
     ep = ((6 if checkpointing else 4) * routed_bytes * (e - 1) / e / ep_bw * blocks * m
           if e > 1 else 0.0)
-    return {"tensor": tp, "pipeline": pp, "data": dp, "expert": ep}
+    return {"tensor": tp, "pipeline": pp, "data": dp, "context": cp, "expert": ep}
 
 
 def _microbatches(par: ParallelConfig, s: _Step) -> int:

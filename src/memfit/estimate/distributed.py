@@ -21,6 +21,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ..accounting.report import MemoryReport
@@ -62,6 +63,23 @@ def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+        _forget_meshes()
+
+
+def _forget_meshes() -> None:
+    """Clear DTensor's cache of sharding decisions. It is keyed by device meshes, which
+    compare equal across process groups (same shape, names and ranks): a later fake world would
+    be handed an earlier one's mesh, whose process groups are gone (the names only resolved
+    while every world happened to create its groups in the same order)."""
+    from torch.distributed.tensor import DTensor
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    # The C++ dispatch fast path keeps its own copy of the decisions.
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_native is not None:
+        clear_native()
 
 
 class RankPrediction:

@@ -26,6 +26,7 @@ __all__ = [
     "DryRunLimitation",
     "cancel_when",
     "dry_run",
+    "dry_tensors",
     "measure",
     "model_error",
     "plan_for_target",
@@ -372,6 +373,20 @@ def _disk_tier_estimate(report: MemoryReport, optimizer: Any, plan: Plan) -> Non
         "disk_bytes": disk,
         "groups": tier["groups"],
     }
+
+
+@contextlib.contextmanager
+def dry_tensors(expert_load: float = 1.0, where: Callable[[], str | None] = lambda: None) -> Any:
+    """Run the block on fake tensors as :func:`measure`'s dry runs do: the fake kernels that
+    follow the real ones and the dry run's known values and data-dependent policies (for
+    callers that run more of a job than training steps, :func:`memfit.train.job.predict_job`).
+
+    Args:
+        expert_load: How a mixture-of-experts router spreads tokens (see :func:`measure`).
+        where: The module running now, named where a data-dependent policy decides.
+    """
+    with _fake_mode(), _values(True, expert_load, where):
+        yield
 
 
 @contextlib.contextmanager

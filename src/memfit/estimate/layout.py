@@ -7,15 +7,21 @@ the data-parallel replicas) the rank's own program runs on fake tensors inside a
 group (:func:`~memfit.estimate.distributed.fake_process_group`) in which this process is that
 rank, as torchtitan's memory estimator does:
 
-1. the ``("pp", "dp", "tp")`` device mesh is built as :func:`~memfit.distributed.layout.
+1. the ``("pp", "dp", "cp", "tp")`` device mesh is built as :func:`~memfit.distributed.layout.
    build_layout` builds it; the rank's stages are built with
    :func:`~memfit.distributed.pipeline.build_stage` and split by
    :func:`~memfit.distributed.tensor.apply_tensor_parallel` on ``mesh["tp"]`` (DTensors whose
-   shards are fake tensors), then the optimizer's state is made by one step;
+   shards are fake tensors), then the optimizer's state is made by one step. Data parallelism
+   without sharding (ZeRO 0) is torch's DDP in the real run, which cannot be built on fake
+   tensors: its memory, the buckets that are the gradients for the whole run
+   (:mod:`memfit.distributed.replicas`), is held by a contiguous gradient buffer
+   (:func:`~memfit.strategies.grad_buffer.apply_grad_buffer`) over what DDP would take (the
+   local shards under tensor parallelism), live from the step's start; its all-reduce, in
+   place in the buckets, allocates nothing. ZeRO 2/3 is FSDP2, run as it is;
 2. under memfit's tracker, two micro-batches go through the rank's stages (forward, the last
    stage's loss under ``loss_parallel``, backward from a received gradient), as torch's
    pipeline stage runs them (inputs received into per-micro-batch buffers, output gradients
-   likewise), then gradient scaling, the data-parallel all-reduce and the optimizer step;
+   likewise), then gradient scaling (and FSDP2's reduce-scatter) and the optimizer step;
 3. each event's cost is read off the trace: what a forward keeps (its activations), the
    transient above the start of each forward and backward (the first backward, which creates
    the gradients, apart from the later ones, which accumulate), and the optimizer step's;
@@ -29,7 +35,8 @@ identical activations, gradients and states; the transients are either independe
 or linear in it). The other stages are one block each, so building costs little.
 
 Accuracy, against memfit's tracker on four real processes (tests/distributed/test_layout.py):
-within 1% for tensor x pipeline and data x pipeline with ZeRO 0, and for data x tensor. FSDP2
+within 1% for tensor x pipeline, and for data x pipeline and data x tensor with ZeRO 0 (DDP:
+0.2-0.5% on the test's tiny Llama). FSDP2
 (ZeRO 2/3) is followed as torch's pipeline stage drives it, but is less exact: 5% over for data
 2 x tensor 2 under ZeRO 3, and 24% over for data 2 x pipeline 2 under ZeRO 2 (the emulated
 unsharded-gradient accumulation holds more than the real run does; not yet understood).
@@ -49,6 +56,7 @@ from torch import nn
 
 from ..accounting import track
 from ..distributed.config import ParallelConfig
+from ..distributed.context import apply_context_parallel
 from ..distributed.layout import (
     MESH_DIMS,
     LayoutError,
@@ -56,12 +64,16 @@ from ..distributed.layout import (
     check_layout,
     layout_coords,
     layout_microbatches,
+    mesh_shape,
     pipeline_config,
+    replica_mesh,
 )
 from ..distributed.pipeline import PipelineConfig, build_stage, causal_lm_loss
+from ..distributed.replicas import local_shards
 from ..distributed.tensor import TensorParallelConfig, apply_tensor_parallel, shifted_cross_entropy
 from ..optim import registry as optim_registry
 from ..optim.config import OptimizerConfig
+from ..strategies.grad_buffer import apply_grad_buffer
 from ..workload import Workload, load_workload
 from .distributed import fake_process_group
 from .pipeline import _fake, _schedule_orders
@@ -82,13 +94,14 @@ class RoleCosts:
 
     Attributes:
         static: Live at the step's start: parameters, optimizer state, the pipeline's receive
-            buffers, the batch.
+            buffers, the batch; at ZeRO 0 with data replicas, the gradients (DDP's buckets).
         forward_kept: Per local stage: what a micro-batch's forward keeps until its backward.
         forward_over: Per local stage: the forward's transient peak above its start.
         backward_over: Per local stage: ``(first, later)`` backward transient peaks above their
             start (the first creates the gradients, the later ones accumulate).
         backward_delta: Per local stage: ``(first, later)`` change in live bytes over a
-            backward (``gradients - forward_kept`` for the first, ``-forward_kept`` after).
+            backward (``gradients - forward_kept`` for the first, ``-forward_kept`` after;
+            ``-forward_kept`` for both under DDP, whose buckets hold the gradients already).
         optimizer_over: The gradient reduction and optimizer step's transient above their start.
         parameter_bytes: This rank's parameter shards.
         gradient_bytes: Its gradients.
@@ -260,13 +273,17 @@ def _role_costs(src: _Source, parallel: ParallelConfig, pipe_rank: int, depth: i
     from torch.distributed.device_mesh import init_device_mesh
 
     world = parallel.world_size
-    rank = pipe_rank * parallel.data * parallel.tensor  # dp 0, tp 0
+    # dp 0, tp 0, and the last context chunk (the causal mask's fullest: it attends to all)
+    c = parallel.context
+    rank = (pipe_rank * parallel.data * c + c - 1) * parallel.tensor
     m = layout_microbatches(parallel)
     piped = parallel.pipeline > 1
     mine = pipeline_config(parallel).stage_indices(pipe_rank) if piped else (0,)
     with fake_process_group(world, rank):
-        mesh = init_device_mesh("cpu", (parallel.pipeline, parallel.data, parallel.tensor),
-                                mesh_dim_names=MESH_DIMS)
+        mesh = init_device_mesh("cpu", mesh_shape(parallel), mesh_dim_names=MESH_DIMS)
+        # The replicas' mesh (dp, or dp and cp flattened), made outside the fake mode: the
+        # mesh computes its ranks with tensor ops, which must be real.
+        replicas = replica_mesh(mesh, parallel)
         with _fake():
             if piped:
                 cfg, total, real = _shallow(parallel, src.num_blocks, mine, depth)
@@ -278,6 +295,9 @@ def _role_costs(src: _Source, parallel: ParallelConfig, pipe_rank: int, depth: i
                 model = src.build(n)
                 stages, real, num_stages = {0: model}, {0: src.num_blocks}, 1
             del model
+            if c > 1:  # the rank's chunk of every sample, and its share of the loss
+                loss_fn = apply_context_parallel(stages[0], mesh["cp"].get_group(),
+                                                 parallel.context_mode).loss
             for stage in stages.values():
                 if parallel.expert > 1:  # this rank's experts (build_layout's split)
                     from ..distributed.expert import apply_expert_parallel
@@ -289,13 +309,16 @@ def _role_costs(src: _Source, parallel: ParallelConfig, pipe_rank: int, depth: i
                     config = TensorParallelConfig(parallel.tensor,
                                                   sequence_parallel=parallel.sequence)
                     apply_tensor_parallel(stage, config, mesh["tp"])
-                if parallel.data > 1 and parallel.sharded:
+                if parallel.replicas > 1 and parallel.sharded:
                     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
                     # FSDP2 computes the rank's mesh coordinates with tensor ops, which must be
                     # real; the parameters stay fake (their own mode follows them).
                     with unset_fake_temporarily():
-                        _fully_shard(stage, parallel, mesh["dp"])
+                        _fully_shard(stage, parallel, replicas)
+            if parallel.replicas > 1 and not parallel.sharded:
+                # What DDP takes (the local shards under tensor parallelism), and runs.
+                stages = {s: local_shards(st) for s, st in stages.items()}
             # Expert parallelism reads the routing's token counts: memfit's balanced policy.
             from .values import DryRunValues
 
@@ -317,6 +340,12 @@ def _run_role(stages: dict[int, nn.Module], num_stages: int, parallel: ParallelC
     fsdp = [st for st in stages.values() if piped and isinstance(st, FSDPModule)]
     params = list({id(p): p for stage in stages.values() for p in stage.parameters()}.values())
     opt, state_bytes = _primed_optimizer(optimizer, params, foreach)
+    # DDP (ZeRO 0) cannot be built on fake tensors (its constructor reads values). Its memory
+    # is its buckets: every gradient, contiguous, the .grad views of them, live for the whole
+    # run (memfit.distributed.replicas keeps them so); the contiguous gradient buffer holds
+    # exactly that, and DDP's all-reduce of them in place allocates nothing.
+    buckets = [apply_grad_buffer(st) for st in stages.values()] \
+        if parallel.replicas > 1 and not parallel.sharded else []
     if loss_fn is None:
         loss_fn = shifted_cross_entropy if parallel.tensor > 1 else causal_lm_loss
     run = _RoleRun(stages, num_stages, m, mb, seq_len, loss_fn, fsdp)
@@ -328,6 +357,7 @@ def _run_role(stages: dict[int, nn.Module], num_stages: int, parallel: ParallelC
     with track(None, opt) as tracker, ctx:
         run.tracker = tracker
         tracker.label(params, "parameters")
+        tracker.label([list(b.buffers.values()) for b in buckets], "gradients")
         static = run.inputs_and_buffers(params)
         for i in range(min(m, 2)):
             run.forwards(i)
@@ -335,9 +365,11 @@ def _run_role(stages: dict[int, nn.Module], num_stages: int, parallel: ParallelC
         a = tracker.event_stamp
         for st in fsdp:
             _fsdp_reduce(st)
-        grad_bytes = _reduce_gradients(params, parallel, mesh, m)
+        grad_bytes = _scale_gradients(params, m)
         opt.step()
         run.marks["O"] = (a, tracker.event_stamp)
+    for b in buckets:
+        b.remove()
     return _read_costs(_curve(tracker), run.marks, stages, m, static=static,
                        parameter_bytes=_nbytes(params), gradient_bytes=grad_bytes,
                        state_bytes=state_bytes)
@@ -379,6 +411,7 @@ class _RoleRun:
         stages, m, mb, seq_len, tracker = self.stages, self.m, self.mb, self.seq_len, self.tracker
         dtype = next((p.dtype for p in params if p.is_floating_point()), torch.float32)
         hf = next(iter(stages.values()))
+        hf = getattr(hf, "inner", hf)  # DDP's LocalShards of a tensor-parallel stage
         hidden = getattr(getattr(hf, "hf_config", None) or getattr(hf, "config", None),
                          "hidden_size", None)
         first, last = min(stages) == 0, max(stages) == self.num_stages - 1
@@ -439,22 +472,13 @@ class _RoleRun:
             self.marks["B", s, i] = (a, tracker.event_stamp)
 
 
-def _reduce_gradients(params: list[nn.Parameter], parallel: ParallelConfig, mesh: Any,
-                      m: int) -> int:
-    """The schedule's scaling by the micro-batch count and, unsharded, the data-parallel
-    all-reduce; returns the gradients' bytes."""
-    import torch.distributed as dist
-
-    for p in params:  # the schedule's scaling by the micro-batch count, in place
+def _scale_gradients(params: list[nn.Parameter], m: int) -> int:
+    """The schedule's scaling of the gradients by the micro-batch count, in place; returns
+    the gradients' bytes. (The data-parallel reduction happened in backward: DDP's in its
+    buckets, in place; FSDP2's by :func:`_fsdp_reduce`.)"""
+    for p in params:
         if p.grad is not None:
             p.grad.div_(m)
-    if parallel.data > 1 and not parallel.sharded:
-        group = mesh["dp"].get_group()
-        for p in params:
-            if p.grad is not None:
-                g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                dist.all_reduce(g, group=group)
-                g.div_(parallel.data)
     return _nbytes(p.grad for p in params if p.grad is not None)
 
 
@@ -588,8 +612,9 @@ def predict_layout(
 
     The step predicted is a warm one, as :func:`~memfit.distributed.layout.build_layout`'s
     :meth:`~memfit.distributed.layout.Layout.step` runs it after the first: gradients set to
-    ``None`` before it, the optimizer's state already made; forwards and backwards in the
-    schedule's order, the gradient reduction, the optimizer step.
+    ``None`` before it (at ZeRO 0 with data replicas, DDP's buckets, which hold them, stay),
+    the optimizer's state already made; forwards and backwards in the schedule's order, the
+    gradient reduction, the optimizer step.
 
     Args:
         model_or_workload: A Hugging Face causal LM of the Llama or GPT-2 layout (real, meta or
@@ -617,7 +642,7 @@ def predict_layout(
     """
     src, batch_size, seq_len = _source(model_or_workload, batch_size, seq_len)
     check_layout(src.config, parallel, batch_size=batch_size, world_size=parallel.world_size,
-                 num_blocks=src.num_blocks)
+                 num_blocks=src.num_blocks, seq_len=seq_len)
     m = layout_microbatches(parallel)
     mb = batch_size // (parallel.data * m)
     orders = _schedule_orders(pipeline_config(parallel)) if parallel.pipeline > 1 else None

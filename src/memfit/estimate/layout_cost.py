@@ -8,8 +8,9 @@ How a layout is priced, per rank:
   (:func:`memfit.estimate.pipeline.profile_blocks`): the bytes a block's forward keeps for
   backward, the embeddings' and the head's with the loss, the parameters and the FLOPs, at the
   target's kernels. A stage's ranks then hold their parameters, gradients and optimizer state
-  (sharded over ``data`` by the ZeRO stage: :func:`~memfit.estimate.distributed.
-  zero_model_state_bytes`), the activations of the micro-batches the schedule keeps in flight
+  for the whole step (sharded over ``data`` by the ZeRO stage: :func:`~memfit.estimate.
+  distributed.zero_model_state_bytes`; at ZeRO 0 the gradients are DDP's buckets, live from
+  the run's start, :mod:`memfit.distributed.replicas`), the activations of the micro-batches the schedule keeps in flight
   (:func:`~memfit.distributed.pipeline_plan.microbatches_in_flight`; with checkpointing only
   each block's input), and one block's backward working set.
 * **Time.** A :class:`~memfit.estimate.cost.StepCost`, as every plan's: the stage's FLOPs at
@@ -20,6 +21,12 @@ How a layout is priced, per rank:
   block per micro-batch, the point-to-point activations between stages, and the
   data-parallel gradient reduction that backward does not hide (stage 3 gathers the
   parameters twice more).
+* **Context parallelism.** A context rank is profiled at ``seq_len / context`` tokens (its
+  chunk's activations, logits and FLOPs), its model states are sharded over ``data x
+  context`` under ZeRO 2/3, its backward's working set adds the attention's buffers (the
+  ring's keys, values and their gradients in flight, or all-to-all's re-split copies), the
+  last chunk's compute adds its attention to every earlier chunk (contiguous chunks under
+  the causal mask), and the communication adds the ring's hops or the all-to-alls.
 """
 
 from __future__ import annotations
@@ -135,18 +142,27 @@ def _divisors(n: int) -> list[int]:
 
 
 def layout_problems(shape: ModelShape, parallel: ParallelConfig, batch_size: int,
-                    gpus_per_node: int | None = None) -> list[str]:
+                    gpus_per_node: int | None = None, *, seq_len: int | None = None) -> list[str]:
     """What stops ``parallel`` from training ``shape`` at ``batch_size``, one sentence each
     naming what would work (empty when it can run).
 
     Checks: tensor parallelism within a node and dividing the heads, key-value heads and MLP
     width; the pipeline's stages no more than the blocks (the plan's cuts fitting them); the batch
-    split evenly over the replicas and the micro-batches; the schedule's micro-batch count.
+    split evenly over the replicas and the micro-batches; the schedule's micro-batch count;
+    context parallelism dividing the sequence (and, all-to-all, each tensor rank's heads),
+    without a pipeline.
     """
+    from ..distributed.context import check_context_parallel
     from ..distributed.pipeline_plan import PipelineConfig
 
     out: list[str] = []
-    t, p, d = parallel.tensor, parallel.pipeline, parallel.data
+    t, p, d, c = parallel.tensor, parallel.pipeline, parallel.data, parallel.context
+    if c > 1 and p > 1:
+        out.append(f"context parallelism of {c} is not composed with a pipeline of {p} stages "
+                   "in memfit; use pipeline 1 with context parallelism, or context 1")
+    if c > 1 and not shape.heads % t:
+        out.extend(check_context_parallel(shape.config, c, parallel.context_mode, tensor=t,
+                                          seq_len=seq_len))
     if gpus_per_node is not None and t > gpus_per_node:
         out.append(
             f"tensor parallelism of {t} does not fit in a node of {gpus_per_node} devices "
@@ -197,6 +213,9 @@ def _expert_problems(shape: ModelShape, parallel: ParallelConfig) -> list[str]:
         if t > 1:
             out.append("parallel expert is not composed with tensor parallelism yet; use "
                        "tensor 1 with it")
+        if parallel.context > 1:
+            out.append("parallel expert is not composed with context parallelism yet; use "
+                       "context 1 with it")
         if p > 1 and parallel.zero_stage:
             out.append("parallel expert under a pipeline runs with zero_stage 0 only")
         if parallel.zero_stage == 1:
@@ -344,7 +363,7 @@ class LayoutCandidate:
         rank_peak_bytes: Predicted peak per rank, in rank order.
         step_seconds: Predicted seconds per step.
         parts: The step's seconds by part (``compute``, ``bubble``, ``tensor``, ``pipeline``,
-            ``data``).
+            ``data``, ``context``).
         fits: Whether every rank fits the budget.
         microbatches: Micro-batches per step (the pipeline's, or accumulation's).
         by_category: The largest rank's peak by category.
@@ -379,7 +398,7 @@ class LayoutCandidate:
             bits.append(f"accumulation {self.microbatches}")
         if par.expert > 1:
             bits.append(f"expert {par.expert}")
-        if par.data > 1:
+        if par.replicas > 1:
             bits.append(f"ZeRO {par.zero_stage}")
         if self.checkpointing:
             bits.append("checkpointing")
@@ -389,12 +408,10 @@ class LayoutCandidate:
         """The layout in words."""
         par = self.parallel
         degrees = f"data {par.data}, tensor {par.tensor}, pipeline {par.pipeline}"
+        if par.context > 1:
+            degrees += f", context {par.context} ({par.context_mode})"
         rest = self.settings().replace(f" x{self.microbatches}", f" x {self.microbatches} micro-batches")
         return degrees + (", " + rest if rest else "")
-
-
-def _rank_of(stage: int, replica: int, shard: int, par: ParallelConfig) -> int:
-    return (stage * par.data + replica) * par.tensor + shard
 
 
 def rank_coordinates(rank: int, parallel: ParallelConfig) -> dict[str, int]:
@@ -411,12 +428,8 @@ def _state_bytes(optimizer: OptimizerConfig | str) -> float:
 
 def _rank_peaks(parallel: ParallelConfig, peaks_by_stage: list[int]) -> list[int]:
     """Every rank's peak: its stage's (all replicas and tensor shards of a stage alike)."""
-    peaks = [0] * parallel.world_size
-    for s in range(parallel.pipeline):
-        for r in range(parallel.data):
-            for k in range(parallel.tensor):
-                peaks[_rank_of(s, r, k, parallel)] = peaks_by_stage[s]
-    return peaks
+    return [peaks_by_stage[parallel.coordinates(r)["stage"]]
+            for r in range(parallel.world_size)]
 
 
 def estimate_layout(shape: ModelShape, parallel: ParallelConfig, *, batch_size: int,
@@ -456,15 +469,17 @@ def estimate_layout(shape: ModelShape, parallel: ParallelConfig, *, batch_size: 
         parameters=most * model.reduced_block_params + model.prof.first_params,
         block_output_bytes=model.block_input, blocks=most, microbatches=m,
         checkpointing=checkpointing, backward_seconds=compute * 2 / 3,
+        context_bytes=model.context_bytes,
         routed_bytes=model.routed,
     )
-    tp, pp, dp, ep = comm["tensor"], comm["pipeline"], comm["data"], comm["expert"]
+    tp, pp, dp, cp = comm["tensor"], comm["pipeline"], comm["data"], comm["context"]
+    ep = comm["expert"]
     cost = StepCost(matmul=compute, pointwise=0.0, launch=0.0, optimizer=0.0,
-                    extra_backward=0.0, communication=tp + pp + dp + ep,
+                    extra_backward=0.0, communication=tp + pp + dp + cp + ep,
                     bubble=compute * bubble)
     step = cost.total
     parts = {"compute": compute, "bubble": compute * bubble, "tensor": tp, "pipeline": pp,
-             "data": dp, "expert": ep}
+             "data": dp, "context": cp, "expert": ep}
     peaks = _rank_peaks(parallel, peaks_by_stage)
     if parallel.expert > 1 and expert_load > 1:
         extra = _overload_bytes(shape, parallel, model, expert_load, device.name)
@@ -479,6 +494,34 @@ def estimate_layout(shape: ModelShape, parallel: ParallelConfig, *, batch_size: 
     return LayoutCandidate(parallel, checkpointing, peaks, step, parts, microbatches=m,
                            by_category=cats_by_stage[top], stages=cats_by_stage,
                            stage_busy_seconds=busy)
+
+
+def _context_costs(shape: ModelShape, parallel: ParallelConfig, mb: int, chunk: int,
+                   act_bytes: int) -> tuple[int, float, float]:
+    """What context parallelism adds to a rank, per block and micro-batch: its attention's
+    buffers in backward (bytes), the last chunk's attention FLOPs beyond its own chunk's
+    (forward and backward, per sample), and the bytes its exchanges move (keys and values for
+    the ring; queries, keys, values and output for all-to-all)."""
+    c, t = parallel.context, parallel.tensor
+    if c == 1:
+        return 0, 0.0, 0.0
+    head_dim = getattr(shape.config, "head_dim", None) or shape.hidden // shape.heads
+    q = mb * chunk * (shape.heads // t) * head_dim * act_bytes
+    kv = 2 * mb * chunk * (shape.kv_heads // t) * head_dim * act_bytes  # keys and values
+    if parallel.context_mode == "ring":
+        # Backward: keys, values and their gradients' sums travel together, one bundle held
+        # and one received (4 kv); the queries' gradient sum in fp32; one block's keys and
+        # values repeated to the query heads and their gradients (GQA).
+        extra = 4 * kv + q * 4 // act_bytes + 2 * kv * (shape.heads // shape.kv_heads)
+        moved = kv
+    else:
+        # Queries, keys, values and the output re-split: a sent and a received copy of each.
+        extra = 2 * (2 * q + kv)
+        moved = 2 * q + kv
+    # The last chunk attends to all c - 1 earlier chunks in full: 4 FLOPs per query, key and
+    # head dimension forward (scores and the weighted sum), twice that backward.
+    flops = 3 * 4 * (shape.heads // t) * head_dim * chunk * chunk * (c - 1)
+    return int(extra), float(flops), float(moved)
 
 
 def _overload_bytes(shape: ModelShape, parallel: ParallelConfig, model: _RankModel,
@@ -520,13 +563,17 @@ class _RankModel:
         self.shape, self.parallel, self.checkpointing = shape, parallel, checkpointing
         self.m = _microbatches(parallel) if p > 1 else (microbatches or 1)
         self.mb = batch_size // (d * self.m)  # samples per micro-batch
-        self.seq_len = seq_len
+        # A context rank's tokens of each sample: its activations, logits and FLOPs.
+        self.seq_len = seq_len = seq_len // parallel.context
         dtype = {"bf16-mixed": "bfloat16", "fp16-mixed": "float16"}.get(precision, "float32")
         self.precision = precision
         self.prof = _profile(shape, t, seq_len, dtype, device.name)
         self.state = _state_bytes(optimizer)
         self.v = 1 if parallel.schedule in ("gpipe", "1f1b") or p == 1 else 2
-        self.block_input = self.mb * seq_len * shape.hidden * (2 if dtype != "float32" else 4)
+        act_bytes = 2 if dtype != "float32" else 4
+        self.block_input = self.mb * seq_len * shape.hidden * act_bytes
+        self.attention, self.attention_flops, self.context_bytes = _context_costs(
+            shape, parallel, self.mb, seq_len, act_bytes)
         # Expert parallelism: a rank keeps 1/e of each block's experts; each MoE block's
         # dispatch moves a micro-batch's routed tokens (``top_k`` per token).
         e = parallel.expert
@@ -573,7 +620,8 @@ class _RankModel:
         from ..distributed.pipeline_plan import microbatches_in_flight
         from .distributed import zero_model_state_bytes
 
-        par, prof, mb, d = self.parallel, self.prof, self.mb, self.parallel.data
+        # The parameters' replicas (data x context) share ZeRO's shards.
+        par, prof, mb, d = self.parallel, self.prof, self.mb, self.parallel.replicas
         first, last = self.ends[r]
         # The experts' share of this rank's parameters shards over their replicas only.
         experts = blocks * self.expert_params
@@ -604,7 +652,7 @@ class _RankModel:
         kept = n * acts / v
         # One block's backward: its saved tensors again as gradients (recomputed first when
         # checkpointed), and on the last stage the logits' gradient in fp32.
-        work = prof.kept("block", mb) * (2 if self.checkpointing else 1)
+        work = prof.kept("block", mb) * (2 if self.checkpointing else 1) + self.attention
         if last:
             work = max(work, 2 * 4 * mb * self.seq_len * (-(-self.shape.vocab // par.tensor)))
         grads = zero(param_bytes=0, grad_bytes=4, state_bytes=0)
@@ -617,7 +665,7 @@ class _RankModel:
         """Pipeline rank ``r``'s forward and backward FLOPs per step holding ``blocks``."""
         prof = self.prof
         first, last = self.ends[r]
-        flops = blocks * (prof.block_flops + self.expert_flops) * (
+        flops = blocks * (prof.block_flops + self.attention_flops + self.expert_flops) * (
             4 / 3 if self.checkpointing else 1)
         flops += (prof.first_flops if first else 0) + (prof.last_flops if last else 0)
         return flops * self.mb * self.m

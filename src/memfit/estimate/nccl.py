@@ -210,11 +210,12 @@ class ProcessGroup:
     """One process group (one NCCL communicator) as one rank sees it.
 
     Attributes:
-        name: ``world``, ``data``, ``tensor`` or ``pipeline``.
+        name: ``world``, ``data``, ``tensor``, ``pipeline``, ``context`` or ``data x
+            context``.
         size: Its ranks.
         local: Its ranks on this rank's node (this rank included).
-        p2p_peers: For a point-to-point group (a pipeline's): the ranks this rank sends to and
-            receives from; 0 for a group of collectives.
+        p2p_peers: For a point-to-point group (a pipeline's, a context ring's or all-to-all's):
+            the ranks this rank sends to and receives from; 0 for a group of collectives.
     """
 
     name: str
@@ -239,7 +240,9 @@ def process_groups(parallel: ParallelConfig, rank: int, gpus_per_node: int = 8) 
     (send/receive between neighbouring stages). The default group stays counted beside them:
     memfit's layout runs gather each rank's peak and checkpoint on it. Groups of one rank hold
     no buffers. Not counted: the small groups of the ranks sharing a tied weight across
-    pipeline stages.
+    pipeline stages. With context parallelism the mesh has a ``cp`` dimension too
+    (``context``: the ring's two neighbours, or all-to-all's every other rank, point to
+    point) and the gradients are reduced on ``dp`` and ``cp`` flattened (``data x context``).
 
     Args:
         parallel: The plan's degrees.
@@ -256,19 +259,22 @@ def process_groups(parallel: ParallelConfig, rank: int, gpus_per_node: int = 8) 
         return sum(1 for m in members if m // g == node)
 
     groups = [ProcessGroup("world", world, min(g, world - node * g))]
-    if parallel.tensor == 1 and parallel.pipeline == 1:
+    if not parallel.splits_model:
         return groups
-    t, d, p = parallel.tensor, parallel.data, parallel.pipeline
+    t, d, p, c = parallel.tensor, parallel.data, parallel.pipeline, parallel.context
     at = parallel.coordinates(rank)
-    stage, replica, shard = at["stage"], at["replica"], at["shard"]
+    stage, replica, chunk, shard = at["stage"], at["replica"], at["chunk"], at["shard"]
 
-    def rank_of(st: int, rep: int, sh: int) -> int:
-        return (st * d + rep) * t + sh
+    def rank_of(st: int, rep: int, sh: int, ch: int = chunk) -> int:
+        return ((st * d + rep) * c + ch) * t + sh
 
     members = {
         "tensor": [rank_of(stage, replica, i) for i in range(t)],
         "data": [rank_of(stage, i, shard) for i in range(d)],
         "pipeline": [rank_of(i, replica, shard) for i in range(p)],
+        "context": [rank_of(stage, replica, shard, i) for i in range(c)],
+        "data x context": ([rank_of(stage, i, shard, j) for i in range(d) for j in range(c)]
+                           if d > 1 and c > 1 else []),
     }
     for name, ranks in members.items():
         size = len(ranks)
@@ -282,6 +288,8 @@ def process_groups(parallel: ParallelConfig, rank: int, gpus_per_node: int = 8) 
                 peers = 2
             else:
                 peers = int(stage > 0) + int(stage < size - 1)
+        elif name == "context":
+            peers = size - 1 if parallel.context_mode == "all-to-all" else min(2, size - 1)
         groups.append(ProcessGroup(name, size, local(ranks), peers))
     return groups
 
@@ -353,19 +361,21 @@ def nccl_rank_bytes(
     if parallel.world_size <= 1 or not target.is_cuda or parallel.backend == "gloo":
         return [0] * parallel.world_size
     settings = settings or NcclSettings.from_env()
-    key = (parallel.data, parallel.tensor, parallel.pipeline, parallel.schedule)
+    key = (parallel.data, parallel.tensor, parallel.pipeline, parallel.schedule,
+           parallel.context, parallel.context_mode)
     hopper = (target.compute_capability or (0, 0))[0] == 9
     return list(_rank_bytes(key, max(1, gpus_per_node), settings.channels(target),
                             hopper and bool(target.intra_node_bandwidth), settings))
 
 
 @functools.lru_cache(maxsize=1024)
-def _rank_bytes(degrees: tuple[int, int, int, str], gpus_per_node: int, channels: int,
+def _rank_bytes(degrees: tuple[int, int, int, str, int, str], gpus_per_node: int, channels: int,
                 nvls_capable: bool, settings: NcclSettings) -> tuple[int, ...]:
     """Every rank's bytes for one layout on one kind of device: the 3-D planner asks for the
     same layouts many times (once per setting it prices)."""
-    data, tensor, pipeline, schedule = degrees
-    parallel = ParallelConfig(data=data, tensor=tensor, pipeline=pipeline, schedule=schedule)
+    data, tensor, pipeline, schedule, context, mode = degrees
+    parallel = ParallelConfig(data=data, tensor=tensor, pipeline=pipeline, schedule=schedule,
+                              context=context, context_mode=mode)
     known: dict[tuple[ProcessGroup, ...], int] = {}  # ranks alike cost alike
     out = []
     for r in range(parallel.world_size):

@@ -1,12 +1,17 @@
-"""The 3-D planner: data x tensor x pipeline degrees for a per-rank budget.
+"""The 4-D planner: data x tensor x pipeline x context degrees for a per-rank budget.
 
 ``memfit plan --world-size N --gpus-per-node G`` searches every way to write ``N = data x
 tensor x pipeline`` that the model's shapes allow, and with each layout the ZeRO stage, the
 pipeline schedule and micro-batch count, and activation checkpointing. Tensor parallelism stays
 within a node (its ranks are consecutive, ``tensor <= G``), so its per-layer all-reduces run at
 the node's link bandwidth; data and pipeline groups run over the network once they span
-nodes. Ranks are numbered as :mod:`memfit.distributed.layout` places them: ``rank = (stage x
-data + replica) x tensor + shard``.
+nodes. Ranks are numbered as :mod:`memfit.distributed.layout` places them: ``rank = ((stage x
+data + replica) x context + chunk) x tensor + shard``.
+
+Context parallelism (``N = data x tensor x context``, one stage; ring attention) is searched
+only when no layout without it fits: it cuts a sample's activations, which nothing else does
+for a batch of one sample too long for a device, but each block's attention then exchanges
+keys and values between ranks.
 
 How a layout is priced: :mod:`memfit.estimate.layout_cost`. The fastest layout whose every
 rank fits wins; the winner's every rank is then predicted by
@@ -44,41 +49,48 @@ from .result import NothingFits, PlanResult
 __all__ = ["layout_table", "plan_layout"]
 
 # -------------------------------------------------------------------------------- planning
-def _layouts(world: int, gpus_per_node: int) -> Iterable[tuple[int, int, int]]:
-    """``(data, tensor, pipeline)`` with tensor parallelism inside a node."""
+def _layouts(world: int, gpus_per_node: int,
+             context: bool = False) -> Iterable[tuple[int, int, int, int]]:
+    """``(data, tensor, pipeline, context)`` with tensor parallelism inside a node: context 1,
+    or (``context``) every context degree above 1, with one stage."""
     for t in _divisors(min(world, gpus_per_node)):
         if world % t or gpus_per_node % t:
             continue
-        for p in _divisors(world // t):
-            yield world // (t * p), t, p
+        if not context:
+            for p in _divisors(world // t):
+                yield world // (t * p), t, p, 1
+            continue
+        for c in _divisors(world // t)[1:]:
+            yield world // (t * c), t, 1, c
 
 
 def _fixed_layout(par: ParallelConfig, world: int, shape: ModelShape, batch_size: int,
-                  gpus_per_node: int) -> tuple[int, int, int]:
-    """The one layout a plan's own tensor and pipeline degrees leave, or one sentence why
-    they cannot run."""
-    t, p = par.tensor, par.pipeline
+                  gpus_per_node: int, seq_len: int) -> tuple[int, int, int, int]:
+    """The one layout a plan's own tensor, pipeline and context degrees leave, or one
+    sentence why they cannot run."""
+    t, p, c = par.tensor, par.pipeline, par.context
     if par.data > 1 and par.world_size != world:
         raise ValueError(
-            f"the plan's data {par.data} x tensor {t} x pipeline {p} is {par.world_size} "
-            f"processes but --world-size is {world}; give --world-size {par.world_size} or "
-            f"degrees whose product is {world}"
+            f"the plan's data {par.data} x tensor {t} x pipeline {p} x context {c} is "
+            f"{par.world_size} processes but --world-size is {world}; give --world-size "
+            f"{par.world_size} or degrees whose product is {world}"
         )
-    if world % (t * p):
+    if world % (t * p * c):
         raise ValueError(
-            f"the plan's tensor {t} x pipeline {p} is {t * p} processes per replica, which does "
-            f"not divide --world-size {world}; use a world size that is a multiple of {t * p}"
+            f"the plan's tensor {t} x pipeline {p} x context {c} is {t * p * c} processes per "
+            f"replica, which does not divide --world-size {world}; use a world size that is a "
+            f"multiple of {t * p * c}"
         )
-    d = world // (t * p)
+    d = world // (t * p * c)
     trial = dataclasses.replace(par, data=d)
-    problems = layout_problems(shape, trial, batch_size, gpus_per_node)
+    problems = layout_problems(shape, trial, batch_size, gpus_per_node, seq_len=seq_len)
     if problems:
         raise ValueError(problems[0])
-    return d, t, p
+    return d, t, p, c
 
 
-def _settings(d: int, t: int, p: int, batch_size: int, base: ParallelConfig,
-              shape: ModelShape, gpus_per_node: int,
+def _settings(d: int, t: int, p: int, c: int, batch_size: int, base: ParallelConfig,
+              shape: ModelShape, gpus_per_node: int, seq_len: int,
               fixed: bool = False, accumulate: bool = True) -> Iterable[tuple[ParallelConfig, int]]:
     """Every valid setting of one layout, with its micro-batch count (the pipeline's, or
     gradient accumulation's with one stage). ``fixed``: the plan's own schedule and
@@ -88,11 +100,12 @@ def _settings(d: int, t: int, p: int, batch_size: int, base: ParallelConfig,
         return
     # With a tensor or pipeline split, replicas shard through FSDP2 (stages 2 and 3) or
     # all-reduce (stage 0); ZeroRedundancyOptimizer is not composed with them.
-    stages = ((0, 1, 2, 3) if t == 1 and p == 1 else (0, 2, 3)) if d > 1 else (0,)
+    # Context ranks share the parameters as replicas do: ZeRO shards over data x context.
+    stages = ((0, 1, 2, 3) if t == p == c == 1 else (0, 2, 3)) if d * c > 1 else (0,)
     # Expert parallelism (a mixture-of-experts model without a tensor split): every degree
     # that divides the experts and the replicas (layout_problems drops what cannot run).
     experts = [x for x in _divisors(d) if shape.experts % x == 0] \
-        if shape.experts and t == 1 and base.expert == 1 else [base.expert]
+        if shape.experts and t == c == 1 and base.expert == 1 else [base.expert]
     schedules: tuple[str, ...] = (
         ("1f1b", "interleaved-1f1b", "zero-bubble", "gpipe") if p > 1 else ("1f1b",)
     )
@@ -102,10 +115,10 @@ def _settings(d: int, t: int, p: int, batch_size: int, base: ParallelConfig,
         if base.microbatches is not None:
             counts = [base.microbatches]
     for e, stage, schedule, m in itertools.product(experts, stages, schedules, counts):
-        par = dataclasses.replace(base, data=d, tensor=t, pipeline=p, zero_stage=stage,
-                                  schedule=schedule if p > 1 else base.schedule,
+        par = dataclasses.replace(base, data=d, tensor=t, pipeline=p, context=c,
+                                  zero_stage=stage, schedule=schedule if p > 1 else base.schedule,
                                   microbatches=m if p > 1 else None, expert=e)
-        if not layout_problems(shape, par, batch_size, gpus_per_node):
+        if not layout_problems(shape, par, batch_size, gpus_per_node, seq_len=seq_len):
             yield par, m
 
 
@@ -280,29 +293,52 @@ class _LayoutSearch:
         return result
 
     def _price(self, shape: ModelShape) -> list[LayoutCandidate]:
-        """Every setting of every layout the world allows (or of the plan's own), priced."""
+        """Every setting of every layout the world allows (or of the plan's own), priced;
+        the context-parallel layouts only when none without context parallelism fits."""
         workload, base, g = self.workload, self.base, self.g
-        layouts = list(_layouts(self.world_size, g))
-        fixed = base.parallel if base.parallel.tensor > 1 or base.parallel.pipeline > 1 else None
+        fixed = base.parallel if base.parallel.splits_model else None
         if fixed is not None:
-            layouts = [_fixed_layout(fixed, self.world_size, shape, workload.batch_size, g)]
+            return self._price_layouts(shape, [_fixed_layout(
+                fixed, self.world_size, shape, workload.batch_size, g, workload.seq_len)],
+                fixed=True)
+        refused: ValueError | None = None
+        try:
+            candidates = self._price_layouts(shape, list(_layouts(self.world_size, g)),
+                                             fixed=False)
+        except ValueError as e:  # none can split it: context parallelism still might
+            candidates, refused = [], e
+        if not any(c.fits for c in candidates):
+            self.say("no layout fits; trying context parallelism (each sample's sequence cut "
+                     "over ranks)")
+            try:
+                candidates += self._price_layouts(
+                    shape, list(_layouts(self.world_size, g, context=True)), fixed=False)
+            except ValueError:
+                if refused is not None:
+                    raise refused from None
+        return candidates
+
+    def _price_layouts(self, shape: ModelShape, layouts: list[tuple[int, int, int, int]], *,
+                       fixed: bool) -> list[LayoutCandidate]:
+        workload, base, g = self.workload, self.base, self.g
         # A layout's checkpointing is full or none: forbidding either kind leaves none.
         forbid = set(self.forbid)
         ckpts = (False,) if {"checkpointing", "full-checkpointing"} & forbid else (False, True)
         candidates: list[LayoutCandidate] = []
         refused: list[str] = []
-        for d, t, p in layouts:
-            settings = list(_settings(d, t, p, workload.batch_size, base.parallel, shape, g,
-                                      fixed=fixed is not None,
+        for d, t, p, c in layouts:
+            settings = list(_settings(d, t, p, c, workload.batch_size, base.parallel, shape, g,
+                                      workload.seq_len, fixed=fixed,
                                       accumulate="accumulation" not in forbid))
+            name = f"data {d} x tensor {t} x pipeline {p}" + (f" x context {c}" if c > 1 else "")
             if not settings:
                 trial = dataclasses.replace(base.parallel, data=d, tensor=t, pipeline=p,
-                                            microbatches=2 * p if p > 1 else None)
-                problems = layout_problems(shape, trial, workload.batch_size, g)
-                refused.append(f"data {d} x tensor {t} x pipeline {p}: "
-                               + (problems[0] if problems else "no setting works"))
+                                            context=c, microbatches=2 * p if p > 1 else None)
+                problems = layout_problems(shape, trial, workload.batch_size, g,
+                                           seq_len=workload.seq_len)
+                refused.append(f"{name}: " + (problems[0] if problems else "no setting works"))
                 continue
-            self.say(f"pricing data {d} x tensor {t} x pipeline {p}")
+            self.say(f"pricing {name}")
             for par, m in settings:
                 for ckpt in ckpts:
                     priced = [estimate_layout(
@@ -393,8 +429,8 @@ def _check_search_options(allow: Iterable[str], forbid: Iterable[str],
     return forbidden
 
 
-def _layout_key(c: LayoutCandidate) -> tuple[int, int, int]:
-    return c.parallel.data, c.parallel.tensor, c.parallel.pipeline
+def _layout_key(c: LayoutCandidate) -> tuple[int, int, int, int]:
+    return c.parallel.data, c.parallel.tensor, c.parallel.pipeline, c.parallel.context
 
 
 def _confirm(workload: Workload, plan: Plan, target: Any,
@@ -407,7 +443,7 @@ def _confirm(workload: Workload, plan: Plan, target: Any,
 
     par = plan.parallel
     if (
-        (par.tensor == 1 and par.pipeline == 1)
+        not par.splits_model
         or par.zero_stage != 0
         or plan.precision.mode != "fp32"
         or plan.checkpointing.mode != "none"
@@ -510,6 +546,7 @@ def _why_slower(best: LayoutCandidate, other: LayoutCandidate) -> str:
             "bubble": "a larger pipeline bubble", "tensor": "more tensor-parallel all-reduces",
             "pipeline": "more point-to-point traffic between stages",
             "data": "more gradient traffic across replicas",
+            "context": "more key and value traffic between context ranks",
             "expert": "more all-to-all traffic between expert ranks"}[key]
     return f": {what}, {diffs[key]:.3g} s more per step"
 
@@ -526,10 +563,10 @@ def layout_table(result: PlanResult, limit: int = 12) -> Any:
         f"(cost model: {result.device})",
         title_justify="left",
     )
-    for name, justify in (("data x tensor x pipeline", "left"), ("settings", "left"),
+    for name, justify in (("data x tensor x pipeline x context", "left"), ("settings", "left"),
                           ("step", "right"), ("largest rank", "right"), ("fits", "center")):
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
-    best_of: dict[tuple[int, int, int], LayoutCandidate] = {}
+    best_of: dict[tuple[int, int, int, int], LayoutCandidate] = {}
     for c in layouts:  # fastest first: the first fitting one of each layout, else its smallest
         key = _layout_key(c)
         held = best_of.get(key)

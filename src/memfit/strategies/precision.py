@@ -591,16 +591,20 @@ def cast_module(module: nn.Module, dtype: torch.dtype) -> nn.Module:
     done: dict[int, Any] = {}
     for mod in module.modules():
         for name, p in list(mod._parameters.items()):
-            if p is None or not p.is_floating_point() or p.dtype == dtype:
-                continue
+            if id(p) not in done and (p is None or not p.is_floating_point() or p.dtype == dtype):
+                continue  # (a tied parameter met again is already cast: replaced below too)
             if id(p) not in done:
                 done[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+                # The replaced object lets go of its old storage (a caller may keep the object
+                # to put it back), as module.to(dtype) frees it in a real run.
+                p.data = done[id(p)].data
             mod._parameters[name] = done[id(p)]
         for name, b in list(mod._buffers.items()):
-            if b is None or not b.is_floating_point() or b.dtype == dtype:
+            if id(b) not in done and (b is None or not b.is_floating_point() or b.dtype == dtype):
                 continue
             if id(b) not in done:
                 done[id(b)] = b.to(dtype)
+                b.data = done[id(b)]
             mod._buffers[name] = done[id(b)]
     return module
 

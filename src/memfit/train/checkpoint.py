@@ -29,7 +29,7 @@ import random
 import re
 import shutil
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ from .manifest import MANIFEST_FILE, CheckpointError, flatten, unflatten, verify
 
 __all__ = [
     "CheckpointError",
+    "checkpoint_state",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
@@ -47,6 +48,7 @@ __all__ = [
     "restore_rng_state",
     "rng_state",
     "save_checkpoint",
+    "save_sharded_checkpoint",
 ]
 
 _NAME = re.compile(r"^step-(\d+)$")
@@ -148,17 +150,13 @@ def save_checkpoint(
         raise CheckpointError(f"cannot create the checkpoint folder {str(root)!r} ({e.strerror})") from None
     final = root / f"step-{int(step):08d}"
     if _world() > 1:
-        return _save_sharded(root, final, int(step), model, optimizer, scheduler, state, keep)
+        from .sharded_checkpoint import save_sharded
+
+        return _save_sharded(root, final, int(step), lambda tmp: save_sharded(tmp, model, optimizer),
+                             scheduler, state, keep)
     tmp = root / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    trainer_state = {
-        "step": int(step),
-        "rng": rng_state(),
-        "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "optimizer": optimizer.state_dict() if optimizer is not None else None,
-        **dict(state or {}),
-    }
     # Flattened before anything is written: state that cannot be stored fails here.
-    tree, tensors = flatten(trainer_state)
+    tree, tensors = checkpoint_state(int(step), optimizer, scheduler, state)
     try:
         tmp.mkdir()
         _write(tmp, int(step), model, tree, tensors)
@@ -185,29 +183,94 @@ def save_checkpoint(
     return final
 
 
+def checkpoint_state(
+    step: int, optimizer: Any = None, scheduler: Any = None, state: Mapping[str, Any] | None = None
+) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The trainer state a single-process checkpoint stores, split for writing: the JSON tree
+    and its tensors (:func:`~memfit.train.manifest.flatten`).
+
+    This is where saving costs memory beyond the training state: the optimizer's
+    ``state_dict`` references its tensors, and flattening copies each (and every RNG state) to
+    the host, contiguous. On the CPU those copies sit beside the state until the checkpoint is
+    written; on a GPU they are host memory. Writing the files afterwards (safetensors) reads
+    the weights through NumPy, which no tensor operation shows.
+
+    Raises:
+        CheckpointError: for state that is neither tensors nor JSON data.
+    """
+    trainer_state = {
+        "step": int(step),
+        "rng": _rng_to_store(),
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        **dict(state or {}),
+    }
+    return flatten(trainer_state)
+
+
+def _rng_to_store() -> dict[str, Any]:
+    """:func:`rng_state`; in a dry run of a job (fake tensors), fake tensors of its tensors'
+    shapes: torch's generators hand out real tensors, which fake tensors' conversion would copy
+    once more than the real save does."""
+    from torch._guards import active_fake_mode
+    from torch.utils._pytree import tree_map_only
+
+    state = rng_state()
+    if active_fake_mode() is None:
+        return state
+    return tree_map_only(torch.Tensor, lambda t: torch.empty(t.shape, dtype=t.dtype), state)
+
+
 def _world() -> int:
     import torch.distributed as dist
 
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def save_sharded_checkpoint(
+    directory: str | os.PathLike[str],
+    step: int,
+    write_shards: Callable[[Path], None],
+    *,
+    scheduler: Any = None,
+    state: Mapping[str, Any] | None = None,
+    keep: int | None = 3,
+) -> Path:
+    """Write a checkpoint of ``step`` from every process of the open process group (a
+    collective), atomically, keeping the last ``keep``: ``write_shards(folder)`` writes each
+    process's weights and optimizer state into the temporary folder (through
+    ``torch.distributed.checkpoint``), then process 0 adds the trainer state (``state``, the
+    scheduler, every process's RNG), the manifest, and renames the folder into place.
+
+    Raises:
+        CheckpointError: for a write that fails; the previous checkpoints are left as they were.
+    """
+    if keep is not None and keep < 1:
+        raise ValueError(f"keep must be >= 1 or None, got {keep!r}")
+    root = Path(directory)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"cannot create the checkpoint folder {str(root)!r} ({e.strerror})") from None
+    final = root / f"step-{int(step):08d}"
+    return _save_sharded(root, final, int(step), write_shards, scheduler, state, keep)
+
+
 def _save_sharded(
     root: Path,
     final: Path,
     step: int,
-    model: nn.Module,
-    optimizer: Any,
+    write_shards: Callable[[Path], None],
     scheduler: Any,
     state: Mapping[str, Any] | None,
     keep: int | None,
 ) -> Path:
     """A checkpoint of a run on several processes (every process calls it): the weights and
-    optimizer state sharded (:mod:`memfit.train.sharded_checkpoint`), the trainer state and
-    every process's RNG written by process 0, then the manifest and the atomic rename."""
+    optimizer state sharded by ``write_shards`` (:mod:`memfit.train.sharded_checkpoint`,
+    :mod:`memfit.train.layout_checkpoint`), the trainer state and every process's RNG written
+    by process 0, then the manifest and the atomic rename."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.api import CheckpointException
-
-    from .sharded_checkpoint import save_sharded
 
     rank = dist.get_rank()
     tmp = root / f".tmp-{final.name}-sharded"
@@ -218,7 +281,7 @@ def _save_sharded(
     rngs: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(rngs, rng_state())
     try:
-        save_sharded(tmp, model, optimizer)
+        write_shards(tmp)
         dist.barrier()
         if rank == 0:
             trainer_state = {

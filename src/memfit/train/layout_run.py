@@ -16,12 +16,18 @@ A plan whose ``parallel.tensor`` or ``parallel.pipeline`` is above 1 does not ru
   the layout's :class:`~memfit.distributed.layout.LayoutStepper` (the replica's share, the
   pipeline schedule's forwards and backwards, the optimizer's step);
 * memory measured by memfit's tracker on the steps :class:`~memfit.train.callbacks.memory.
-  TrackWindow` picks (the first two, then every ``track_every``-th), each rank its own peak;
-* ``bf16-mixed``: the whole schedule (its forwards and backwards interleave) under autocast.
+  TrackWindow` picks (the first two, then every ``track_every``-th), each rank its own peak
+  and report, and its own plot (:mod:`memfit.train.layout_memory`);
+* ``bf16-mixed``: the whole schedule (its forwards and backwards interleave) under autocast;
+* checkpoints (``checkpoint_dir``, ``checkpoint_every``, ``keep_checkpoints``) sharded through
+  ``torch.distributed.checkpoint`` and ``resume`` from the latest, bit for bit
+  (:mod:`memfit.train.layout_checkpoint`);
+* evaluation on the held-out samples every ``eval_every`` steps and after the last, through
+  the pipeline schedule's forward-only pass (:mod:`memfit.train.layout_eval`).
 
 What this path does not do is refused before launch by :func:`check_layout_run`, one sentence
-each: checkpoints and resume, evaluation, a virtual cap, and plan techniques the layout does
-not apply (activation checkpointing, fp16 or bf16-pure precision, offload, compile, ...).
+each: a virtual cap, optimizers other than torch's, and plan techniques the layout does not
+apply (fp16 or bf16-pure precision, offload, compile, ...).
 """
 
 from __future__ import annotations
@@ -29,8 +35,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -63,32 +72,36 @@ class LayoutRunError(ValueError):
 
 def is_layout_plan(plan: Plan | None) -> bool:
     """Whether ``plan`` splits the model by tensor or pipeline (so trains through a layout)."""
-    return plan is not None and (plan.parallel.tensor > 1 or plan.parallel.pipeline > 1)
+    return plan is not None and plan.parallel.splits_model
 
 
 def check_layout_run(config: TrainConfig, plan: Plan) -> None:
-    """Refuse, before any process starts, what the tensor/pipeline path does not do.
+    """Refuse, before any process starts, what the tensor/pipeline path does not do, and a
+    resume that cannot run (the latest checkpoint of another layout, or at ``max_steps``).
 
     Raises:
         LayoutRunError: naming each setting, one sentence each, and what to use instead.
+        CheckpointError: for a resume that cannot run.
     """
     par = plan.parallel
-    what = f"a tensor {par.tensor} x pipeline {par.pipeline} plan"
+    what = f"a tensor {par.tensor} x pipeline {par.pipeline} x context {par.context} plan"
     problems = []
-    if config.checkpoint_dir is not None or config.resume or config.checkpoint_every is not None:
-        problems.append(
-            f"{what} trains without checkpoints (--checkpoint-dir, --save-every and --resume "
-            "are for data-parallel and single-process plans); leave them out")
     if config.cap is not None:
         problems.append(
             f"{what} has no out-of-memory step-down, so --cap is not applied; leave it out and "
             "compare the per-process peaks with the budget")
-    if config.eval_every is not None:
-        problems.append(f"{what} does not evaluate during training; leave eval_every unset")
     if not optim_registry.get(plan.optimizer.name).layout:
         problems.append(
             f"{what} builds torch's {', '.join(layout_optimizers())} over the ranks' shards, not "
             f"optimizer {plan.optimizer.name!r}; use one of those")
+    if config.checkpoint_dir is not None and par.replicas > 1 and not par.sharded:
+        # Under DDP (distributed/replicas.py) a resumed run was seen to leave the straight
+        # run's losses from its second step on (data 2 x pipeline 2), and under tensor
+        # parallelism DDP steps the shards as plain local tensors, which
+        # torch.distributed.checkpoint's get_state_dict cannot map to the model's names.
+        problems.append(
+            f"{what} with {par.replicas} replicas at ZeRO stage {par.zero_stage} (DDP) has no "
+            "checkpoints yet; use zero_stage 2 or 3 (FSDP2), or leave out --checkpoint-dir")
     ignored = _ignored_techniques(plan)
     if ignored:
         problems.append(
@@ -98,12 +111,16 @@ def check_layout_run(config: TrainConfig, plan: Plan) -> None:
             f"{', '.join(ignored)}; remove {'it' if len(ignored) == 1 else 'them'} from the plan")
     if problems:
         raise LayoutRunError("; ".join(problems))
+    if config.resume and config.checkpoint_dir is not None:
+        from .layout_checkpoint import check_resume_before_launch
+
+        check_resume_before_launch(config.checkpoint_dir, par, config.max_steps)
     from ..distributed.layout import check_layout
 
     # The model's heads, widths, vocabulary and blocks against the degrees, and the batch
     # against the replicas and micro-batches: built on the meta device, nothing allocated.
     check_layout(_meta_model(config), par, batch_size=config.batch_size or DEFAULT_BATCH_SIZE,
-                 world_size=par.world_size)
+                 world_size=par.world_size, seq_len=config.seq_len)
 
 
 def _meta_model(config: TrainConfig) -> torch.nn.Module:
@@ -149,16 +166,25 @@ class LayoutRunResult:
     """What a tensor/pipeline run did, as every rank knows it.
 
     Attributes:
-        first_loss: The first step's loss (mean over the whole global batch).
+        first_loss: The first step's loss (mean over the whole global batch; of the whole run,
+            also when resumed).
         final_loss: The last step's.
-        losses: Every step's.
-        steps: Steps run.
+        losses: Every step's (a resumed run's from its first).
+        steps: Steps done in all.
         peak_bytes: This rank's measured peak (memfit's tracker, over the tracked steps).
         per_rank_peak_bytes: Every rank's, in rank order.
         coords: This rank's place in the mesh (``pp``, ``dp``, ``tp``).
-        tokens: Tokens trained on (the global batches').
-        seconds: Wall time of the steps.
+        tokens: Tokens trained on in this run (the global batches').
+        seconds: Wall time of this run's steps.
         plan: The plan, as plain data.
+        eval_losses: ``(step, loss)`` of each evaluation (the held-out loss, every rank's alike).
+        checkpoint: The last checkpoint written, if any.
+        report: This rank's :class:`~memfit.accounting.MemoryReport` (its tracked step with
+            the highest peak), ``None`` when no step was tracked.
+        rank_reports: Every rank's report as plain data (:meth:`MemoryReport.to_dict`, 200
+            timeline points), in rank order.
+        stopped_by: ``"SIGTERM"`` when a signal to this process ended the run early (after a
+            checkpoint), ``"SIGTERM (another process)"`` when one to another did, else ``None``.
     """
 
     first_loss: float
@@ -171,6 +197,11 @@ class LayoutRunResult:
     tokens: int
     seconds: float
     plan: dict[str, Any] = field(default_factory=dict)
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)
+    checkpoint: str | None = None
+    report: Any = None
+    rank_reports: list[dict[str, Any] | None] = field(default_factory=list)
+    stopped_by: str | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -178,18 +209,27 @@ class LayoutRunResult:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data for JSON (the data-parallel run's keys where they mean the same)."""
+        """Plain data for JSON (the data-parallel run's keys where they mean the same; the
+        memory report is the rank's with the highest peak, every rank's follows)."""
+        peaks = self.per_rank_peak_bytes
+        top = self.rank_reports[peaks.index(max(peaks))] if self.rank_reports else None
         return {
             "first_loss": self.first_loss,
             "final_loss": self.final_loss,
             "steps": self.steps,
-            "peak_bytes": max(self.per_rank_peak_bytes),
-            "per_rank_peak_bytes": list(self.per_rank_peak_bytes),
+            "peak_bytes": max(peaks),
+            "per_rank_peak_bytes": list(peaks),
+            "peak_by_category": dict(top["peak_by_category"]) if top else {},
             "losses": list(self.losses),
+            "eval_losses": [list(e) for e in self.eval_losses],
             "plan": self.plan,
             "tokens": self.tokens,
             "seconds": self.seconds,
             "tokens_per_second": self.tokens_per_second,
+            "checkpoint": self.checkpoint,
+            "memory_report": top,
+            "per_rank_memory_reports": list(self.rank_reports),
+            "stopped_by": self.stopped_by,
         }
 
 
@@ -202,10 +242,18 @@ def _device() -> torch.device:
 
 
 def train_layout(
-    run: TrainRun, plan: Plan, *, console: Any = None, progress: bool = True
+    run: TrainRun, plan: Plan, *, console: Any = None, progress: bool = True,
+    report_png: str | Path | None = None,
 ) -> LayoutRunResult:
     """Train ``run`` under ``plan``'s tensor x pipeline x data layout in this process, one of
     the ``plan.parallel.world_size`` processes of the open process group (each calls this).
+
+    With the run's ``checkpoint_dir``: a checkpoint every ``checkpoint_every`` steps and after
+    the last (:mod:`memfit.train.layout_checkpoint`), and with ``resume`` the latest one is
+    continued bit for bit. With evaluation samples (``run.eval``): the held-out loss every
+    ``eval_every`` steps and after the last (:mod:`memfit.train.layout_eval`); a fine-tune's
+    saved weights are evaluated first, as step 0. A SIGTERM to any process ends the run on
+    every process after the step in flight, with a checkpoint (``result.stopped_by``).
 
     Args:
         run: The run, as :func:`~memfit.train.run.prepare_run` builds it for one process
@@ -213,91 +261,244 @@ def train_layout(
         plan: The plan (checked by :func:`check_layout_run`).
         console: A rich console for the progress bar (default: stderr).
         progress: Show the progress bar (rank 0 only).
+        report_png: Each rank draws its memory report beside this path
+            (:func:`~memfit.train.layout_memory.rank_plot_path`: ``mem-rank0.png``, ...).
 
     Returns:
-        The :class:`LayoutRunResult`, with every rank's peak (gathered: a collective).
+        The :class:`LayoutRunResult`, with every rank's peak and report (gathered: a
+        collective).
 
     Raises:
         LayoutError: when the layout cannot work for this model or batch.
         TrainingDiverged: when the loss becomes NaN or infinite.
+        CheckpointError: for a checkpoint that cannot be written, or resumed (corrupt, another
+            layout, changed data).
+        ValueError: when a resumed run has no step left to run.
     """
     import torch.distributed as dist
 
-    from ..accounting import track
-    from ..apply.stepper import run_step
-    from ..distributed.data import batches_are_local
-    from ..distributed.layout import LayoutStepper, build_layout
-    from .callbacks.memory import TrackWindow
-    from .data import BatchStream
-    from .schedule import build_scheduler
-    from .streams import count_tokens
-    from .trainer import TrainingDiverged
-
-    cfg, par = run.config, plan.parallel
-    device = _device()
-    batch_size = run.workload.batch_size
-    # The same seeded model on every rank, built as the Trainer builds it.
-    torch.manual_seed(cfg.seed)
-    # Saved weights load in fp32: a layout's precisions (fp32, bf16-mixed) keep fp32 weights.
-    model, _ = run.workload.build(seed=cfg.seed, pretrained=True)
-    layout = build_layout(model, par, device=device, batch_size=batch_size)
-    del model  # a rank keeps only its stages' modules
-    _checkpoint_stages(layout.modules, plan)
-    opt_cfg = plan.optimizer
-    if cfg.lr is not None:  # the run's learning rate, as the Trainer applies it
-        opt_cfg = dataclasses.replace(opt_cfg, lr=float(cfg.lr))
-    optimizer = opt_cfg.build(layout.parameters())
-    scheduler = build_scheduler(optimizer, cfg.schedule, warmup_steps=cfg.warmup_steps,
-                                max_steps=cfg.max_steps)
-    stream = BatchStream(run.train, batch_size, collate_fn=run.collate, seed=cfg.seed,
-                         group_by_length=plan.sequence.group_by_length)
-    window = TrackWindow(cfg.track_every)
-    autocast = _autocast(plan, device)
-    stepper = LayoutStepper(layout, optimizer, device)
-    losses: list[float] = []
-    peak, tokens = 0, 0
-    bar = _Progress(cfg.max_steps, console) if progress else None
-    t0 = time.perf_counter()
+    loop = _LayoutLoop(run, plan)
+    loop.resume()
+    bar = _Progress(run.config.max_steps, console, start=loop.step_count) if progress else None
     try:
-        for step in range(cfg.max_steps):
-            _, batch = stream.next_batch()
-            tokens += count_tokens(batch)
-            # The replica's share, on the device before the tracker starts (it is an input).
-            share = stepper.local_batch(batch)
-            tracked = window.records(step)
-            with (track(optimizer=optimizer, device=device) if tracked else _nothing()) as tracker:
-                if tracker is not None:
-                    tracker.label(layout.parameters(), "parameters")
-                    tracker.add_inputs((share["input_ids"], share["labels"]))
-                # The one loop: the layout's schedule runs the forwards and backwards (it
-                # splits the micro-batches), then the optimizer steps and drops the gradients.
-                with batches_are_local():
-                    loss = float(run_step(
-                        layout.modules[0], share, stepper=stepper, autocast=autocast,
-                        loss_fn=None, micro_batch_size=layout.microbatches,
-                        normalization=plan.loss_normalization, max_seq_len=plan.max_seq_len))
-            if tracker is not None:
-                peak = max(peak, int(tracker.report().peak_bytes))
-            window.step_done()
-            scheduler.step()
-            if not math.isfinite(loss):
-                raise TrainingDiverged(
-                    f"the loss is {loss} at step {step + 1} and there is no loss scaler to skip "
-                    "the step, so training stopped; no checkpoint was written")
-            losses.append(loss)
-            if bar is not None:
-                bar.advance(loss)
+        seconds, tokens = loop.train(bar)
     finally:
         if bar is not None:
             bar.close()
-    seconds = time.perf_counter() - t0
-    peaks: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(peaks, peak)
+    rank = dist.get_rank()
+    report = loop.memory.finish(
+        rank=rank, coords=dict(loop.layout.coords), steps=loop.step_count,
+        batch_size=run.workload.batch_size, plan=plan.to_dict(), losses=list(loop.losses),
+        num_parameters=sum(_local_numel(p) for p in loop.layout.parameters()))
+    if report is not None and report_png is not None:
+        from .layout_memory import rank_plot_path
+
+        report.plot(rank_plot_path(report_png, rank),
+                    title=f"memfit train: {loop.step_count} steps, rank {rank} "
+                          f"(pp {loop.layout.coords['pp']}, dp {loop.layout.coords['dp']}, "
+                          f"tp {loop.layout.coords['tp']})")
+    gathered: list[Any] = [None] * dist.get_world_size()
+    mine = (loop.memory.peak_bytes, report.to_dict(max_points=200) if report else None)
+    dist.all_gather_object(gathered, mine)
     return LayoutRunResult(
-        first_loss=losses[0], final_loss=losses[-1], losses=losses, steps=len(losses),
-        peak_bytes=peak, per_rank_peak_bytes=[int(p) for p in peaks],
-        coords=dict(layout.coords), tokens=tokens, seconds=seconds, plan=plan.to_dict(),
+        first_loss=loop.losses[0], final_loss=loop.losses[-1], losses=list(loop.losses),
+        steps=loop.step_count, peak_bytes=loop.memory.peak_bytes,
+        per_rank_peak_bytes=[int(g[0]) for g in gathered], coords=dict(loop.layout.coords),
+        tokens=tokens, seconds=seconds, plan=plan.to_dict(), eval_losses=list(loop.eval_losses),
+        checkpoint=loop.last_checkpoint, report=report, rank_reports=[g[1] for g in gathered],
+        stopped_by=loop.stopped_by,
     )
+
+
+def _local_numel(p: torch.Tensor) -> int:
+    """Elements this rank holds of ``p`` (a DTensor's local shard)."""
+    return (p.to_local() if hasattr(p, "to_local") else p).numel()
+
+
+class _LayoutLoop:
+    """One rank's run: the layout, its optimizer, schedule, data, memory and the run's state.
+
+    Built as the Trainer builds its run: the same seeded model on every rank (cut and split by
+    :func:`~memfit.distributed.layout.build_layout`), the plan's optimizer over the rank's
+    parameters with the run's learning rate and schedule, a seeded
+    :class:`~memfit.train.data.BatchStream` of global batches.
+    """
+
+    def __init__(self, run: TrainRun, plan: Plan) -> None:
+        from ..distributed.layout import LayoutStepper, build_layout
+        from .data import BatchStream
+        from .layout_memory import RankMemory
+        from .schedule import build_scheduler
+
+        self.run, self.plan, self.config = run, plan, run.config
+        cfg, par = run.config, plan.parallel
+        self.device = _device()
+        batch_size = run.workload.batch_size
+        # The same seeded model on every rank, built as the Trainer builds it.
+        torch.manual_seed(cfg.seed)
+        # Saved weights load in fp32: a layout's precisions (fp32, bf16-mixed) keep fp32 weights.
+        model, _ = run.workload.build(seed=cfg.seed, pretrained=True)
+        self.layout = build_layout(model, par, device=self.device, batch_size=batch_size)
+        del model  # a rank keeps only its stages' modules
+        _checkpoint_stages(self.layout.modules, plan)
+        opt_cfg = plan.optimizer
+        if cfg.lr is not None:  # the run's learning rate, as the Trainer applies it
+            opt_cfg = dataclasses.replace(opt_cfg, lr=float(cfg.lr))
+        self.optimizer = opt_cfg.build(self.layout.parameters())
+        self.scheduler = build_scheduler(self.optimizer, cfg.schedule,
+                                         warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps)
+        self.stream = BatchStream(run.train, batch_size, collate_fn=run.collate, seed=cfg.seed,
+                                  group_by_length=plan.sequence.group_by_length)
+        self.autocast = _autocast(plan, self.device)
+        self.stepper = LayoutStepper(self.layout, self.optimizer, self.device)
+        self.step_count = 0
+        self.losses: list[float] = []
+        self.eval_losses: list[tuple[int, float]] = []
+        self.last_checkpoint: str | None = None
+        self.stopped_by: str | None = None
+        self.memory = RankMemory(cfg.track_every)
+        self.say: Any = None  # the progress bar's line above it, on rank 0
+
+    # ------------------------------------------------------------------ checkpoints
+    def resume(self) -> None:
+        """Continue from the checkpoint folder's latest checkpoint, when ``resume`` asks and
+        there is one: weights, optimizer, schedule, this rank's RNG, data position, losses."""
+        from .callbacks.checkpointing import check_data
+        from .checkpoint import latest_checkpoint, read_state
+        from .layout_checkpoint import load_layout_checkpoint
+        from .layout_memory import RankMemory
+
+        cfg = self.config
+        if not cfg.resume or cfg.checkpoint_dir is None:
+            return
+        latest = latest_checkpoint(cfg.checkpoint_dir)
+        if latest is None:
+            return
+        state = read_state(latest)  # every file checked against the manifest, once
+        check_data(self, state.get("data_files"))
+        state = load_layout_checkpoint(latest, self.layout.modules, self.optimizer,
+                                       parallel=self.plan.parallel, scheduler=self.scheduler,
+                                       state=state)
+        self.stream.load_state_dict(state.get("data") or {})
+        self.step_count = int(state["step"])
+        self.losses = [float(x) for x in state.get("losses", [])]
+        self.eval_losses = [(int(s), float(v)) for s, v in state.get("eval_losses", [])]
+        self.memory = RankMemory(cfg.track_every, start=self.step_count)
+        if self.step_count >= cfg.max_steps:
+            raise ValueError(
+                f"no step was run: the checkpoint {latest} is at step {self.step_count} and "
+                f"max_steps is {cfg.max_steps}; raise --max-steps to train on")
+
+    def save(self) -> None:
+        """A checkpoint of the current step (a collective)."""
+        from .callbacks.checkpointing import data_fingerprint
+        from .layout_checkpoint import save_layout_checkpoint
+
+        path = save_layout_checkpoint(
+            self.config.checkpoint_dir or ".", self.step_count, self.layout.modules,
+            self.optimizer, parallel=self.plan.parallel, scheduler=self.scheduler,
+            keep=self.config.keep_checkpoints,
+            state={"plan": self.plan.to_dict(), "data": self.stream.state_dict(),
+                   "losses": list(self.losses), "eval_losses": list(self.eval_losses),
+                   "data_files": data_fingerprint(self)})
+        self.last_checkpoint = str(path)
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self) -> None:
+        """The held-out loss now, appended to ``eval_losses`` (a collective)."""
+        from .layout_eval import eval_batches, evaluate_layout
+
+        w = self.run.workload
+        batches = eval_batches(self.run.eval, w.batch_size, self.run.collate, w.seq_len)
+        value = evaluate_layout(self.layout, batches, local_batch=self.stepper.local_batch,
+                                autocast=self.autocast)
+        self.eval_losses.append((self.step_count, value))
+        if self.say is not None:
+            self.say(f"step {self.step_count}: eval loss {value:.4f}")
+
+    # ------------------------------------------------------------------ steps
+    def train(self, bar: _Progress | None) -> tuple[float, int]:
+        """Steps up to ``max_steps``, with evaluations and checkpoints when due; returns the
+        wall time and the tokens trained on. A SIGTERM (a scheduler's pre-emption) to any
+        process ends the run on every process after the step in flight, with a checkpoint
+        when there is a checkpoint folder, as the Trainer does."""
+        from ..distributed.data import any_rank
+        from .callbacks.base import due
+
+        cfg = self.config
+        self.say = bar.say if bar is not None else None
+        at_start = self.run.workload.weights is not None and self.step_count == 0
+        if self.run.eval is not None and at_start:  # a fine-tune's saved weights first
+            self.evaluate()
+        tokens, t0 = 0, time.perf_counter()
+        restore = self._catch_sigterm()
+        try:
+            while self.step_count < cfg.max_steps:
+                loss, n = self.step()
+                tokens += n
+                if bar is not None:
+                    bar.advance(loss)
+                if self.run.eval is not None and due(self.step_count, cfg.max_steps,
+                                                     cfg.eval_every):
+                    self.evaluate()
+                saved = cfg.checkpoint_dir is not None and due(
+                    self.step_count, cfg.max_steps, cfg.checkpoint_every)
+                if saved:
+                    self.save()
+                # Every process stops at the same step (a save is a collective).
+                if any_rank(self.stopped_by is not None, self.device):
+                    self.stopped_by = self.stopped_by or "SIGTERM (another process)"
+                    if cfg.checkpoint_dir is not None and not saved:
+                        self.save()
+                    break
+        finally:
+            restore()
+        return time.perf_counter() - t0, tokens
+
+    def _catch_sigterm(self) -> Any:
+        """Note a SIGTERM in ``stopped_by`` (only the main thread may install a handler);
+        returns what puts the previous handler back."""
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+
+        def handler(signum: int, frame: Any) -> None:
+            self.stopped_by = signal.Signals(signum).name
+
+        previous = signal.signal(signal.SIGTERM, handler)
+        return lambda: signal.signal(signal.SIGTERM, previous)
+
+    def step(self) -> tuple[float, int]:
+        """One optimizer step through :func:`~memfit.apply.stepper.run_step`; returns its loss
+        and the global batch's tokens."""
+        from ..apply.stepper import run_step
+        from ..distributed.data import batches_are_local
+        from .streams import count_tokens
+        from .trainer import TrainingDiverged
+
+        layout, plan = self.layout, self.plan
+        _, batch = self.stream.next_batch()
+        tokens = count_tokens(batch)
+        # The replica's share, on the device before the tracker starts (it is an input).
+        share = self.stepper.local_batch(batch)
+        tracked = self.memory.step(self.step_count, layout.parameters(), self.optimizer,
+                                   self.device, (share["input_ids"], share["labels"]))
+        # The one loop: the layout's schedule runs the forwards and backwards (it splits the
+        # micro-batches), then the optimizer steps and drops the gradients.
+        with tracked, batches_are_local():
+            loss = float(run_step(
+                layout.modules[0], share, stepper=self.stepper, autocast=self.autocast,
+                loss_fn=None, micro_batch_size=layout.microbatches,
+                normalization=plan.loss_normalization, max_seq_len=plan.max_seq_len))
+        self.scheduler.step()
+        if not math.isfinite(loss):
+            kept = (f"the last good checkpoint is {self.last_checkpoint}" if self.last_checkpoint
+                    else "no checkpoint was written")
+            raise TrainingDiverged(
+                f"the loss is {loss} at step {self.step_count + 1} and there is no loss scaler "
+                f"to skip the step, so training stopped; {kept}")
+        self.step_count += 1
+        self.losses.append(loss)
+        return loss, tokens
 
 
 def _checkpoint_stages(modules: list[torch.nn.Module], plan: Plan) -> None:
@@ -322,7 +523,7 @@ def _autocast(plan: Plan, device: torch.device) -> Any:
 
 
 class _nothing:
-    """A context that yields ``None`` (an untracked step)."""
+    """A context that does nothing (fp32's autocast)."""
 
     def __enter__(self) -> None:
         return None
@@ -334,17 +535,21 @@ class _nothing:
 class _Progress:
     """A rich progress bar over the steps, with the last loss."""
 
-    def __init__(self, total: int, console: Any) -> None:
+    def __init__(self, total: int, console: Any, *, start: int = 0) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
         self._bar = Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(),
                              TextColumn("loss {task.fields[loss]}"), console=console,
                              transient=True)
-        self._task = self._bar.add_task("train", total=total, loss="-")
+        self._task = self._bar.add_task("train", total=total, completed=start, loss="-")
         self._bar.start()
 
     def advance(self, loss: float) -> None:
         self._bar.update(self._task, advance=1, loss=f"{loss:.4f}")
+
+    def say(self, message: str) -> None:
+        """A line above the bar (an evaluation's loss)."""
+        self._bar.console.print(message, highlight=False)
 
     def close(self) -> None:
         self._bar.stop()

@@ -33,6 +33,10 @@ class TrainResult:
             each tensor's bytes (equal for two runs whose weights are equal bit for bit).
         stopped_by: ``"SIGTERM"`` when a signal ended the run early (after a checkpoint),
             else ``None``.
+        phases: The job's phases this trainer measured, each the first time it happened
+            (a :class:`~memfit.train.phases.JobPhases`: ``load``, ``first_step``,
+            ``steady_step``, ``eval``, ``save`` in a fresh run; ``load_checkpoint`` and
+            ``resume`` in a resumed one), to compare with :func:`~memfit.train.job.predict_job`.
     """
 
     first_loss: float
@@ -49,6 +53,7 @@ class TrainResult:
     checkpoint: str | None = None
     params_sha256: str = ""
     stopped_by: str | None = None
+    phases: Any = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -74,4 +79,5 @@ class TrainResult:
             "checkpoint": self.checkpoint,
             "params_sha256": self.params_sha256,
             "stopped_by": self.stopped_by,
+            "phases": self.phases.to_dict() if self.phases is not None else None,
         }

@@ -55,6 +55,7 @@ from .config import DEFAULT_BATCH_SIZE, TrainConfig
 from .data import BatchStream, collate
 from .manifest import params_sha256
 from .oom import switch_plan
+from .phases import PhaseRecorder
 from .result import TrainResult
 from .schedule import LR_SCHEDULES, build_scheduler, lr_factor
 from .streams import IterableStream, WorkloadStream, count_tokens, is_map_style, to_device
@@ -193,13 +194,16 @@ class Trainer:
         fallback = None if fallback_plans is None else [_with_lr(p, cfg.lr) for p in fallback_plans]
         self.seed, self.max_steps = cfg.seed, cfg.max_steps
         torch.manual_seed(cfg.seed)
-        self.model = self._model(workload_or_model, plan)
-        if self.workload is not None:
-            loss_fn = loss_fn or self.workload.loss_fn
+        #: The job's phases measured so far (``TrainResult.phases``; see :mod:`memfit.train.job`).
+        self.phases = PhaseRecorder()
+        with self.phases.phase("load", device=torch.get_default_device()):
+            self.model = self._model(workload_or_model, plan)
+            if self.workload is not None:
+                loss_fn = loss_fn or self.workload.loss_fn
+            self.setup: TrainingSetup = apply_plan(self.model, plan, loss_fn=loss_fn)
         self.batch_size = cfg.batch_size or (
             self.workload.batch_size if self.workload is not None else DEFAULT_BATCH_SIZE
         )
-        self.setup: TrainingSetup = apply_plan(self.model, plan, loss_fn=loss_fn)
         self.scheduler = self._scheduler()
         self.collate_fn = collate_fn or collate
         self.train_data, self.eval_data = train_data, eval_data
@@ -211,17 +215,17 @@ class Trainer:
         # The built-in callbacks, in the order their hooks run.
         self.oom = OOMFallbackCallback(fallback)
         self.memory = MemoryReportCallback(
-            every=cfg.track_every, cap=cfg.cap_bytes, report_png=report_png
+            every=cfg.track_every, cap=cfg.cap_bytes, report_png=report_png, phases=self.phases
         )
         self.progress = ProgressCallback(enabled=progress, console=console)
         # A fine-tune of saved weights is also evaluated before its first step (step 0).
         at_start = self.workload is not None and self.workload.weights is not None
         self.evaluation = EvaluationCallback(
-            eval_data, every=cfg.eval_every, collate_fn=self.collate_fn, at_start=at_start
+            eval_data, every=cfg.eval_every, collate_fn=self.collate_fn, at_start=at_start,
+            phases=self.phases,
         )
-        self.checkpoints = CheckpointCallback(
-            cfg.checkpoint_dir, every=cfg.checkpoint_every, keep=cfg.keep_checkpoints
-        )
+        self.checkpoints = CheckpointCallback(cfg.checkpoint_dir, every=cfg.checkpoint_every,
+                                              keep=cfg.keep_checkpoints, phases=self.phases)
         self.callbacks: list[Callback] = [self.oom, self.memory, self.progress]
         if on_step is not None:
             self.callbacks.append(OnStep(on_step))
@@ -330,11 +334,13 @@ class Trainer:
         """Write a checkpoint of the current state to the checkpoint folder."""
         if self.checkpoint_dir is None:
             raise ValueError("no checkpoint_dir was given to the Trainer")
-        return save_trainer(self, self.checkpoint_dir, keep=self.config.keep_checkpoints)
+        with self.phases.phase("save", self.model, self.optimizer):
+            return save_trainer(self, self.checkpoint_dir, keep=self.config.keep_checkpoints)
 
     def load(self, path: str | Path) -> None:
         """Continue from a checkpoint: weights, optimizer, schedule, RNG, data position, plan."""
-        load_trainer(self, path)
+        with self.phases.phase("load_checkpoint", self.model, self.optimizer):
+            load_trainer(self, path)
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> TrainResult:
@@ -449,6 +455,7 @@ class Trainer:
             checkpoint=self.checkpoints.last,
             params_sha256=params_sha256(self.model),
             stopped_by=self._signal,
+            phases=self.phases.record,
         )
 
     def _saved_this_step(self) -> bool:

@@ -8,14 +8,16 @@ resume is named rather than silently trained on), the loss history and the loss 
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
+from typing import Any
 
 from ...plan import Plan
 from ..checkpoint import load_checkpoint, read_state, save_checkpoint
 from ..manifest import CheckpointError, file_sha256
 from .base import Callback, StepInfo, TrainerLike, due
 
-__all__ = ["CheckpointCallback", "load_trainer", "save_trainer"]
+__all__ = ["CheckpointCallback", "check_data", "data_fingerprint", "load_trainer", "save_trainer"]
 
 
 def save_trainer(trainer: TrainerLike, folder: str | Path, *, keep: int = 3) -> Path:
@@ -39,9 +41,10 @@ def save_trainer(trainer: TrainerLike, folder: str | Path, *, keep: int = 3) -> 
     )
 
 
-def data_fingerprint(trainer: TrainerLike) -> dict[str, str]:
-    """SHA-256 of each of the run's data files (``config.data``), hashed once per run: what a
-    resume checks so that the data position means the same samples."""
+def data_fingerprint(trainer: object) -> dict[str, str]:
+    """SHA-256 of each of the run's data files (``trainer.config.data``), hashed once per run
+    (cached on ``trainer``): what a resume checks so that the data position means the same
+    samples. ``trainer`` is anything with a ``config`` (the tensor/pipeline run's loop too)."""
     cached = getattr(trainer, "_data_fingerprint", None)
     if cached is None:
         files = getattr(getattr(trainer, "config", None), "data", None) or ()
@@ -50,7 +53,13 @@ def data_fingerprint(trainer: TrainerLike) -> dict[str, str]:
     return dict(cached)
 
 
-def _check_data(trainer: TrainerLike, saved: dict[str, str] | None) -> None:
+def check_data(trainer: object, saved: dict[str, str] | None) -> None:
+    """Refuse to resume on data files other than the checkpoint's (``saved``: its
+    :func:`data_fingerprint`).
+
+    Raises:
+        CheckpointError: naming the file that is gone or changed.
+    """
     if not saved:
         return
     now = data_fingerprint(trainer)
@@ -71,7 +80,7 @@ def load_trainer(trainer: TrainerLike, path: str | Path) -> None:
     """Continue ``trainer`` from a checkpoint: its plan first (a run that had stepped down goes
     on with the plan that fitted), then weights, optimizer, schedule, RNG, data position."""
     state = read_state(path)
-    _check_data(trainer, state.get("data_files"))
+    check_data(trainer, state.get("data_files"))
     saved_world = int(state.get("world_size", 1))
     world = trainer.plan.parallel.data
     if saved_world != world:
@@ -101,17 +110,27 @@ class CheckpointCallback(Callback):
         folder: Where checkpoints go (``None``: this callback does nothing).
         every: Steps between checkpoints; ``None``: only after the last step.
         keep: Checkpoints kept; older ones are deleted.
+        phases: The trainer's :class:`~memfit.train.phases.PhaseRecorder`: the first save is the
+            job's ``save`` phase.
 
     Attributes:
         last: The path of the last checkpoint written, if any.
     """
 
-    def __init__(self, folder: str | Path | None, *, every: int | None, keep: int = 3) -> None:
+    def __init__(
+        self, folder: str | Path | None, *, every: int | None, keep: int = 3, phases: Any = None
+    ) -> None:
         self.folder = Path(folder) if folder is not None else None
-        self.every, self.keep = every, keep
+        self.every, self.keep, self.phases = every, keep, phases
         self.last: str | None = None
 
     def on_step_end(self, trainer: TrainerLike, info: StepInfo) -> None:
         if self.folder is None or not due(info.step, trainer.max_steps, self.every):
             return
-        self.last = str(save_trainer(trainer, self.folder, keep=self.keep))
+        phase = (
+            self.phases.phase("save", trainer.model, trainer.optimizer)
+            if self.phases is not None
+            else contextlib.nullcontext()
+        )
+        with phase:
+            self.last = str(save_trainer(trainer, self.folder, keep=self.keep))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -13,7 +13,7 @@ from ...workload import Batch, split_batch
 from ..streams import is_map_style, map_style_batches, to_device
 from .base import Callback, StepInfo, TrainerLike, due
 
-__all__ = ["EvaluationCallback", "evaluate"]
+__all__ = ["EvaluationCallback", "eval_losses", "evaluate"]
 
 
 def evaluate(
@@ -38,13 +38,33 @@ def evaluate(
     Returns:
         The mean loss (NaN when there was no batch).
     """
+    total, weight = 0.0, 0
+    for loss, n in eval_losses(
+        model, batches, loss_fn=loss_fn, autocast=autocast, micro_batch_size=micro_batch_size
+    ):
+        total += float(loss) * n
+        weight += n
+    return total / weight if weight else float("nan")
+
+
+def eval_losses(
+    model: nn.Module,
+    batches: Iterable[Batch],
+    *,
+    loss_fn: Callable[[Any, Batch], torch.Tensor] | None = None,
+    autocast: Callable[[], Any] | None = None,
+    micro_batch_size: int | None = None,
+) -> Iterator[tuple[torch.Tensor, int]]:
+    """The pass :func:`evaluate` averages: each micro-batch's loss tensor and its weight (label
+    tokens, else samples), in eval mode without gradients. A dry run of the job
+    (:func:`memfit.train.job.predict_job`) runs this same pass on fake tensors, whose losses it
+    cannot read."""
     from ...strategies.accumulation import count_loss_terms
     from ...workload import batch_size_of, call_model, loss_from_output
 
     loss_fn = loss_fn or (lambda out, batch: loss_from_output(out))
     was_training = model.training
     model.eval()
-    total, weight = 0.0, 0
     try:
         with torch.no_grad():
             for batch in batches:
@@ -58,11 +78,10 @@ def evaluate(
                         continue
                     with autocast() if autocast is not None else contextlib.nullcontext():
                         loss = loss_fn(call_model(model, part), part)
-                    total += float(loss) * n
-                    weight += n
+                    yield loss, n
+                    del loss
     finally:
         model.train(was_training)
-    return total / weight if weight else float("nan")
 
 
 class EvaluationCallback(Callback):
@@ -76,6 +95,9 @@ class EvaluationCallback(Callback):
         collate_fn: Turns a list of samples into a batch.
         at_start: Also evaluate before the first step, as step 0 (a fine-tune's starting
             loss); not when a resumed run starts past step 0.
+        phases: The trainer's :class:`~memfit.train.phases.PhaseRecorder`: the first batch of
+            the first evaluation after a step is the job's ``eval`` phase (one batch, so the
+            tracker's records stay small however large the evaluation data).
     """
 
     def __init__(
@@ -85,9 +107,10 @@ class EvaluationCallback(Callback):
         every: int | None,
         collate_fn: Callable[[list[Any]], Batch],
         at_start: bool = False,
+        phases: Any = None,
     ) -> None:
         self.data, self.every, self.collate_fn = data, every, collate_fn
-        self.at_start = at_start
+        self.at_start, self.phases = at_start, phases
 
     def on_fit_start(self, trainer: TrainerLike) -> None:
         if self.data is None or not self.at_start or trainer.step_count != 0:
@@ -96,9 +119,12 @@ class EvaluationCallback(Callback):
         trainer.eval_losses.append((0, value))
         trainer.say(f"step 0: eval loss {value:.4f}")
 
-    def evaluate(self, trainer: TrainerLike) -> float:
+    def evaluate(
+        self, trainer: TrainerLike, first: contextlib.AbstractContextManager[Any] | None = None
+    ) -> float:
         """Mean loss on the evaluation data under the trainer's plan (NaN without data): its
-        precision's autocast and its micro-batches, so evaluation fits wherever a step does."""
+        precision's autocast and its micro-batches, so evaluation fits wherever a step does.
+        ``first`` is entered around the first batch: made (collated), evaluated, let go."""
         if self.data is None:
             return float("nan")
         batches = (
@@ -106,6 +132,8 @@ class EvaluationCallback(Callback):
             if is_map_style(self.data)
             else iter(self.data)
         )
+        if first is not None:
+            batches = _first_inside(batches, first)
         device = trainer.device
         setup = trainer.setup
         return evaluate(
@@ -121,6 +149,24 @@ class EvaluationCallback(Callback):
     def on_step_end(self, trainer: TrainerLike, info: StepInfo) -> None:
         if self.data is None or not due(info.step, trainer.max_steps, self.every):
             return
-        value = self.evaluate(trainer)
+        phase = (
+            self.phases.phase("eval", trainer.model, trainer.optimizer)
+            if self.phases is not None
+            else None
+        )
+        value = self.evaluate(trainer, phase)
         trainer.eval_losses.append((info.step, value))
         trainer.say(f"step {info.step}: eval loss {value:.4f}")
+
+
+def _first_inside(batches: Iterable[Batch], context: Any) -> Iterator[Batch]:
+    """``batches``, the first made and used inside ``context`` (left when the next is asked
+    for)."""
+    it = iter(batches)
+    with context:
+        batch = next(it, None)
+        if batch is None:
+            return
+        yield batch
+        del batch
+    yield from it

@@ -60,6 +60,8 @@ class MemoryReportCallback(Callback):
         cap: Virtual memory cap in bytes (every step then runs under a tracker, which raises
             ``torch.OutOfMemoryError`` beyond it; the OOM fallback steps down).
         report_png: Write the report's plot here at the end.
+        phases: The trainer's :class:`~memfit.train.phases.PhaseRecorder`, handed each tracked
+            step (its first, steady and resumed steps are phases of the job).
 
     Attributes:
         report: The report of the tracked step with the highest peak (``None`` before one).
@@ -68,8 +70,12 @@ class MemoryReportCallback(Callback):
         tracked_steps: Steps whose report was built.
     """
 
-    def __init__(self, *, every: int, cap: int | None = None, report_png: str | Path | None = None) -> None:
+    def __init__(
+        self, *, every: int, cap: int | None = None, report_png: str | Path | None = None,
+        phases: Any = None,
+    ) -> None:
         self.window = TrackWindow(every)
+        self.phases = phases
         self.cap, self.report_png = cap, report_png
         self.report: MemoryReport | None = None
         self.peak_bytes = self.live_bytes = self.tracked_steps = 0
@@ -88,11 +94,14 @@ class MemoryReportCallback(Callback):
             yield  # no tracker, no dispatch mode: the step runs at full speed
             self.window.step_done()
             return
+        steps_before = trainer.step_count
         tracker = track(trainer.model, trainer.optimizer, cap=self.cap)
         with tracker:
             tracker.add_inputs(batch)
             yield
         self.window.step_done()
+        if self.phases is not None and record:
+            self.phases.step_tracked(steps_before, tracker)
         self.peak_bytes = max(self.peak_bytes, tracker.peak_bytes)
         self.live_bytes = tracker.live_bytes
         if record:
