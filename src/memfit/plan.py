@@ -411,11 +411,14 @@ class Plan:
                 layout += f" ({par.schedule}, {m} micro-batches{cut})"
             if par.sequence:
                 layout += ", sequence parallel"
+            if par.expert > 1:
+                layout += f", experts split over {par.expert}"
             if par.zero_stage:
                 layout += f", ZeRO stage {par.zero_stage}"
             parts.append(layout)
         elif par.data > 1 or par.zero_stage:
-            parts.append(f"{par.data} processes, ZeRO stage {par.zero_stage}")
+            experts = f", experts split over {par.expert}" if par.expert > 1 else ""
+            parts.append(f"{par.data} processes, ZeRO stage {par.zero_stage}{experts}")
         if self.compile_backend is not None:
             parts.append(
                 "compiled" if self.compile_backend == "inductor" else f"compiled ({self.compile_backend})"

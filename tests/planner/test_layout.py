@@ -157,7 +157,7 @@ def test_nothing_fits_names_the_closest_layout():
 def test_node_size_and_model_are_checked():
     with pytest.raises(ValueError, match="--gpus-per-node 3 does not divide --world-size 4"):
         plan_layout(DEEP, 1 << 30, 4, 3, confirm=False)
-    with pytest.raises(WorkloadError, match="Llama and GPT-2 layouts"):
+    with pytest.raises(WorkloadError, match="Llama, Mixtral and GPT-2 layouts"):
         plan_layout(load_workload("bert-tiny", 8, 32), 1 << 30, 4, 2, confirm=False)
 
 

@@ -136,6 +136,16 @@ _GpusPerNode = Annotated[
     ),
 ]
 
+_ExpertLoad = Annotated[
+    float,
+    typer.Option(
+        "--expert-load",
+        help="With --gpus-per-node, mixture-of-experts routing every rank must fit: 1 spreads "
+        "tokens evenly; c > 1 gives expert 0 c times its share, and the rank holding it "
+        "receives them (a worst case).",
+    ),
+]
+
 _Data = data_option("plan for")
 _Tokenizer = TokenizerOption
 _TextField = TextFieldOption
@@ -158,6 +168,7 @@ def plan_command(
     emit: _Emit = None,
     world_size: _WorldSize = None,
     gpus_per_node: _GpusPerNode = None,
+    expert_load: _ExpertLoad = 1.0,
     data: _Data = None,
     tokenizer: _Tokenizer = None,
     text_field: _TextField = "text",
@@ -200,6 +211,7 @@ def plan_command(
         disk_dir=None if disk_dir is None else str(disk_dir),
         world_size=world_size,
         gpus_per_node=gpus_per_node,
+        expert_load=expert_load,
         jobs=jobs,
         lora_rank=lora_rank,
     )

@@ -98,7 +98,8 @@ _ExpertLoad = Annotated[
     typer.Option(
         "--expert-load",
         help="With --dry-run, mixture-of-experts routing: 1 spreads tokens evenly; c > 1 "
-        "gives one expert c times its share (a worst case).",
+        "gives one expert c times its share (a worst case; with --world-size and a plan's "
+        "parallel expert > 1, the rank holding that expert receives it).",
     ),
 ]
 _WorldSize = Annotated[
@@ -175,7 +176,8 @@ def profile(
         _profile_job(workload, the_plan, dry_run, target, expert_load, json_path)
         return
     if world_size is not None:
-        _profile_ranks(workload, the_plan, world_size, dry_run, steps, target, json_path)
+        _profile_ranks(workload, the_plan, world_size, dry_run, steps, target, json_path,
+                       expert_load)
         return
     from ..distributed.launch import under_launcher
 
@@ -292,10 +294,13 @@ def _write_report(report: Any, json_path: Path | None, plot: Path | None, title:
 
 
 def _profile_ranks(
-    workload: Any, plan: Any, world: int, dry: bool, steps: int, target: Any, json_path: Any
+    workload: Any, plan: Any, world: int, dry: bool, steps: int, target: Any, json_path: Any,
+    expert_load: float = 1.0,
 ) -> None:
     """``memfit profile --dry-run --world-size N``: every rank's predicted memory, a table of
-    rank x category and, with ``--json``, one JSON with each rank's peak and categories."""
+    rank x category and, with ``--json``, one JSON with each rank's peak and categories.
+    ``expert_load``: the routing every rank's dry run assumes (with ``parallel.expert > 1``
+    the first rank of each expert group receives expert 0's extra load: the worst rank)."""
     import json
 
     from rich.table import Table
@@ -318,7 +323,8 @@ def _profile_ranks(
     except PlanError:
         fail(f"the plan is for {plan.parallel.data} processes but --world-size is {world}")
     with err.status(f"dry-running {world} ranks of {workload.name}"):
-        pred = run_guarded(predict_ranks, workload, plan, steps=max(steps, 3), device=target)
+        pred = run_guarded(predict_ranks, workload, plan, steps=max(steps, 3), device=target,
+                           expert_load=expert_load)
     categories = [c for c in next(iter(pred.reports.values())).peak_by_category]
     table = Table(title=f"{workload.name}: {plan.summary()} (predicted per rank)")
     device_cols = ["nccl", "device total"] if target.is_cuda else []

@@ -107,6 +107,14 @@ class ParallelConfig:
             then sees the whole sequence for ``heads / context`` heads; needs the heads per
             tensor rank divisible by ``context``; transient copies of the block's q, k, v and
             output).
+        expert: Expert-parallel degree, for mixture-of-experts models: each MoE layer's
+            experts are split over ``expert`` ranks carved out of the data-parallel ranks (as
+            DeepSpeed-MoE and torchtitan do), so the expert parameters, gradients and optimizer
+            state per rank are divided by ``expert`` (the router, attention and embeddings stay
+            replicated). Each MoE layer costs two all-to-alls of the routed tokens (dispatch and
+            combine) in forward and two in backward, within the expert group; the rank whose
+            experts the router favours receives more tokens than its balanced share, which
+            ``memfit profile --expert-load c`` and the per-rank prediction price.
     """
 
     data: int = 1
@@ -122,6 +130,7 @@ class ParallelConfig:
     cuts: tuple[int, ...] = ()
     context: int = 1
     context_mode: str = "ring"
+    expert: int = 1
 
     def problems(self) -> list[str]:
         """What is wrong with these settings, one sentence each (empty when valid)."""
@@ -174,7 +183,20 @@ class ParallelConfig:
         if self.backend not in (None, "gloo", "nccl"):
             out.append(f"parallel backend must be 'gloo', 'nccl' or null, got {self.backend!r}")
         out.extend(self._cut_problems())
+        out.extend(self._expert_problems())
         return out
+
+    def _expert_problems(self) -> list[str]:
+        """The expert degree's form (its fit to a model's experts is checked where the model
+        is known: :func:`memfit.distributed.expert.apply_expert_parallel`)."""
+        e = self.expert
+        if not isinstance(e, int) or isinstance(e, bool) or e < 1:
+            return [f"parallel expert must be a whole number >= 1, got {e!r}"]
+        if e > 1 and isinstance(self.data, int) and self.data % e:
+            return [f"parallel expert {e} must divide data {self.data} (the expert ranks are "
+                    "carved out of the data-parallel ranks); use an expert degree that "
+                    f"divides {self.data}"]
+        return []
 
     @property
     def num_stages(self) -> int:

@@ -142,6 +142,14 @@ class DataParallel:
         # FSDP2's sharded parameter for each parameter it replaced, by the old one's id (a
         # weak reference to the old one guards against a reused id without keeping it alive).
         self._replaced = dict(replaced or {})
+        self.experts: Any = None  # the expert split, with parallel.expert > 1
+
+    def after_backward(self, last: bool) -> None:
+        """On a step's last backward, the expert gradients summed over their replicas (DDP
+        leaves them to :class:`~memfit.distributed.expert.ExpertParallel`; FSDP2 reduces
+        them itself)."""
+        if last and self.experts is not None and not self.config.sharded:
+            self.experts.sync()
 
     @property
     def syncs_in_forward(self) -> bool:
@@ -284,6 +292,7 @@ class DataParallelStepper(BaseStepper):
     def backward(self, loss: torch.Tensor, *, last: bool) -> None:
         self.parallel.before_backward(last)
         self.inner.backward(loss, last=last)
+        self.parallel.after_backward(last)
 
     def step(self) -> None:
         self.inner.step()
@@ -349,6 +358,22 @@ def apply_data_parallel(
             f"--nproc-per-node {config.data} -m memfit train`"
         )
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    experts = None
+    if config.expert > 1:
+        from .expert import apply_expert_parallel
+
+        experts = apply_expert_parallel(model, config.expert, config.data, device.type)
+    handle = _engine(model, config, device, mixed_dtype, dry_stand_in, experts)
+    handle.experts = experts
+    return handle
+
+
+def _engine(model: nn.Module, config: ParallelConfig, device: torch.device,
+            mixed_dtype: torch.dtype | None, dry_stand_in: Callable[[nn.Module], Any] | None,
+            experts: Any) -> DataParallel:
+    """DDP, or FSDP2 on each block and the root (the experts, with ``experts``, sharded over
+    their replicas only), as :func:`apply_data_parallel` describes."""
+    world = config.data
     if not config.sharded and _dry():
         # DDP's C++ constructor reads parameter values, which a dry run's fake tensors lack:
         # the caller's stand-in holds its buckets (see ``dry_stand_in``).
@@ -361,6 +386,8 @@ def apply_data_parallel(
     if not config.sharded:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
+        if experts is not None:  # averaged over their replicas only (ExpertParallel.sync)
+            DDP._set_params_and_buffers_to_ignore_for_model(model, list(experts.parameters))
         ddp = DDP(
             model,
             device_ids=[device] if device.type == "cuda" else None,
@@ -382,6 +409,15 @@ def apply_data_parallel(
     )
     reshard = config.zero_stage == 3 and config.reshard_after_forward
     before = {name: weakref.ref(p) for name, p in model.named_parameters()}
+    if experts is not None:
+        from .expert import moe_blocks
+
+        for _, moe in moe_blocks(model):
+            # The experts shard over their replicas; their gradient sums the whole expert
+            # group's contributions, so it is divided by the data degree, not the mesh's.
+            fully_shard(moe.experts, mesh=experts.replica_mesh, reshard_after_forward=reshard,
+                        mp_policy=mp)
+            moe.experts.set_gradient_divide_factor(float(world))
     for _, block in find_blocks(model):
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
     # The root (embeddings, head) is gathered for the whole step: it is needed first in
@@ -444,7 +480,29 @@ def _apply_technique(model: nn.Module, ctx: ApplyContext) -> DataParallel | None
 
 def _check(plan: Any) -> None:
     """What several processes cannot run yet (``Technique.check``)."""
-    if plan.parallel.world_size == 1 and plan.parallel.zero_stage == 0:
+    par = plan.parallel
+    if par.expert > 1 and par.tensor > 1:
+        raise ValueError(
+            "parallel expert is not composed with tensor parallelism yet (memfit's tensor "
+            "split does not know mixture-of-experts blocks); set tensor 1, or expert 1"
+        )
+    if par.expert > 1 and par.context > 1:
+        raise ValueError(
+            "parallel expert is not composed with context parallelism yet (the expert groups "
+            "would have to be carved from data x context); set context 1, or expert 1"
+        )
+    if par.expert > 1 and par.pipeline > 1 and par.zero_stage:
+        raise ValueError(
+            "parallel expert under a pipeline runs with zero_stage 0 only (FSDP2 does not "
+            "shard a stage's experts over their replicas yet); set zero_stage 0"
+        )
+    if par.expert > 1 and par.zero_stage == 1:
+        raise ValueError(
+            "parallel expert is not composed with zero_stage 1 (ZeroRedundancyOptimizer "
+            "partitions every rank's parameters as if they were the same, and expert ranks "
+            "hold different experts); use zero_stage 0, 2 or 3"
+        )
+    if par.world_size == 1 and par.zero_stage == 0:
         return
     if plan.precision.mode == "bf16-pure":
         raise ValueError(

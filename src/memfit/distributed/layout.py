@@ -84,6 +84,7 @@ __all__ = [
     "LayoutStepper",
     "build_layout",
     "check_layout",
+    "data_groups",
     "layout_coords",
     "layout_microbatches",
     "mesh_shape",
@@ -260,6 +261,8 @@ class Layout:
     loss_fn: LossFn = causal_lm_loss
     replicas: Replicas | None = None
     context: ContextParallel | None = None
+    #: With ``parallel.expert > 1``: each module's expert split (:mod:`.expert`).
+    experts: list[Any] = field(default_factory=list)
 
     @property
     def microbatches(self) -> int:
@@ -313,6 +316,8 @@ class Layout:
                 loss = self._accumulate(inputs, labels, m)
         if self.replicas is not None:
             self.replicas.after_step()
+        for split in self.experts:  # each expert's gradient over its replicas only
+            split.sync()
         if self.parallel.replicas > 1:
             loss = self._mean_over_replicas(loss)
         return loss
@@ -500,10 +505,10 @@ def build_layout(
     shard_mesh = replica_mesh(mesh, parallel)  # dp, or dp and cp flattened
     ddps: list[nn.Module] = []
 
+    experts: list[Any] = []
+
     def prepare(module: nn.Module) -> nn.Module | None:
-        if parallel.tensor > 1:
-            config = TensorParallelConfig(parallel.tensor, sequence_parallel=parallel.sequence)
-            handles.append(apply_tensor_parallel(module, config, mesh["tp"]))
+        _split(module, parallel, mesh, device, handles, experts)
         if parallel.replicas > 1 and parallel.sharded:
             _fully_shard(module, parallel, shard_mesh)
         elif parallel.replicas > 1:
@@ -533,7 +538,38 @@ def build_layout(
     if replicas is not None and pipeline is not None and parallel.tensor > 1:
         _tie_shards(pipeline, ddps)
     return Layout(parallel, mesh, coords, modules, pipeline, handles, loss_fn, replicas,
-                  context)
+                  context, experts)
+
+
+def _split(module: nn.Module, parallel: ParallelConfig, mesh: Any, device: torch.device,
+           handles: list[TensorParallel], experts: list[Any]) -> None:
+    """``module``'s experts split over its expert ranks (into ``experts``), then its
+    matrices over the tensor-parallel ranks (into ``handles``)."""
+    if parallel.expert > 1:
+        experts.append(_split_experts(module, parallel, device))
+    if parallel.tensor > 1:
+        config = TensorParallelConfig(parallel.tensor, sequence_parallel=parallel.sequence)
+        handles.append(apply_tensor_parallel(module, config, mesh["tp"]))
+
+
+def _split_experts(module: nn.Module, parallel: ParallelConfig, device: torch.device) -> Any:
+    """``module``'s experts split over its data group's expert ranks (:mod:`.expert`), and
+    left out of DDP: their replicas average them (``ExpertParallel.sync``, after the step)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from .expert import apply_expert_parallel
+
+    split = apply_expert_parallel(module, parallel.expert, parallel.data, device.type,
+                                  data_groups(parallel))
+    DDP._set_params_and_buffers_to_ignore_for_model(module, list(split.parameters))
+    return split
+
+
+def data_groups(parallel: ParallelConfig) -> list[list[int]]:
+    """Every data-parallel group's ranks (one per stage, context chunk and tensor shard)."""
+    d, c, t = parallel.data, parallel.context, parallel.tensor
+    return [[((s * d + r) * c + ch) * t + k for r in range(d)]
+            for s in range(parallel.pipeline) for ch in range(c) for k in range(t)]
 
 
 def _loss_and_context(model: nn.Module, parallel: ParallelConfig, mesh: Any,

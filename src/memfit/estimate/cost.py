@@ -526,6 +526,7 @@ def communication(
     backward_seconds: float,
     gradient_bytes: float = 4.0,
     context_bytes: float = 0.0,
+    routed_bytes: float = 0.0,
 ) -> dict[str, float]:
     """One rank's seconds of communication per step, by kind (``tensor``, ``pipeline``,
     ``data``, ``context``): what :func:`step_cost` and the 3-D planner's
@@ -550,6 +551,9 @@ def communication(
         context_bytes: With context parallelism, one micro-batch's chunk of a block's keys
             and values (``ring``: what travels per hop) or of its queries, keys, values and
             output (``all-to-all``: what is re-split), on this rank.
+        routed_bytes: With ``parallel.expert > 1``: one micro-batch's routed tokens per
+            mixture-of-experts block (``tokens x top_k x hidden`` elements), what each
+            all-to-all of the dispatch or the combine moves (``expert``).
     """
     t, p, d, c = parallel.tensor, parallel.pipeline, parallel.data, parallel.context
     g = gpus_per_node if gpus_per_node is not None else min(parallel.world_size, 8)
@@ -579,7 +583,14 @@ def communication(
               * (1.5 if parallel.zero_stage == 3 else 1))
     dp_total = volume / dp_bw if r > 1 else 0.0
     dp = max(0.0, dp_total - DP_OVERLAP * backward_seconds)
-    return {"tensor": tp, "pipeline": pp, "data": dp, "context": cp}
+    # Expert parallelism: per MoE block and micro-batch, two all-to-alls forward (dispatch,
+    # combine), two backward (a third pair forward with recomputation), each sending
+    # (e - 1) / e of the routed tokens away; within a node while the group fits in one.
+    e = parallel.expert
+    ep_bw = node if e <= g else net
+    ep = ((6 if checkpointing else 4) * routed_bytes * (e - 1) / e / ep_bw * blocks * m
+          if e > 1 else 0.0)
+    return {"tensor": tp, "pipeline": pp, "data": dp, "context": cp, "expert": ep}
 
 
 def _microbatches(par: ParallelConfig, s: _Step) -> int:

@@ -140,6 +140,7 @@ def predict_ranks(
     device: str | DeviceProfile | None = None,
     seed: int = 0,
     gpus_per_node: int = 8,
+    expert_load: float = 1.0,
 ) -> RankPrediction:
     """Predict each rank's peak for ``plan`` (its ``parallel.data`` ranks) by dry runs.
 
@@ -155,6 +156,10 @@ def predict_ranks(
             its NCCL communicators (:func:`~memfit.estimate.nccl.rank_target`).
         seed: Seed for model initialisation and the batch.
         gpus_per_node: Devices per node (which of a group's ranks share a node).
+        expert_load: Mixture-of-experts routing in every rank's dry run (:func:`~memfit.
+            estimate.dryrun.measure`'s): ``1`` balanced; ``c > 1`` expert 0 takes ``c`` times
+            its share of every rank's tokens, so with ``parallel.expert > 1`` the first rank
+            of each expert group receives the most (``memfit profile --expert-load``).
 
     Raises:
         ValueError: when the data-parallel degree does not divide the batch, or for an
@@ -179,11 +184,12 @@ def predict_ranks(
                            settings=settings)
 
     if world == 1 and plan.parallel.zero_stage == 0:
-        report = measure(workload, plan, steps=steps, dry=True, device=on(0), seed=seed)
+        report = measure(workload, plan, steps=steps, dry=True, device=on(0), seed=seed,
+                         expert_load=expert_load)
         return RankPrediction(plan, [int(report.peak_bytes)], {0: report}, [0])
     if world <= EVERY_RANK_UP_TO:
         ranks = list(range(world))
-    elif plan.parallel.zero_stage == 0:
+    elif plan.parallel.zero_stage == 0 and plan.parallel.expert == 1:
         ranks = [0]  # every rank holds the same
     else:
         ranks = [0, world - 1]
@@ -191,7 +197,7 @@ def predict_ranks(
     for rank in ranks:
         with fake_process_group(world, rank):
             reports[rank] = measure(workload, plan, steps=steps, dry=True, device=on(rank),
-                                    seed=seed)
+                                    seed=seed, expert_load=expert_load)
     peaks = [int(reports.get(r, reports[0]).peak_bytes) for r in range(world)]
     return RankPrediction(plan, peaks, reports, [on(r).nccl_bytes for r in range(world)])
 

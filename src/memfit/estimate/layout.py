@@ -299,6 +299,12 @@ def _role_costs(src: _Source, parallel: ParallelConfig, pipe_rank: int, depth: i
                 loss_fn = apply_context_parallel(stages[0], mesh["cp"].get_group(),
                                                  parallel.context_mode).loss
             for stage in stages.values():
+                if parallel.expert > 1:  # this rank's experts (build_layout's split)
+                    from ..distributed.expert import apply_expert_parallel
+                    from ..distributed.layout import data_groups
+
+                    apply_expert_parallel(stage, parallel.expert, parallel.data, "cpu",
+                                          data_groups(parallel))
                 if parallel.tensor > 1:
                     config = TensorParallelConfig(parallel.tensor,
                                                   sequence_parallel=parallel.sequence)
@@ -313,8 +319,12 @@ def _role_costs(src: _Source, parallel: ParallelConfig, pipe_rank: int, depth: i
             if parallel.replicas > 1 and not parallel.sharded:
                 # What DDP takes (the local shards under tensor parallelism), and runs.
                 stages = {s: local_shards(st) for s, st in stages.items()}
-            costs = _run_role(stages, num_stages, parallel, mesh, m, mb, seq_len, loss_fn,
-                              optimizer, foreach, piped)
+            # Expert parallelism reads the routing's token counts: memfit's balanced policy.
+            from .values import DryRunValues
+
+            with DryRunValues() if parallel.expert > 1 else contextlib.nullcontext():
+                costs = _run_role(stages, num_stages, parallel, mesh, m, mb, seq_len, loss_fn,
+                                  optimizer, foreach, piped)
     return costs, real
 
 

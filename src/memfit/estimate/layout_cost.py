@@ -70,6 +70,8 @@ class ModelShape:
         mlp: MLP width.
         vocab: Vocabulary rows.
         config: The HF config itself.
+        experts: Routed experts per mixture-of-experts block (0: a dense model).
+        top_k: Experts each token is routed to.
     """
 
     family: str
@@ -80,6 +82,14 @@ class ModelShape:
     mlp: int
     vocab: int
     config: Any = dataclasses.field(compare=False, repr=False)
+    experts: int = 0
+    top_k: int = 0
+
+    @property
+    def expert_block_params(self) -> int:
+        """Elements of one block's experts (Mixtral's: ``gate_up_proj`` and ``down_proj``,
+        ``3 x hidden x mlp`` each); 0 for a dense model."""
+        return self.experts * 3 * self.hidden * self.mlp
 
 
 def model_shape(workload: Workload) -> ModelShape:
@@ -107,9 +117,9 @@ def model_shape(workload: Workload) -> ModelShape:
     hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None)
     model_type = str(getattr(cfg, "model_type", ""))
     family = "llama" if model_type in ("llama", "mistral", "qwen2") else model_type
-    if family not in ("llama", "gpt2"):
+    if family not in ("llama", "gpt2", "mixtral"):
         raise WorkloadError(
-            f"the 3-D planner splits causal LMs of the Llama and GPT-2 layouts, not "
+            f"the 3-D planner splits causal LMs of the Llama, Mixtral and GPT-2 layouts, not "
             f"{workload.name!r} ({model_type}); plan data parallelism for it with --world-size "
             "alone"
         )
@@ -122,6 +132,8 @@ def model_shape(workload: Workload) -> ModelShape:
         mlp=sizes.get("MLP width", 4 * int(hidden)),
         vocab=int(cfg.vocab_size),
         config=cfg,
+        experts=int(getattr(cfg, "num_local_experts", 0) or 0) if family == "mixtral" else 0,
+        top_k=int(getattr(cfg, "num_experts_per_tok", 0) or 0) if family == "mixtral" else 0,
     )
 
 
@@ -171,12 +183,43 @@ def layout_problems(shape: ModelShape, parallel: ParallelConfig, batch_size: int
         cfg = PipelineConfig(p, parallel.schedule, _microbatches(parallel),
                              tuple(parallel.cuts) or None)
         out.extend(cfg.problems(shape.layers))
+    out.extend(_expert_problems(shape, parallel))
     m = _microbatches(parallel)
     if batch_size % (d * m):
         out.append(
             f"a batch of {batch_size} samples does not split into {d} replicas x {m} "
             f"micro-batches; use a batch size that is a multiple of {d * m}"
         )
+    return out
+
+
+def _expert_problems(shape: ModelShape, parallel: ParallelConfig) -> list[str]:
+    """What stops a mixture-of-experts model's layout, or an expert degree, from running."""
+    t, p, e = parallel.tensor, parallel.pipeline, parallel.expert
+    out = []
+    if shape.experts and t > 1:
+        out.append(
+            "memfit's tensor parallelism does not split mixture-of-experts blocks yet; use "
+            "tensor 1 (expert parallelism splits the experts)")
+    if e > 1:
+        if not shape.experts:
+            out.append(f"parallel expert {e} needs a mixture-of-experts model; use expert 1")
+        elif shape.experts % e:
+            works = [x for x in _divisors(shape.experts) if parallel.data % x == 0]
+            out.append(f"parallel expert {e} does not divide the {shape.experts} experts; use "
+                       f"expert {', '.join(map(str, works))}")
+        if parallel.data % e:
+            out.append(f"parallel expert {e} must divide data {parallel.data}")
+        if t > 1:
+            out.append("parallel expert is not composed with tensor parallelism yet; use "
+                       "tensor 1 with it")
+        if parallel.context > 1:
+            out.append("parallel expert is not composed with context parallelism yet; use "
+                       "context 1 with it")
+        if p > 1 and parallel.zero_stage:
+            out.append("parallel expert under a pipeline runs with zero_stage 0 only")
+        if parallel.zero_stage == 1:
+            out.append("parallel expert is not composed with zero_stage 1; use 0, 2 or 3")
     return out
 
 
@@ -353,6 +396,8 @@ class LayoutCandidate:
             bits.append(f"{par.schedule} x{self.microbatches}")
         elif self.microbatches > 1:
             bits.append(f"accumulation {self.microbatches}")
+        if par.expert > 1:
+            bits.append(f"expert {par.expert}")
         if par.replicas > 1:
             bits.append(f"ZeRO {par.zero_stage}")
         if self.checkpointing:
@@ -390,7 +435,8 @@ def _rank_peaks(parallel: ParallelConfig, peaks_by_stage: list[int]) -> list[int
 def estimate_layout(shape: ModelShape, parallel: ParallelConfig, *, batch_size: int,
                     seq_len: int, checkpointing: bool, device: Any, precision: str,
                     optimizer: OptimizerConfig | str, gpus_per_node: int,
-                    microbatches: int | None = None) -> LayoutCandidate:
+                    microbatches: int | None = None,
+                    expert_load: float = 1.0) -> LayoutCandidate:
     """Price one layout (see the module docstring): every rank's peak and the step time.
 
     ``optimizer``: the plan's (a name: its default settings); its state bytes per parameter
@@ -398,6 +444,10 @@ def estimate_layout(shape: ModelShape, parallel: ParallelConfig, *, batch_size: 
     ``microbatches``: with one stage, the gradient-accumulation steps per step (default 1);
     with a pipeline, its ``parallel.microbatches``. The pipeline's stages hold the blocks
     ``parallel.cuts`` gives them (an even split when empty; the layers need not divide).
+    ``expert_load``: with ``parallel.expert > 1``, the routing the ranks holding expert 0 (the
+    first of each expert group) must fit: ``c`` times expert 0's balanced share of every
+    group member's routed tokens, kept by its experts for backward
+    (:func:`_routed_token_bytes` per token).
     """
     model = _RankModel(shape, parallel, batch_size=batch_size, seq_len=seq_len,
                        checkpointing=checkpointing, device=device, precision=precision,
@@ -416,19 +466,30 @@ def estimate_layout(shape: ModelShape, parallel: ParallelConfig, *, batch_size: 
     most = max(blocks)
     comm = communication(
         parallel, device, gpus_per_node=gpus_per_node,
-        parameters=most * model.prof.block_params + model.prof.first_params,
+        parameters=most * model.reduced_block_params + model.prof.first_params,
         block_output_bytes=model.block_input, blocks=most, microbatches=m,
         checkpointing=checkpointing, backward_seconds=compute * 2 / 3,
         context_bytes=model.context_bytes,
+        routed_bytes=model.routed,
     )
     tp, pp, dp, cp = comm["tensor"], comm["pipeline"], comm["data"], comm["context"]
+    ep = comm["expert"]
     cost = StepCost(matmul=compute, pointwise=0.0, launch=0.0, optimizer=0.0,
-                    extra_backward=0.0, communication=tp + pp + dp + cp,
+                    extra_backward=0.0, communication=tp + pp + dp + cp + ep,
                     bubble=compute * bubble)
     step = cost.total
     parts = {"compute": compute, "bubble": compute * bubble, "tensor": tp, "pipeline": pp,
-             "data": dp, "context": cp}
+             "data": dp, "context": cp, "expert": ep}
     peaks = _rank_peaks(parallel, peaks_by_stage)
+    if parallel.expert > 1 and expert_load > 1:
+        extra = _overload_bytes(shape, parallel, model, expert_load, device.name)
+        for rank in range(parallel.world_size):
+            c = parallel.coordinates(rank)
+            if c["replica"] % parallel.expert == 0:  # holds expert 0
+                peaks[rank] += blocks[c["stage"]] * extra
+        for i, cats in enumerate(cats_by_stage):
+            cats["activations"] += blocks[i] * extra
+            peaks_by_stage[i] += blocks[i] * extra
     top = max(range(p), key=lambda i: peaks_by_stage[i])
     return LayoutCandidate(parallel, checkpointing, peaks, step, parts, microbatches=m,
                            by_category=cats_by_stage[top], stages=cats_by_stage,
@@ -463,6 +524,31 @@ def _context_costs(shape: ModelShape, parallel: ParallelConfig, mb: int, chunk: 
     return int(extra), float(flops), float(moved)
 
 
+def _overload_bytes(shape: ModelShape, parallel: ParallelConfig, model: _RankModel,
+                    load: float, device: str) -> float:
+    """What one block of the rank holding expert 0 keeps beyond its balanced share under
+    ``load``: each of its group's ``expert`` ranks sends it ``(load - 1)`` times expert 0's
+    share (``tokens x top_k / experts``) more tokens, at most every token."""
+    tokens = model.mb * model.seq_len
+    share = tokens * shape.top_k / shape.experts
+    more = min(tokens, load * share) - share
+    dtype = {"bf16-mixed": "bfloat16", "fp16-mixed": "float16"}.get(model.precision, "float32")
+    per_token = _routed_token_bytes(shape, model.seq_len, dtype, device)
+    return parallel.expert * more * per_token
+
+
+@functools.lru_cache(maxsize=16)
+def _routed_token_bytes(shape: ModelShape, seq_len: int, dtype: str, device: str) -> float:
+    """Bytes an MoE block keeps for backward per routed token (one token at one expert):
+    the difference of one-block profiles at top-2 and top-1 routing, per token."""
+    one = dataclasses.replace(shape, top_k=1, config=shape.config.__class__(
+        **{**shape.config.to_dict(), "num_experts_per_tok": 1}))
+    two = dataclasses.replace(shape, top_k=2, config=shape.config.__class__(
+        **{**shape.config.to_dict(), "num_experts_per_tok": 2}))
+    a, b = _profile(one, 1, seq_len, dtype, device), _profile(two, 1, seq_len, dtype, device)
+    return max(0, b.block_acts - a.block_acts) / seq_len
+
+
 class _RankModel:
     """The per-rank arithmetic of :func:`estimate_layout`: a pipeline rank's peak and FLOPs
     as functions of how many blocks it holds (its stages' together), so that cuts can be
@@ -480,6 +566,7 @@ class _RankModel:
         # A context rank's tokens of each sample: its activations, logits and FLOPs.
         self.seq_len = seq_len = seq_len // parallel.context
         dtype = {"bf16-mixed": "bfloat16", "fp16-mixed": "float16"}.get(precision, "float32")
+        self.precision = precision
         self.prof = _profile(shape, t, seq_len, dtype, device.name)
         self.state = _state_bytes(optimizer)
         self.v = 1 if parallel.schedule in ("gpipe", "1f1b") or p == 1 else 2
@@ -487,6 +574,21 @@ class _RankModel:
         self.block_input = self.mb * seq_len * shape.hidden * act_bytes
         self.attention, self.attention_flops, self.context_bytes = _context_costs(
             shape, parallel, self.mb, seq_len, act_bytes)
+        # Expert parallelism: a rank keeps 1/e of each block's experts; each MoE block's
+        # dispatch moves a micro-batch's routed tokens (``top_k`` per token).
+        e = parallel.expert
+        self.expert_params = shape.expert_block_params / e if e > 1 else 0.0
+        self.block_params = self.prof.block_params - (
+            shape.expert_block_params - self.expert_params if e > 1 else 0)
+        self.routed = self.block_input * shape.top_k if e > 1 else 0.0
+        # The gradients a replica reduces: an expert's only over its replicas (d / e of them).
+        self.reduced_block_params = self.block_params - (
+            self.expert_params if e > 1 and parallel.data == e else 0)
+        # torch's FLOP counter has no formula for transformers' grouped expert matmul
+        # (aten._grouped_mm): a routed token's expert FLOPs (top_k experts, three matrices,
+        # forward and backward) are added per sample here.
+        self.expert_flops = (6 * shape.top_k * 3 * shape.hidden * shape.mlp * seq_len
+                             if shape.experts else 0)
         self.config = PipelineConfig(p, parallel.schedule, self.m) if p > 1 else None
         if self.config is not None:
             last = self.config.num_stages - 1
@@ -521,15 +623,26 @@ class _RankModel:
         # The parameters' replicas (data x context) share ZeRO's shards.
         par, prof, mb, d = self.parallel, self.prof, self.mb, self.parallel.replicas
         first, last = self.ends[r]
-        params = blocks * prof.block_params
+        # The experts' share of this rank's parameters shards over their replicas only.
+        experts = blocks * self.expert_params
+        params = blocks * self.block_params - experts
         params += prof.first_params if first else 0
         params += prof.last_params if last else 0
-        states = zero_model_state_bytes(params, d, par.zero_stage, state_bytes=self.state)
+        groups = ((params, d), (experts, d // par.expert)) if experts else ((params, d),)
+
+        def zero(**kw: float) -> float:
+            return sum(zero_model_state_bytes(n, w, par.zero_stage, **kw) for n, w in groups)
+
+        states = zero(state_bytes=self.state)
         if par.zero_stage == 3:  # two blocks' parameters gathered at a time
-            states += 2 * 4 * prof.block_params * (1 - 1 / d)
+            dense = self.block_params - self.expert_params
+            states += 2 * 4 * (dense * (1 - 1 / d)
+                               + self.expert_params * (1 - par.expert / d))
         if par.zero_stage == 2:  # whole between a block's forward and its backward
-            states += 4 * params * (1 - 1 / d)
+            states += 4 * sum(n * (1 - 1 / w) for n, w in groups)
         per_block = self.block_input if self.checkpointing else prof.kept("block", mb)
+        # The combine's weighted product keeps the routed tokens it received back.
+        per_block += 0 if self.checkpointing else self.routed
         acts = blocks * per_block
         acts += prof.kept("first", mb) if first else 0
         acts += prof.kept("last", mb) if last else 0
@@ -542,10 +655,8 @@ class _RankModel:
         work = prof.kept("block", mb) * (2 if self.checkpointing else 1) + self.attention
         if last:
             work = max(work, 2 * 4 * mb * self.seq_len * (-(-self.shape.vocab // par.tensor)))
-        grads = zero_model_state_bytes(params, d, par.zero_stage, param_bytes=0,
-                                       grad_bytes=4, state_bytes=0)
-        opt = zero_model_state_bytes(params, d, par.zero_stage, param_bytes=0,
-                                     grad_bytes=0, state_bytes=self.state)
+        grads = zero(param_bytes=0, grad_bytes=4, state_bytes=0)
+        opt = zero(param_bytes=0, grad_bytes=0, state_bytes=self.state)
         cats = {"parameters": int(states - grads - opt), "gradients": int(grads),
                 "optimizer_state": int(opt), "activations": int(kept), "temporaries": int(work)}
         return int(states + kept + work), cats
@@ -554,7 +665,7 @@ class _RankModel:
         """Pipeline rank ``r``'s forward and backward FLOPs per step holding ``blocks``."""
         prof = self.prof
         first, last = self.ends[r]
-        flops = blocks * (prof.block_flops + self.attention_flops) * (
+        flops = blocks * (prof.block_flops + self.attention_flops + self.expert_flops) * (
             4 / 3 if self.checkpointing else 1)
         flops += (prof.first_flops if first else 0) + (prof.last_flops if last else 0)
         return flops * self.mb * self.m

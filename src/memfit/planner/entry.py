@@ -34,6 +34,7 @@ def plan(
     disk_dir: str | None = None,
     jobs: int = 2,
     lora_rank: int | None = None,
+    expert_load: float = 1.0,
 ) -> PlanResult:
     """Find the fastest plan whose peak fits ``budget``.
 
@@ -68,6 +69,9 @@ def plan(
         jobs: Processes the search may use (see :func:`memfit.planner.search.plan`).
         lora_rank: The LoRA rank tried with ``lora`` or ``qlora`` allowed (default 16; one
             process only).
+        expert_load: With ``gpus_per_node``: the mixture-of-experts routing each layout must
+            fit (``1`` balanced; ``c > 1``: the rank holding expert 0 receives ``c`` times its
+            share of expert 0's tokens, as ``memfit profile --expert-load`` assumes).
 
     The settings from ``batch_size`` on are :func:`memfit.planner.search.plan`'s, and mean
     the same to the searches over several processes.
@@ -99,7 +103,13 @@ def plan(
             raise ValueError("--gpus-per-node describes the machines of --world-size; give both")
         from .layout import plan_layout
 
-        return plan_layout(workload, budget, world_size, gpus_per_node, **settings)
+        return plan_layout(workload, budget, world_size, gpus_per_node, **settings,
+                           expert_load=expert_load)
+    if expert_load != 1:
+        raise ValueError(
+            "--expert-load is priced by the layout planner, which splits experts; give "
+            "--world-size and --gpus-per-node, or profile a plan with memfit profile "
+            "--dry-run --expert-load")
     if world_size is not None:
         return plan_parallel(workload, budget, world_size, **settings)
     return search.plan(workload, budget, **settings)

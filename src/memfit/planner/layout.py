@@ -22,6 +22,7 @@ dry runs of its own program in a fake process group when
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -101,6 +102,10 @@ def _settings(d: int, t: int, p: int, c: int, batch_size: int, base: ParallelCon
     # all-reduce (stage 0); ZeroRedundancyOptimizer is not composed with them.
     # Context ranks share the parameters as replicas do: ZeRO shards over data x context.
     stages = ((0, 1, 2, 3) if t == p == c == 1 else (0, 2, 3)) if d * c > 1 else (0,)
+    # Expert parallelism (a mixture-of-experts model without a tensor split): every degree
+    # that divides the experts and the replicas (layout_problems drops what cannot run).
+    experts = [x for x in _divisors(d) if shape.experts % x == 0] \
+        if shape.experts and t == c == 1 and base.expert == 1 else [base.expert]
     schedules: tuple[str, ...] = (
         ("1f1b", "interleaved-1f1b", "zero-bubble", "gpipe") if p > 1 else ("1f1b",)
     )
@@ -109,15 +114,12 @@ def _settings(d: int, t: int, p: int, c: int, batch_size: int, base: ParallelCon
         schedules = (base.schedule,)
         if base.microbatches is not None:
             counts = [base.microbatches]
-    for stage in stages:
-        for schedule in schedules:
-            for m in counts:
-                par = dataclasses.replace(base, data=d, tensor=t, pipeline=p, context=c,
-                                          zero_stage=stage,
-                                          schedule=schedule if p > 1 else base.schedule,
-                                          microbatches=m if p > 1 else None)
-                if not layout_problems(shape, par, batch_size, gpus_per_node, seq_len=seq_len):
-                    yield par, m
+    for e, stage, schedule, m in itertools.product(experts, stages, schedules, counts):
+        par = dataclasses.replace(base, data=d, tensor=t, pipeline=p, context=c,
+                                  zero_stage=stage, schedule=schedule if p > 1 else base.schedule,
+                                  microbatches=m if p > 1 else None, expert=e)
+        if not layout_problems(shape, par, batch_size, gpus_per_node, seq_len=seq_len):
+            yield par, m
 
 
 def plan_layout(
@@ -138,6 +140,7 @@ def plan_layout(
     disk_dir: str | None = None,
     jobs: int = 2,
     confirm: bool = True,
+    expert_load: float = 1.0,
 ) -> PlanResult:
     """The fastest 3-D layout over ``world_size`` processes whose every rank fits ``budget``.
 
@@ -171,6 +174,9 @@ def plan_layout(
             model, in this process.
         confirm: Predict the winner's every rank by dry runs of its own program
             (:func:`memfit.estimate.layout.predict_layout`) when that is available.
+        expert_load: Mixture-of-experts routing each layout must fit: ``1`` balanced;
+            ``c > 1``: expert 0 takes ``c`` times its share of every rank's tokens, so the
+            rank holding it receives that many more (its peak is the one that must fit).
 
     Raises:
         TypeError: for a keyword this function does not take.
@@ -197,9 +203,13 @@ def plan_layout(
         workload = load_workload(workload, batch_size or 8, seq_len or 128)
     budget_bytes, budget_device = parse_budget(budget)
     target = get_device(device) if device else (budget_device or get_device(None))
+    if not isinstance(expert_load, (int, float)) or isinstance(expert_load, bool) or not (
+            1 <= expert_load < float("inf")):
+        raise ValueError(f"--expert-load must be a number >= 1 (1: balanced), got "
+                         f"{expert_load!r}")
     base, precision = _base_plan(base, target, forbid)
     search = _LayoutSearch(workload, world_size, g, base, precision, target, budget_bytes,
-                           forbid, progress or (lambda msg: None))
+                           forbid, progress or (lambda msg: None), float(expert_load))
     result = search.run(confirm=confirm, max_predictions=max_predictions)
     result.seconds = time.perf_counter() - started
     return result
@@ -239,6 +249,7 @@ class _LayoutSearch:
     budget_bytes: int
     forbid: tuple[str, ...]
     say: Callable[[str], None]
+    expert_load: float = 1.0
 
     def run(self, *, confirm: bool, max_predictions: int) -> PlanResult:
         """The winner's :class:`PlanResult` (without ``seconds``).
@@ -334,6 +345,7 @@ class _LayoutSearch:
                         shape, cut, batch_size=workload.batch_size, seq_len=workload.seq_len,
                         checkpointing=ckpt, device=self.target, precision=self.precision,
                         optimizer=base.optimizer, gpus_per_node=g, microbatches=m,
+                        expert_load=self.expert_load,
                     ) for cut in self._cuts(shape, par, ckpt)]
                     for cand in _weigh_cuts(priced):
                         cand.fits = fits(layout_prediction(cand, self.target, g),
@@ -534,7 +546,8 @@ def _why_slower(best: LayoutCandidate, other: LayoutCandidate) -> str:
             "bubble": "a larger pipeline bubble", "tensor": "more tensor-parallel all-reduces",
             "pipeline": "more point-to-point traffic between stages",
             "data": "more gradient traffic across replicas",
-            "context": "more key and value traffic between context ranks"}[key]
+            "context": "more key and value traffic between context ranks",
+            "expert": "more all-to-all traffic between expert ranks"}[key]
     return f": {what}, {diffs[key]:.3g} s more per step"
 
 
