@@ -9,7 +9,6 @@ same operations, so a dry run's peak is the real run's peak, not an estimate.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,9 +21,7 @@ from ..targets import DeviceProfile, emulate, get_device
 from ..workload import Workload, load_workload
 
 __all__ = [
-    "Cancelled",
     "DryRunLimitation",
-    "cancel_when",
     "dry_run",
     "measure",
     "model_error",
@@ -43,53 +40,6 @@ class DryRunLimitation(ModelError):
     """A dry run cannot follow an operator that a real run handles (fake tensors have shapes,
     not values: a data-dependent output shape or a value read); the message names the operator
     and the module and says what to do instead."""
-
-
-class Cancelled(Exception):
-    """A run stopped because the one who started it no longer needs it (:func:`cancel_when`)."""
-
-
-#: Conditions under which the runs now starting are no longer needed (see :func:`cancel_when`).
-_CANCEL: list[Callable[[], bool]] = []
-
-
-@contextlib.contextmanager
-def cancel_when(done: Callable[[], bool]) -> Any:
-    """Runs started inside this context raise :class:`Cancelled` soon after ``done()`` turns
-    true: it is checked as modules' forwards start (recomputation included) and every few
-    ops (backward included), at most every few milliseconds. The planner uses it to drop
-    work another process made pointless."""
-    _CANCEL.append(done)
-    try:
-        yield
-    finally:
-        _CANCEL.remove(done)
-
-
-def raise_if_cancelled() -> None:
-    """Raise :class:`Cancelled` if a condition of an enclosing :func:`cancel_when` holds (for
-    a caller that waits rather than runs)."""
-    if any(done() for done in _CANCEL):
-        raise Cancelled
-
-
-def _cancel_check() -> Callable[[], None] | None:
-    """A check that raises :class:`Cancelled` once a condition of :data:`_CANCEL` holds (at
-    most every few milliseconds; ``None`` when there is none)."""
-    if not _CANCEL:
-        return None
-    conditions = list(_CANCEL)
-    last = [0.0]
-
-    def check() -> None:
-        now = time.monotonic()
-        if now - last[0] < 0.005:
-            return
-        last[0] = now
-        if any(done() for done in conditions):
-            raise Cancelled
-
-    return check
 
 
 def model_error(exc: BaseException) -> ModelError:
@@ -256,16 +206,8 @@ class _Run:
                     raise _Stopped
 
             hooks.callback(model.register_forward_hook(at_end).remove)
-        check = _cancel_check()
-        if check is not None:
-            # As modules' forwards start (recomputation included), and every few ops.
-            on_forward = torch.nn.modules.module.register_module_forward_pre_hook(
-                lambda *_: check()
-            )
-            hooks.callback(on_forward.remove)
         with hooks, track(model, setup.optimizer, cap=cap) as tracker, self.emulation:
             self.tracker = tracker
-            tracker.poll = check
             tracker.add_inputs(batch)
             for i in range(steps):
                 try:
@@ -287,8 +229,6 @@ class _Run:
         except (_Stopped, WorkloadError, torch.OutOfMemoryError):
             raise
         except Exception as e:
-            if _cancelled(e):
-                raise Cancelled from None
             tracker = self.tracker
             where = tracker.failed_module or tracker.current_module
             limitation = _dry_limitation(
@@ -321,16 +261,6 @@ class _Run:
             report.trace = self.tracker.trace()
         add_device_memory(report, self.tracker, self.target)
         return report
-
-
-def _cancelled(exc: BaseException | None) -> bool:
-    """Whether ``exc`` is, or was caused by, :class:`Cancelled` (autograd may wrap an error
-    raised during a recomputation in backward)."""
-    while exc is not None:
-        if isinstance(exc, Cancelled):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
 
 
 class _Stopped(Exception):
