@@ -123,7 +123,7 @@ def profile(
 ) -> None:
     """Measure where a training step's memory goes, by category, phase and module."""
     quiet_libraries()
-    from ..estimate.dryrun import measure
+    from ..estimate.predictor import Measured
     from ..workload import load_workload
 
     check_sizes(batch_size, seq_len, steps)
@@ -151,23 +151,25 @@ def profile(
     if under_launcher() and not dry_run:
         run_guarded(profile_under_launcher, workload, the_plan, steps, json_path, out)
         return
-    report = _with_progress(
+    prediction = _with_progress(
         f"{'dry-running' if dry_run else 'running'} {workload.name} "
         f"(batch {batch_size}, length {seq_len}) for {target.name}",
         steps,
         lambda progress: run_guarded(
-            measure,
+            Measured(
+                dry=dry_run,
+                steps=steps,
+                cap=cap_bytes,
+                progress=progress,
+                expert_load=expert_load,
+                keep_trace=snapshot is not None,
+            ).predict,
             workload,
             the_plan,
-            steps=steps,
-            dry=dry_run,
-            cap=cap_bytes,
-            device=target,
-            progress=progress,
-            expert_load=expert_load,
-            keep_trace=snapshot is not None,
+            target,
         ),
     )
+    report = prediction.report
     _print_report(report)
     title = f"memfit profile: {workload.name}, batch {batch_size}, length {seq_len}"
     _write_report(report, json_path, plot, title)
@@ -209,7 +211,7 @@ def _profile_ranks(
 
     from rich.table import Table
 
-    from ..estimate.distributed import predict_ranks
+    from ..estimate.predictor import Ranks
 
     if not dry:
         fail(
@@ -220,14 +222,15 @@ def _profile_ranks(
         fail(f"--world-size must be a whole number >= 1, got {world}")
     plan = plan or Plan()
     if plan.parallel.tensor > 1 or plan.parallel.pipeline > 1:
-        _profile_layout(workload, plan, world, json_path)
+        _profile_layout(workload, plan, world, target, json_path)
         return
     try:
         plan = plan.over_processes(world)
     except PlanError:
         fail(f"the plan is for {plan.parallel.data} processes but --world-size is {world}")
     with err.status(f"dry-running {world} ranks of {workload.name}"):
-        pred = run_guarded(predict_ranks, workload, plan, steps=max(steps, 3), device=target)
+        prediction = run_guarded(Ranks(steps=max(steps, 3)).predict, workload, plan, target)
+    pred = prediction.extra["ranks"]  # the ranks' own reports, for their categories
     categories = [c for c in next(iter(pred.reports.values())).peak_by_category]
     table = Table(title=f"{workload.name}: {plan.summary()} (predicted per rank)")
     for col in ["rank", "peak", *categories]:
@@ -244,7 +247,7 @@ def _profile_ranks(
         out.print(f"wrote {json_path}")
 
 
-def _profile_layout(workload: Any, plan: Any, world: int, json_path: Any) -> None:
+def _profile_layout(workload: Any, plan: Any, world: int, target: Any, json_path: Any) -> None:
     """``memfit profile --dry-run --world-size N`` for a tensor/pipeline plan: each rank's
     predicted peak from dry runs of its own program (:func:`memfit.estimate.layout.
     predict_layout`)."""
@@ -252,7 +255,7 @@ def _profile_layout(workload: Any, plan: Any, world: int, json_path: Any) -> Non
 
     from rich.table import Table
 
-    from ..estimate.layout import predict_layout
+    from ..estimate.predictor import Layout
     from ..optim import registry as optim_registry
 
     par = plan.parallel
@@ -271,7 +274,8 @@ def _profile_layout(workload: Any, plan: Any, world: int, json_path: Any) -> Non
             "--plan gives the layout model's per-rank figures"
         )
     with err.status(f"dry-running the {par.pipeline} pipeline stages of {workload.name}"):
-        pred = run_guarded(predict_layout, workload, par, optimizer=plan.optimizer)
+        prediction = run_guarded(Layout().predict, workload, plan, target)
+    pred = prediction.extra["layout"]  # each rank's peak and the layout's record
     table = Table(title=f"{workload.name}: {plan.summary()} (predicted per rank)")
     for col in ("rank", "stage", "replica", "shard", "peak"):
         table.add_column(col, justify="right")
@@ -357,12 +361,13 @@ def profile_under_launcher(
 
     from rich.table import Table
 
-    from ..estimate.dryrun import measure
+    from ..estimate.predictor import Measured
 
     rank, world = init_worker()
     plan = plan or Plan()
     plan = plan.over_processes(world)  # PlanError is a ValueError: the launcher's sentence
-    report = measure(workload, plan, steps=max(steps, 3))
+    report = Measured(dry=False, steps=max(steps, 3)).predict(workload, plan, None).report
+    assert report is not None
     mine = {
         "rank": rank,
         "peak_bytes": int(report.peak_bytes),
