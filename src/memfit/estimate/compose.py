@@ -389,6 +389,7 @@ def _shallow_run(
     depth: int,
     target: DeviceProfile,
     at_forward_end: Callable[[Any], bool] | None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> MemoryReport:
     assert workload.with_depth is not None
     return dry_run(
@@ -397,6 +398,7 @@ def _shallow_run(
         steps=2,
         device=target,
         at_forward_end=at_forward_end,
+        should_stop=should_stop,
     )
 
 
@@ -407,17 +409,21 @@ def shallow_report(
     *,
     device: str | DeviceProfile | None = "cpu",
     at_forward_end: Callable[[Any], bool] | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> MemoryReport:
     """The report of :func:`predict_peak`'s run of ``workload`` at ``depth`` under ``plan``
     (the reduced batch: two micro-batches at most), for ``predict_peak``'s ``known_reports``.
 
-    ``at_forward_end`` is :func:`~.dryrun.dry_run`'s (called with the tracker at each
-    forward's end; true stops the run there): a :class:`BudgetWatch`'s hook, say. A report
-    so stopped (``meta["stopped"]``) is not one ``known_reports`` takes.
+    ``at_forward_end`` and ``should_stop`` are :func:`~.dryrun.dry_run`'s: called with the
+    tracker at each forward's end (a :class:`BudgetWatch`'s hook, say), and asked every few
+    operators whether the run is still wanted; true stops the run there. A report so
+    stopped (``meta["stopped"]``) is not one ``known_reports`` takes.
     """
     target = get_device(device)
     small_wl, small_plan, _ = _reduced(workload, plan)
-    return _shallow_run(workload, small_plan, small_wl, depth, target, at_forward_end)
+    return _shallow_run(
+        workload, small_plan, small_wl, depth, target, at_forward_end, should_stop
+    )
 
 
 def first_forward_peak(

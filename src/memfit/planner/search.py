@@ -17,7 +17,7 @@ measures half of the cost profile while the planner measures the other half, the
 depth-3 run of each prediction while the planner runs its depth-2 run. The depth-2 run's
 traces at each forward's end go to the worker as they are made, so the depth-3 run stops as
 soon as the full depth passes the budget, as it would in one process; the depth-2 run stops
-at its next forward's end then. A first forward over the budget stops the depth-3 run at its
+within a few operators then. A first forward over the budget stops the depth-3 run at its
 end, at about a floor's cost, so no floor comes first. The answer does not change.
 
 Three rules keep the number of memory predictions small (:func:`search`):

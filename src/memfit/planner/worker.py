@@ -7,7 +7,8 @@ depth-2 one (:func:`predict_shared`). The planner's depth-2 run sends its trace 
 forward's end to the worker as it is made, and the worker's depth-3 run is watched against
 the budget with those traces, as :func:`~memfit.estimate.compose.predict_peak` watches its
 own (:class:`~memfit.estimate.compose.BudgetWatch`): it stops as soon as the full depth passes
-the budget, and the planner's depth-2 run stops at its next forward's end once it knows. The
+the budget, and the planner's depth-2 run stops within a few operators once it knows (its
+``should_stop``). The
 two reports are then composed by ``predict_peak`` (its ``known_reports``), or the floor the
 worker found is the prediction: the one the planner would make alone.
 
@@ -122,12 +123,16 @@ def predict_shared(
         if watch is not None:
             watch.mark(tracker)
             ahead.tell("depth3", c, watch.marks[-1])
-        # Once the depth-3 run stopped over the budget, depth 2 is not needed.
-        return isinstance(ahead.peek("depth3", c), Stopped)
+        return False
+
+    def stopped_there() -> bool:  # once the depth-3 run stopped over the budget
+        return isinstance(ahead.peek("depth3", c), Stopped)  # depth 2 is not needed
 
     try:
         try:
-            r2 = shallow_report(workload, plan, 2, device=target, at_forward_end=at_end)
+            r2 = shallow_report(
+                workload, plan, 2, device=target, at_forward_end=at_end, should_stop=stopped_there
+            )
         finally:
             if watch is not None:
                 ahead.tell("depth3", c, None)  # no more traces
