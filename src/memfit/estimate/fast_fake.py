@@ -107,13 +107,16 @@ class DryFakeTensorMode(FakeTensorMode):
         super().__init__(**kwargs)
         self._poll = poll
         self._polled_ops = 0
+        if poll is not None:
+            # Only a polled mode pays for the extra call on every op.
+            self.dispatch = self._polled_dispatch  # type: ignore[method-assign]
 
-    def dispatch(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
-        if self._poll is not None:
-            self._polled_ops += 1
-            if not self._polled_ops & 63:
-                self._poll()
-        return super().dispatch(func, types, args, kwargs or {})
+    def _polled_dispatch(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        assert self._poll is not None
+        self._polled_ops += 1
+        if not self._polled_ops & 63:
+            self._poll()
+        return FakeTensorMode.dispatch(self, func, types, args, kwargs or {})
 
     def _dispatch_impl(  # type: ignore[override]
         self, func: Any, types: Any, args: Any, kwargs: Any
