@@ -105,10 +105,9 @@ def measure(
             returning true stops the run there (as ``stop="forward"`` does at the first).
         keep_trace: Keep the allocation trace on the report (``report.trace``) for a real
             run too (a dry run always keeps it): what a memory snapshot is built from.
-        should_stop: Asked as the run goes whether it is still wanted: in a dry run every 64
-            operators (in backward too), in a real run at each forward's end. Once it
-            returns true the run stops there, and the report covers it up to there
-            (``meta["stopped"]`` is ``"should_stop"``).
+        should_stop: Asked whether the run is still wanted (a dry run: every 64 operators,
+            backward included; a real run: at each forward's end); true stops it there
+            (``meta["stopped"]``: ``"should_stop"``).
 
     Returns:
         The :class:`MemoryReport`, with ``meta`` holding ``num_parameters``, ``dry_run``,
@@ -140,8 +139,7 @@ def measure(
         run.num_parameters = sum(p.numel() for p in model.parameters())
         setup = apply_plan(model, plan, loss_fn=workload.loss_fn)
         watch = (lambda _: True) if stop == "forward" else at_forward_end
-        if should_stop is not None and not dry:
-            watch = _or_stop(watch, should_stop, run)
+        watch = watch if should_stop is None or dry else _or_stop(watch, should_stop, run)
         run.train(model, batch, setup, steps=steps, cap=cap, watch=watch)
     report = run.report(steps, values, stopped_by=run.stopped_by or stop or "at_forward_end")
     if dry and plan.offload is not None and plan.offload.optimizer == "disk":
