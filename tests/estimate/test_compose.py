@@ -119,76 +119,42 @@ def test_a_run_over_the_budget_stops_at_the_first_forward_that_shows_it(workload
     assert same.method == "composed" and _figures(same) == _figures(full)
 
 
-def test_a_depth_3_run_watched_elsewhere_stops_where_this_process_would(workload, monkeypatch):
-    # The planner's depth-2 run shares its marks; the worker's depth-3 run, watched against
-    # them, stops over the budget where the planner's own would, with the same floor. Once
-    # that stop is in, the planner may cancel its depth-2 run: the floor is the prediction.
-    from memfit.estimate.compose import StoppedOver, shallow_report
-    from memfit.estimate.dryrun import Cancelled, cancel_when
+def test_a_depth_3_run_watched_with_marks_handed_in_stops_where_predict_peak_would(workload):
+    # The planner's worker watches its depth-3 run with the depth-2 run's marks, made in the
+    # planner's process and appended to its own watch: it stops where predict_peak's own
+    # watch stops, with the same floor.
+    from memfit.estimate.compose import budget_watch, floor_prediction, shallow_report
+    from memfit.targets import get_device
 
     plan = memfit.Plan(micro_batch_size=2, optimizer="adafactor")
+    target = get_device("cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         full = predict_peak(workload, plan)
         budget = full.peak_bytes * 3 // 4
         alone = predict_peak(workload, plan, budget_bytes=budget)
         assert alone.method == "at-least"
-        marks: list = []
-        stops = []
-
-        def remote(d):
-            if d != 3:
-                return None
-            assert marks[-1] is None  # the depth-2 run ended: no more marks
-            stops.append(
-                shallow_report(workload, plan, 3, budget_bytes=budget, fetch=marks.__getitem__)
-            )
-            return stops[-1]
-
-        helped = predict_peak(workload, plan, budget_bytes=budget, remote=remote, share=marks.append)
-        assert isinstance(stops[0], StoppedOver)
-        assert _figures(helped) == _figures(alone) and helped.method == "at-least"
-        assert sum(1 for m in marks if m is not None) == 4  # one per forward (2 steps x 2)
-        # The depth-2 run cancelled once the stop is in: the same floor.
-        from memfit.estimate import compose
-
-        ran = []
-        run = compose.dry_run
-
-        def dry_run(*a, **k):
-            try:
-                return run(*a, **k)
-            except Cancelled:
-                ran.append("cancelled")
-                raise
-
-        monkeypatch.setattr(compose, "dry_run", dry_run)
-
-        def over_at_3(d):
-            ran.append(d)
-            return stops[0] if d == 3 else None
-
-        with cancel_when(lambda: True):
-            cancelled = predict_peak(
-                workload, plan, budget_bytes=budget, remote=over_at_3, share=[].append
-            )
-        assert ran == [2, "cancelled", 3]
-        monkeypatch.undo()
-        assert _figures(cancelled) == _figures(alone)
-        # Cancelled for another reason (the result elsewhere is a full run): cancelled.
-        report = shallow_report(workload, plan, 3)
-        with pytest.raises(Cancelled), cancel_when(lambda: True):
-            predict_peak(
-                workload, plan, budget_bytes=budget, remote=lambda d: report if d == 3 else None
-            )
-        # Unwatched there (no fetch), the run is the full one.
-        assert not isinstance(shallow_report(workload, plan, 3, budget_bytes=budget), StoppedOver)
+        here = budget_watch(workload, plan, target, budget)
+        shallow_report(workload, plan, 2, at_forward_end=here.mark)
+        assert len(here.marks) == 4  # one per forward (2 steps x 2 micro-batches)
+        there = budget_watch(workload, plan, target, budget)
+        there.marks.extend(here.marks)
+        stopped = shallow_report(workload, plan, 3, at_forward_end=there.check)
+    assert stopped.meta["stopped"] and there.floor is not None
+    got = floor_prediction(there.floor, target, there.stopped_at)
+    assert _figures(got) == _figures(alone) and got.method == "at-least"
+    assert got.extra == alone.extra  # (the forward it stopped at)
+    # Without marks the check lets the run go on: no budget, or a plan with no watch.
+    assert budget_watch(workload, plan, target, None) is None
+    assert budget_watch(workload, plan.replace(checkpointing="sqrt"), target, budget) is None
 
 
 @pytest.mark.parametrize("device", ["cpu", "a100"])
-def test_a_shallow_run_made_elsewhere_gives_the_same_prediction(workload, device, monkeypatch):
-    # The planner's worker runs the depth-3 run while the planner runs depth 2: the prediction
-    # (and the confirmation built from its traces) is the one made in one process.
+def test_known_shallow_reports_give_the_same_prediction(workload, device, monkeypatch):
+    # The planner's worker runs the depth-3 run while the planner runs depth 2: handed in as
+    # known reports, the prediction (and the confirmation built from its traces) is the one
+    # made in one process, and the known depths are not run again.
+    from memfit.estimate import compose
     from memfit.estimate.compose import composes, shallow_report
 
     plan = memfit.Plan(micro_batch_size=2, checkpointing="selective", optimizer="adafactor")
@@ -196,26 +162,20 @@ def test_a_shallow_run_made_elsewhere_gives_the_same_prediction(workload, device
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         alone = predict_peak(workload, plan, device=device)
-        asked = []
-        reports = {3: shallow_report(workload, plan, 3, device=device)}
-        from memfit.estimate import compose
-
+        known = {3: shallow_report(workload, plan, 3, device=device)}
         here = []
         run = compose.dry_run
         monkeypatch.setattr(
             compose, "dry_run", lambda wl, *a, **k: here.append(wl.depth) or run(wl, *a, **k)
         )
-
-        def remote(d):
-            asked.append(d)
-            return reports.get(d)
-
-        helped = predict_peak(workload, plan, device=device, remote=remote)
-        assert here == [2]  # depth 3 came from elsewhere
+        helped = predict_peak(workload, plan, device=device, known_reports=known)
+        assert here == [2]  # depth 3 was known
+        known[2] = shallow_report(workload, plan, 2, device=device)
+        here.clear()
+        both = predict_peak(workload, plan, device=device, budget_bytes=1, known_reports=known)
+        assert here == []  # (known reports are not watched again)
         monkeypatch.undo()
-        nothing = predict_peak(workload, plan, device=device, remote=lambda d: None)
-    assert asked == [2, 3]
-    assert _figures(helped) == _figures(alone) == _figures(nothing)
+    assert _figures(helped) == _figures(alone) == _figures(both)
     assert helped.reserved_bytes == alone.reserved_bytes
     if device == "cpu":
         assert _figures(confirm_peak(workload, plan, helped)) == _figures(

@@ -145,13 +145,13 @@ def test_dry_run_limitation_while_the_model_is_built():
         memfit.dry_run("tests.models:value_read_in_constructor_workload", batch_size=2, seq_len=1)
 
 
-def test_a_run_is_cancelled_in_backward_too():
-    # cancel_when is checked as modules' forwards start and, through the tracker, every few
-    # ops: a condition that holds only inside the autograd engine (no checkpointing, so no
-    # module forward runs there) still stops the run.
-    import torch
 
-    from memfit.estimate.dryrun import Cancelled, cancel_when
+
+def test_should_stop_stops_a_dry_run_in_backward_too():
+    # A dry run asks should_stop every few operators: a condition that holds only inside the
+    # autograd engine (no checkpointing, so no module forward runs there) stops it there,
+    # and the report covers the run up to that point. A real run asks at each forward's end.
+    import torch
 
     workload = memfit.load_workload("gpt2-tiny", 2, 16)
     seen = []
@@ -160,6 +160,12 @@ def test_a_run_is_cancelled_in_backward_too():
         seen.append(torch._C._current_graph_task_id() != -1)
         return seen[-1]
 
-    with pytest.raises(Cancelled), cancel_when(in_backward):
-        memfit.dry_run(workload, memfit.Plan())
+    full = memfit.dry_run(workload, memfit.Plan())
+    stopped = memfit.dry_run(workload, memfit.Plan(), should_stop=in_backward)
     assert seen[-1] and not seen[0]
+    assert stopped.meta["stopped"] == "should_stop" and "stopped" not in full.meta
+    assert 0 < stopped.peak_bytes <= full.peak_bytes
+    assert not stopped.phase_peaks.get("optimizer")  # (it stopped before the first step)
+    asked = []
+    real = memfit.measure(workload, memfit.Plan(), should_stop=lambda: asked.append(1) or True)
+    assert real.meta["stopped"] == "should_stop" and len(asked) == 1

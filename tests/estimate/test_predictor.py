@@ -5,12 +5,21 @@ from __future__ import annotations
 
 import pytest
 
+import memfit
 from memfit.distributed.config import ParallelConfig
 from memfit.estimate.compose import predict_peak
 from memfit.estimate.distributed import predict_ranks
 from memfit.estimate.layout import predict_layout
 from memfit.estimate.layout_cost import estimate_layout, model_shape
-from memfit.estimate.predictor import Composed, DryRun, Layout, LayoutModel, Predictor, Ranks
+from memfit.estimate.predictor import (
+    Composed,
+    DryRun,
+    Layout,
+    LayoutModel,
+    Measured,
+    Predictor,
+    Ranks,
+)
 from memfit.plan import Plan
 from memfit.targets import get_device
 from memfit.workload import load_workload
@@ -19,7 +28,7 @@ GPT2 = load_workload("gpt2-tiny", 4, 32)
 LLAMA = load_workload("llama-tiny", 4, 16)
 
 
-@pytest.mark.parametrize("predictor", [DryRun(), Composed(), Ranks(), Layout(), LayoutModel()])
+@pytest.mark.parametrize("predictor", [DryRun(), Composed(), Ranks(), Layout(), LayoutModel(), Measured()])
 def test_every_predictor_is_a_predictor(predictor):
     assert isinstance(predictor, Predictor)
 
@@ -34,6 +43,24 @@ def test_dry_run_and_composed_are_predict_peak():
     want = predict_peak(deep, plan, device="cpu")
     assert (composed.peak_bytes, composed.by_category) == (want.peak_bytes, want.by_category)
     assert composed.method == "composed"
+
+
+@pytest.mark.parametrize("device", ["cpu", "a100"])
+def test_measured_is_measure_with_its_report(device):
+    # The workload's own steps, its whole batch: the prediction's figures are the report's.
+    plan = Plan(micro_batch_size=2)
+    steps = []
+    pred = Measured(steps=1, progress=lambda done, total: steps.append((done, total))).predict(
+        GPT2, plan, device
+    )
+    want = memfit.dry_run(GPT2, plan, steps=1, device=device)
+    report = pred.report
+    assert report is not None and steps == [(1, 1)]
+    assert report.peak_bytes == want.peak_bytes == pred.peak_bytes
+    assert pred.by_category == want.peak_by_category and pred.peak_phase == want.peak_phase
+    assert pred.reserved_bytes == (want.peak_reserved_bytes or want.peak_bytes)
+    assert pred.device_total_bytes == want.device_total_bytes
+    assert (pred.method, pred.target_device) == ("measured", want.meta["target_device"])
 
 
 def test_ranks_are_predict_ranks():

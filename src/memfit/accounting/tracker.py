@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -106,9 +106,6 @@ class MemoryTracker(TorchDispatchMode):
         self._peak = 0
         self._peak_op = 0
         self._func: Any = None  # the op being dispatched, named in the report at the peak
-        #: Called every 64 ops when set (it may raise to stop the run): a caller's chance to
-        #: give up a run also in backward, where no module's forward starts.
-        self.poll: Callable[[], None] | None = None
         self._peak_func: Any = None
         self._phase = _OTHERPHASE
         self._in_optimizer = 0
@@ -291,8 +288,6 @@ class MemoryTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         self._op += 1
         self._func = func
-        if self.poll is not None and not self._op & 63:
-            self.poll()
         # Pre-existing tensors the tracker has not met are recorded as "other" on first use.
         for a in args:
             if type(a) is torch.Tensor or isinstance(a, torch.Tensor):

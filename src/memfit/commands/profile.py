@@ -150,7 +150,7 @@ def profile(
 ) -> None:
     """Measure where a training step's memory goes, by category, phase and module."""
     quiet_libraries()
-    from ..estimate.dryrun import measure
+    from ..estimate.predictor import Measured
     from ..workload import load_workload
 
     check_sizes(batch_size, seq_len, steps)
@@ -184,23 +184,25 @@ def profile(
     if under_launcher() and not dry_run:
         run_guarded(profile_under_launcher, workload, the_plan, steps, json_path, out)
         return
-    report = _with_progress(
+    prediction = _with_progress(
         f"{'dry-running' if dry_run else 'running'} {workload.name} "
         f"(batch {batch_size}, length {seq_len}) for {target.name}",
         steps,
         lambda progress: run_guarded(
-            measure,
+            Measured(
+                dry=dry_run,
+                steps=steps,
+                cap=cap_bytes,
+                progress=progress,
+                expert_load=expert_load,
+                keep_trace=snapshot is not None or html is not None,
+            ).predict,
             workload,
             the_plan,
-            steps=steps,
-            dry=dry_run,
-            cap=cap_bytes,
-            device=target,
-            progress=progress,
-            expert_load=expert_load,
-            keep_trace=snapshot is not None or html is not None,
+            target,
         ),
     )
+    report = prediction.report
     _print_report(report)
     title = f"memfit profile: {workload.name}, batch {batch_size}, length {seq_len}"
     _write_report(report, json_path, plot, title)
@@ -305,7 +307,7 @@ def _profile_ranks(
 
     from rich.table import Table
 
-    from ..estimate.distributed import predict_ranks
+    from ..estimate.predictor import Ranks
 
     if not dry:
         fail(
@@ -323,8 +325,9 @@ def _profile_ranks(
     except PlanError:
         fail(f"the plan is for {plan.parallel.data} processes but --world-size is {world}")
     with err.status(f"dry-running {world} ranks of {workload.name}"):
-        pred = run_guarded(predict_ranks, workload, plan, steps=max(steps, 3), device=target,
-                           expert_load=expert_load)
+        prediction = run_guarded(Ranks(steps=max(steps, 3), expert_load=expert_load).predict,
+                                 workload, plan, target)
+    pred = prediction.extra["ranks"]  # the ranks' own reports, for their categories
     categories = [c for c in next(iter(pred.reports.values())).peak_by_category]
     table = Table(title=f"{workload.name}: {plan.summary()} (predicted per rank)")
     device_cols = ["nccl", "device total"] if target.is_cuda else []
@@ -352,9 +355,7 @@ def _profile_layout(workload: Any, plan: Any, world: int, json_path: Any, target
 
     from rich.table import Table
 
-    from ..estimate.layout import predict_layout
-    from ..estimate.nccl import nccl_rank_bytes
-    from ..estimate.predictor import ALLOCATED_SHARE
+    from ..estimate.predictor import ALLOCATED_SHARE, Layout
     from ..optim import registry as optim_registry
 
     par = plan.parallel
@@ -374,8 +375,9 @@ def _profile_layout(workload: Any, plan: Any, world: int, json_path: Any, target
             "--plan gives the layout model's per-rank figures"
         )
     with err.status(f"dry-running the {par.pipeline} pipeline stages of {workload.name}"):
-        pred = run_guarded(predict_layout, workload, par, optimizer=plan.optimizer)
-    nccl = run_guarded(nccl_rank_bytes, par, target)
+        prediction = run_guarded(Layout().predict, workload, plan, target)
+    pred = prediction.extra["layout"]  # each rank's peak and the layout's record
+    nccl = prediction.extra["nccl_bytes"]
     # On a GPU: the allocator's reserve (the layout replay's share) + context + communicators.
     totals = [
         (-(-int(p) * 100 // round(ALLOCATED_SHARE * 100)) + target.overhead_bytes + n)
@@ -470,12 +472,13 @@ def profile_under_launcher(
 
     from rich.table import Table
 
-    from ..estimate.dryrun import measure
+    from ..estimate.predictor import Measured
 
     rank, world = init_worker()
     plan = plan or Plan()
     plan = plan.over_processes(world)  # PlanError is a ValueError: the launcher's sentence
-    report = measure(workload, plan, steps=max(steps, 3))
+    report = Measured(dry=False, steps=max(steps, 3)).predict(workload, plan, None).report
+    assert report is not None
     mine = {
         "rank": rank,
         "peak_bytes": int(report.peak_bytes),

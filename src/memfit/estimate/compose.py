@@ -29,24 +29,25 @@ the target's fixed overhead (CUDA context, workspaces).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
-from ..accounting import CATEGORIES, PHASES
+from ..accounting import CATEGORIES, PHASES, MemoryReport
 from ..plan import Plan
 from ..targets import DeviceProfile, get_device
 from ..workload import Workload
 from .depth import SHALLOW_DEPTHS, compose_pattern, layer_pattern, profile_depths
-from .dryrun import Cancelled, dry_run
+from .dryrun import dry_run
 from .prediction import Prediction
 
 __all__ = [
-    "StoppedOver",
+    "BudgetWatch",
     "block_pattern",
+    "budget_watch",
     "composes",
     "confirm_peak",
     "first_forward_peak",
+    "floor_prediction",
     "predict_peak",
     "shallow_report",
 ]
@@ -133,43 +134,46 @@ class _OverBudget(Exception):
     """The deeper shallow run stopped: the full depth is known to exceed the budget."""
 
 
-class _Watch:
-    """Watches the depth-3 run against the budget at each forward's end: the full depth's
-    run up to that point is built from the two runs' traces there (the depth-2 run's taken at
-    the same points) and, once it passes ``limit`` bytes, the depth-3 run stops."""
+class BudgetWatch:
+    """Watches a depth-3 run against a budget at each forward's end (:func:`budget_watch`).
+
+    The depth-2 run's hook (:meth:`mark`) keeps its trace at each forward's end; the depth-3
+    run's (:meth:`check`) builds the full depth's run up to that point from the two runs'
+    traces there and stops the run (returns true) once it passes ``limit`` bytes. Both are
+    ``at_forward_end`` hooks of :func:`~.dryrun.dry_run` (see :meth:`at`). Where the depth-2
+    run is made elsewhere, its marks may be appended to :attr:`marks` by whoever has them,
+    before the check that needs them (the ``k``-th check reads ``marks[k]``; a check without
+    its mark lets the run go on).
+
+    Attributes:
+        marks: The depth-2 run's trace at each forward's end, in order.
+        checked: Forwards of the depth-3 run checked so far (the next check needs
+            ``marks[checked]``).
+        floor: Once the depth-3 run stopped: the bytes per category at the full depth's
+            highest point up to the stop (``None`` until then).
+        stopped_at: The forward (from 0) at whose end the depth-3 run stopped (-1: none).
+    """
 
     def __init__(self, depth: int, scale: float, limit: int) -> None:
         self.depth, self.scale, self.limit = depth, scale, limit
-        self.marks: list[Any] = []  # the depth-2 run's trace at each forward's end
-        self.checked = 0  # forwards of the depth-3 run seen so far
+        self.marks: list[Any] = []
+        self.checked = 0
         self.floor: dict[str, int] | None = None
-        self.stopped_at = -1  # the forward (from 0) at whose end the depth-3 run stopped
-        # Where the depth-2 and depth-3 runs are made in two processes: the depth-2 run's
-        # marks go to the other process as they are made (``share``; ``None`` when it ends),
-        # and the depth-3 run waits for the one it needs (``fetch``: ``None`` when none is
-        # left).
-        self.share: Callable[[Any], None] | None = None
-        self.fetch: Callable[[int], Any] | None = None
+        self.stopped_at = -1
 
     def at(self, d: int) -> Any:
         """The hook for the run of depth ``d`` (``None``: not watched)."""
-        return {2: self._mark, 3: self._check}.get(d)
+        return {2: self.mark, 3: self.check}.get(d)
 
-    def _mark(self, tracker: Any) -> bool:
+    def mark(self, tracker: Any) -> bool:
+        """The depth-2 run's hook: keeps its trace; never stops it."""
         self.marks.append(tracker.trace())
-        if self.share is not None:
-            self.share(self.marks[-1])
         return False
 
-    def _check(self, tracker: Any) -> bool:
+    def check(self, tracker: Any) -> bool:
+        """The depth-3 run's hook: whether the full depth passed the limit (then stop)."""
         k = self.checked
         self.checked += 1
-        if k >= len(self.marks) and self.fetch is not None:
-            mark = self.fetch(k)
-            if mark is None:
-                self.fetch = None
-            else:
-                self.marks.append(mark)
         if k >= len(self.marks):
             return False
         floor = _extended_peak({2: self.marks[k], 3: tracker.trace()}, self.depth, self.scale)
@@ -196,7 +200,10 @@ def _extended_peak(at: dict[int, Any], depth: int, scale: float) -> dict[str, in
     return {c: round(v) for c, v in top.items()}
 
 
-def _floor_prediction(floor: dict[str, int], target: DeviceProfile, forward: int) -> Prediction:
+def floor_prediction(floor: dict[str, int], target: DeviceProfile, forward: int) -> Prediction:
+    """The prediction of a run a :class:`BudgetWatch` stopped: ``floor`` (its
+    :attr:`~BudgetWatch.floor`, at the end of forward ``forward``) as a lower bound on the
+    peak (``method`` ``"at-least"``)."""
     peak = sum(floor.values())
     return Prediction(
         peak_bytes=peak,
@@ -218,8 +225,7 @@ def predict_peak(
     compose: bool = True,
     device: str | DeviceProfile | None = "cpu",
     budget_bytes: int | None = None,
-    remote: Callable[[int], Any] | None = None,
-    share: Callable[[Any], None] | None = None,
+    known_reports: Mapping[int, MemoryReport] | None = None,
 ) -> Prediction:
     """Predict the peak of training ``workload`` under ``plan`` on ``device``.
 
@@ -234,23 +240,17 @@ def predict_peak(
             run stops as soon as the full depth's run, built from the two runs' traces up to
             a forward's end, passes it; the prediction is then that floor (``method``
             ``"at-least"``), not the peak.
-        remote: Asked for each shallow depth's report before this process runs it: the
-            :func:`shallow_report` another process ran meanwhile (watched against the
-            budget there too when it was given ``share``'s marks, and then perhaps a
-            :class:`StoppedOver`), or ``None`` (this process runs it). The prediction is the
-            same either way. Should this process's depth-2 run be cancelled
-            (:func:`~.dryrun.cancel_when`), a :class:`StoppedOver` from ``remote(3)`` is the
-            prediction; anything else lets :class:`~.dryrun.Cancelled` through.
-        share: With ``remote`` and ``budget_bytes``: called with each mark the depth-2 run
-            makes for the depth-3 run's watch, then with ``None`` once it ends, for a depth-3
-            run watched elsewhere (:func:`shallow_report` with ``fetch``; its report may then
-            be a :class:`StoppedOver`).
+        known_reports: Shallow runs already made, by depth: each the :func:`shallow_report`
+            of this workload and plan at that depth on ``device`` (run to its end: a depth-3
+            report watched against the budget elsewhere that did not stop). Those depths are
+            not run again; the prediction is the same. A depth-3 run made here is watched
+            only with a depth-2 run made here too.
     """
     plan = plan or Plan()
     target = get_device(device)
     small_wl, small_plan, scale = _reduced(workload, plan)
     if compose and composes(workload, plan):
-        runs = _ShallowRuns(workload, plan, target, budget_bytes, remote, share)
+        runs = _ShallowRuns(workload, plan, target, budget_bytes, known_reports or {})
         composed = runs.predict()
         if composed is not None:
             return composed
@@ -269,7 +269,7 @@ class _Shallow(NamedTuple):
 
 class _ShallowRuns:
     """:func:`predict_peak`'s shallow runs of one workload and plan, each made once (here,
-    or taken from ``remote``), and their composition to the full depth."""
+    or taken from ``known``), and their composition to the full depth."""
 
     def __init__(
         self,
@@ -277,37 +277,30 @@ class _ShallowRuns:
         plan: Plan,
         target: DeviceProfile,
         budget_bytes: int | None,
-        remote: Callable[[int], Any] | None,
-        share: Callable[[Any], None] | None,
+        known: Mapping[int, MemoryReport],
     ) -> None:
         assert workload.with_depth is not None and workload.depth is not None
-        self.workload, self.target, self.remote = workload, target, remote
+        self.workload, self.target, self.known = workload, target, known
         self.small_wl, self.small_plan, self.scale = _reduced(workload, plan)
         self.pattern = block_pattern(workload) or [0] * workload.depth
         self.depths = profile_depths(self.pattern)
         self.runs: dict[int, _Shallow] = {}
         self.traces: dict[int, Any] = {}
-        self.watch = _watch_for(workload, plan, target, budget_bytes)
-        if self.watch is not None:
-            self.watch.share = share
+        self.watch = budget_watch(workload, plan, target, budget_bytes)
 
     def run(self, d: int) -> _Shallow:
         """The run at depth ``d``; raises :class:`_OverBudget` when the watch stopped it."""
         if d in self.runs:
             return self.runs[d]
-        watch = self.watch
-        report = None if self.remote is None else self.remote(d)
-        if isinstance(report, StoppedOver):
-            if watch is None:  # (not asked for: not a stop this run would make)
-                report = None
-            else:
-                watch.floor, watch.stopped_at = report.floor, report.forward
+        report = self.known.get(d)
         if report is None:
-            report = _watched_run(
-                self.workload, self.small_plan, self.small_wl, d, self.target, watch
+            watch = self.watch
+            report = _shallow_run(
+                self.workload, self.small_plan, self.small_wl, d, self.target,
+                None if watch is None else watch.at(d),
             )
-        if watch is not None and watch.floor is not None:
-            raise _OverBudget
+            if watch is not None and watch.floor is not None:
+                raise _OverBudget
         self.runs[d] = _Shallow(
             _by_phase(report, self.scale),
             report.peak_reserved_bytes or report.peak_bytes,
@@ -329,23 +322,11 @@ class _ShallowRuns:
                 shallow = [self.run(d) for d in tried]
             except _OverBudget:
                 assert self.watch is not None and self.watch.floor is not None
-                return _floor_prediction(self.watch.floor, self.target, self.watch.stopped_at)
-            except Cancelled:
-                # The caller may cancel the depth-2 run once the depth-3 run made elsewhere
-                # stopped over the budget: that verdict is the prediction.
-                over = self._stopped_elsewhere()
-                if not isinstance(over, StoppedOver):
-                    raise
-                return _floor_prediction(over.floor, self.target, over.forward)
+                return floor_prediction(self.watch.floor, self.target, self.watch.stopped_at)
             phases = _compose_phases(tried, [s.phases for s in shallow], self.pattern)
             if phases:
                 return self._composed(tried, shallow, phases)
         return None
-
-    def _stopped_elsewhere(self) -> Any:
-        if self.remote is None or self.watch is None or 3 in self.runs:
-            return None
-        return self.remote(3)
 
     def _composed(
         self, tried: list[int], shallow: list[_Shallow], phases: dict[str, dict[str, int]]
@@ -384,24 +365,12 @@ def composes(workload: Workload, plan: Plan) -> bool:
     )
 
 
-@dataclass(frozen=True)
-class StoppedOver:
-    """A depth-3 run that :func:`shallow_report` stopped: the full depth passes the budget.
-
-    Attributes:
-        floor: The bytes per category at the full depth's highest point up to the stop.
-        forward: The forward (counted from 0) at whose end the run stopped.
-    """
-
-    floor: dict[str, int]
-    forward: int  # the forward (from 0) at whose end it stopped
-
-
-def _watch_for(
+def budget_watch(
     workload: Workload, plan: Plan, target: DeviceProfile, budget_bytes: int | None
-) -> _Watch | None:
-    """The watch of :func:`predict_peak`'s depth-3 run against ``budget_bytes`` (``None``:
-    not watched: no budget, or a model of unlike blocks)."""
+) -> BudgetWatch | None:
+    """The watch of :func:`predict_peak`'s depth-3 run of ``workload`` under ``plan`` against
+    ``budget_bytes`` on ``target`` (``None``: not watched: no budget, a plan or model that
+    does not compose, or a model of unlike blocks)."""
     if budget_bytes is None or not composes(workload, plan):
         return None
     assert workload.depth is not None
@@ -410,29 +379,27 @@ def _watch_for(
         return None
     _, _, scale = _reduced(workload, plan)
     limit = budget_bytes - (target.overhead_bytes if target.is_cuda else 0)
-    return _Watch(workload.depth, scale, limit)
+    return BudgetWatch(workload.depth, scale, limit)
 
 
-def _watched_run(
+def _shallow_run(
     workload: Workload,
     small_plan: Plan,
     small_wl: Workload,
     depth: int,
     target: DeviceProfile,
-    watch: _Watch | None,
-) -> Any:
+    at_forward_end: Callable[[Any], bool] | None,
+    should_stop: Callable[[], bool] | None = None,
+) -> MemoryReport:
     assert workload.with_depth is not None
-    try:
-        return dry_run(
-            workload.with_depth(depth).replace(batch_size=small_wl.batch_size),
-            small_plan,
-            steps=2,
-            device=target,
-            at_forward_end=None if watch is None else watch.at(depth),
-        )
-    finally:
-        if watch is not None and watch.share is not None and depth == 2:
-            watch.share(None)  # no more marks
+    return dry_run(
+        workload.with_depth(depth).replace(batch_size=small_wl.batch_size),
+        small_plan,
+        steps=2,
+        device=target,
+        at_forward_end=at_forward_end,
+        should_stop=should_stop,
+    )
 
 
 def shallow_report(
@@ -441,26 +408,22 @@ def shallow_report(
     depth: int,
     *,
     device: str | DeviceProfile | None = "cpu",
-    budget_bytes: int | None = None,
-    fetch: Callable[[int], Any] | None = None,
-) -> Any:
+    at_forward_end: Callable[[Any], bool] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> MemoryReport:
     """The report of :func:`predict_peak`'s run of ``workload`` at ``depth`` under ``plan``
-    (the reduced batch: two micro-batches at most), for ``predict_peak``'s ``remote``.
+    (the reduced batch: two micro-batches at most), for ``predict_peak``'s ``known_reports``.
 
-    With ``budget_bytes`` and ``fetch``, a depth-3 run is watched as ``predict_peak`` watches
-    its own: ``fetch(k)`` gives the depth-2 run's ``k``-th mark (waiting for it; ``None``
-    when there is none), which ``predict_peak``'s ``share`` sent. The run then stops as soon
-    as the full depth passes the budget, and the result is a :class:`StoppedOver`.
+    ``at_forward_end`` and ``should_stop`` are :func:`~.dryrun.dry_run`'s: called with the
+    tracker at each forward's end (a :class:`BudgetWatch`'s hook, say), and asked every few
+    operators whether the run is still wanted; true stops the run there. A report so
+    stopped (``meta["stopped"]``) is not one ``known_reports`` takes.
     """
     target = get_device(device)
     small_wl, small_plan, _ = _reduced(workload, plan)
-    watch = _watch_for(workload, plan, target, budget_bytes) if fetch is not None else None
-    if watch is not None:
-        watch.fetch = fetch
-    report = _watched_run(workload, small_plan, small_wl, depth, target, watch)
-    if watch is not None and watch.floor is not None:
-        return StoppedOver(watch.floor, watch.stopped_at)
-    return report
+    return _shallow_run(
+        workload, small_plan, small_wl, depth, target, at_forward_end, should_stop
+    )
 
 
 def first_forward_peak(

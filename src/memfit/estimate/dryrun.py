@@ -9,7 +9,6 @@ same operations, so a dry run's peak is the real run's peak, not an estimate.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,9 +21,7 @@ from ..targets import DeviceProfile, emulate, get_device
 from ..workload import Workload, load_workload
 
 __all__ = [
-    "Cancelled",
     "DryRunLimitation",
-    "cancel_when",
     "dry_run",
     "dry_tensors",
     "measure",
@@ -44,53 +41,6 @@ class DryRunLimitation(ModelError):
     """A dry run cannot follow an operator that a real run handles (fake tensors have shapes,
     not values: a data-dependent output shape or a value read); the message names the operator
     and the module and says what to do instead."""
-
-
-class Cancelled(Exception):
-    """A run stopped because the one who started it no longer needs it (:func:`cancel_when`)."""
-
-
-#: Conditions under which the runs now starting are no longer needed (see :func:`cancel_when`).
-_CANCEL: list[Callable[[], bool]] = []
-
-
-@contextlib.contextmanager
-def cancel_when(done: Callable[[], bool]) -> Any:
-    """Runs started inside this context raise :class:`Cancelled` soon after ``done()`` turns
-    true: it is checked as modules' forwards start (recomputation included) and every few
-    ops (backward included), at most every few milliseconds. The planner uses it to drop
-    work another process made pointless."""
-    _CANCEL.append(done)
-    try:
-        yield
-    finally:
-        _CANCEL.remove(done)
-
-
-def raise_if_cancelled() -> None:
-    """Raise :class:`Cancelled` if a condition of an enclosing :func:`cancel_when` holds (for
-    a caller that waits rather than runs)."""
-    if any(done() for done in _CANCEL):
-        raise Cancelled
-
-
-def _cancel_check() -> Callable[[], None] | None:
-    """A check that raises :class:`Cancelled` once a condition of :data:`_CANCEL` holds (at
-    most every few milliseconds; ``None`` when there is none)."""
-    if not _CANCEL:
-        return None
-    conditions = list(_CANCEL)
-    last = [0.0]
-
-    def check() -> None:
-        now = time.monotonic()
-        if now - last[0] < 0.005:
-            return
-        last[0] = now
-        if any(done() for done in conditions):
-            raise Cancelled
-
-    return check
 
 
 def model_error(exc: BaseException) -> ModelError:
@@ -116,6 +66,7 @@ def measure(
     stop: str | None = None,
     at_forward_end: Callable[[Any], bool] | None = None,
     keep_trace: bool = False,
+    should_stop: Callable[[], bool] | None = None,
 ) -> MemoryReport:
     """Run ``steps`` full training steps of ``workload`` under ``plan`` and report memory.
 
@@ -155,6 +106,9 @@ def measure(
             returning true stops the run there (as ``stop="forward"`` does at the first).
         keep_trace: Keep the allocation trace on the report (``report.trace``) for a real
             run too (a dry run always keeps it): what a memory snapshot is built from.
+        should_stop: Asked whether the run is still wanted (a dry run: every 64 operators,
+            backward included; a real run: at each forward's end); true stops it there
+            (``meta["stopped"]``: ``"should_stop"``).
 
     Returns:
         The :class:`MemoryReport`, with ``meta`` holding ``num_parameters``, ``dry_run``,
@@ -180,13 +134,15 @@ def measure(
     plan = plan_for_target(plan or Plan(), target)
     run = _Run(workload, plan, target, dry=dry, progress=progress, keep_trace=keep_trace)
     values = _values(dry, expert_load, run.current_module)
-    with _fake_mode() if dry else contextlib.nullcontext(), values:
+    poll = None if should_stop is None else run.poll(should_stop)
+    with _fake_mode(poll) if dry else contextlib.nullcontext(), values:
         model, batch = _build(workload, seed)
         run.num_parameters = sum(p.numel() for p in model.parameters())
         setup = apply_plan(model, plan, loss_fn=workload.loss_fn)
         watch = (lambda _: True) if stop == "forward" else at_forward_end
+        watch = watch if should_stop is None or dry else _or_stop(watch, should_stop, run)
         run.train(model, batch, setup, steps=steps, cap=cap, watch=watch)
-    report = run.report(steps, values, stopped_by=stop or "at_forward_end")
+    report = run.report(steps, values, stopped_by=run.stopped_by or stop or "at_forward_end")
     if dry and plan.offload is not None and plan.offload.optimizer == "disk":
         _disk_tier_estimate(report, setup.optimizer, plan)
     if plan.compile_backend is not None:
@@ -229,9 +185,23 @@ class _Run:
         self.emulation = emulate(target)
         self.tracker: Any = None  # once the run is tracked
         self.losses: list[float | None] = []
-        self.stopped = False  # whether ``watch`` stopped the run
+        self.stopped = False  # whether ``watch`` (or ``should_stop``) stopped the run
+        self.stopped_by: str | None = None  # "should_stop" when that stopped it
+        self.in_step = False  # inside a training step (where ``should_stop`` may stop it)
         self.num_parameters = 0  # of the model as built, before the plan
         self.keep_trace = keep_trace or dry  # the report keeps the trace (dry runs always do)
+
+    def poll(self, should_stop: Callable[[], bool]) -> Callable[[], None]:
+        """A dry run's poll of ``should_stop`` (see :class:`~.fast_fake.DryFakeTensorMode`):
+        stops the run once it holds (only once the run is tracked: building the model is
+        not stopped)."""
+
+        def check() -> None:
+            if self.in_step and should_stop():
+                self.stopped_by = "should_stop"
+                raise _Stopped
+
+        return check
 
     def current_module(self) -> str | None:
         """The module running now (``None`` before the run is tracked)."""
@@ -257,16 +227,8 @@ class _Run:
                     raise _Stopped
 
             hooks.callback(model.register_forward_hook(at_end).remove)
-        check = _cancel_check()
-        if check is not None:
-            # As modules' forwards start (recomputation included), and every few ops.
-            on_forward = torch.nn.modules.module.register_module_forward_pre_hook(
-                lambda *_: check()
-            )
-            hooks.callback(on_forward.remove)
         with hooks, track(model, setup.optimizer, cap=cap) as tracker, self.emulation:
             self.tracker = tracker
-            tracker.poll = check
             tracker.add_inputs(batch)
             for i in range(steps):
                 try:
@@ -283,19 +245,22 @@ class _Run:
         """One step of ``setup``; the model's own failure is named as the model's."""
         from ..workload import WorkloadError
 
+        self.in_step = True
         try:
             return setup.step(batch)
         except (_Stopped, WorkloadError, torch.OutOfMemoryError):
             raise
         except Exception as e:
-            if _cancelled(e):
-                raise Cancelled from None
+            if _stopped(e):
+                raise _Stopped from None
             tracker = self.tracker
             where = tracker.failed_module or tracker.current_module
             limitation = _dry_limitation(
                 e, f"inside module {where!r}" if where else "in the training step"
             )
             raise (limitation or model_error(e)) from e
+        finally:
+            self.in_step = False
 
     def report(self, steps: int, values: Any, *, stopped_by: str) -> MemoryReport:
         """The tracker's report, with the run's facts in ``meta`` and the target's memory."""
@@ -324,18 +289,35 @@ class _Run:
         return report
 
 
-def _cancelled(exc: BaseException | None) -> bool:
-    """Whether ``exc`` is, or was caused by, :class:`Cancelled` (autograd may wrap an error
+class _Stopped(Exception):
+    """Raised where a run asked to stop early (``stop="forward"``, ``at_forward_end``,
+    ``should_stop``) reaches that point."""
+
+
+def _stopped(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is, or was caused by, :class:`_Stopped` (autograd may wrap an error
     raised during a recomputation in backward)."""
     while exc is not None:
-        if isinstance(exc, Cancelled):
+        if isinstance(exc, _Stopped):
             return True
         exc = exc.__cause__ or exc.__context__
     return False
 
 
-class _Stopped(Exception):
-    """Raised where a run asked to stop early (``stop="forward"``) reaches that point."""
+def _or_stop(
+    watch: Callable[[Any], bool] | None, should_stop: Callable[[], bool], run: _Run
+) -> Callable[[Any], bool]:
+    """``watch`` at a forward's end, or ``should_stop`` (then named as what stopped it)."""
+
+    def at_end(tracker: Any) -> bool:
+        if watch is not None and watch(tracker):
+            return True
+        if should_stop():
+            run.stopped_by = "should_stop"
+            return True
+        return False
+
+    return at_end
 
 
 def _disk_tier_estimate(report: MemoryReport, optimizer: Any, plan: Plan) -> None:
@@ -390,12 +372,13 @@ def dry_tensors(expert_load: float = 1.0, where: Callable[[], str | None] = lamb
 
 
 @contextlib.contextmanager
-def _fake_mode() -> Any:
-    """Fake tensors, with the fake kernels that follow the real ones (:mod:`.fake_kernels`)."""
+def _fake_mode(poll: Callable[[], None] | None = None) -> Any:
+    """Fake tensors, with the fake kernels that follow the real ones (:mod:`.fake_kernels`);
+    ``poll`` is called every 64 operators (see :class:`~.fast_fake.DryFakeTensorMode`)."""
     from .fake_kernels import real_kernel_rules
     from .fast_fake import DryFakeTensorMode
 
-    with real_kernel_rules(), DryFakeTensorMode(allow_non_fake_inputs=True):
+    with real_kernel_rules(), DryFakeTensorMode(allow_non_fake_inputs=True, poll=poll):
         yield
 
 
@@ -510,6 +493,7 @@ def dry_run(
     expert_load: float = 1.0,
     stop: str | None = None,
     at_forward_end: Callable[[Any], bool] | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> MemoryReport:
     """Run ``steps`` full training steps on fake tensors and return the :class:`MemoryReport`.
 
@@ -532,6 +516,8 @@ def dry_run(
         stop: ``"forward"``: stop as the model's first forward returns.
         at_forward_end: Called with the tracker each time a forward of the model returns;
             returning true stops the run there.
+        should_stop: Asked every 64 operators whether the run is still wanted (true: it
+            stops there, see :func:`measure`).
     """
     return measure(
         workload,
@@ -547,4 +533,5 @@ def dry_run(
         expert_load=expert_load,
         stop=stop,
         at_forward_end=at_forward_end,
+        should_stop=should_stop,
     )

@@ -15,6 +15,7 @@ difference: the saved statistics of a mixed-type norm on CPU take the real kerne
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -93,7 +94,29 @@ class _Slow(Exception):
 
 
 class DryFakeTensorMode(FakeTensorMode):
-    """A :class:`FakeTensorMode` whose dispatch-cache key is built faster for plain tensors."""
+    """A :class:`FakeTensorMode` whose dispatch-cache key is built faster for plain tensors.
+
+    Args:
+        poll: Called every 64 ops this mode dispatches, cached ones included (it may raise to
+            stop the run): a dry run's chance to stop in backward too, where no module's
+            forward starts. ``None``: nothing is called.
+        **kwargs: :class:`FakeTensorMode`'s.
+    """
+
+    def __init__(self, *, poll: Callable[[], None] | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._poll = poll
+        self._polled_ops = 0
+        if poll is not None:
+            # Only a polled mode pays for the extra call on every op.
+            self.dispatch = self._polled_dispatch  # type: ignore[method-assign]
+
+    def _polled_dispatch(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        assert self._poll is not None
+        self._polled_ops += 1
+        if not self._polled_ops & 63:
+            self._poll()
+        return FakeTensorMode.dispatch(self, func, types, args, kwargs or {})
 
     def _dispatch_impl(  # type: ignore[override]
         self, func: Any, types: Any, args: Any, kwargs: Any

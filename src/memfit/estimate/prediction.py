@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..accounting import MemoryReport
 from .target import upper_edge
 
 __all__ = ["Prediction"]
@@ -33,7 +34,9 @@ class Prediction:
             :func:`~memfit.estimate.compose.predict_peak`'s ``budget_bytes``: ``peak_bytes``
             and ``by_category`` are that floor's), ``ranks`` (every rank dry-run in a fake
             process group), ``layout`` (each pipeline rank's program replayed over its
-            schedule) or ``layout-model`` (the 3-D planner's per-stage model).
+            schedule), ``layout-model`` (the 3-D planner's per-stage model) or ``measured``
+            (the workload's own steps run as given, for real or on fake tensors: see
+            :attr:`report`).
         extra: ``traces``: a composed prediction's shallow allocation traces by depth, kept
             for :func:`~memfit.estimate.compose.confirm_peak` (only for models of like
             blocks); other predictors keep their own record here (``ranks``: the
@@ -48,6 +51,9 @@ class Prediction:
             activations), composed over depth like the device categories.
         rank_peak_bytes: Predicted peak of every rank, in rank order (empty: one process,
             whose peak is ``peak_bytes``; see :attr:`ranks`).
+        report: The run's whole :class:`~memfit.accounting.MemoryReport` (modules, timeline,
+            trace, the run's facts in ``meta``) where the predictor made one run of the
+            workload as given (``measured``); ``None`` for the others.
     """
 
     peak_bytes: int
@@ -61,6 +67,7 @@ class Prediction:
     target_device: str = "cpu"
     host_bytes: int = 0
     rank_peak_bytes: list[int] = field(default_factory=list)
+    report: MemoryReport | None = None
 
     @property
     def device_total_bytes(self) -> int:

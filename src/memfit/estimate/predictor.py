@@ -18,6 +18,9 @@ category, allocated and reserved bytes):
 * :class:`LayoutModel`: the 3-D planner's per-stage model
   (:func:`~memfit.estimate.layout_cost.estimate_layout`): one block's dry run, the rest
   counted; cheap enough to price every layout.
+* :class:`Measured`: the workload's own steps run as given, on fake tensors or for real
+  (:func:`~memfit.estimate.dryrun.measure`), the whole report kept: what ``memfit profile``
+  shows.
 
 Example:
     >>> from memfit.estimate.predictor import Composed
@@ -30,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -47,6 +51,7 @@ __all__ = [
     "DryRun",
     "Layout",
     "LayoutModel",
+    "Measured",
     "Prediction",
     "Predictor",
     "Ranks",
@@ -79,6 +84,59 @@ class DryRun:
 
 
 @dataclass(frozen=True)
+class Measured:
+    """The workload's own steps run as given (its whole batch, every micro-batch), on fake
+    tensors or for real, and measured: the prediction keeps the run's whole report
+    (:attr:`~memfit.estimate.prediction.Prediction.report`).
+
+    Attributes:
+        dry: Run on fake tensors (nothing allocated) rather than for real.
+        steps: Training steps to run.
+        cap: Virtual memory cap in bytes (``torch.OutOfMemoryError`` beyond it).
+        seed: Seed for model initialisation and the batch.
+        expert_load: Dry runs only: how a mixture-of-experts router spreads tokens.
+        keep_trace: Keep a real run's allocation trace on the report too.
+        progress: Called after each step with (steps done, steps in all).
+    """
+
+    dry: bool = True
+    steps: int = 2
+    cap: int | None = None
+    seed: int = 0
+    expert_load: float = 1.0
+    keep_trace: bool = False
+    progress: Callable[[int, int], None] | None = None
+
+    def predict(self, workload: Workload, plan: Plan | None, target: Target) -> Prediction:
+        """See :class:`Predictor` (``plan`` ``None``: the plain plan).
+
+        Raises:
+            ModelError: when the model itself fails (see
+                :func:`~memfit.estimate.dryrun.measure`).
+        """
+        from .dryrun import measure
+
+        device = get_device(target)
+        report = measure(
+            workload, plan, steps=self.steps, dry=self.dry, cap=self.cap, seed=self.seed,
+            device=device, progress=self.progress, expert_load=self.expert_load,
+            keep_trace=self.keep_trace,
+        )
+        return Prediction(
+            peak_bytes=report.peak_bytes,
+            by_category=dict(report.peak_by_category),
+            phase_peaks=dict(report.phase_peaks),
+            peak_phase=report.peak_phase,
+            method="measured",
+            reserved_bytes=int(report.peak_reserved_bytes or report.peak_bytes),
+            overhead_bytes=report.overhead_bytes,
+            target_device=device.name,
+            host_bytes=int(report.peak_by_tier.get("host", 0)),
+            report=report,
+        )
+
+
+@dataclass(frozen=True)
 class Composed:
     """Dry runs at depths 2 and 3 extrapolated to the full depth (the full depth dry-run where
     the model or the plan does not compose).
@@ -106,17 +164,21 @@ class Ranks:
     Attributes:
         steps: Steps per dry run (3: DDP rebuilds its buckets at the second).
         seed: Seed for model initialisation and the batch.
+        expert_load: How a mixture-of-experts router spreads tokens (1: evenly; c > 1: the
+            rank holding expert 0 gets c times its share).
     """
 
     steps: int = 3
     seed: int = 0
+    expert_load: float = 1.0
 
     def predict(self, workload: Workload, plan: Plan, target: Target) -> Prediction:
         """See :class:`Predictor`."""
         from .distributed import predict_ranks
 
         device = get_device(target)
-        ranks = predict_ranks(workload, plan, steps=self.steps, device=device, seed=self.seed)
+        ranks = predict_ranks(workload, plan, steps=self.steps, device=device, seed=self.seed,
+                              expert_load=self.expert_load)
         top = max(ranks.reports, key=lambda r: ranks.reports[r].peak_bytes)
         report = ranks.reports[top]
         return Prediction(

@@ -10,16 +10,14 @@ else a full-depth dry run; two micro-batches stand for all). All compare with th
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
-from ..estimate.compose import confirm_peak, first_forward_peak, predict_peak
+from ..estimate.compose import confirm_peak, first_forward_peak
 from ..estimate.prediction import Prediction
+from ..estimate.predictor import Composed
 from ..targets import DeviceProfile
 from ..workload import Workload
 from .result import Candidate
 
-__all__ = ["confirm", "fits", "predict", "probe", "record"]
+__all__ = ["confirm", "fits", "predict", "probe", "record", "take"]
 
 
 def fits(prediction: Prediction, budget_bytes: int, host_budget: int | None = None) -> bool:
@@ -58,26 +56,27 @@ def predict(
     host_budget: int | None = None,
     *,
     floor: bool = True,
-    remote: Callable[[int], Any] | None = None,
-    share: Callable[[Any], None] | None = None,
 ) -> bool:
     """Predict ``candidate``'s memory (composed from shallow dry runs where possible).
 
     With ``floor``, a run that shows the budget passed stops there, and the candidate's
     figures are that floor (``at_least``); without it (the most frugal candidates, whose
     figures the answer quotes when nothing fits), the prediction is always the peak.
-    ``remote`` is :func:`~memfit.estimate.compose.predict_peak`'s (a shallow run another
-    process ran meanwhile), and ``share`` too (what the depth-2 run sends a depth-3 run
-    watched there).
     """
-    prediction = predict_peak(
-        workload,
-        candidate.plan,
-        device=device,
-        budget_bytes=budget_bytes if floor else None,
-        remote=remote,
-        share=share,
-    )
+    predictor = Composed(budget_bytes=budget_bytes if floor else None)
+    prediction = predictor.predict(workload, candidate.plan, device)
+    return take(candidate, prediction, budget_bytes, host_budget)
+
+
+def take(
+    candidate: Candidate,
+    prediction: Prediction,
+    budget_bytes: int,
+    host_budget: int | None = None,
+) -> bool:
+    """Make ``prediction`` (a :func:`~memfit.estimate.compose.predict_peak` of
+    ``candidate``'s plan, however it was made) ``candidate``'s, with its verdict and a note
+    of how it was made; return the verdict."""
     if prediction.method == "at-least":
         candidate.at_least = True
         candidate.note = (

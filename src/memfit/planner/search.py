@@ -12,13 +12,13 @@ The search runs in four stages, each in its own module:
    returned (its full-depth trace built from the two shallow runs', or a full-depth dry run,
    :func:`memfit.estimate.compose.confirm_peak`).
 
-With ``jobs=2`` a worker process forked from the planner (:mod:`memfit.planner.ahead`)
+With ``jobs=2`` a worker process forked from the planner (:mod:`memfit.planner.worker`)
 measures half of the cost profile while the planner measures the other half, then runs the
 depth-3 run of each prediction while the planner runs its depth-2 run. The depth-2 run's
-marks go to the worker as they are made, so the depth-3 run stops as soon as the full depth
-passes the budget, as it would in one process; the depth-2 run stops then too. A first
-forward over the budget stops both at its end, at about a floor's cost, so no floor comes
-first. The answer does not change.
+traces at each forward's end go to the worker as they are made, so the depth-3 run stops as
+soon as the full depth passes the budget, as it would in one process; the depth-2 run stops
+within a few operators then. A first forward over the budget stops the depth-3 run at its
+end, at about a floor's cost, so no floor comes first. The answer does not change.
 
 Three rules keep the number of memory predictions small (:func:`search`):
 
@@ -48,15 +48,14 @@ from typing import Any
 
 import torch
 
-from ..estimate.compose import StoppedOver, block_pattern, composes, shallow_report
-from ..estimate.dryrun import cancel_when, raise_if_cancelled
+from ..estimate.compose import composes
 from ..estimate.target import error_band, upper_edge
 from ..optim.registry import get as optimizer_spec
 from ..plan import Plan
 from ..targets import DeviceProfile
 from ..units import format_bytes
 from ..workload import Workload
-from .ahead import Ahead, start
+from .ahead import Ahead
 from .candidates import (
     ALLOW,
     FORBID,
@@ -71,8 +70,9 @@ from .candidates import (
 )
 from .costing import cost_into, tied
 from .explain import nothing_fits_message, why_it_won
-from .predict import confirm, predict, probe
+from .predict import confirm, predict, probe, take
 from .result import Candidate, NothingFits, PlanResult
+from .worker import predict_shared, start_worker
 
 __all__ = ["ALLOW", "FORBID", "Candidate", "NothingFits", "PlanResult", "plan", "search"]
 
@@ -278,63 +278,27 @@ class _Planner:
         return candidates, winner, predicted
 
     def _start_worker(self, candidates: list[Candidate]) -> Ahead | None:
-        """The forked worker (``None`` where none can be forked)."""
-        from ..estimate.cost import deeper_half
-
-        workload = self.workload
-        if workload.scalable and (workload.depth or 0) > 3:
-            block_pattern(workload)  # built once here, not again in each process
-        # Forked before costing, the worker measures the deeper half of the cost profile
-        # while this process measures the other.
-        return start(
-            candidates,
-            {
-                "profile": lambda: deeper_half(workload),
-                "depth3": lambda c, inbox: shallow_report(
-                    workload,
-                    c.plan,
-                    3,
-                    device=self.target,
-                    budget_bytes=self.budget_bytes if id(c) not in self.frugal else None,
-                    fetch=inbox,
-                ),
-            },
+        """The forked worker (``None`` where none can be forked); forked before costing, it
+        measures the deeper half of the cost profile while this process measures the other."""
+        return start_worker(
+            self.workload, self.target, self.budget_bytes, candidates, self.frugal
         )
 
     def predict(self, c: Candidate) -> bool:
-        """Predict ``c``'s memory (see :func:`memfit.planner.predict.predict`)."""
+        """Predict ``c``'s memory (see :func:`memfit.planner.predict.predict`), its depth-3
+        run made by the worker meanwhile where there is one (see
+        :func:`memfit.planner.worker.predict_shared`: the same prediction)."""
         self.say(f"predicting memory: {c.plan.summary()}")
         ahead = self.ahead
-        # The worker runs the depth-3 run meanwhile, watched against the budget with this
-        # process's depth-2 marks; this process stops its depth-2 run once that one stopped.
-        helped = ahead is not None and composes(self.workload, c.plan)
-        if helped:
-            ahead.run("depth3", c)
-
-        def remote(d: int) -> Any:
-            return ahead.result("depth3", c, poll=raise_if_cancelled) if d == 3 else None
-
-        def share(mark: Any) -> None:  # the depth-2 run's marks, for the watch of depth 3
-            ahead.tell("depth3", c, mark)
-
-        def stopped_over() -> bool:  # the depth-3 run stopped: depth 2 is not needed
-            return isinstance(ahead.peek("depth3", c), StoppedOver)
-
-        try:
-            with cancel_when(stopped_over) if helped else contextlib.nullcontext():
-                return predict(
-                    c,
-                    self.workload,
-                    self.target,
-                    self.budget_bytes,
-                    self.host_bytes,
-                    floor=id(c) not in self.frugal,
-                    remote=remote if helped else None,
-                    share=share if helped else None,
-                )
-        finally:
-            if helped:
-                ahead.discard("depth3", c)
+        floor = id(c) not in self.frugal
+        if ahead is None or not composes(self.workload, c.plan):
+            return predict(
+                c, self.workload, self.target, self.budget_bytes, self.host_bytes, floor=floor
+            )
+        prediction = predict_shared(
+            ahead, c, self.workload, self.target, self.budget_bytes if floor else None
+        )
+        return take(c, prediction, self.budget_bytes, self.host_bytes)
 
     def confirm(self, c: Candidate) -> bool:
         """Check ``c`` at full size (see :func:`memfit.planner.predict.confirm`)."""
