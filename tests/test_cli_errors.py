@@ -59,6 +59,7 @@ BAD: dict[str, dict[str, list[str] | None]] = {
         "--host-budget": ["lots"],
         "--disk-dir": [MISSING],
         "--emit": ["deepspeed"],
+        "--expert-load": ["0.5"],
         "--world-size": ["0", "3", "x"],
         "--gpus-per-node": ["0", "3", "x"],
         "--jobs": ["0", "x"],

@@ -355,6 +355,7 @@ def _profile_layout(workload: Any, plan: Any, world: int, json_path: Any, target
 
     from rich.table import Table
 
+    from ..estimate.nccl import nccl_rank_bytes
     from ..estimate.predictor import ALLOCATED_SHARE, Layout
     from ..optim import registry as optim_registry
 
@@ -377,7 +378,7 @@ def _profile_layout(workload: Any, plan: Any, world: int, json_path: Any, target
     with err.status(f"dry-running the {par.pipeline} pipeline stages of {workload.name}"):
         prediction = run_guarded(Layout().predict, workload, plan, target)
     pred = prediction.extra["layout"]  # each rank's peak and the layout's record
-    nccl = prediction.extra["nccl_bytes"]
+    nccl = run_guarded(nccl_rank_bytes, par, target)
     # On a GPU: the allocator's reserve (the layout replay's share) + context + communicators.
     totals = [
         (-(-int(p) * 100 // round(ALLOCATED_SHARE * 100)) + target.overhead_bytes + n)
