@@ -4,9 +4,14 @@ and nothing written."""
 
 from __future__ import annotations
 
-import pytest
+import os
+import runpy
+import sys
 
-from .scripts import run_script
+import pytest
+import torch
+
+from .scripts import BENCHMARKS, run_script
 
 # script -> (arguments with an output that cannot be written, the sentence that refuses it).
 CASES = {
@@ -25,15 +30,52 @@ CASES = {
 }  # fmt: skip
 
 
-@pytest.mark.subprocess
-@pytest.mark.slow
-@pytest.mark.parametrize("script", sorted(CASES))
-def test_an_unwritable_output_stops_the_script_before_it_measures(tmp_path, script):
+def _run_in_process(script: str, args: list[str], monkeypatch, capsys) -> tuple[int, str, str]:
+    """``python benchmarks/<script>.py <args>`` run as ``__main__`` in this interpreter (its
+    exit code, stdout and stderr): what the process would do, without the seconds a fresh
+    interpreter spends importing torch. What a script changes at import (``sys.path``, the
+    environment, torch's threads) is put back."""
+    monkeypatch.setattr(sys, "argv", [str(BENCHMARKS / f"{script}.py"), *args])
+    monkeypatch.setattr(sys, "path", [str(BENCHMARKS), *sys.path])
+    monkeypatch.setattr(os, "environ", os.environ.copy())
+    threads = torch.get_num_threads()
+    code: int | str | None = 0
+    try:
+        runpy.run_path(str(BENCHMARKS / f"{script}.py"), run_name="__main__")
+    except SystemExit as stop:
+        code = stop.code
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr()
+    return (code if isinstance(code, int) else 1), out.out, out.err
+
+
+def _check_refused(tmp_path, script: str, code: int, stdout: str, stderr: str) -> None:
+    sentence = CASES[script][1]
+    assert code == 2, stderr
+    assert stderr.strip() == f"error: {sentence.format(tmp=tmp_path)}"
+    assert stdout == ""
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["a-file", "a-folder"]
+
+
+def _unwritable(tmp_path, script: str) -> list[str]:
     (tmp_path / "a-file").write_text("not a folder")
     (tmp_path / "a-folder").mkdir()
-    args, sentence = CASES[script]
-    done = run_script(script, *(a.format(tmp=tmp_path) for a in args))
-    assert done.returncode == 2, done.stderr
-    assert done.stderr.strip() == f"error: {sentence.format(tmp=tmp_path)}"
-    assert done.stdout == ""
-    assert sorted(p.name for p in tmp_path.rglob("*")) == ["a-file", "a-folder"]
+    return [a.format(tmp=tmp_path) for a in CASES[script][0]]
+
+
+@pytest.mark.parametrize("script", sorted(CASES))
+def test_an_unwritable_output_stops_the_script_before_it_measures(tmp_path, script, monkeypatch,
+                                                                   capsys):
+    args = _unwritable(tmp_path, script)
+    _check_refused(tmp_path, script, *_run_in_process(script, args, monkeypatch, capsys))
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["bench_host_step", "gpu_validate"])
+def test_an_unwritable_output_stops_the_script_run_as_a_process(tmp_path, script):
+    # The same refusal from a real interpreter, once for a script whose main() exits by itself
+    # and once for one run through sys.exit(main()): the exit code is the process's.
+    done = run_script(script, *_unwritable(tmp_path, script))
+    _check_refused(tmp_path, script, done.returncode, done.stdout, done.stderr)
