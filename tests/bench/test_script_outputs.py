@@ -4,14 +4,9 @@ and nothing written."""
 
 from __future__ import annotations
 
-import os
-import runpy
-import sys
-
 import pytest
-import torch
 
-from .scripts import BENCHMARKS, run_script
+from .scripts import run_here, run_script
 
 # script -> (arguments with an output that cannot be written, the sentence that refuses it).
 CASES = {
@@ -28,26 +23,6 @@ CASES = {
     "gpu_offload": (["--out", "{tmp}/a-file/new"], "--out {tmp}/a-file/new: {tmp}/a-file is a file, not a folder"),
     "gpu_validate": (["--dry-only", "--out", "{tmp}/a-file"], "--out {tmp}/a-file: it is a file, not a folder"),
 }  # fmt: skip
-
-
-def _run_in_process(script: str, args: list[str], monkeypatch, capsys) -> tuple[int, str, str]:
-    """``python benchmarks/<script>.py <args>`` run as ``__main__`` in this interpreter (its
-    exit code, stdout and stderr): what the process would do, without the seconds a fresh
-    interpreter spends importing torch. What a script changes at import (``sys.path``, the
-    environment, torch's threads) is put back."""
-    monkeypatch.setattr(sys, "argv", [str(BENCHMARKS / f"{script}.py"), *args])
-    monkeypatch.setattr(sys, "path", [str(BENCHMARKS), *sys.path])
-    monkeypatch.setattr(os, "environ", os.environ.copy())
-    threads = torch.get_num_threads()
-    code: int | str | None = 0
-    try:
-        runpy.run_path(str(BENCHMARKS / f"{script}.py"), run_name="__main__")
-    except SystemExit as stop:
-        code = stop.code
-    finally:
-        torch.set_num_threads(threads)
-    out = capsys.readouterr()
-    return (code if isinstance(code, int) else 1), out.out, out.err
 
 
 def _check_refused(tmp_path, script: str, code: int, stdout: str, stderr: str) -> None:
@@ -67,8 +42,8 @@ def _unwritable(tmp_path, script: str) -> list[str]:
 @pytest.mark.parametrize("script", sorted(CASES))
 def test_an_unwritable_output_stops_the_script_before_it_measures(tmp_path, script, monkeypatch,
                                                                    capsys):
-    args = _unwritable(tmp_path, script)
-    _check_refused(tmp_path, script, *_run_in_process(script, args, monkeypatch, capsys))
+    done = run_here(script, *_unwritable(tmp_path, script), monkeypatch=monkeypatch, capsys=capsys)
+    _check_refused(tmp_path, script, done.returncode, done.stdout, done.stderr)
 
 
 @pytest.mark.subprocess
