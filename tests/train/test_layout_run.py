@@ -60,12 +60,24 @@ def _memfit(workdir: Path, *args: str, launcher: list[str] | None = None,
                           timeout=timeout)
 
 
+def _here(workdir: Path, name: str, plan: str) -> dict:
+    """The same ``memfit train`` command on one process, run in this one (typer's runner):
+    the split runs start fresh interpreters, the reference needs none."""
+    from typer.testing import CliRunner
+
+    from memfit.cli import app
+
+    res = CliRunner().invoke(app, [
+        "train", "--config", str(workdir / "run.yaml"), "--max-steps", STEPS, "--seed", "5",
+        "--plan", str(workdir / plan), "--json", str(workdir / f"{name}_out.json")])
+    assert res.exit_code == 0, res.output[-3000:]
+    return json.loads((workdir / f"{name}_out.json").read_text())
+
+
 @pytest.fixture(scope="session")  # built once, whatever order xdist runs tests in
 def one_process(workdir: Path) -> dict:
     """The plain plan on one process: the reference every split run must reproduce."""
-    run = _memfit(workdir, "--plan", "one.json", "--json", "one_out.json")
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads((workdir / "one_out.json").read_text())
+    return _here(workdir, "one", "one.json")
 
 
 def _run(workdir: Path, name: str, *args: str) -> dict:
@@ -129,7 +141,7 @@ def test_bf16_mixed_runs_the_schedule_under_autocast(workdir: Path, tp2pp2: dict
     within 1e-3 (bf16 matmul outputs keep 8 bits, rounded differently in split sums), and
     every rank's peak is below its fp32 peak (activations kept in bf16)."""
     got = _run(workdir, "tp2pp2_bf16", "--nproc-per-node", "4", "--plan", "tp2pp2_bf16.json")
-    one = _run(workdir, "one_bf16", "--plan", "one_bf16.json")
+    one = _here(workdir, "one_bf16", "one_bf16.json")
     assert got["losses"] == pytest.approx(one["losses"], abs=1e-3)
     assert "predicted_rank_peak_bytes" not in got  # predict_layout models fp32 only
     for bf16, fp32 in zip(got["per_rank_peak_bytes"], tp2pp2["per_rank_peak_bytes"],
@@ -152,12 +164,17 @@ def test_activation_checkpointing_applies_to_every_stage(workdir: Path, tp2pp2: 
         assert ckpt < plain
 
 
-@pytest.mark.subprocess
 def test_checkpoints_with_a_tensor_x_pipeline_plan_are_refused_before_launch(workdir: Path):
-    run = _memfit(workdir, "--nproc-per-node", "4", "--plan", "tp2pp2.json",
-                  "--checkpoint-dir", "ck", timeout=60)
-    assert run.returncode == 2, run.stderr[-3000:]
-    assert "trains without checkpoints" in run.stderr and "Traceback" not in run.stderr
+    # In this process (typer's runner): refused before launch, nothing starts.
+    from typer.testing import CliRunner
+
+    from memfit.cli import app
+
+    run = CliRunner().invoke(app, [
+        "train", "--config", str(workdir / "run.yaml"), "--nproc-per-node", "4", "--plan",
+        str(workdir / "tp2pp2.json"), "--checkpoint-dir", str(workdir / "ck")])
+    assert run.exit_code == 2, run.output[-3000:]
+    assert "trains without checkpoints" in run.output and "Traceback" not in run.output
     assert not (workdir / "ck").exists()
 
 
