@@ -14,7 +14,7 @@ import torch
 
 from memfit import device
 
-from .scripts import load_script, run_script
+from .scripts import load_script, run_here, run_script
 
 TINY = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 32,
         "n_layer": 2, "n_head": 2, "vocab_size": 128, "n_positions": 32}  # fmt: skip
@@ -39,9 +39,10 @@ def test_without_a_gpu_it_exits_2_with_one_sentence_and_writes_nothing(tmp_path)
     assert done.stdout == "" and list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.subprocess
-def test_unknown_variant_is_refused(tmp_path):
-    done = _run("--variants", "none,teleport", "--device", "cpu", "--out", str(tmp_path))
+def test_unknown_variant_is_refused(tmp_path, monkeypatch, capsys):
+    # In this process (the real process's exit code: the test above and test_script_outputs).
+    done = run_here("gpu_offload", "--variants", "none,teleport", "--device", "cpu", "--out",
+                    str(tmp_path), monkeypatch=monkeypatch, capsys=capsys)
     assert done.returncode == 2 and "variants must include none" in done.stderr
     assert list(tmp_path.iterdir()) == []
 

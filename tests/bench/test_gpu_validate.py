@@ -13,7 +13,7 @@ import memfit
 from memfit import device
 from memfit.units import GiB
 
-from .scripts import load_script, run_script
+from .scripts import load_script, run_here, run_script
 
 
 @pytest.fixture(scope="module")
@@ -45,20 +45,23 @@ def test_without_a_gpu_it_exits_2_with_one_sentence_and_writes_nothing(tmp_path)
         (("--steps", "0"), "--steps must be at least 1"),
     ],
 )
-@pytest.mark.subprocess
-def test_bad_input_is_one_sentence_and_exit_2(tmp_path, args, message):
-    done = _run("--dry-only", *args, "--out", str(tmp_path))
+def test_bad_input_is_one_sentence_and_exit_2(tmp_path, args, message, monkeypatch, capsys):
+    # In this process (the real process's exit code: the test above and test_script_outputs).
+    done = run_here("gpu_validate", "--dry-only", *args, "--out", str(tmp_path),
+                    monkeypatch=monkeypatch, capsys=capsys)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [done.stderr.strip()]
     assert message in done.stderr and list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.subprocess
+@pytest.mark.subprocess  # the script asks git for the commit it records
 @pytest.mark.slow
-def test_dry_only_writes_the_predictions(tmp_path):
-    done = _run(
-        "--dry-only", "--models", "bert-base", "--plans", "baseline", "--target", "h100",
-        "--batch-size", "2", "--seq-len", "32", "--out", str(tmp_path),
+def test_dry_only_writes_the_predictions(tmp_path, monkeypatch, capsys):
+    # In this process, saving an interpreter's imports (the real process: the tests above).
+    done = run_here(
+        "gpu_validate", "--dry-only", "--models", "bert-base", "--plans", "baseline",
+        "--target", "h100", "--batch-size", "2", "--seq-len", "32", "--out", str(tmp_path),
+        monkeypatch=monkeypatch, capsys=capsys,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert [p.name for p in tmp_path.iterdir()] == ["gpu_h100_predictions.json"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from .scripts import run_script
+from .scripts import run_here, run_script
 
 # script -> (arguments with an output that cannot be written, the sentence that refuses it).
 CASES = {
@@ -26,15 +26,32 @@ CASES = {
 }  # fmt: skip
 
 
-@pytest.mark.subprocess
-@pytest.mark.slow
-@pytest.mark.parametrize("script", sorted(CASES))
-def test_an_unwritable_output_stops_the_script_before_it_measures(tmp_path, script):
+def _check_refused(tmp_path, script: str, code: int, stdout: str, stderr: str) -> None:
+    sentence = CASES[script][1]
+    assert code == 2, stderr
+    assert stderr.strip() == f"error: {sentence.format(tmp=tmp_path)}"
+    assert stdout == ""
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["a-file", "a-folder"]
+
+
+def _unwritable(tmp_path, script: str) -> list[str]:
     (tmp_path / "a-file").write_text("not a folder")
     (tmp_path / "a-folder").mkdir()
-    args, sentence = CASES[script]
-    done = run_script(script, *(a.format(tmp=tmp_path) for a in args))
-    assert done.returncode == 2, done.stderr
-    assert done.stderr.strip() == f"error: {sentence.format(tmp=tmp_path)}"
-    assert done.stdout == ""
-    assert sorted(p.name for p in tmp_path.rglob("*")) == ["a-file", "a-folder"]
+    return [a.format(tmp=tmp_path) for a in CASES[script][0]]
+
+
+@pytest.mark.parametrize("script", sorted(CASES))
+def test_an_unwritable_output_stops_the_script_before_it_measures(tmp_path, script, monkeypatch,
+                                                                   capsys):
+    done = run_here(script, *_unwritable(tmp_path, script), monkeypatch=monkeypatch, capsys=capsys)
+    _check_refused(tmp_path, script, done.returncode, done.stdout, done.stderr)
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["bench_host_step", "gpu_validate"])
+def test_an_unwritable_output_stops_the_script_run_as_a_process(tmp_path, script):
+    # The same refusal from a real interpreter, once for a script whose main() exits by itself
+    # and once for one run through sys.exit(main()): the exit code is the process's.
+    done = run_script(script, *_unwritable(tmp_path, script))
+    _check_refused(tmp_path, script, done.returncode, done.stdout, done.stderr)

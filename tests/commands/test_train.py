@@ -140,15 +140,16 @@ def test_flags_override_the_file_and_name_the_flag(tmp_path):
 
 @pytest.mark.slow
 def test_default_run_end_to_end(tmp_path):
-    # The README's default run is 300 steps (checked here); the test runs its first 100 (the
-    # same model, data, batch, budget and plan choice, a cosine schedule over 100 steps): the
-    # byte-level loss already falls from about 5.4 to 2.8 there, and the suite stays in time.
+    # The README's default run is 300 steps (checked here); the test runs its first 60 (the
+    # same model, data, batch, budget and plan choice, a cosine schedule over 60 steps): the
+    # byte-level loss already falls from about 5.4 to 2.9 there (2.8 after 100, 3.4 after
+    # 40), and the suite stays in time.
     assert TrainConfig().max_steps == 300
     out = tmp_path / "run.json"
-    res = _invoke("--max-steps", "100", "--json", str(out))
+    res = _invoke("--max-steps", "60", "--json", str(out))
     assert res.exit_code == 0, res.output
     data = json.loads(out.read_text())
-    assert data["steps"] == 100
+    assert data["steps"] == 60
     assert data["final_loss"] < data["first_loss"] - 2.0
     assert data["peak_bytes"] <= data["budget_bytes"]
 

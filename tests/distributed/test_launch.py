@@ -53,21 +53,44 @@ def _memfit(workdir: Path, *args: str, launcher: list[str] | None = None, timeou
     )
 
 
-@pytest.mark.parametrize("stage", [3])  # every stage's numerics: test_data.py, in-process
-def test_two_processes_train_like_one_on_the_global_batch(workdir: Path, stage: int):
-    Plan(parallel={"data": 2, "zero_stage": stage}).to_json(workdir / f"plan{stage}.json")
+#: The ZeRO stage of the two-process runs below (every stage's numerics: test_data.py,
+#: in-process; ZeRO-1's per-rank files: train/test_sharded_checkpoint.py).
+STAGE = 3
+#: The flat schedule (see workdir), which a resumed run can follow.
+FLAT = {"config": "flat.yaml"}
+
+
+def _two_processes(workdir: Path) -> list[str]:
+    Plan(parallel={"data": 2, "zero_stage": STAGE}).to_json(workdir / f"plan{STAGE}.json")
+    return ["--nproc-per-node", "2", "--plan", f"plan{STAGE}.json", "--seed", "3"]
+
+
+@pytest.fixture(scope="session")  # one launch for the two tests that compare with it
+def whole(workdir: Path) -> dict:
+    """Two processes, ZeRO-3, four steps on the flat schedule, never stopped."""
+    run = _memfit(workdir, *_two_processes(workdir), "--max-steps", "4", "--json",
+                  f"whole{STAGE}.json", **FLAT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads((workdir / f"whole{STAGE}.json").read_text())
+
+
+def test_two_processes_train_like_one_on_the_global_batch(workdir: Path, whole: dict):
+    # The one-process reference runs in this process (typer's runner): the two-process run
+    # is the real launch under test.
+    from typer.testing import CliRunner
+
+    from memfit.cli import app
+
     Plan().to_json(workdir / "plan1.json")
-    two = _memfit(workdir, "--nproc-per-node", "2", "--plan", f"plan{stage}.json",
-                  "--max-steps", "3", "--seed", "5", "--json", f"two{stage}.json")
-    assert two.returncode == 0, two.stderr[-3000:]
-    one = _memfit(workdir, "--plan", "plan1.json", "--max-steps", "3", "--seed", "5",
-                  "--json", "one.json")
-    assert one.returncode == 0, one.stderr[-3000:]
-    a = json.loads((workdir / f"two{stage}.json").read_text())
+    one = CliRunner().invoke(app, [
+        "train", "--config", str(workdir / FLAT["config"]), "--plan", str(workdir / "plan1.json"),
+        "--max-steps", "4", "--seed", "3", "--json", str(workdir / "one.json")])
+    assert one.exit_code == 0, one.output[-3000:]
+    a = whole
     b = json.loads((workdir / "one.json").read_text())
     assert a["world_size"] == 2 and len(a["per_rank_peak_bytes"]) == 2
-    _assert_peaks_are_the_dry_runs(workdir, stage, a["per_rank_peak_bytes"])
-    assert a["plan"]["parallel"]["data"] == 2 and a["plan"]["parallel"]["zero_stage"] == stage
+    _assert_peaks_are_the_dry_runs(workdir, STAGE, a["per_rank_peak_bytes"])
+    assert a["plan"]["parallel"]["data"] == 2 and a["plan"]["parallel"]["zero_stage"] == STAGE
     assert a["losses"] == pytest.approx(b["losses"], rel=1e-5)
     assert a["final_loss"] == pytest.approx(b["final_loss"], rel=1e-5)
 
@@ -104,31 +127,33 @@ def test_torchrun_runs_the_same_command(workdir: Path):
     assert len(data["per_rank_peak_bytes"]) == 2
 
 
-def test_a_plan_for_another_degree_is_refused_before_launch(workdir: Path):
+def test_a_plan_for_another_degree_is_refused_before_launch(workdir: Path, monkeypatch):
+    # In this process (typer's runner): refused before launch, nothing to start; the tests
+    # above run the same command line as a real process.
+    from typer.testing import CliRunner
+
+    from memfit.cli import app
+
     Plan(parallel={"data": 4}).to_json(workdir / "plan4.json")
-    run = _memfit(workdir, "--nproc-per-node", "2", "--plan", "plan4.json", timeout=60)
-    assert run.returncode == 2
-    assert "--nproc-per-node 4" in run.stderr and "Traceback" not in run.stderr
+    monkeypatch.chdir(workdir)
+    run = CliRunner().invoke(app, ["train", "--config", "run.yaml", "--nproc-per-node", "2",
+                                   "--plan", "plan4.json"])
+    assert run.exit_code == 2, run.output
+    assert "--nproc-per-node 4" in run.output and "Traceback" not in run.output
 
 
-@pytest.mark.parametrize("stage", [3])  # ZeRO-1's per-rank files: train/test_sharded_checkpoint.py
-def test_a_resumed_run_equals_the_run_that_never_stopped(workdir: Path, stage: int):
-    Plan(parallel={"data": 2, "zero_stage": stage}).to_json(workdir / f"plan_r{stage}.json")
-    common = ["--nproc-per-node", "2", "--plan", f"plan_r{stage}.json", "--seed", "3"]
-    flat = {"config": "flat.yaml"}
-    whole = _memfit(workdir, *common, "--max-steps", "4", "--json", f"whole{stage}.json", **flat)
-    assert whole.returncode == 0, whole.stderr[-3000:]
-    ck = f"ck{stage}"
-    first = _memfit(workdir, *common, "--max-steps", "2", "--checkpoint-dir", ck, **flat)
+def test_a_resumed_run_equals_the_run_that_never_stopped(workdir: Path, whole: dict):
+    common = _two_processes(workdir)
+    ck = f"ck{STAGE}"
+    first = _memfit(workdir, *common, "--max-steps", "2", "--checkpoint-dir", ck, **FLAT)
     assert first.returncode == 0, first.stderr[-3000:]
     assert (workdir / ck / "step-00000002" / "manifest.json").is_file()
     rest = _memfit(workdir, *common, "--max-steps", "4", "--checkpoint-dir", ck, "--resume",
-                   "--json", f"resumed{stage}.json", **flat)
+                   "--json", f"resumed{STAGE}.json", **FLAT)
     assert rest.returncode == 0, rest.stderr[-3000:]
-    a = json.loads((workdir / f"whole{stage}.json").read_text())
-    b = json.loads((workdir / f"resumed{stage}.json").read_text())
-    assert b["losses"] == a["losses"]
-    assert b["params_sha256"] == a["params_sha256"]
+    b = json.loads((workdir / f"resumed{STAGE}.json").read_text())
+    assert b["losses"] == whole["losses"]
+    assert b["params_sha256"] == whole["params_sha256"]
 
 
 def test_a_killed_process_stops_the_others_with_a_clear_message(workdir: Path):

@@ -63,12 +63,24 @@ def _memfit(workdir: Path, *args: str, launcher: list[str] | None = None,
                           timeout=timeout)
 
 
+def _here(workdir: Path, name: str, plan: str) -> dict:
+    """The same ``memfit train`` command on one process, run in this one (typer's runner):
+    the split runs start fresh interpreters, the reference needs none."""
+    from typer.testing import CliRunner
+
+    from memfit.cli import app
+
+    res = CliRunner().invoke(app, [
+        "train", "--config", str(workdir / "run.yaml"), "--max-steps", STEPS, "--seed", "5",
+        "--plan", str(workdir / plan), "--json", str(workdir / f"{name}_out.json")])
+    assert res.exit_code == 0, res.output[-3000:]
+    return json.loads((workdir / f"{name}_out.json").read_text())
+
+
 @pytest.fixture(scope="session")  # built once, whatever order xdist runs tests in
 def one_process(workdir: Path) -> dict:
     """The plain plan on one process: the reference every split run must reproduce."""
-    run = _memfit(workdir, "--plan", "one.json", "--json", "one_out.json")
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads((workdir / "one_out.json").read_text())
+    return _here(workdir, "one", "one.json")
 
 
 def _run(workdir: Path, name: str, *args: str) -> dict:
@@ -132,7 +144,7 @@ def test_bf16_mixed_runs_the_schedule_under_autocast(workdir: Path, tp2pp2: dict
     within 1e-3 (bf16 matmul outputs keep 8 bits, rounded differently in split sums), and
     every rank's peak is below its fp32 peak (activations kept in bf16)."""
     got = _run(workdir, "tp2pp2_bf16", "--nproc-per-node", "4", "--plan", "tp2pp2_bf16.json")
-    one = _run(workdir, "one_bf16", "--plan", "one_bf16.json")
+    one = _here(workdir, "one_bf16", "one_bf16.json")
     assert got["losses"] == pytest.approx(one["losses"], abs=1e-3)
     assert "predicted_rank_peak_bytes" not in got  # predict_layout models fp32 only
     for bf16, fp32 in zip(got["per_rank_peak_bytes"], tp2pp2["per_rank_peak_bytes"],
@@ -188,6 +200,24 @@ def test_checkpoints_evaluation_and_plots_of_a_pipeline_run(workdir: Path):
     assert again.returncode == 2, again.stderr[-3000:]
     assert "max_steps is 3; raise --max-steps" in again.stderr
     assert "Traceback" not in again.stderr
+
+
+def test_checkpoints_of_a_ddp_replicated_layout_are_refused_before_launch(workdir: Path):
+    """data 2 x tensor 2 at ZeRO 0 (DDP over the tensor-parallel shards) with
+    ``--checkpoint-dir``: one sentence and exit 2 before any process starts (in this process,
+    typer's runner), and no checkpoint folder."""
+    from typer.testing import CliRunner
+
+    from memfit.cli import app
+
+    plan = {"parallel": {"data": 2, "tensor": 2}}
+    (workdir / "dp2tp2.json").write_text(json.dumps({"plan": plan}))
+    run = CliRunner().invoke(app, [
+        "train", "--config", str(workdir / "run.yaml"), "--nproc-per-node", "4", "--plan",
+        str(workdir / "dp2tp2.json"), "--checkpoint-dir", str(workdir / "ck-ddp")])
+    assert run.exit_code == 2, run.output[-3000:]
+    assert "has no checkpoints yet" in run.output and "Traceback" not in run.output
+    assert not (workdir / "ck-ddp").exists()
 
 
 # --------------------------------------------------------------------------- one process
