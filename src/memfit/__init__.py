@@ -103,6 +103,7 @@ def plan(
     disk_dir: str | None = None,
     jobs: int = 2,
     lora_rank: int | None = None,
+    expert_load: float = 1.0,
 ) -> PlanResult:
     """Find the fastest plan whose peak fits ``budget``: :func:`memfit.planner.plan`, whose
     parameters these are (written out here so that ``import memfit`` does not load the
@@ -133,6 +134,7 @@ def plan(
         disk_dir=disk_dir,
         jobs=jobs,
         lora_rank=lora_rank,
+        expert_load=expert_load,
     )
 
 
