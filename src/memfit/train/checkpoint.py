@@ -111,6 +111,23 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
 
 
 # ---------------------------------------------------------------------------------- save
+def _checkpoint_folder(directory: str | Path, step: int, keep: int | None) -> tuple[Path, Path]:
+    """The checkpoint folder (made) and the step's final path in it.
+
+    Raises:
+        ValueError: for a ``keep`` below 1.
+        CheckpointError: when the folder cannot be made.
+    """
+    if keep is not None and keep < 1:
+        raise ValueError(f"keep must be >= 1 or None, got {keep!r}")
+    root = Path(directory)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"cannot create the checkpoint folder {str(root)!r} ({e.strerror})") from None
+    return root, root / f"step-{int(step):08d}"
+
+
 def save_checkpoint(
     directory: str | os.PathLike[str],
     step: int,
@@ -141,14 +158,7 @@ def save_checkpoint(
         CheckpointError: for state that is neither tensors nor JSON data, or a write that
             fails (a full disk); the previous checkpoints are left as they were.
     """
-    if keep is not None and keep < 1:
-        raise ValueError(f"keep must be >= 1 or None, got {keep!r}")
-    root = Path(directory)
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise CheckpointError(f"cannot create the checkpoint folder {str(root)!r} ({e.strerror})") from None
-    final = root / f"step-{int(step):08d}"
+    root, final = _checkpoint_folder(directory, step, keep)
     if _world() > 1:
         from .sharded_checkpoint import save_sharded
 
@@ -245,14 +255,7 @@ def save_sharded_checkpoint(
     Raises:
         CheckpointError: for a write that fails; the previous checkpoints are left as they were.
     """
-    if keep is not None and keep < 1:
-        raise ValueError(f"keep must be >= 1 or None, got {keep!r}")
-    root = Path(directory)
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise CheckpointError(f"cannot create the checkpoint folder {str(root)!r} ({e.strerror})") from None
-    final = root / f"step-{int(step):08d}"
+    root, final = _checkpoint_folder(directory, step, keep)
     return _save_sharded(root, final, int(step), write_shards, scheduler, state, keep)
 
 
