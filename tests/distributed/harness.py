@@ -13,6 +13,7 @@ as ``spawn`` would.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import queue
@@ -90,3 +91,40 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any,
                 p.kill()
                 p.join()
     return [outs[r] for r in range(world_size)]
+
+
+def step_then_track(layout: Any, inputs: Any, warm: Any = contextlib.nullcontext) -> dict:
+    """A layout's first step (:func:`~memfit.distributed.layout.build_layout`'s, inputs as
+    labels), then a warm step (forward, backward, AdamW step: the first inferred the shapes
+    between stages and made the optimizer's state) under memfit's tracker and ``warm()``.
+
+    Returns:
+        ``loss`` (the first step's), ``grads`` (its gradients gathered whole, under the
+        model's names), ``peak`` (the warm step's tracked peak) and ``optimizer``.
+    """
+    import torch
+
+    import memfit
+
+    opt = torch.optim.AdamW(layout.parameters(), lr=1e-3)
+    loss = layout.step(inputs, inputs)
+    grads = layout.full_grads()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    with warm(), memfit.track(optimizer=opt) as tracker:
+        tracker.label(layout.parameters(), "parameters")
+        tracker.add_inputs((inputs,))
+        layout.step(inputs, inputs)
+        opt.step()
+    return {"loss": float(loss), "grads": grads, "peak": tracker.report().peak_bytes,
+            "optimizer": opt}
+
+
+def assert_gradients_close(got: dict, want: dict, rtol: float, where: str = "") -> None:
+    """Every gradient of ``want`` in ``got`` to ``rtol``, absolute tolerance relative to the
+    gradient's largest entry (only the order of the sums differs)."""
+    import torch
+
+    for n, g in want.items():
+        torch.testing.assert_close(got[n], g, rtol=rtol, atol=rtol * float(g.abs().max()),
+                                   msg=f"{where}{n}")

@@ -17,7 +17,7 @@ from memfit.distributed.config import ParallelConfig
 from memfit.distributed.layout import LayoutError, build_layout, check_layout, layout_coords
 from memfit.estimate.layout import predict_layout
 
-from .harness import run_ranks
+from .harness import assert_gradients_close, run_ranks, step_then_track
 
 WORLD = 2
 BATCH, SEQ, VOCAB = 2, 128, 256
@@ -47,24 +47,13 @@ def _batch() -> torch.Tensor:
 
 
 def _ranks(rank: int, world: int) -> dict:
-    import memfit
-
     ids = _batch()
     out = {}
     for name, parallel in LAYOUTS.items():
         layout = build_layout(_model(), parallel, batch_size=BATCH)
-        opt = torch.optim.AdamW(layout.parameters(), lr=1e-3)
-        loss = layout.step(ids, ids)
-        grads = layout.full_grads()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        with memfit.track(optimizer=opt) as tracker:  # the warm step
-            tracker.label(layout.parameters(), "parameters")
-            tracker.add_inputs((ids,))
-            layout.step(ids, ids)
-            opt.step()
-        out[name] = {"loss": float(loss), "grads": grads, "coords": layout.coords,
-                     "peak": tracker.report().peak_bytes}
+        run = step_then_track(layout, ids)
+        out[name] = {"loss": run["loss"], "grads": run["grads"], "coords": layout.coords,
+                     "peak": run["peak"]}
         layout.context.remove()
     return out
 
@@ -97,9 +86,7 @@ def test_context_parallel_equals_unsplit_model(results, reference, name):
         assert out["coords"]["cp"] == r
         assert out["loss"] == pytest.approx(want_loss, rel=RTOL)
         assert set(out["grads"]) == set(want)
-        for n, g in want.items():
-            torch.testing.assert_close(out["grads"][n], g, rtol=RTOL,
-                                       atol=RTOL * float(g.abs().max()), msg=f"rank {r}: {n}")
+        assert_gradients_close(out["grads"], want, RTOL, f"rank {r}: ")
 
 
 @pytest.mark.distributed
@@ -154,8 +141,6 @@ FOUR = {
 
 
 def _four_ranks(rank: int, world: int) -> dict:
-    import memfit
-
     ids = _batch()
     out = {}
     for name, parallel in FOUR.items():
@@ -163,17 +148,8 @@ def _four_ranks(rank: int, world: int) -> dict:
         d = layout.coords["dp"]
         share = BATCH // parallel.data
         local = ids[d * share:(d + 1) * share]  # this replica's samples
-        opt = torch.optim.AdamW(layout.parameters(), lr=1e-3)
-        loss = layout.step(local, local)
-        grads = layout.full_grads()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        with memfit.track(optimizer=opt) as tracker:
-            tracker.label(layout.parameters(), "parameters")
-            tracker.add_inputs((local,))
-            layout.step(local, local)
-            opt.step()
-        out[name] = {"loss": float(loss), "grads": grads, "peak": tracker.report().peak_bytes}
+        run = step_then_track(layout, local)
+        out[name] = {"loss": run["loss"], "grads": run["grads"], "peak": run["peak"]}
     return out
 
 
@@ -193,9 +169,7 @@ def test_context_composes_with_tensor_and_data_parallelism(four, reference, name
     for r, rank_out in enumerate(four):
         out = rank_out[name]
         assert out["loss"] == pytest.approx(want_loss, rel=RTOL)
-        for n, g in want.items():
-            torch.testing.assert_close(out["grads"][n], g, rtol=RTOL,
-                                       atol=RTOL * float(g.abs().max()), msg=f"rank {r}: {n}")
+        assert_gradients_close(out["grads"], want, RTOL, f"rank {r}: ")
 
 
 @pytest.mark.distributed

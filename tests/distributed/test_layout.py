@@ -13,6 +13,7 @@ measured by memfit's tracker, compared with
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Iterator
 
@@ -24,7 +25,7 @@ from memfit.distributed.config import ParallelConfig
 from memfit.distributed.layout import LayoutError, build_layout, check_layout, layout_coords
 from memfit.estimate.layout import predict_layout
 
-from .harness import run_ranks
+from .harness import assert_gradients_close, run_ranks, step_then_track
 
 WORLD = 4
 BATCH, SEQ, VOCAB = 4, 16, 256
@@ -76,7 +77,6 @@ def _all_reduce_sizes(sizes: list[int]) -> Iterator[None]:
 def _ranks(rank: int, world: int) -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
-    import memfit
 
     ids = _batch()
     out = {}
@@ -85,20 +85,10 @@ def _ranks(rank: int, world: int) -> dict:
         d = layout.coords["dp"]
         share = BATCH // parallel.data
         local = ids[d * share:(d + 1) * share]  # this replica's samples
-        opt = torch.optim.AdamW(layout.parameters(), lr=1e-3)
-        loss = layout.step(local, local)
-        grads = layout.full_grads()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        # The warm step (the first inferred the shapes between stages and made the state),
-        # with the size of every tensor all_reduce is called with (DDP's buckets do not go
-        # through it: its C++ reducer calls the process group itself).
+        # The warm step records the size of every tensor all_reduce is called with (DDP's
+        # buckets do not go through it: its C++ reducer calls the process group itself).
         reduced: list[int] = []
-        with _all_reduce_sizes(reduced), memfit.track(optimizer=opt) as tracker:
-            tracker.label(layout.parameters(), "parameters")
-            tracker.add_inputs((local,))
-            layout.step(local, local)
-            opt.step()
+        run = step_then_track(layout, local, functools.partial(_all_reduce_sizes, reduced))
         if layout.pipeline is not None:  # what torch's PipelineStage runs
             schedule = layout.pipeline.schedule
             runs = [s.submod for s in getattr(schedule, "_stages", None) or [schedule._stage]]
@@ -107,8 +97,8 @@ def _ranks(rank: int, world: int) -> dict:
         # The storages the gradients live in (DDP's buckets, under DDP), and their bytes.
         held = {p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes()
                 for p in layout.parameters()} if layout.replicas is not None else {}
-        out[name] = {"loss": float(loss), "grads": grads, "coords": layout.coords,
-                     "peak": tracker.report().peak_bytes, "reduced": reduced,
+        out[name] = {"loss": run["loss"], "grads": run["grads"], "coords": layout.coords,
+                     "peak": run["peak"], "reduced": reduced,
                      "ddp": [isinstance(m, DistributedDataParallel) for m in runs],
                      "grad_storage_bytes": sum(held.values()),
                      "param_bytes": sum(p.numel() * p.element_size()
@@ -145,9 +135,7 @@ def test_layout_equals_unsplit_model(results, reference, name):
         assert out["loss"] == pytest.approx(want_loss, rel=RTOL)
         got.update(out["grads"])
     assert set(got) == set(want)
-    for n, g in want.items():
-        torch.testing.assert_close(got[n], g, rtol=RTOL, atol=RTOL * float(g.abs().max()),
-                                   msg=n)
+    assert_gradients_close(got, want, RTOL)
 
 
 @pytest.mark.distributed

@@ -16,7 +16,7 @@ from memfit.distributed.config import ParallelConfig
 from memfit.distributed.layout import build_layout
 from memfit.estimate.layout import predict_layout
 
-from .harness import run_ranks
+from .harness import assert_gradients_close, run_ranks, step_then_track
 from .test_layout import RTOL, SEQ, VOCAB, _model
 
 WORLD = 3
@@ -35,25 +35,14 @@ def _batch() -> torch.Tensor:
 
 
 def _ranks(rank: int, world: int) -> dict:
-    import memfit
-
     ids = _batch()
     out = {}
     for name, parallel in LAYOUTS.items():
         layout = build_layout(_model(), parallel, batch_size=BATCH)
-        opt = torch.optim.AdamW(layout.parameters(), lr=1e-3)
-        loss = layout.step(ids, ids)
-        grads = layout.full_grads()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        with memfit.track(optimizer=opt) as tracker:
-            tracker.label(layout.parameters(), "parameters")
-            tracker.add_inputs((ids,))
-            layout.step(ids, ids)
-            opt.step()
-        out[name] = {"loss": float(loss), "grads": grads,
+        run = step_then_track(layout, ids)
+        out[name] = {"loss": run["loss"], "grads": run["grads"],
                      "blocks": sum(len(m.block_names) for m in layout.modules),
-                     "peak": tracker.report().peak_bytes}
+                     "peak": run["peak"]}
     return out
 
 
@@ -84,9 +73,7 @@ def test_uneven_stages_equal_the_unsplit_model(results, reference, name):
         assert rank_out[name]["loss"] == pytest.approx(want_loss, rel=RTOL)
         got.update(rank_out[name]["grads"])
     assert set(got) == set(want)
-    for n, g in want.items():
-        torch.testing.assert_close(got[n], g, rtol=RTOL, atol=RTOL * float(g.abs().max()),
-                                   msg=n)
+    assert_gradients_close(got, want, RTOL)
 
 
 @pytest.mark.distributed
