@@ -141,7 +141,8 @@ def pipeline_config(parallel: ParallelConfig, cuts: tuple[int, ...] | None = Non
     plan's ``parallel.cuts``, else an even split)."""
     if cuts is None and parallel.cuts:
         cuts = tuple(parallel.cuts)
-    return PipelineConfig(parallel.pipeline, parallel.schedule, parallel.microbatches, cuts)
+    return PipelineConfig(parallel.pipeline, parallel.schedule, parallel.microbatches, cuts,
+                          vertical_sync=parallel.vertical_sync)
 
 
 def check_layout(
@@ -280,6 +281,18 @@ class Layout:
                 seen.setdefault(id(p), p)
         return list(seen.values())
 
+    @property
+    def steps_optimizer(self) -> bool:
+        """Whether the schedule steps the optimizer itself, inside :meth:`step` (the
+        asynchronous PipeDream schedules: :mod:`memfit.distributed.pipedream`)."""
+        return self.pipeline is not None and hasattr(self.pipeline.schedule, "optimizer")
+
+    def attach_optimizer(self, optimizer: Any) -> None:
+        """Give a schedule that steps the optimizer itself (:attr:`steps_optimizer`) the
+        optimizer over :meth:`parameters`; a no-op for the others."""
+        if self.steps_optimizer:
+            self.pipeline.schedule.optimizer = optimizer
+
     def loss_context(self) -> contextlib.AbstractContextManager[Any]:
         """``loss_parallel()`` when the logits are vocabulary-sharded (tensor > 1), else a no-op:
         the loss and its backward run inside it."""
@@ -292,6 +305,9 @@ class Layout:
     def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """One training step's forwards and backwards: gradients in ``.grad``, reduced over
         the data-parallel replicas. Zero the gradients before, step the optimizer after.
+        Under a PipeDream schedule (:attr:`steps_optimizer`) the step also updates the
+        weights, with the optimizer given to :meth:`attach_optimizer`; no gradients are
+        left in ``.grad``.
 
         Args:
             inputs: This replica's batch of input ids (``global batch / data`` samples; the
@@ -386,6 +402,7 @@ class LayoutStepper(BaseStepper):
     def __init__(self, layout: Layout, optimizer: Any, device: torch.device | None = None) -> None:
         self.layout = layout
         self.optimizer = optimizer
+        layout.attach_optimizer(optimizer)
         if device is None:
             device = next((p.device for p in layout.parameters()), torch.device("cpu"))
         self.device = device
@@ -419,7 +436,8 @@ class LayoutStepper(BaseStepper):
         raise RuntimeError("a layout's schedule runs its own backwards; use run_step")
 
     def step(self) -> None:
-        self.optimizer.step()
+        if not self.layout.steps_optimizer:  # PipeDream stepped it inside the schedule
+            self.optimizer.step()
 
     def zero_grad(self) -> None:
         # Under DDP the gradients are views of its buckets, live for the whole run: zeroed in
