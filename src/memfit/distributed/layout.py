@@ -56,7 +56,7 @@ from torch import nn
 
 from ..stepping import BaseStepper
 from ..workload import Batch
-from .config import ParallelConfig
+from .config import PIPEDREAM_SCHEDULES, ParallelConfig
 from .context import ContextParallel, apply_context_parallel, check_context_parallel
 from .pipeline import (
     Pipeline,
@@ -221,6 +221,14 @@ def check_layout(
                 problems.append(str(e).rstrip("."))
         if num_blocks is not None:
             problems.extend(pipeline_config(parallel).problems(num_blocks))
+        config = getattr(model, "hf_config", None) or getattr(model, "config", model)
+        if parallel.schedule in PIPEDREAM_SCHEDULES and getattr(
+                config, "tie_word_embeddings", False):
+            problems.append(
+                f"the {parallel.schedule} schedule updates each stage's weights on its own, so "
+                "the embedding tied to the head (on the first and last stages) would drift "
+                "apart; use a model with tie_word_embeddings false (llama-tiny) or a "
+                "synchronous schedule such as 1f1b")
     if batch_size is not None:
         m = layout_microbatches(parallel) if not problems else (parallel.microbatches or 1)
         per = d * m
