@@ -25,9 +25,9 @@ from memfit.distributed.pipedream import (
     forward_versions,
     one_f_one_b,
     pipedream_reference,
-    stage_of_parameter,
     stashed_versions,
 )
+from memfit.distributed.pipeline import stage_of_parameter
 from memfit.distributed.pipeline_plan import microbatches_in_flight
 
 from .harness import run_ranks

@@ -495,17 +495,16 @@ def pipedream_reference(
         schedule: ``pipedream`` or ``pipedream-2bw``.
         degree: Pipeline ranks.
         microbatches: Micro-batches per step.
-        stage_of: The stage (rank) holding a parameter, by the model's name.
+        stage_of: The stage (rank) holding a parameter, by the model's name
+            (:func:`~memfit.distributed.pipeline.stage_of_parameter`).
         optimizer: The optimizer over ``model``'s parameters.
         vertical_sync: Every stage at stage 0's version.
-        loss_fn: ``loss_fn(logits, labels)`` (default: the causal LM loss).
+        loss_fn: ``loss_fn(output, labels)`` (default: the model's own loss, a Hugging Face
+            causal LM called with ``labels``).
 
     Returns:
         Each step's micro-batch losses.
     """
-    from .pipeline import causal_lm_loss
-
-    loss_fn = loss_fn or causal_lm_loss
     live = dict(model.named_parameters())
     stage = {n: stage_of(n) for n in live}
     plans = [forward_versions(schedule, degree, microbatches, r, vertical_sync)
@@ -525,8 +524,10 @@ def pipedream_reference(
             else:
                 weights = {n: history[plans[stage[n]][i]][n].clone().requires_grad_(True)
                            for n in live}
-            logits = torch.func.functional_call(model, weights, (x,))
-            loss = loss_fn(getattr(logits, "logits", logits), y)
+            if loss_fn is None:
+                loss = torch.func.functional_call(model, weights, (x,), {"labels": y}).loss
+            else:
+                loss = loss_fn(torch.func.functional_call(model, weights, (x,)), y)
             grads = torch.autograd.grad(loss, list(weights.values()), allow_unused=True)
             losses.append(float(loss.detach()))
             scale = 1 / microbatches if schedule == "pipedream-2bw" else 1.0
@@ -543,13 +544,3 @@ def pipedream_reference(
             optimizer.zero_grad(set_to_none=True)
         out.append(losses)
     return out
-
-
-def stage_of_parameter(model: nn.Module, config: Any) -> Callable[[str], int]:
-    """The stage holding each of ``model``'s parameters under the pipeline ``config`` (its
-    first holder), by the model's names: for :func:`pipedream_reference`."""
-    from .pipeline import _holders, _layout
-
-    held, names = _holders(model, _layout(model), config)
-    where = {names[i]: stages[0] for i, stages in held.items()}
-    return where.__getitem__

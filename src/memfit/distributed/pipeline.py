@@ -69,6 +69,7 @@ __all__ = [
     "model_blocks",
     "predict_stage_activations",
     "run_pipeline_step",
+    "stage_of_parameter",
 ]
 
 # ---------------------------------------------------------------------------- stages
@@ -418,6 +419,14 @@ def _pipedream(config: PipelineConfig, stage: nn.Module, rank: int,
             "it (tie_word_embeddings=False) or use a synchronous schedule such as 1f1b")
     return PipeDreamSchedule(stage, config.degree, rank, config.num_microbatches,
                              config.schedule, loss_fn, group, config.vertical_sync)
+
+
+def stage_of_parameter(model: nn.Module, config: PipelineConfig) -> Callable[[str], int]:
+    """The stage holding each of ``model``'s parameters under ``config`` (its first holder),
+    by the model's names (:func:`memfit.distributed.pipedream.pipedream_reference`)."""
+    held, names = _holders(model, _layout(model), config)
+    where = {names[i]: stages[0] for i, stages in held.items()}
+    return where.__getitem__
 
 
 def _tie_groups(model: nn.Module, layout: _Layout, config: PipelineConfig,
