@@ -28,7 +28,8 @@ from memfit.distributed.pipedream import (
     stashed_versions,
 )
 from memfit.distributed.pipeline import stage_of_parameter
-from memfit.distributed.pipeline_plan import microbatches_in_flight
+from memfit.distributed.pipeline_plan import PipelineConfig, microbatches_in_flight
+from memfit.estimate.pipeline import schedule_in_flight
 
 from .harness import run_ranks
 from .test_layout import SEQ, VOCAB, _model
@@ -164,6 +165,8 @@ def test_one_f_one_b_order_and_in_flight():
                 live += 1 if kind == "F" else -1
                 most = max(most, live)
             assert most == microbatches_in_flight("pipedream", p, m, r)
+        assert schedule_in_flight(PipelineConfig(p, "pipedream-2bw", m)) == [
+            microbatches_in_flight("pipedream-2bw", p, m, r) for r in range(p)]
 
 
 def test_weight_versions_per_schedule():
@@ -359,3 +362,17 @@ def test_memfit_train_with_a_pipedream_plan(tmp_path):
     assert refused.returncode == 2
     assert "tie_word_embeddings false" in refused.stdout + refused.stderr
     assert "Traceback" not in refused.stdout + refused.stderr
+
+
+def test_the_planner_keeps_a_pipedream_plan_and_prices_its_stash():
+    """``memfit plan --plan`` with a PipeDream layout: the planner keeps the plan's schedule
+    (it never picks an asynchronous one itself) and its per-rank prediction, every rank's
+    program dry-run, shows the stashed versions."""
+    from memfit import Plan
+    from memfit.planner.layout import plan_layout
+
+    base = Plan(parallel={"pipeline": 2, "schedule": "pipedream", "microbatches": M})
+    result = plan_layout("llama-tiny", 1 << 30, 2, 2, base=base, batch_size=BATCH,
+                         seq_len=SEQ, jobs=1)
+    assert result.plan.parallel.schedule == "pipedream"
+    assert result.predicted_peak_by_category["stashed_weights"] > 0
