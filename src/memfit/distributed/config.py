@@ -80,7 +80,8 @@ class ParallelConfig:
             in flight), ``interleaved-1f1b`` (several stages per process, a smaller bubble),
             ``zero-bubble`` (backward split into input and weight gradients to fill the bubble);
             and the asynchronous PipeDream schedules (:mod:`memfit.distributed.pipedream`,
-            1F1B order, the optimizer stepped inside the schedule, pipeline alone):
+            1F1B order, the optimizer stepped inside the schedule, pipeline and data
+            replicas only):
             ``pipedream`` (weight stashing: an update after every micro-batch's backward,
             each micro-batch's backward on the weights its forward used; costs one stashed
             copy of the stage's parameters per version in flight, up to ``min(pipeline -
@@ -218,11 +219,13 @@ class ParallelConfig:
                         f"(weight versions), not {self.schedule}; set vertical_sync false or "
                         f"schedule pipedream"]
             return []
-        if self.pipeline == 1 or (self.tensor, self.data, self.context, self.expert) != (
-                1, 1, 1, 1):
-            return [f"the {self.schedule} schedule runs a pipeline alone in memfit (pipeline >= "
-                    f"2, one stage per rank, tensor, data, context and expert 1); use such a "
-                    f"layout or a synchronous schedule such as 1f1b"]
+        if self.pipeline == 1 or (self.tensor, self.context, self.expert) != (1, 1, 1):
+            return [f"the {self.schedule} schedule runs a pipeline (pipeline >= 2, one stage "
+                    f"per rank), with data replicas at most, in memfit (tensor, context and "
+                    f"expert 1); use such a layout or a synchronous schedule such as 1f1b"]
+        if self.data > 1 and self.zero_stage != 0:
+            return [f"the {self.schedule} schedule all-reduces each update's gradients over "
+                    f"the data replicas (ZeRO 0), it does not shard them; use zero_stage 0"]
         return []
 
     def _expert_problems(self) -> list[str]:

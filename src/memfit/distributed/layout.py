@@ -535,6 +535,8 @@ def build_layout(
 
     def prepare(module: nn.Module) -> nn.Module | None:
         _split(module, parallel, mesh, device, handles, experts)
+        if parallel.schedule in PIPEDREAM_SCHEDULES:
+            return None  # its updates all-reduce the gradients themselves (below)
         if parallel.replicas > 1 and parallel.sharded:
             _fully_shard(module, parallel, shard_mesh)
         elif parallel.replicas > 1:
@@ -556,6 +558,8 @@ def build_layout(
         pipeline = build_pipeline(model, pipeline_config(parallel, cuts), loss_fn=loss_fn,
                                   group=mesh["pp"].get_group(), device=device, prepare=prepare)
         modules: list[nn.Module] = list(pipeline.stages)
+        if parallel.schedule in PIPEDREAM_SCHEDULES and parallel.replicas > 1:
+            pipeline.schedule.stage.replica_group = shard_mesh.get_group()
     else:
         model.to(device)
         prepare(model)

@@ -47,8 +47,13 @@ The copies are tagged ``stashed_weights`` in memfit's tracker. Gradients exist o
 micro-batch's backward to its update (``pipedream``) or over the step (2BW). Activations: as
 1F1B's, at most ``min(p - r, m)`` micro-batches in flight.
 
-Limits: one stage per rank, no tensor, data or context split, no weights tied across stages
-(GPT-2's tied embedding and head would need a cross-rank reduction at every update).
+Data replicas (``data > 1``, ZeRO 0): every replica of a stage runs the same actions, and
+each update first averages the gradients over the stage's replicas (an all-reduce in place,
+no buckets: no memory beyond the gradients), as DDP would for a synchronous step.
+
+Limits: one stage per rank, no tensor, context or expert split, no ZeRO sharding, no weights
+tied across stages (GPT-2's tied embedding and head would need a cross-rank reduction at
+every update).
 """
 
 from __future__ import annotations
@@ -175,6 +180,8 @@ class PipeDreamStage:
         vertical_sync: Every stage uses the version stage 0 used.
         loss_fn: The last stage's loss, a mean over the micro-batch.
         optimizer: Steps the live parameters (given before the first step).
+        replica_group: With data replicas: the group of this stage's replicas, over which
+            each update's gradients are averaged (an all-reduce in place) before the step.
     """
 
     module: nn.Module
@@ -184,6 +191,7 @@ class PipeDreamStage:
     vertical_sync: bool = False
     loss_fn: LossFn | None = None
     optimizer: Any = None
+    replica_group: Any = None
     #: ``pipedream``: the stashed versions in use, by version number in the step.
     versions: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict, init=False)
     #: ``pipedream-2bw``: ``W(t-1)``, which the step's micro-batches run on.
@@ -300,11 +308,23 @@ class PipeDreamStage:
         for n, g in zip(names, wgrads, strict=True):
             live[n].grad = g
         del wgrads
+        self._average()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._live += 1
         self._stash_if_used()
         return grad_in
+
+    def _average(self) -> None:
+        """The gradients averaged over the data replicas, in place (every replica makes the
+        same updates in the same order, so the all-reduces pair up)."""
+        if self.replica_group is None:
+            return
+        n = dist.get_world_size(self.replica_group)
+        for p in self.live().values():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=self.replica_group)
+                p.grad.div_(n)
 
     def end(self) -> None:
         """The step's end: 2BW's update (``W(t-1)`` becomes ``W(t)``, then ``W(t)`` steps to
@@ -314,6 +334,7 @@ class PipeDreamStage:
             with torch.no_grad():
                 for n, p in self.live().items():
                     self.previous[n].copy_(p)
+            self._average()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.versions = {}
@@ -478,6 +499,7 @@ def pipedream_reference(
     optimizer: Any,
     vertical_sync: bool = False,
     loss_fn: LossFn | None = None,
+    replicas: int = 1,
 ) -> list[list[float]]:
     """What a PipeDream pipeline computes, in one process on the whole ``model``: the same
     delayed-weight updates, for the numerics tests.
@@ -501,6 +523,9 @@ def pipedream_reference(
         vertical_sync: Every stage at stage 0's version.
         loss_fn: ``loss_fn(output, labels)`` (default: the model's own loss, a Hugging Face
             causal LM called with ``labels``).
+        replicas: Data replicas: each takes its consecutive share of the batch and splits
+            it into the micro-batches; micro-batch ``i`` here is every replica's ``i``-th
+            together (their averaged gradient is that of the mean over equal micro-batches).
 
     Returns:
         Each step's micro-batch losses.
@@ -516,7 +541,8 @@ def pipedream_reference(
             previous = {n: p.detach().clone() for n, p in live.items()}
         history = [{n: p.detach().clone() for n, p in live.items()}]
         losses = []
-        for i, (x, y) in enumerate(zip(ids.chunk(microbatches), labels.chunk(microbatches),
+        for i, (x, y) in enumerate(zip(_interleave(ids, replicas, microbatches),
+                                       _interleave(labels, replicas, microbatches),
                                        strict=True)):
             if schedule == "pipedream-2bw":
                 assert previous is not None
@@ -544,3 +570,9 @@ def pipedream_reference(
             optimizer.zero_grad(set_to_none=True)
         out.append(losses)
     return out
+
+
+def _interleave(batch: torch.Tensor, replicas: int, microbatches: int) -> list[torch.Tensor]:
+    """Micro-batch ``i`` of every replica's share of ``batch``, together, for each ``i``."""
+    shares = [share.chunk(microbatches) for share in batch.chunk(replicas)]
+    return [torch.cat([s[i] for s in shares]) for i in range(microbatches)]

@@ -694,8 +694,8 @@ def _predict_pipedream(src: _Source, parallel: ParallelConfig, mb: int, seq_len:
     flights = {r: microbatches_in_flight(parallel.schedule, parallel.pipeline,
                                          cfg.num_microbatches, r)
                for r in range(parallel.pipeline)}
-    return LayoutPrediction(parallel, [peaks[r] for r in range(parallel.pipeline)], {},
-                            flights, mb, cats)
+    per_rank = [peaks[layout_coords(g, parallel)["pp"]] for g in range(parallel.world_size)]
+    return LayoutPrediction(parallel, per_rank, {}, flights, mb, cats)
 
 
 def _exact(parallel: ParallelConfig, src: _Source, pipe_rank: int) -> bool:
