@@ -55,13 +55,22 @@ def _batches() -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(3)]
 
 
+#: Numerics only: every stage's blocks checkpointed (recomputed in backward, on the stashed
+#: version the forward used).
+CHECKPOINTED = "pipedream, checkpointed blocks"
+
+
 def _ranks(rank: int, world: int) -> dict:
     import memfit
+    from memfit.strategies.checkpointing import CheckpointConfig, apply_checkpointing
 
     batches = _batches()
     out = {}
-    for name, parallel in LAYOUTS.items():
+    for name, parallel in {**LAYOUTS, CHECKPOINTED: LAYOUTS["pipedream"]}.items():
         layout = build_layout(_model(), parallel, batch_size=BATCH)
+        if name == CHECKPOINTED:
+            for m in layout.modules:
+                apply_checkpointing(m, CheckpointConfig(mode="full", blocks=tuple(m.block_names)))
         opt = OPTIMIZER(layout.parameters())
         layout.attach_optimizer(opt)
         losses = [float(layout.step(ids, ids)) for ids in batches[:2]]
@@ -98,12 +107,13 @@ def _reference(parallel: ParallelConfig) -> tuple[list[float], dict[str, torch.T
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", [*LAYOUTS, CHECKPOINTED])
 def test_pipedream_equals_the_delayed_update_reference(results, name):
     """Two steps' losses (each the mean of its micro-batches') and every final parameter equal
     the one-process reference's to 1e-5 (relative; absolute relative to the tensor's largest
-    entry), and the parameters moved: the test compares trained weights."""
-    want_losses, want = _reference(LAYOUTS[name])
+    entry), and the parameters moved: the test compares trained weights. With checkpointed
+    blocks too: their recomputation in backward runs on the stashed version."""
+    want_losses, want = _reference(LAYOUTS.get(name, LAYOUTS["pipedream"]))
     got: dict[str, torch.Tensor] = {}
     for rank_out in results:
         assert rank_out[name]["losses"] == pytest.approx(want_losses, rel=RTOL)

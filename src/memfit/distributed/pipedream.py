@@ -38,6 +38,10 @@ step; version numbers restart at each step from the weights the step starts with
 therefore lives within a step; 2BW's stale version is carried across steps (a checkpoint holds
 the live weights only: a resumed run restarts with ``W(t-1) = W(t)``).
 
+A micro-batch runs on its version through ``torch.nn.utils.stateless``'s reparametrisation
+(what ``torch.func.functional_call`` uses), held over its forward and again over its backward,
+so that activation-checkpointed blocks recompute on the same version.
+
 **Memory**, per stage: its parameters (the live version, which the optimizer updates),
 optimizer state, and for ``pipedream`` one stashed copy of the stage's parameters per version
 some in-flight micro-batch uses, the newest included (forwards run on a copy, never on the
@@ -264,8 +268,8 @@ class PipeDreamStage:
         version = self._plan[i]
         if x.is_floating_point() and not self.is_first:
             x.requires_grad_(True)
-        out = torch.func.functional_call(self.module, self._weights(version), (x,),
-                                         strict=False)
+        with _on(self.module, self._weights(version)):
+            out = self.module(x)
         out = getattr(out, "logits", out)
         loss = self.loss_fn(out, target) if self.is_last else None
         keep_x = x if x.requires_grad else None
@@ -281,10 +285,13 @@ class PipeDreamStage:
         weights = self._weights(f.version)
         names = [n for n, t in weights.items() if t.requires_grad]
         inputs = ([f.x] if f.x is not None else []) + [weights[n] for n in names]
-        if f.loss is not None:
-            grads = torch.autograd.grad(f.loss, inputs, allow_unused=True)
-        else:
-            grads = torch.autograd.grad(f.out, inputs, grad_outputs=grad_out, allow_unused=True)
+        # On the version again: checkpointed blocks recompute their forward in backward.
+        with _on(self.module, weights):
+            if f.loss is not None:
+                grads = torch.autograd.grad(f.loss, inputs, allow_unused=True)
+            else:
+                grads = torch.autograd.grad(f.out, inputs, grad_outputs=grad_out,
+                                            allow_unused=True)
         del f
         grad_in = grads[0] if inputs and len(grads) > len(names) else None
         wgrads = grads[len(grads) - len(names):]
@@ -338,6 +345,16 @@ class PipeDreamStage:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.versions = {}
+
+
+def _on(module: nn.Module, weights: dict[str, torch.Tensor]) -> Any:
+    """``module`` running on ``weights`` in place of its parameters while open: what
+    ``torch.func.functional_call`` does around one call, held here over a backward too (an
+    activation-checkpointed block recomputes its forward then, and must see the same
+    version)."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    return _reparametrize_module(module, weights)
 
 
 # --------------------------------------------------------------------------- messages
