@@ -524,42 +524,38 @@ def build_layout(
             raise LayoutError("; ".join(problems))
     device = torch.device(device) if device is not None else torch.device("cpu")
     mesh = _make_mesh(parallel, device)
-    rank = dist.get_rank()
-    coords = layout_coords(rank, parallel)
+    coords = layout_coords(dist.get_rank(), parallel)
     loss_fn, context = _loss_and_context(model, parallel, mesh, loss_fn)
     handles: list[TensorParallel] = []
     shard_mesh = replica_mesh(mesh, parallel)  # dp, or dp and cp flattened
     ddps: list[nn.Module] = []
-
     experts: list[Any] = []
 
     def prepare(module: nn.Module) -> nn.Module | None:
         _split(module, parallel, mesh, device, handles, experts)
-        if parallel.schedule in PIPEDREAM_SCHEDULES:
-            return None  # its updates all-reduce the gradients themselves (below)
-        if parallel.replicas > 1 and parallel.sharded:
+        if parallel.replicas == 1 or parallel.schedule in PIPEDREAM_SCHEDULES:
+            return None  # PipeDream's updates average the gradients themselves (below)
+        if parallel.sharded:
             _fully_shard(module, parallel, shard_mesh)
-        elif parallel.replicas > 1:
-            ddp = replicate(module, shard_mesh.get_group(), bucket_bytes=parallel.bucket_bytes,
-                            device=device)
-            if parallel.pipeline > 1:
-                # torch's pipeline stage arms DDP's reduction itself, before the last
-                # micro-batch's backward, and runs every forward under no_sync. Its shape
-                # inference at the first step runs one more forward, outside no_sync, and no
-                # weight backward: that forward would arm the reduction for the first
-                # micro-batch's backward instead. Never arming it in a forward fixes that.
-                ddp.require_backward_grad_sync = False
-            ddps.append(ddp)
-            return ddp
-        return None
+            return None
+        ddp = replicate(module, shard_mesh.get_group(), bucket_bytes=parallel.bucket_bytes,
+                        device=device)
+        if parallel.pipeline > 1:
+            # torch's pipeline stage arms DDP's reduction itself, before the last
+            # micro-batch's backward, and runs every forward under no_sync. Its shape
+            # inference at the first step runs one more forward, outside no_sync, and no
+            # weight backward: that forward would arm the reduction for the first
+            # micro-batch's backward instead. Never arming it in a forward fixes that.
+            ddp.require_backward_grad_sync = False
+        ddps.append(ddp)
+        return ddp
 
     pipeline = None
     if parallel.pipeline > 1:
         pipeline = build_pipeline(model, pipeline_config(parallel, cuts), loss_fn=loss_fn,
                                   group=mesh["pp"].get_group(), device=device, prepare=prepare)
         modules: list[nn.Module] = list(pipeline.stages)
-        if parallel.schedule in PIPEDREAM_SCHEDULES and parallel.replicas > 1:
-            pipeline.schedule.stage.replica_group = shard_mesh.get_group()
+        _average_pipedream_updates(pipeline, parallel, shard_mesh)
     else:
         model.to(device)
         prepare(model)
@@ -569,6 +565,14 @@ def build_layout(
         _tie_shards(pipeline, ddps)
     return Layout(parallel, mesh, coords, modules, pipeline, handles, loss_fn, replicas,
                   context, experts)
+
+
+def _average_pipedream_updates(pipeline: Pipeline, parallel: ParallelConfig,
+                               shard_mesh: Any) -> None:
+    """With data replicas, a PipeDream stage averages each update's gradients over its
+    replicas' group (:mod:`.pipedream`; no DDP: the updates happen inside the schedule)."""
+    if parallel.schedule in PIPEDREAM_SCHEDULES and parallel.replicas > 1:
+        pipeline.schedule.stage.replica_group = shard_mesh.get_group()
 
 
 def _split(module: nn.Module, parallel: ParallelConfig, mesh: Any, device: torch.device,
