@@ -17,6 +17,7 @@ import contextlib
 import os
 import pickle
 import queue
+import random
 import socket
 import traceback
 from collections.abc import Callable
@@ -32,10 +33,31 @@ PRELOAD = ["torch", "torch.distributed", "transformers", "memfit", "memfit.apply
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    """A TCP port on 127.0.0.1 that nothing listens on right now, below the kernel's ephemeral
+    range: a port the kernel hands out (``bind(0)``) can be taken, before the rendezvous binds
+    it, as the local port of any client connection on the machine (another test's ranks
+    connecting to their store: seen as ``EADDRINUSE`` with two test workers)."""
+    low = _ephemeral_low()
+    rng = random.Random()  # seeded from the OS: test workers pick apart
+    for _ in range(100):
+        port = rng.randrange(min(10_000, low - 1), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default range starts here
 
 
 def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple,
@@ -117,6 +139,20 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any,
     by rank. ``fn`` and its results must be picklable (a module-level function). Raises
     ``AssertionError`` with a rank's traceback when one fails, or when the run outlives
     ``timeout`` seconds (every rank is then killed)."""
+    for attempt in range(3):
+        try:
+            return _run_once(fn, world_size, args, timeout)
+        except _PortTaken:
+            if attempt == 2:
+                raise AssertionError("the rendezvous port was taken three times running") from None
+    raise AssertionError("unreachable")
+
+
+class _PortTaken(Exception):
+    """The rendezvous port was taken between choosing and binding it: run again on another."""
+
+
+def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout: float) -> list[Any]:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     results = ctx.Queue()
@@ -132,6 +168,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any,
                 rank, status, out = results.get(timeout=timeout)
             except queue.Empty:
                 raise AssertionError(f"ranks did not finish within {timeout} s") from None
+            if status == "error" and "EADDRINUSE" in out and not outs:
+                raise _PortTaken
             if status == "error":
                 raise AssertionError(f"rank {rank} failed:\n{out}")
             outs[rank] = pickle.loads(out)
