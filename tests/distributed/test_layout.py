@@ -214,13 +214,14 @@ def test_sequence_parallelism_halves_what_the_norms_keep():
     assert split.roles[0].parameter_bytes == plain.roles[0].parameter_bytes
 
 
-def test_sequence_parallelism_needs_tensor_parallelism_and_no_pipeline():
+def test_sequence_parallelism_needs_tensor_parallelism():
+    """Refused without tensor parallelism; with it, taken with or without a pipeline (the
+    stages pass their local shards: tests/distributed/test_sequence_pipeline.py)."""
     with pytest.raises(ValueError, match="needs tensor > 1"):
         memfit.Plan(parallel=ParallelConfig(data=2, sequence=True))
-    with pytest.raises(ValueError, match="not composed with a pipeline"):
-        memfit.Plan(parallel=ParallelConfig(tensor=2, pipeline=2, sequence=True))
-    plan = memfit.Plan(parallel=ParallelConfig(tensor=2, sequence=True))
-    assert memfit.Plan.from_dict(plan.to_dict()) == plan
+    for pipeline in (1, 2):
+        plan = memfit.Plan(parallel=ParallelConfig(tensor=2, pipeline=pipeline, sequence=True))
+        assert memfit.Plan.from_dict(plan.to_dict()) == plan
 
 
 def test_deep_stages_extrapolate_from_one_and_two_blocks():

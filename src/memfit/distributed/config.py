@@ -96,6 +96,9 @@ class ParallelConfig:
             elements per token per block, plus dropout masks) by the tensor degree, and the
             last norm's output too. The same communication volume (each all-reduce becomes a
             reduce-scatter plus an all-gather); torch's ``SequenceParallel`` style does it.
+            Under a pipeline the stages pass their local ``sequence / tensor`` tokens, so the
+            inter-stage buffers shrink by the tensor degree too (the sequence length must be
+            a multiple of it).
         cuts: Where the pipeline cuts the blocks: the first block of each stage after the
             first, ``stages - 1`` strictly increasing block indices (``stages`` is ``pipeline``,
             or ``2 x pipeline`` for ``interleaved-1f1b`` and ``zero-bubble``); ``(15, 31)``
@@ -195,12 +198,6 @@ class ParallelConfig:
             out.append(
                 "parallel sequence splits the tensor-parallel group's norms along the sequence "
                 "and needs tensor > 1; set tensor to 2 or more, or sequence false"
-            )
-        elif self.sequence and self.pipeline > 1:
-            out.append(
-                "parallel sequence is not composed with a pipeline yet (the stages would pass "
-                "sequence-sharded activations, which the pipeline's buffers do not take); set "
-                "sequence false or pipeline 1"
             )
         if self.backend not in (None, "gloo", "nccl"):
             out.append(f"parallel backend must be 'gloo', 'nccl' or null, got {self.backend!r}")

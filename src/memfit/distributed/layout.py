@@ -199,6 +199,11 @@ def check_layout(
         problems.append(
             f"context parallelism of {c} is not composed with a pipeline of {p} stages in "
             "memfit; use pipeline 1 with context parallelism, or context 1")
+    if parallel.sequence and p > 1 and seq_len is not None and seq_len % t:
+        problems.append(
+            f"with sequence parallelism under a pipeline the stages pass sequence / tensor "
+            f"tokens each, so the sequence of {seq_len} must be a multiple of tensor {t}; use "
+            f"a sequence length divisible by {t}")
     if c > 1:
         problems.extend(check_context_parallel(model, c, parallel.context_mode, tensor=t,
                                                seq_len=seq_len))

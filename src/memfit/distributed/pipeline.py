@@ -164,6 +164,10 @@ class StageModule(nn.Module):
         self.tied: dict[str, str] = {}
         # The Hugging Face config: the attention implementation, which decides the mask.
         self.hf_config = hf_config
+        #: Under sequence parallelism, the tensor-parallel mesh its activations are
+        #: sequence-sharded over (set by :func:`~memfit.distributed.tensor.
+        #: apply_tensor_parallel`): the stages then pass their local shards.
+        self.sequence_mesh: Any = None
 
     @property
     def is_first(self) -> bool:
@@ -187,6 +191,8 @@ class StageModule(nn.Module):
             return x
         if self.is_first:
             x = self._embed(x)
+        elif self.sequence_mesh is not None:
+            x = self._from_shard(x)
         position_ids = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
         mask = _causal_mask(self.hf_config, x, position_ids)
         kwargs: dict[str, Any] = {"attention_mask": mask, "use_cache": False}
@@ -199,7 +205,20 @@ class StageModule(nn.Module):
         if self.is_last:
             norm = self.transformer.ln_f if self.family == "gpt2" else self.model.norm
             x = self.lm_head(norm(x))
+        elif self.sequence_mesh is not None:
+            # Only this rank's tokens travel to the next stage: its P2P buffers hold seq / t.
+            x = x.to_local()
         return x
+
+    def _from_shard(self, x: torch.Tensor) -> torch.Tensor:
+        """The received local sequence shard as the sequence-sharded DTensor the blocks
+        take (the model reads the whole sequence's length from it: positions, the mask).
+        torch's DTensor takes only even shards back from a plain tensor without their global
+        shape, which a later stage does not know: :func:`~memfit.distributed.layout.
+        check_layout` asks the sequence to be a multiple of the tensor degree."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        return DTensor.from_local(x, self.sequence_mesh, [Shard(1)], run_check=False)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.family == "gpt2":

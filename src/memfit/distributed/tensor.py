@@ -719,6 +719,9 @@ def apply_tensor_parallel(
             )
         setattr(model.get_submodule(mod_name), pname, owner_p)
     _divide_attrs(model, local_attrs or {}, config.degree)
+    if config.sequence_parallel and hasattr(model, "sequence_mesh"):
+        # A pipeline stage passes its local sequence shard between stages (StageModule).
+        model.sequence_mesh = mesh
     return TensorParallel(model, mesh, config, plan, restore)
 
 

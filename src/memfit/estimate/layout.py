@@ -352,6 +352,8 @@ def _run_role(stages: dict[int, nn.Module], num_stages: int, parallel: ParallelC
     if loss_fn is None:
         loss_fn = shifted_cross_entropy if parallel.tensor > 1 else causal_lm_loss
     run = _RoleRun(stages, num_stages, m, mb, seq_len, loss_fn, fsdp)
+    if parallel.sequence and piped:
+        run.sequence_split = parallel.tensor
     ctx = contextlib.nullcontext()
     if parallel.tensor > 1:
         from torch.distributed.tensor.parallel import loss_parallel
@@ -408,6 +410,9 @@ class _RoleRun:
         self.labels: Any = None  # ...and labels (last stage only)
         self.recv: dict[tuple[int, int], torch.Tensor] = {}
         self.grad_recv: dict[tuple[int, int], torch.Tensor] = {}
+        #: What the tokens passed between stages are divided by (the tensor degree under
+        #: sequence parallelism, whose stages pass their local shards).
+        self.sequence_split = 1
 
     def inputs_and_buffers(self, params: list[nn.Parameter]) -> int:
         """Make the batch and the receive buffers; returns the live bytes then (the static)."""
@@ -424,14 +429,16 @@ class _RoleRun:
         self.labels = torch.empty((local_batch, seq_len), dtype=torch.long) if last else None
         tracker.add_inputs((self.ids, self.labels))
         # torch's PipelineStage receives each micro-batch's input, and each output gradient,
-        # into its own buffer, allocated once and kept.
+        # into its own buffer, allocated once and kept; under sequence parallelism the stages
+        # pass their local sequence shards (StageModule.sequence_mesh).
+        tokens = seq_len // self.sequence_split
         for s in stages:
             for i in range(m):
                 if s > 0:
-                    self.recv[s, i] = torch.empty((mb, seq_len, hidden), dtype=dtype,
+                    self.recv[s, i] = torch.empty((mb, tokens, hidden), dtype=dtype,
                                                   requires_grad=True)
                 if s < self.num_stages - 1:
-                    self.grad_recv[s, i] = torch.empty((mb, seq_len, hidden), dtype=dtype)
+                    self.grad_recv[s, i] = torch.empty((mb, tokens, hidden), dtype=dtype)
         tracker.label((list(self.recv.values()), list(self.grad_recv.values())), "other")
         return tracker.live_bytes
 

@@ -1,0 +1,161 @@
+"""Megatron's sequence parallelism under a pipeline, in four real processes (gloo, CPU).
+
+Tensor 2 x pipeline 2 with ``sequence=True``: the stages pass their local ``seq / 2`` tokens
+(plain tensors), re-wrapped as sequence-sharded DTensors by the next stage
+(:class:`~memfit.distributed.pipeline.StageModule`). One spawn of four ranks builds a tiny
+Llama (fp32, no dropout) under the 1F1B and GPipe schedules with sequence parallelism and,
+for comparison, 1F1B without it; each runs a step whose loss and gradients are compared with
+the unsplit model's, then a warm step measured by memfit's tracker, compared with
+:func:`~memfit.estimate.layout.predict_layout`. torch's pipeline stage's receive buffers (the
+activations in, the gradients of the outputs) are read off the stage and compared with and
+without sequence parallelism.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memfit.distributed.config import ParallelConfig
+from memfit.distributed.layout import LayoutError, build_layout, check_layout, layout_coords
+from memfit.estimate.layout import predict_layout
+
+from .harness import assert_gradients_close, run_ranks, step_then_track
+
+WORLD = 4
+BATCH, SEQ, VOCAB = 4, 16, 256
+LAYOUTS = {
+    "tp2 x pp2, sequence, 1f1b": ParallelConfig(tensor=2, pipeline=2, sequence=True,
+                                                schedule="1f1b", microbatches=2),
+    "tp2 x pp2, sequence, gpipe": ParallelConfig(tensor=2, pipeline=2, sequence=True,
+                                                 schedule="gpipe", microbatches=2),
+}
+#: The same layout without sequence parallelism, for the buffers' and activations' sizes.
+PLAIN = "tp2 x pp2, 1f1b"
+RUNS = {**LAYOUTS, PLAIN: ParallelConfig(tensor=2, pipeline=2, schedule="1f1b", microbatches=2)}
+#: Gradients gathered whole against the unsplit model's: only the order of the sums differs.
+RTOL = 1e-5
+#: Predicted against measured per-rank peaks.
+PEAK_RTOL = 0.03
+
+
+def _model(layers: int = 4) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=SEQ, attention_dropout=0.0)
+    return LlamaForCausalLM(config).train()
+
+
+def _batch() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def _buffers(layout) -> dict[str, int]:
+    """Bytes of torch's pipeline stage's receive buffers on this rank: activations received
+    from the previous stage, gradients received from the next, over all micro-batches."""
+    stage = layout.pipeline.schedule._stage
+    act = sum(info.buffer.numel() * info.buffer.element_size()
+              for infos in stage.args_recv_info.values() for info in infos
+              if info.buffer is not None)
+    grad = sum(info.buffer.numel() * info.buffer.element_size()
+               for infos in stage.grad_recv_info.values() for info in infos
+               if getattr(info, "buffer", None) is not None)
+    return {"activations": act, "gradients": grad}
+
+
+def _ranks(rank: int, world: int) -> dict:
+    ids = _batch()
+    out = {}
+    for name, parallel in RUNS.items():
+        layout = build_layout(_model(), parallel, batch_size=BATCH)
+        run = step_then_track(layout, ids)
+        out[name] = {"loss": run["loss"], "grads": run["grads"], "coords": layout.coords,
+                     "peak": run["peak"], "buffers": _buffers(layout)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_ranks(_ranks, WORLD, timeout=400)
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[float, dict[str, torch.Tensor]]:
+    model = _model()
+    ids = _batch()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return float(loss), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_sequence_parallel_pipeline_equals_unsplit_model(results, reference, name):
+    """The loss and every gradient (gathered whole over the tensor ranks, collected from both
+    stages) equal the unsplit model's on the whole batch to 1e-5 (relative to each gradient's
+    largest entry)."""
+    want_loss, want = reference
+    got: dict[str, torch.Tensor] = {}
+    for r, rank_out in enumerate(results):
+        out = rank_out[name]
+        assert out["coords"] == layout_coords(r, LAYOUTS[name])
+        assert out["loss"] == pytest.approx(want_loss, rel=RTOL)
+        got.update(out["grads"])
+    assert set(got) == set(want)
+    assert_gradients_close(got, want, RTOL, where=f"{name}: ")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_prediction_matches_each_rank_s_measured_peak(results, name):
+    """Each rank's tracked peak over a warm step is within 3% of predict_layout's figure for
+    that rank (which runs the same stage program on fake tensors)."""
+    predicted = predict_layout(_model(), LAYOUTS[name], batch_size=BATCH, seq_len=SEQ)
+    measured = [rank_out[name]["peak"] for rank_out in results]
+    rows = "; ".join(f"rank {r}: measured {m} B, predicted {p} B ({(p - m) / m:+.2%})"
+                     for r, (m, p) in enumerate(zip(measured, predicted.peak_bytes, strict=True)))
+    for m, p in zip(measured, predicted.peak_bytes, strict=True):
+        assert p == pytest.approx(m, rel=PEAK_RTOL), f"{name}: {rows}"
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_stages_pass_the_local_sequence_shard(results):
+    """torch's pipeline stage sized its receive buffers from the tensors the stages passed:
+    with sequence parallelism the second stage's activation buffers and the first stage's
+    gradient buffers are exactly half those without it (seq / 2 tokens), and every rank's
+    measured peak is lower."""
+    sp = LAYOUTS["tp2 x pp2, sequence, 1f1b"]
+    for r, rank_out in enumerate(results):
+        with_sp, without = rank_out["tp2 x pp2, sequence, 1f1b"], rank_out[PLAIN]
+        kind = "activations" if layout_coords(r, sp)["pp"] == 1 else "gradients"
+        assert without["buffers"][kind] > 0
+        assert with_sp["buffers"][kind] * 2 == without["buffers"][kind], (r, kind)
+        assert with_sp["peak"] < without["peak"], r
+
+
+# --------------------------------------------------------------------------- one process
+def test_predicted_buffers_and_activations_shrink_with_sequence_parallelism():
+    """Predicted on fake tensors: the pipeline's receive buffers (in the static bytes) drop
+    by half (seq / 2 tokens per buffer) and each stage's kept activations drop too."""
+    kw = dict(batch_size=BATCH, seq_len=SEQ)
+    plain = predict_layout(_model(), RUNS[PLAIN], **kw)
+    split = predict_layout(_model(), LAYOUTS["tp2 x pp2, sequence, 1f1b"], **kw)
+    mb, m, hidden = BATCH // 2, 2, 64
+    buffers = m * mb * SEQ * hidden * 4  # one stage's receive buffers, fp32, whole sequence
+    for r in (0, 1):
+        assert plain.roles[r].static - split.roles[r].static == buffers // 2, r
+        assert split.roles[r].forward_kept[r] < plain.roles[r].forward_kept[r], r
+        assert split.peak_bytes[2 * r] < plain.peak_bytes[2 * r], r
+
+
+def test_sequence_parallel_pipeline_needs_the_sequence_to_split_evenly():
+    parallel = LAYOUTS["tp2 x pp2, sequence, 1f1b"]
+    with pytest.raises(LayoutError, match="sequence of 15 must be a multiple of tensor 2"):
+        check_layout(_model(), parallel, seq_len=15)
+    check_layout(_model(), parallel, seq_len=16)
