@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..distributed.config import ParallelConfig
+from ..distributed.config import PIPEDREAM_SCHEDULES, ParallelConfig
 from ..optim.registry import get as optimizer_spec
 from ..workload import Workload, WorkloadError
 from .cost import StepCost, bubble_fraction, communication
@@ -252,6 +252,7 @@ class _Profile:
     block_fixed: int = 0  # bytes kept for backward by one block's forward, per micro-batch
     first_fixed: int = 0
     last_fixed: int = 0
+    norm_acts: int = 0  # bytes one norm keeps for backward, per sample (its input, output)
 
     def kept(self, part: str, samples: int) -> int:
         """Bytes ``part`` (``block``, ``first``, ``last``) keeps for a micro-batch of
@@ -314,6 +315,7 @@ def _profile(shape: ModelShape, tensor: int, seq_len: int, dtype: str, device: s
         return max(0, b.activation_bytes - per_sample(part))
 
     block = one.blocks[0]
+    norm = _norm_kept(model, seq_len, dtype)
     out = _Profile(
         block_params=block.state_bytes // 4,
         first_params=one.first.state_bytes // 4,
@@ -327,10 +329,38 @@ def _profile(shape: ModelShape, tensor: int, seq_len: int, dtype: str, device: s
         block_fixed=fixed("block"),
         first_fixed=fixed("first"),
         last_fixed=fixed("last"),
+        norm_acts=norm,
     )
     if shape.family != "llama" and tensor > 1:
         out = _scale_other(out, tensor)
     return out
+
+
+def _norm_kept(model: Any, seq_len: int, dtype: str) -> int:
+    """Bytes the model's final norm keeps for backward for one sample (every block's two
+    norms are its like): what sequence parallelism divides by the tensor degree (torch's
+    ``SequenceParallel`` norms; the matrices' inputs are gathered whole again)."""
+    import torch
+
+    norm = getattr(getattr(model, "model", None), "norm", None) or getattr(
+        getattr(model, "transformer", None), "ln_f", None)
+    if norm is None:
+        return 0
+    params = {p.untyped_storage().data_ptr() for p in norm.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    x = torch.zeros(1, seq_len, norm.weight.shape[-1], requires_grad=True)
+    autocast = (torch.autocast("cpu", dtype=getattr(torch, dtype))
+                if dtype in ("bfloat16", "float16") else contextlib.nullcontext())
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+        norm(x)
+    return sum(seen.values())
 
 
 def _scale_other(prof: _Profile, t: int) -> _Profile:
@@ -572,6 +602,11 @@ class _RankModel:
         self.v = 1 if p == 1 else PipelineConfig(p, parallel.schedule).local_stages
         act_bytes = 2 if dtype != "float32" else 4
         self.block_input = self.mb * seq_len * shape.hidden * act_bytes
+        # Sequence parallelism: a block's input (what checkpointing keeps, and what the
+        # stages pass) holds seq / t tokens, and so do the norms' saved tensors.
+        self.split = t if parallel.sequence and t > 1 else 1
+        self.stage_input = self.block_input // self.split
+        self.norm_saved = self.prof.norm_acts * self.mb * (1 - 1 / self.split)
         self.attention, self.attention_flops, self.context_bytes = _context_costs(
             shape, parallel, self.mb, seq_len, act_bytes)
         # Expert parallelism: a rank keeps 1/e of each block's experts; each MoE block's
@@ -640,19 +675,21 @@ class _RankModel:
                                + self.expert_params * (1 - par.expert / d))
         if par.zero_stage == 2:  # whole between a block's forward and its backward
             states += 4 * sum(n * (1 - 1 / w) for n, w in groups)
-        per_block = self.block_input if self.checkpointing else prof.kept("block", mb)
+        block_kept = prof.kept("block", mb) - 2 * self.norm_saved  # two norms per block
+        per_block = self.stage_input if self.checkpointing else block_kept
         # The combine's weighted product keeps the routed tokens it received back.
         per_block += 0 if self.checkpointing else self.routed
         acts = blocks * per_block
         acts += prof.kept("first", mb) if first else 0
-        acts += prof.kept("last", mb) if last else 0
+        acts += prof.kept("last", mb) - self.norm_saved if last else 0
         v, p = self.v, par.pipeline
+        acts += self._stage_ends(r) * self.stage_input
         n = microbatches_in_flight(par.schedule, p, self.m, r, v if v > 1 else None) \
             if p > 1 else 1
         kept = n * acts / v
         # One block's backward: its saved tensors again as gradients (recomputed first when
         # checkpointed), and on the last stage the logits' gradient in fp32.
-        work = prof.kept("block", mb) * (2 if self.checkpointing else 1) + self.attention
+        work = block_kept * (2 if self.checkpointing else 1) + self.attention
         if last:
             work = max(work, 2 * 4 * mb * self.seq_len * (-(-self.shape.vocab // par.tensor)))
         grads = zero(param_bytes=0, grad_bytes=4, state_bytes=0)
@@ -662,7 +699,31 @@ class _RankModel:
         stash = self._stash(r, params + experts)
         if stash:
             cats["stashed_weights"] = stash
-        return int(states + kept + work + stash), cats
+        buffers = self._p2p_buffers(r)
+        if buffers:
+            cats["pipeline_buffers"] = buffers
+        return int(states + kept + work + stash + buffers), cats
+
+    def _stage_ends(self, r: int) -> int:
+        """Block inputs a micro-batch in flight adds on pipeline rank ``r`` per local stage,
+        on average: torch's stage keeps each non-last stage's output until its backward, and
+        a non-first stage's first block keeps its input, which is the receive buffer (counted
+        in :meth:`_p2p_buffers`): one more on the first stage, one fewer on the last."""
+        if self.config is None or self.parallel.schedule in PIPEDREAM_SCHEDULES:
+            return 0  # memfit's own schedule, priced as it was
+        first, last = self.ends[r]
+        return int(first) - int(last)
+
+    def _p2p_buffers(self, r: int) -> int:
+        """torch's pipeline stage's receive buffers on pipeline rank ``r``, kept for the
+        run: per local stage and micro-batch, one block input from the previous stage and one
+        output gradient from the next (``seq / t`` tokens each under sequence parallelism,
+        whose stages pass their local shards)."""
+        if self.config is None or self.parallel.schedule in PIPEDREAM_SCHEDULES:
+            return 0
+        last = self.config.num_stages - 1
+        ends = sum((s > 0) + (s < last) for s in self.config.stage_indices(r))
+        return ends * self.m * self.stage_input
 
     def _stash(self, r: int, params: float) -> int:
         """PipeDream's stashed weight versions on pipeline rank ``r``: a copy of its fp32
