@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..distributed.config import PIPEDREAM_SCHEDULES, ParallelConfig
+from ..distributed.config import ParallelConfig
 from ..optim.registry import get as optimizer_spec
 from ..workload import Workload, WorkloadError
 from .cost import StepCost, bubble_fraction, communication
@@ -709,8 +709,8 @@ class _RankModel:
         on average: torch's stage keeps each non-last stage's output until its backward, and
         a non-first stage's first block keeps its input, which is the receive buffer (counted
         in :meth:`_p2p_buffers`): one more on the first stage, one fewer on the last."""
-        if self.config is None or self.parallel.schedule in PIPEDREAM_SCHEDULES:
-            return 0  # memfit's own schedule, priced as it was
+        if self.config is None:
+            return 0
         first, last = self.ends[r]
         return int(first) - int(last)
 
@@ -719,7 +719,7 @@ class _RankModel:
         run: per local stage and micro-batch, one block input from the previous stage and one
         output gradient from the next (``seq / t`` tokens each under sequence parallelism,
         whose stages pass their local shards)."""
-        if self.config is None or self.parallel.schedule in PIPEDREAM_SCHEDULES:
+        if self.config is None:
             return 0
         last = self.config.num_stages - 1
         ends = sum((s > 0) + (s < last) for s in self.config.stage_indices(r))
