@@ -50,6 +50,7 @@ def workdir(tmp_path_factory) -> Path:
     Plan(precision="bf16-mixed").to_json(d / "one_bf16.json")
     Plan(parallel=TP2_PP2, checkpointing="full").to_json(d / "tp2pp2_ckpt.json")
     Plan(parallel={"context": 2}).to_json(d / "cp2.json")
+    Plan(parallel={**TP2_PP2, "sequence": True}).to_json(d / "tp2pp2_sp.json")
     return d
 
 
@@ -218,6 +219,24 @@ def test_checkpoints_of_a_ddp_replicated_layout_are_refused_before_launch(workdi
     assert run.exit_code == 2, run.output[-3000:]
     assert "has no checkpoints yet" in run.output and "Traceback" not in run.output
     assert not (workdir / "ck-ddp").exists()
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_sequence_parallelism_under_a_pipeline_trains_like_one_process(
+        workdir: Path, tp2pp2: dict, one_process: dict):
+    """A tensor 2 x pipeline 2 plan with sequence parallelism (the stages pass their local
+    16 of 32 tokens): every step's loss equals one process's within 1e-4; each rank's measured
+    peak is within 10% of predict_layout's figure (as the plain split run's test) and below
+    the same layout's without sequence parallelism."""
+    got = _run(workdir, "tp2pp2_sp", "--nproc-per-node", "4", "--plan", "tp2pp2_sp.json")
+    assert got["plan"]["parallel"]["sequence"] is True
+    assert got["losses"] == pytest.approx(one_process["losses"], abs=TOL)
+    measured, predicted = got["per_rank_peak_bytes"], got["predicted_rank_peak_bytes"]
+    for rank, (m, p) in enumerate(zip(measured, predicted, strict=True)):
+        assert p == pytest.approx(m, rel=0.10), f"rank {rank}: measured {m}, predicted {p}"
+    for sp, plain in zip(measured, tp2pp2["per_rank_peak_bytes"], strict=True):
+        assert sp < plain
 
 
 # --------------------------------------------------------------------------- one process
