@@ -6,7 +6,8 @@ and interleaved 1F1B 72.7 GiB per GPU (reserved, the largest rank). Its pipeline
 (torchtitan/parallelisms/pipelining_utils.py, generate_split_points) cuts the 126 layers with
 the remainder on the middle stages, 8 micro-batches (the pipeline degree), and FSDP under a
 pipeline keeps gathered parameters until backward (reshard_after_forward=False: memfit's ZeRO
-stage 2).
+stage 2); its tensor parallelism is sequence-parallel (``apply_tp``: ``SequenceParallel`` norms,
+block inputs ``Shard(1)``), so the plan sets ``sequence``.
 
 Writes each schedule's plan (``benchmarks/results/torchtitan_405b_<schedule>.plan.json``, the
 ``--plan`` of ``memfit plan --model llama-3.1-405b --batch-size 256 --seq-len 8192
@@ -35,8 +36,9 @@ GiB = 1 << 30
 
 def plan_for(schedule: str) -> Plan:
     """torchtitan's run as a memfit plan, its cuts torchtitan's (memfit's even split)."""
+    # torchtitan's apply_tp splits the norms and block inputs over the sequence (Shard(1)).
     par = {"data": 8, "tensor": 8, "pipeline": 8, "zero_stage": 2, "schedule": schedule,
-           "microbatches": 8}
+           "microbatches": 8, "sequence": True}
     even = pipeline_config(Plan(parallel=par).parallel).resolved_cuts(126)
     return Plan(precision="bf16-mixed", checkpointing="full", parallel={**par, "cuts": list(even)})
 

@@ -115,9 +115,11 @@ def _settings(d: int, t: int, p: int, c: int, batch_size: int, base: ParallelCon
         if base.microbatches is not None:
             counts = [base.microbatches]
     for e, stage, schedule, m in itertools.product(experts, stages, schedules, counts):
+        # The plan's sequence parallelism, where a tensor split can take it (any pipeline).
         par = dataclasses.replace(base, data=d, tensor=t, pipeline=p, context=c,
                                   zero_stage=stage, schedule=schedule if p > 1 else base.schedule,
-                                  microbatches=m if p > 1 else None, expert=e)
+                                  microbatches=m if p > 1 else None, expert=e,
+                                  sequence=base.sequence and t > 1)
         if not layout_problems(shape, par, batch_size, gpus_per_node, seq_len=seq_len):
             yield par, m
 
