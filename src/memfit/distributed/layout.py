@@ -18,7 +18,9 @@ Each rank then holds:
   names);
 * each stage split over the ``tp`` dimension by
   :func:`~memfit.distributed.tensor.apply_tensor_parallel` (the model's built-in plan, less
-  the entries for modules the stage lacks). The last stage's logits stay sharded over the
+  the entries for modules the stage lacks; with ``sequence`` the stages pass their local
+  sequence shards, :class:`~memfit.distributed.pipeline.StageModule`). The last stage's
+  logits stay sharded over the
   vocabulary and the loss, and its backward, run under ``loss_parallel``: full-vocabulary
   logits never exist on one rank;
 * with ``data > 1``, gradients reduced over the ``dp`` dimension by torch's data-parallel

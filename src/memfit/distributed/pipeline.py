@@ -8,6 +8,10 @@ GPT-2 or Llama layout (Llama, Mistral, Qwen2 share it) and any ``nn.Sequential``
   what passes between stages. Every stage of a Llama-style model computes the rotary position
   embeddings itself from the position ids (they hold no parameters), and every stage builds the
   causal mask the model's own attention expects.
+* Under tensor parallelism with sequence parallelism (:attr:`StageModule.sequence_mesh`) a
+  stage passes its local ``seq / tensor`` tokens as a plain tensor (``to_local``) and the next
+  stage wraps them back as a sequence-sharded DTensor: torch's pipeline infers, and its
+  receive buffers hold, the local shapes.
 * A stage's parameters keep the model's own names (``transformer.h.2.attn.c_attn.weight``), so
   its state dict is a slice of the model's. A weight tied across stages (GPT-2's ``wte`` and
   ``lm_head``) is copied onto the later stage and the copies' gradients are summed after each

@@ -12,7 +12,11 @@ How a layout is priced, per rank:
   distributed.zero_model_state_bytes`; at ZeRO 0 the gradients are DDP's buckets, live from
   the run's start, :mod:`memfit.distributed.replicas`), the activations of the micro-batches the schedule keeps in flight
   (:func:`~memfit.distributed.pipeline_plan.microbatches_in_flight`; with checkpointing only
-  each block's input), and one block's backward working set.
+  each block's input), and one block's backward working set; under a pipeline also torch's
+  receive buffers (a block input per micro-batch and direction) and each non-last stage's
+  output, kept until its micro-batch's backward. Sequence parallelism divides a checkpointed
+  block's input, the norms' saved tensors (measured on the model's own norm), the stage
+  outputs and the receive buffers by the tensor degree (the stages pass their local shards).
 * **Time.** A :class:`~memfit.estimate.cost.StepCost`, as every plan's: the stage's FLOPs at
   the device's rate (its efficiency falls for small micro-batches), the pipeline's bubble
   (:func:`~memfit.estimate.cost.bubble_fraction`: ``(p - 1) / M`` of the compute, less for
