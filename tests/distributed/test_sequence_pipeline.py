@@ -188,3 +188,26 @@ def test_the_analytic_model_prices_what_sequence_parallelism_saves_as_predict_la
         for k in saved:
             assert want[k] > 0
             assert saved[k] == pytest.approx(want[k], rel=0.02), (r, k, saved, want)
+
+
+def test_405b_under_torchtitan_s_layout_keeps_an_eighth_of_the_block_inputs():
+    """The analytic model at Llama 3.1 405B over data 8 x tensor 8 x pipeline 8 (1F1B, 8
+    micro-batches, full checkpointing): with sequence parallelism the first stage's in-flight
+    activations (its 15 checkpointed block inputs and its output per micro-batch, beside the
+    embedding's few bytes) and its receive buffers are an eighth of those without it."""
+    from memfit.estimate.layout_cost import estimate_layout, model_shape
+    from memfit.targets import get_device
+    from memfit.workload import load_workload
+
+    shape = model_shape(load_workload("llama-3.1-405b", 256, 8192))
+    got = []
+    for sequence in (False, True):
+        par = ParallelConfig(data=8, tensor=8, pipeline=8, zero_stage=2, microbatches=8,
+                             sequence=sequence)
+        got.append(estimate_layout(shape, par, batch_size=256, seq_len=8192,
+                                   checkpointing=True, device=get_device("h100"),
+                                   precision="bf16-mixed", optimizer="adamw",
+                                   gpus_per_node=8).stages[0])
+    plain, split = got
+    assert 7.9 < plain["activations"] / split["activations"] <= 8
+    assert plain["pipeline_buffers"] == 8 * split["pipeline_buffers"] > 0

@@ -47,6 +47,7 @@ from ..distributed.config import ParallelConfig
 from ..optim.registry import get as optimizer_spec
 from ..workload import Workload, WorkloadError
 from .cost import StepCost, bubble_fraction, communication
+from .pipeline_terms import norm_kept_bytes, receive_buffer_bytes, stage_outputs_kept
 
 if TYPE_CHECKING:
     from ..optim.config import OptimizerConfig
@@ -319,7 +320,7 @@ def _profile(shape: ModelShape, tensor: int, seq_len: int, dtype: str, device: s
         return max(0, b.activation_bytes - per_sample(part))
 
     block = one.blocks[0]
-    norm = _norm_kept(model, seq_len, dtype)
+    norm = norm_kept_bytes(model, seq_len, dtype)
     out = _Profile(
         block_params=block.state_bytes // 4,
         first_params=one.first.state_bytes // 4,
@@ -338,33 +339,6 @@ def _profile(shape: ModelShape, tensor: int, seq_len: int, dtype: str, device: s
     if shape.family != "llama" and tensor > 1:
         out = _scale_other(out, tensor)
     return out
-
-
-def _norm_kept(model: Any, seq_len: int, dtype: str) -> int:
-    """Bytes the model's final norm keeps for backward for one sample (every block's two
-    norms are its like): what sequence parallelism divides by the tensor degree (torch's
-    ``SequenceParallel`` norms; the matrices' inputs are gathered whole again)."""
-    import torch
-
-    norm = getattr(getattr(model, "model", None), "norm", None) or getattr(
-        getattr(model, "transformer", None), "ln_f", None)
-    if norm is None:
-        return 0
-    params = {p.untyped_storage().data_ptr() for p in norm.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
-        if st.data_ptr() not in params:
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    x = torch.zeros(1, seq_len, norm.weight.shape[-1], requires_grad=True)
-    autocast = (torch.autocast("cpu", dtype=getattr(torch, dtype))
-                if dtype in ("bfloat16", "float16") else contextlib.nullcontext())
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
-        norm(x)
-    return sum(seen.values())
 
 
 def _scale_other(prof: _Profile, t: int) -> _Profile:
@@ -687,7 +661,7 @@ class _RankModel:
         acts += prof.kept("first", mb) if first else 0
         acts += prof.kept("last", mb) - self.norm_saved if last else 0
         v, p = self.v, par.pipeline
-        acts += self._stage_ends(r) * self.stage_input
+        acts += stage_outputs_kept(self.ends[r]) * self.stage_input if p > 1 else 0
         n = microbatches_in_flight(par.schedule, p, self.m, r, v if v > 1 else None) \
             if p > 1 else 1
         kept = n * acts / v
@@ -703,31 +677,11 @@ class _RankModel:
         stash = self._stash(r, params + experts)
         if stash:
             cats["stashed_weights"] = stash
-        buffers = self._p2p_buffers(r)
+        buffers = receive_buffer_bytes(self.config, r, self.m, self.stage_input) \
+            if self.config is not None else 0
         if buffers:
             cats["pipeline_buffers"] = buffers
         return int(states + kept + work + stash + buffers), cats
-
-    def _stage_ends(self, r: int) -> int:
-        """Block inputs a micro-batch in flight adds on pipeline rank ``r`` per local stage,
-        on average: torch's stage keeps each non-last stage's output until its backward, and
-        a non-first stage's first block keeps its input, which is the receive buffer (counted
-        in :meth:`_p2p_buffers`): one more on the first stage, one fewer on the last."""
-        if self.config is None:
-            return 0
-        first, last = self.ends[r]
-        return int(first) - int(last)
-
-    def _p2p_buffers(self, r: int) -> int:
-        """torch's pipeline stage's receive buffers on pipeline rank ``r``, kept for the
-        run: per local stage and micro-batch, one block input from the previous stage and one
-        output gradient from the next (``seq / t`` tokens each under sequence parallelism,
-        whose stages pass their local shards)."""
-        if self.config is None:
-            return 0
-        last = self.config.num_stages - 1
-        ends = sum((s > 0) + (s < last) for s in self.config.stage_indices(r))
-        return ends * self.m * self.stage_input
 
     def _stash(self, r: int, params: float) -> int:
         """PipeDream's stashed weight versions on pipeline rank ``r``: a copy of its fp32

@@ -1,0 +1,79 @@
+"""Terms of the analytic layout model (:mod:`memfit.estimate.layout_cost`) for what a pipeline
+holds between its stages, and what sequence parallelism divides:
+
+* :func:`receive_buffer_bytes`: torch's ``PipelineStage`` receives every micro-batch's input,
+  and every output gradient, into a buffer of its own, allocated at the first step and kept;
+* :func:`stage_outputs_kept`: a non-last stage's output lives in the stage's forward cache
+  until its micro-batch's backward, while a non-first stage's first block saves its input,
+  which is the receive buffer already counted;
+* :func:`norm_kept_bytes`: what one norm saves for backward, the part of a block torch's
+  ``SequenceParallel`` norms split over the sequence (the matrices' inputs are gathered whole
+  again before the column-parallel projections save them).
+
+Under sequence parallelism the stages pass their local ``seq / tensor`` tokens
+(:class:`~memfit.distributed.pipeline.StageModule`), so the first two shrink by the tensor
+degree as well: the caller passes the block input at the local token count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+__all__ = ["norm_kept_bytes", "receive_buffer_bytes", "stage_outputs_kept"]
+
+
+def receive_buffer_bytes(config: Any, rank: int, microbatches: int, stage_input: float) -> int:
+    """torch's receive buffers on pipeline rank ``rank``, kept for the run: per local stage and
+    micro-batch one block input from the previous stage and one output gradient from the next.
+
+    Args:
+        config: The :class:`~memfit.distributed.pipeline_plan.PipelineConfig`.
+        rank: The pipeline rank.
+        microbatches: Micro-batches per step.
+        stage_input: Bytes of one micro-batch's block input as the stages pass it.
+    """
+    last = config.num_stages - 1
+    ends = sum((s > 0) + (s < last) for s in config.stage_indices(rank))
+    return int(ends * microbatches * stage_input)
+
+
+def stage_outputs_kept(ends: tuple[bool, bool]) -> int:
+    """Block inputs a micro-batch in flight adds to a rank beyond its blocks' saved tensors,
+    per local stage on average: one on the rank holding the first stage (its output, cached
+    until backward), none in the middle (the output cached, the first block's saved input the
+    receive buffer), one fewer on the last (no output sent; the input is the buffer).
+
+    Args:
+        ends: Whether the rank holds the first stage, and the last.
+    """
+    first, last = ends
+    return int(first) - int(last)
+
+
+def norm_kept_bytes(model: Any, seq_len: int, dtype: str) -> int:
+    """Bytes the model's final norm saves for backward for one sample of ``seq_len`` tokens
+    (every block's two norms are its like), run on ``model``'s own norm under autocast to
+    ``dtype``; 0 for a model without one where memfit looks (Llama's ``model.norm``,
+    GPT-2's ``transformer.ln_f``)."""
+    import torch
+
+    norm = getattr(getattr(model, "model", None), "norm", None) or getattr(
+        getattr(model, "transformer", None), "ln_f", None)
+    if norm is None:
+        return 0
+    params = {p.untyped_storage().data_ptr() for p in norm.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    x = torch.zeros(1, seq_len, norm.weight.shape[-1], requires_grad=True)
+    autocast = (torch.autocast("cpu", dtype=getattr(torch, dtype))
+                if dtype in ("bfloat16", "float16") else contextlib.nullcontext())
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+        norm(x)
+    return sum(seen.values())
