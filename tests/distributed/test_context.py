@@ -118,7 +118,8 @@ def test_a_rank_keeps_half_the_activations_of_the_unsplit_model(mode):
 
 
 @pytest.mark.parametrize(("parallel", "match"), [
-    (ParallelConfig(context=2, pipeline=2), "is not composed with a pipeline"),
+    (ParallelConfig(context=2, pipeline=2, schedule="pipedream"),
+     "tensor, context and expert 1"),
     (ParallelConfig(context=8, context_mode="all-to-all"),
      "does not divide the 4 attention heads of a tensor rank"),
     (ParallelConfig(context=4, tensor=2, context_mode="all-to-all"),

@@ -115,7 +115,9 @@ class ParallelConfig:
             activations, and its logits, hold ``seq_len / context`` tokens, so a sample too
             long for one device trains; the parameters are replicated over the context ranks
             (ZeRO 2/3 shards them over ``data x context``), and their gradients are averaged
-            over ``data x context`` like data parallelism's. Costs the attention's
+            over ``data x context`` like data parallelism's. Under a pipeline every stage
+            runs the rank's chunk and the stages pass ``seq_len / context`` tokens. Costs
+            the attention's
             communication: ``context - 1`` hops of every block's keys and values per forward
             (ring), twice that in backward (keys, values and their gradients), or four
             all-to-alls of the block's queries, keys, values and output (all-to-all).

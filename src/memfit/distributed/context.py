@@ -416,7 +416,8 @@ def apply_context_parallel(model: nn.Module, group: Any, mode: str = "ring") -> 
     if mode not in CONTEXT_MODES:
         raise ValueError(f"context_mode {mode!r} is not known; use one of "
                          f"{', '.join(CONTEXT_MODES)}")
-    config = getattr(model, "config", None)
+    # A pipeline stage carries its model's HF config as hf_config.
+    config = getattr(model, "config", None) or getattr(model, "hf_config", None)
     if config is None or not hasattr(config, "_attn_implementation"):
         raise ValueError(f"context parallelism hooks a Hugging Face model's attention, and "
                          f"{type(model).__name__} has no config to switch it")
@@ -442,6 +443,11 @@ def apply_context_parallel(model: nn.Module, group: Any, mode: str = "ring") -> 
             kwargs["position_ids"] = cp.positions(ids.shape[1], ids.device)
         return (cp.chunk(ids), *args[1:]), kwargs
 
+    if hasattr(model, "context"):
+        # A pipeline stage (StageModule) chunks its ids and places its positions itself.
+        model.context = cp
+        cp._undo.append(lambda: setattr(model, "context", None))
+        return cp
     handle = model.register_forward_pre_hook(take_chunk, with_kwargs=True)
     cp._undo.append(handle.remove)
     return cp

@@ -31,8 +31,10 @@ Each rank then holds:
   shards); 2 and 3 shard each stage with FSDP2 (``fully_shard`` on ``mesh["dp"]``, every block
   then the stage; gradient reduce-scatter after the last micro-batch's backward).
 
-* with ``context > 1`` (and one stage), each sample's sequence cut over the ``cp`` dimension
-  by :func:`~memfit.distributed.context.apply_context_parallel`: the rank runs its chunk, the
+* with ``context > 1``, each sample's sequence cut over the ``cp`` dimension by
+  :func:`~memfit.distributed.context.apply_context_parallel` (on each pipeline stage, whose
+  first cuts the ids and every one places its chunk's positions; the stages pass the chunk's
+  tokens, and the ring runs within each stage's context group): the rank runs its chunk, the
   attention exchanges keys and values (ring) or re-splits by heads (all-to-all), and the
   gradients are averaged over ``dp x cp`` together (DDP's or FSDP2's group is ``dp`` and
   ``cp`` flattened), each context rank's loss being its share of the whole samples' mean.
@@ -164,7 +166,7 @@ def check_layout(
     against the pipeline stages and the micro-batches against the schedule
     (:meth:`~memfit.distributed.pipeline.PipelineConfig.problems`); the batch against ``data x
     microbatches``; ZeRO stage 1, which memfit does not compose with the other dimensions;
-    context parallelism against a pipeline, the sequence and (all-to-all) the heads
+    context parallelism against the sequence and (all-to-all) the heads
     (:func:`~memfit.distributed.context.check_context_parallel`).
 
     Args:
@@ -197,10 +199,6 @@ def check_layout(
         problems.append(
             "zero_stage 1 (ZeroRedundancyOptimizer) is not composed with tensor or pipeline "
             "parallelism; use zero_stage 0 (gradients all-reduced by DDP) or 2 or 3 (FSDP2)")
-    if c > 1 and p > 1:
-        problems.append(
-            f"context parallelism of {c} is not composed with a pipeline of {p} stages in "
-            "memfit; use pipeline 1 with context parallelism, or context 1")
     if parallel.sequence and p > 1 and seq_len is not None and seq_len % t:
         problems.append(
             f"with sequence parallelism under a pipeline the stages pass sequence / tensor "
@@ -265,7 +263,8 @@ class Layout:
         loss_fn: ``loss_fn(output, labels)``, a mean over the micro-batch, on the last stage.
         replicas: With ``data x context > 1`` and ZeRO 0, each module under DDP
             (:class:`~memfit.distributed.replicas.Replicas`); ``None`` otherwise.
-        context: The context-parallel handle (``None`` when ``context == 1``).
+        context: The context-parallel handle (``None`` when ``context == 1``); under a
+            pipeline, a list of one per stage.
     """
 
     parallel: ParallelConfig
@@ -276,7 +275,7 @@ class Layout:
     tensor: list[TensorParallel] = field(default_factory=list)
     loss_fn: LossFn = causal_lm_loss
     replicas: Replicas | None = None
-    context: ContextParallel | None = None
+    context: ContextParallel | list[ContextParallel] | None = None
     #: With ``parallel.expert > 1``: each module's expert split (:mod:`.expert`).
     experts: list[Any] = field(default_factory=list)
 
@@ -539,7 +538,7 @@ def build_layout(
     experts: list[Any] = []
 
     def prepare(module: nn.Module) -> nn.Module | None:
-        _split(module, parallel, mesh, device, handles, experts)
+        _split(module, parallel, mesh, device, handles, experts, context)
         if parallel.replicas == 1 or parallel.schedule in PIPEDREAM_SCHEDULES:
             return None  # PipeDream's updates average the gradients themselves (below)
         if parallel.sharded:
@@ -582,10 +581,18 @@ def _average_pipedream_updates(pipeline: Pipeline, parallel: ParallelConfig,
         pipeline.schedule.stage.replica_group = shard_mesh.get_group()
 
 
+class _StageContexts(list):
+    """The context-parallel handles of a rank's pipeline stages, one per stage."""
+
+
 def _split(module: nn.Module, parallel: ParallelConfig, mesh: Any, device: torch.device,
-           handles: list[TensorParallel], experts: list[Any]) -> None:
-    """``module``'s experts split over its expert ranks (into ``experts``), then its
+           handles: list[TensorParallel], experts: list[Any], context: Any = None) -> None:
+    """``module``'s chunk of each sample under a pipeline with context parallelism (into
+    ``context``), its experts split over its expert ranks (into ``experts``), then its
     matrices over the tensor-parallel ranks (into ``handles``)."""
+    if isinstance(context, _StageContexts):
+        context.append(apply_context_parallel(module, mesh["cp"].get_group(),
+                                              parallel.context_mode))
     if parallel.expert > 1:
         experts.append(_split_experts(module, parallel, device))
     if parallel.tensor > 1:
@@ -625,8 +632,13 @@ def _loss_and_context(model: nn.Module, parallel: ParallelConfig, mesh: Any,
         raise LayoutError(
             "with context parallelism the loss is each chunk's share of the whole samples' "
             "causal LM loss (ContextParallel.loss); leave loss_fn unset")
-    context = apply_context_parallel(model, mesh["cp"].get_group(), parallel.context_mode)
-    return context.loss, context
+    if parallel.pipeline == 1:
+        context = apply_context_parallel(model, mesh["cp"].get_group(), parallel.context_mode)
+        return context.loss, context
+    # Under a pipeline each stage is prepared on its own (_split); the loss is the last
+    # stage's handle's (every handle computes it alike: the group's share of the mean).
+    stages = _StageContexts()
+    return (lambda logits, labels: stages[-1].loss(logits, labels)), stages
 
 
 def _tie_shards(pipeline: Pipeline, ddps: list[nn.Module]) -> None:

@@ -172,6 +172,10 @@ class StageModule(nn.Module):
         #: sequence-sharded over (set by :func:`~memfit.distributed.tensor.
         #: apply_tensor_parallel`): the stages then pass their local shards.
         self.sequence_mesh: Any = None
+        #: Under context parallelism, the :class:`~memfit.distributed.context.ContextParallel`
+        #: handle (set by :func:`~memfit.distributed.context.apply_context_parallel`): the
+        #: first stage keeps this rank's chunk of the ids, every stage the chunk's positions.
+        self.context: Any = None
 
     @property
     def is_first(self) -> bool:
@@ -193,12 +197,20 @@ class StageModule(nn.Module):
             for block in self.blocks():
                 x = block(x)
             return x
+        cp = self.context
+        if self.is_first and cp is not None:
+            x = cp.chunk(x)  # this rank's tokens of the whole samples
+        tokens = x.shape[1]  # under sequence parallelism the DTensor's, the whole sequence's
+        if not self.is_first and self.sequence_mesh is not None:
+            tokens *= self.sequence_mesh.size()
+        # Context parallelism: the chunk's global positions; its attention takes no mask.
+        position_ids = cp.positions(tokens * cp.degree, x.device) if cp is not None else \
+            torch.arange(tokens, device=x.device).unsqueeze(0)
         if self.is_first:
-            x = self._embed(x)
+            x = self._embed(x, position_ids)
         elif self.sequence_mesh is not None:
             x = self._from_shard(x)
-        position_ids = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
-        mask = _causal_mask(self.hf_config, x, position_ids)
+        mask = _causal_mask(self.hf_config, x, position_ids) if cp is None else None
         kwargs: dict[str, Any] = {"attention_mask": mask, "use_cache": False}
         if self.family == "llama":
             kwargs["position_ids"] = position_ids
@@ -224,10 +236,9 @@ class StageModule(nn.Module):
 
         return DTensor.from_local(x, self.sequence_mesh, [Shard(1)], run_check=False)
 
-    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+    def _embed(self, ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         if self.family == "gpt2":
             t = self.transformer
-            position_ids = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
             return t.drop(t.wte(ids) + t.wpe(position_ids))
         return self.model.embed_tokens(ids)
 

@@ -299,8 +299,9 @@ def _role_costs(src: _Source, parallel: ParallelConfig, pipe_rank: int, depth: i
                 stages, real, num_stages = {0: model}, {0: src.num_blocks}, 1
             del model
             if c > 1:  # the rank's chunk of every sample, and its share of the loss
-                loss_fn = apply_context_parallel(stages[0], mesh["cp"].get_group(),
-                                                 parallel.context_mode).loss
+                for stage in stages.values():  # each pipeline stage chunks on its own
+                    loss_fn = apply_context_parallel(stage, mesh["cp"].get_group(),
+                                                     parallel.context_mode).loss
             for stage in stages.values():
                 if parallel.expert > 1:  # this rank's experts (build_layout's split)
                     from ..distributed.expert import apply_expert_parallel
@@ -354,6 +355,7 @@ def _run_role(stages: dict[int, nn.Module], num_stages: int, parallel: ParallelC
     run = _RoleRun(stages, num_stages, m, mb, seq_len, loss_fn, fsdp)
     if parallel.sequence and piped:
         run.sequence_split = parallel.tensor
+    run.context = parallel.context
     ctx = contextlib.nullcontext()
     if parallel.tensor > 1:
         from torch.distributed.tensor.parallel import loss_parallel
@@ -413,6 +415,8 @@ class _RoleRun:
         #: What the tokens passed between stages are divided by (the tensor degree under
         #: sequence parallelism, whose stages pass their local shards).
         self.sequence_split = 1
+        #: The context degree: a stage passes its chunk of each sample.
+        self.context = 1
 
     def inputs_and_buffers(self, params: list[nn.Parameter]) -> int:
         """Make the batch and the receive buffers; returns the live bytes then (the static)."""
@@ -431,7 +435,7 @@ class _RoleRun:
         # torch's PipelineStage receives each micro-batch's input, and each output gradient,
         # into its own buffer, allocated once and kept; under sequence parallelism the stages
         # pass their local sequence shards (StageModule.sequence_mesh).
-        tokens = seq_len // self.sequence_split
+        tokens = seq_len // self.sequence_split // self.context
         for s in stages:
             for i in range(m):
                 if s > 0:

@@ -162,9 +162,6 @@ def layout_problems(shape: ModelShape, parallel: ParallelConfig, batch_size: int
 
     out: list[str] = []
     t, p, d, c = parallel.tensor, parallel.pipeline, parallel.data, parallel.context
-    if c > 1 and p > 1:
-        out.append(f"context parallelism of {c} is not composed with a pipeline of {p} stages "
-                   "in memfit; use pipeline 1 with context parallelism, or context 1")
     if c > 1 and not shape.heads % t:
         out.extend(check_context_parallel(shape.config, c, parallel.context_mode, tensor=t,
                                           seq_len=seq_len))
