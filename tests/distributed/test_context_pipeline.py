@@ -3,9 +3,9 @@
 Context 2 x pipeline 2: every stage runs its rank's chunk of each sample (the first stage cuts
 the ids, every stage places the chunk's global positions), the ring attention runs within each
 stage's context group, and the stages pass ``seq / 2`` tokens. One spawn of four ranks builds a
-tiny Llama (fp32, no dropout) under the 1F1B and GPipe schedules with context parallelism and,
-for comparison, a plain 2-stage pipeline of the same ranks' batch (data 2 x pipeline 2: each
-rank also trains half of the samples' tokens); each runs a step whose loss and gradients are
+tiny Llama (fp32, no dropout) under the 1F1B, GPipe and interleaved 1F1B schedules with
+context parallelism and, for comparison, a plain 2-stage pipeline of the same ranks' batch
+(data 2 x pipeline 2: each rank also trains half of the samples' tokens); each runs a step whose loss and gradients are
 compared with the unsplit model's, then a warm step measured by memfit's tracker, compared
 with :func:`~memfit.estimate.layout.predict_layout`.
 """
@@ -25,6 +25,8 @@ from .test_sequence_pipeline import BATCH, SEQ, WORLD, _batch, _buffers, _model
 LAYOUTS = {
     "cp2 x pp2, 1f1b": ParallelConfig(context=2, pipeline=2, schedule="1f1b", microbatches=2),
     "cp2 x pp2, gpipe": ParallelConfig(context=2, pipeline=2, schedule="gpipe", microbatches=2),
+    "cp2 x pp2, interleaved": ParallelConfig(context=2, pipeline=2,
+                                             schedule="interleaved-1f1b", microbatches=2),
 }
 #: The same ranks as a data 2 x pipeline 2 layout: whole samples, half of them each.
 PLAIN = "dp2 x pp2, 1f1b"
@@ -44,9 +46,10 @@ def _ranks(rank: int, world: int) -> dict:
         share = BATCH // parallel.data
         d = layout.coords["dp"]
         run = step_then_track(layout, ids[d * share:(d + 1) * share])
-        stage = layout.pipeline.schedule._stage
-        tokens = {info.buffer.shape[1] for infos in (*stage.args_recv_info.values(),
-                                                     *stage.grad_recv_info.values())
+        schedule = layout.pipeline.schedule
+        tokens = {info.buffer.shape[1]
+                  for stage in getattr(schedule, "_stages", None) or [schedule._stage]
+                  for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values())
                   for info in infos if getattr(info, "buffer", None) is not None}
         out[name] = {"loss": run["loss"], "grads": run["grads"], "coords": layout.coords,
                      "peak": run["peak"], "buffers": _buffers(layout), "tokens": tokens}

@@ -3,8 +3,8 @@
 Tensor 2 x pipeline 2 with ``sequence=True``: the stages pass their local ``seq / 2`` tokens
 (plain tensors), re-wrapped as sequence-sharded DTensors by the next stage
 (:class:`~memfit.distributed.pipeline.StageModule`). One spawn of four ranks builds a tiny
-Llama (fp32, no dropout) under the 1F1B and GPipe schedules with sequence parallelism and,
-for comparison, 1F1B without it; each runs a step whose loss and gradients are compared with
+Llama (fp32, no dropout) under the 1F1B, GPipe and interleaved 1F1B schedules with sequence
+parallelism and, for comparison, 1F1B without it; each runs a step whose loss and gradients are compared with
 the unsplit model's, then a warm step measured by memfit's tracker, compared with
 :func:`~memfit.estimate.layout.predict_layout`. torch's pipeline stage's receive buffers (the
 activations in, the gradients of the outputs) are read off the stage and compared with and
@@ -29,6 +29,8 @@ LAYOUTS = {
                                                 schedule="1f1b", microbatches=2),
     "tp2 x pp2, sequence, gpipe": ParallelConfig(tensor=2, pipeline=2, sequence=True,
                                                  schedule="gpipe", microbatches=2),
+    "tp2 x pp2, sequence, interleaved": ParallelConfig(
+        tensor=2, pipeline=2, sequence=True, schedule="interleaved-1f1b", microbatches=2),
 }
 #: The same layout without sequence parallelism, for the buffers' and activations' sizes.
 PLAIN = "tp2 x pp2, 1f1b"
@@ -56,11 +58,12 @@ def _batch() -> torch.Tensor:
 def _buffers(layout) -> dict[str, int]:
     """Bytes of torch's pipeline stage's receive buffers on this rank: activations received
     from the previous stage, gradients received from the next, over all micro-batches."""
-    stage = layout.pipeline.schedule._stage
-    act = sum(info.buffer.numel() * info.buffer.element_size()
+    schedule = layout.pipeline.schedule
+    stages = getattr(schedule, "_stages", None) or [schedule._stage]
+    act = sum(info.buffer.numel() * info.buffer.element_size() for stage in stages
               for infos in stage.args_recv_info.values() for info in infos
               if info.buffer is not None)
-    grad = sum(info.buffer.numel() * info.buffer.element_size()
+    grad = sum(info.buffer.numel() * info.buffer.element_size() for stage in stages
                for infos in stage.grad_recv_info.values() for info in infos
                if getattr(info, "buffer", None) is not None)
     return {"activations": act, "gradients": grad}
