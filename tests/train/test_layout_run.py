@@ -51,6 +51,7 @@ def workdir(tmp_path_factory) -> Path:
     Plan(parallel=TP2_PP2, checkpointing="full").to_json(d / "tp2pp2_ckpt.json")
     Plan(parallel={"context": 2}).to_json(d / "cp2.json")
     Plan(parallel={**TP2_PP2, "sequence": True}).to_json(d / "tp2pp2_sp.json")
+    Plan(parallel={"context": 2, "pipeline": 2, "microbatches": 2}).to_json(d / "cp2pp2.json")
     return d
 
 
@@ -242,6 +243,21 @@ def test_sequence_parallelism_under_a_pipeline_trains_like_one_process(
 # --------------------------------------------------------------------------- one process
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_context_parallelism_under_a_pipeline_trains_like_one_process(workdir: Path,
+                                                                       one_process: dict):
+    """``--nproc-per-node 4`` with a context 2 x pipeline 2 plan (each stage runs its rank's
+    16 of 32 tokens): every step's loss equals one process's within 1e-4, and each rank's
+    measured peak is within 3% of predict_layout's figure."""
+    got = _run(workdir, "cp2pp2", "--nproc-per-node", "4", "--plan", "cp2pp2.json")
+    assert got["plan"]["parallel"]["context"] == 2 and got["plan"]["parallel"]["pipeline"] == 2
+    assert got["losses"] == pytest.approx(one_process["losses"], abs=TOL)
+    measured, predicted = got["per_rank_peak_bytes"], got["predicted_rank_peak_bytes"]
+    for rank, (m, p) in enumerate(zip(measured, predicted, strict=True)):
+        assert p == pytest.approx(m, rel=0.03), f"rank {rank}: measured {m}, predicted {p}"
+
+
 def test_context_parallelism_trains_like_one_process(workdir: Path, one_process: dict):
     """``--nproc-per-node 2`` with a context 2 plan (ring attention; each sample's 32 tokens
     cut in two): every step's loss equals one process's within 1e-4, and each rank's measured
