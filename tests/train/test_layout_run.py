@@ -240,9 +240,6 @@ def test_sequence_parallelism_under_a_pipeline_trains_like_one_process(
         assert sp < plain
 
 
-# --------------------------------------------------------------------------- one process
-@pytest.mark.distributed
-@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_context_parallelism_under_a_pipeline_trains_like_one_process(workdir: Path,
@@ -258,6 +255,9 @@ def test_context_parallelism_under_a_pipeline_trains_like_one_process(workdir: P
         assert p == pytest.approx(m, rel=0.03), f"rank {rank}: measured {m}, predicted {p}"
 
 
+# --------------------------------------------------------------------------- one process
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_context_parallelism_trains_like_one_process(workdir: Path, one_process: dict):
     """``--nproc-per-node 2`` with a context 2 plan (ring attention; each sample's 32 tokens
     cut in two): every step's loss equals one process's within 1e-4, and each rank's measured

@@ -201,8 +201,13 @@ class StageModule(nn.Module):
         if self.is_first and cp is not None:
             x = cp.chunk(x)  # this rank's tokens of the whole samples
         tokens = x.shape[1]  # under sequence parallelism the DTensor's, the whole sequence's
-        if not self.is_first and self.sequence_mesh is not None:
+        if self.sequence_mesh is not None and not self.is_first:
             tokens *= self.sequence_mesh.size()
+        elif self.sequence_mesh is not None and tokens % self.sequence_mesh.size():
+            raise PipelineError(
+                f"with sequence parallelism the stages pass sequence / tensor tokens each, so "
+                f"the sequence of {tokens} must be a multiple of tensor "
+                f"{self.sequence_mesh.size()}; use a sequence length divisible by it")
         # Context parallelism: the chunk's global positions; its attention takes no mask.
         position_ids = cp.positions(tokens * cp.degree, x.device) if cp is not None else \
             torch.arange(tokens, device=x.device).unsqueeze(0)

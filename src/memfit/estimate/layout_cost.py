@@ -154,8 +154,7 @@ def layout_problems(shape: ModelShape, parallel: ParallelConfig, batch_size: int
     Checks: tensor parallelism within a node and dividing the heads, key-value heads and MLP
     width; the pipeline's stages no more than the blocks (the plan's cuts fitting them); the batch
     split evenly over the replicas and the micro-batches; the schedule's micro-batch count;
-    context parallelism dividing the sequence (and, all-to-all, each tensor rank's heads),
-    without a pipeline.
+    context parallelism dividing the sequence (and, all-to-all, each tensor rank's heads).
     """
     from ..distributed.context import check_context_parallel
     from ..distributed.pipeline_plan import PipelineConfig
