@@ -214,3 +214,27 @@ def test_405b_under_torchtitan_s_layout_keeps_an_eighth_of_the_block_inputs():
     plain, split = got
     assert 7.9 < plain["activations"] / split["activations"] <= 8
     assert plain["pipeline_buffers"] == 8 * split["pipeline_buffers"] > 0
+
+
+def test_the_planner_keeps_a_plan_s_sequence_parallelism_under_a_pipeline(tmp_path):
+    """``memfit plan`` with a tensor 2 x pipeline 2 plan that sets ``sequence``: the answer
+    keeps it (no refusal), and its rank peaks, dry-run in each rank's program, are
+    predict_layout's for that layout and below the same plan's without sequence
+    parallelism."""
+    from memfit.plan import Plan
+    from memfit.planner.layout import plan_layout
+    from memfit.workload import load_workload
+
+    _model().config.to_json_file(tmp_path / "config.json")
+    workload = load_workload(str(tmp_path / "config.json"), BATCH, SEQ)
+    peaks = {}
+    for name in ("tp2 x pp2, sequence, 1f1b", PLAIN):
+        result = plan_layout(workload, "1GiB", WORLD, WORLD, base=Plan(parallel=RUNS[name]))
+        par = result.plan.parallel
+        assert (par.tensor, par.pipeline, par.sequence) == (2, 2, RUNS[name].sequence)
+        peaks[name] = result.rank_peak_bytes
+    want = predict_layout(_model(), LAYOUTS["tp2 x pp2, sequence, 1f1b"], batch_size=BATCH,
+                          seq_len=SEQ).peak_bytes
+    assert peaks["tp2 x pp2, sequence, 1f1b"] == want
+    assert all(s < p for s, p in zip(peaks["tp2 x pp2, sequence, 1f1b"], peaks[PLAIN],
+                                     strict=True))
