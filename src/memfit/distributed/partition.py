@@ -16,7 +16,8 @@ checkpoint's own hooks cover only what runs inside the block). So a forward pre-
 block opens hooks that
 
 * pack the block's hidden-state input (its first positional tensor, matched by identity, so
-  nothing else the call saves is touched) into this rank's slice of its flattened elements,
+  nothing else the call saves is touched; not a leaf, such as a pipeline stage's receive
+  buffer, which its owner keeps whole anyway) into this rank's slice of its flattened elements,
   padded to a multiple of ``t``: a copy, on the device, or in host memory with ``offload``
   (page-locked on CUDA; on a CPU run a copy all the same, allocated in memfit's ``host`` tier,
   :func:`~memfit.accounting.tiers.host_tier`, so the tracker counts it as host memory);
@@ -122,7 +123,7 @@ class _Slice:
         if piece.device != device:
             piece = piece.to(device, non_blocking=piece.is_pinned())
         whole = torch.empty(piece.numel() * owner.world, dtype=self.dtype, device=device)
-        dist.all_gather_into_tensor(whole, piece, group=self.group)
+        dist.all_gather_single(whole, piece, group=self.group)
         owner.counters.gathered += 1
         # A fresh leaf as the checkpoint saved it (requires_grad as the input did, so the
         # recomputation saves what the forward saved); gradients never flow through it.
@@ -173,7 +174,9 @@ class PartitionedCheckpoints:
         box = [target]
 
         def pack(t: torch.Tensor) -> Any:
-            return _Slice(t, self) if box and t is box[0] else t
+            # A leaf input is its owner's (a pipeline stage's receive buffer, kept for the
+            # whole run): a slice of it would add bytes and free none.
+            return _Slice(t, self) if box and t is box[0] and not t.is_leaf else t
 
         hooks = saved_tensors_hooks(pack, _unpack)
         hooks.__enter__()
