@@ -417,6 +417,9 @@ class Plan:
                 layout += f" ({par.schedule}, {m} micro-batches{cut})"
             if par.sequence:
                 layout += ", sequence parallel"
+            if par.partition_activations:
+                where = " on the host" if par.partition_offload else ""
+                layout += f", checkpoints partitioned{where} (ZeRO-R)"
             if par.expert > 1:
                 layout += f", experts split over {par.expert}"
             if par.zero_stage:
