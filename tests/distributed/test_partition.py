@@ -235,3 +235,21 @@ def test_a_partitioned_plan_loads_and_round_trips():
     offload = plan.replace(parallel=ParallelConfig(tensor=2, partition_activations=True,
                                                    partition_offload=True))
     assert memfit.Plan.from_dict(offload.to_dict()) == offload
+
+
+def test_memfit_train_predicts_the_ranks_of_a_checkpointed_layout(tmp_path):
+    """What ``memfit train`` prints beside each rank's measured peak: for a checkpointed and a
+    partitioned layout plan, predict_layout's figures with the plan's checkpointing (it
+    used to give none for a checkpointed plan)."""
+    from types import SimpleNamespace
+
+    from memfit.train.layout_run import predict_rank_peaks
+    from memfit.workload import load_workload
+
+    _model(seq=16).config.to_json_file(tmp_path / "config.json")
+    run = SimpleNamespace(workload=load_workload(str(tmp_path / "config.json"), 8, 16))
+    for parallel in (TP2["checkpointed"], TP2["partitioned"]):
+        plan = memfit.Plan(parallel=parallel, checkpointing="full")
+        want = predict_layout(_model(seq=16), parallel, batch_size=8, seq_len=16,
+                              checkpointing=FULL).peak_bytes
+        assert predict_rank_peaks(run, plan) == want
