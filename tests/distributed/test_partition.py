@@ -3,8 +3,9 @@
 prediction of checkpointed layouts (``predict_layout(..., checkpointing=...)``).
 
 One spawn of two ranks trains a tiny Llama (fp32, no dropout) 2-way tensor-parallel under full
-checkpointing three ways: plain, partitioned, partitioned with offload; one spawn of four ranks
-does the same (without offload) over tensor 2 x pipeline 2 (1F1B). Each runs a first step whose
+checkpointing three ways (plain, partitioned, partitioned with offload) and under selective
+checkpointing two (plain, partitioned); one spawn of four ranks does full checkpointing plain
+and partitioned over tensor 2 x pipeline 2 (1F1B). Each runs a first step whose
 loss and gradients are compared with the unsplit, unchecked model's, then a warm step measured
 by memfit's tracker, compared with :func:`~memfit.estimate.layout.predict_layout`.
 """
@@ -27,11 +28,15 @@ BATCH, SEQ, VOCAB, HIDDEN, LAYERS = 4, 256, 256, 64, 4
 #: 1-2% of a rank's peak here and 4% at 256 tokens.
 SEQ_PP = 64
 FULL = CheckpointConfig(mode="full")
+SELECTIVE = CheckpointConfig(mode="selective")
 TP2 = {
     "checkpointed": ParallelConfig(tensor=2),
     "partitioned": ParallelConfig(tensor=2, partition_activations=True),
     "partitioned, offload": ParallelConfig(tensor=2, partition_activations=True,
                                            partition_offload=True),
+    # Selective checkpointing keeps the matmul outputs too; the block input is partitioned.
+    "selective": ParallelConfig(tensor=2),
+    "selective, partitioned": ParallelConfig(tensor=2, partition_activations=True),
 }
 TP2_PP2 = {
     "checkpointed": ParallelConfig(tensor=2, pipeline=2, schedule="1f1b", microbatches=2),
@@ -42,6 +47,11 @@ TP2_PP2 = {
 RTOL = 1e-5
 #: A rank's measured peak against its prediction.
 PEAK_RTOL = 0.03
+
+
+def _checkpointing(name: str) -> CheckpointConfig:
+    """The checkpointing of the layout called ``name``."""
+    return SELECTIVE if name.startswith("selective") else FULL
 
 
 def _model(layers: int = LAYERS, seq: int = SEQ) -> torch.nn.Module:
@@ -66,7 +76,8 @@ def _ranks(rank: int, world: int, layouts: dict[str, ParallelConfig], seq: int) 
     out = {}
     for name, parallel in layouts.items():
         layout = build_layout(_model(seq=seq), parallel, batch_size=BATCH)
-        handles = checkpoint_layout_modules(layout.modules, FULL, parallel, layout.mesh["tp"])
+        handles = checkpoint_layout_modules(layout.modules, _checkpointing(name), parallel,
+                                            layout.mesh["tp"])
         run = step_then_track(layout, ids)
         report = min(run["report"], _track_again(layout, ids, run["optimizer"]),
                      key=lambda r: r.peak_bytes)
@@ -157,7 +168,7 @@ def test_each_rank_s_peak_is_predicted_within_3_percent(request, which, name):
     that rank, computed without a process group, with the same checkpointing."""
     results, layouts, seq = _runs(request, which)
     predicted = predict_layout(_model(seq=seq), layouts[name], batch_size=BATCH, seq_len=seq,
-                               checkpointing=FULL)
+                               checkpointing=_checkpointing(name))
     measured = [out[name]["peak"] for out in results]
     rows = "; ".join(f"rank {r}: measured {m} B, predicted {p} B ({(p - m) / m:+.2%})"
                      for r, (m, p) in enumerate(zip(measured, predicted.peak_bytes, strict=True)))
@@ -170,19 +181,24 @@ def test_each_rank_s_peak_is_predicted_within_3_percent(request, which, name):
 def test_checkpointed_inputs_per_rank_drop_by_the_tensor_degree(tp2):
     """Measured on each rank: every block's checkpointed input is kept as half (tensor 2), so
     what the forward leaves on the device for backward drops by half the whole inputs, as
-    predicted (the forward's kept bytes, predicted without and with partitioning); with
-    offload the whole inputs leave the device and their halves are the host tier's. Each
+    predicted (the forward's kept bytes, predicted without and with partitioning), under full
+    and selective checkpointing; with offload the whole inputs leave the device and their
+    halves are the host tier's. Each
     block's input is all-gathered once per backward. The rank's peak drops too, measured and
     predicted alike (the first blocks' inputs wait as halves while the last ones recompute)."""
-    kw = dict(batch_size=BATCH, seq_len=SEQ, checkpointing=FULL)
-    predicted = {n: predict_layout(_model(), p, **kw) for n, p in TP2.items()}
+    kw = dict(batch_size=BATCH, seq_len=SEQ)
+    predicted = {n: predict_layout(_model(), p, checkpointing=_checkpointing(n), **kw)
+                 for n, p in TP2.items()}
     kept = {n: p.roles[0].forward_kept[0] for n, p in predicted.items()}
     block_input = BATCH * SEQ * HIDDEN * 4  # one fp32 hidden-state tensor
     whole = LAYERS * block_input  # one step's checkpointed inputs
     assert kept["checkpointed"] - kept["partitioned"] == whole // 2
     assert kept["checkpointed"] - kept["partitioned, offload"] == whole
+    assert kept["selective"] - kept["selective, partitioned"] == whole // 2
     for r, out in enumerate(tp2):
-        plain, part, off = (out[n] for n in TP2)
+        plain, part, off = out["checkpointed"], out["partitioned"], out["partitioned, offload"]
+        sel, sel_part = out["selective"], out["selective, partitioned"]
+        assert sel["at_backward"] - sel_part["at_backward"] == whole // 2
         # The counters are over the three steps (the first and the two tracked warm ones).
         assert part["whole"] == 3 * whole and part["kept"] == 3 * whole // 2
         assert part["gathered"] == off["gathered"] == 3 * LAYERS
