@@ -42,6 +42,9 @@ TP2_PP2 = {
     "checkpointed": ParallelConfig(tensor=2, pipeline=2, schedule="1f1b", microbatches=2),
     "partitioned": ParallelConfig(tensor=2, pipeline=2, schedule="1f1b", microbatches=2,
                                   partition_activations=True),
+    # The same four processes as data 2 x tensor 2 (DDP over the replicas).
+    "data 2 x tensor 2, partitioned": ParallelConfig(data=2, tensor=2,
+                                                     partition_activations=True),
 }
 #: Gradients gathered whole against the unsplit model's: only the order of the sums differs.
 RTOL = 1e-5
@@ -72,10 +75,11 @@ def _ranks(rank: int, world: int, layouts: dict[str, ParallelConfig], seq: int) 
     from memfit.apply.layout import checkpoint_layout_modules
     from memfit.distributed.layout import build_layout
 
-    ids = _batch(seq)
     out = {}
     for name, parallel in layouts.items():
         layout = build_layout(_model(seq=seq), parallel, batch_size=BATCH)
+        share = BATCH // parallel.data  # this replica's samples
+        ids = _batch(seq)[layout.coords["dp"] * share:(layout.coords["dp"] + 1) * share]
         handles = checkpoint_layout_modules(layout.modules, _checkpointing(name), parallel,
                                             layout.mesh["tp"])
         run = step_then_track(layout, ids)
@@ -222,7 +226,8 @@ def test_prediction_prices_the_partitioned_inputs_at_one_over_tensor():
     part = predict_layout(_model(), TP2["partitioned"], **kw).roles[0].forward_kept[0]
     off = predict_layout(_model(), TP2["partitioned, offload"], **kw).roles[0].forward_kept[0]
     assert plain - part == LAYERS * half and plain - off == 2 * LAYERS * half
-    piped = {n: predict_layout(_model(), p, **kw) for n, p in TP2_PP2.items()}
+    piped = {n: predict_layout(_model(), TP2_PP2[n], **kw) for n in ("checkpointed",
+                                                                    "partitioned")}
     mb_half = half // 2  # two micro-batches
     kept = {n: (p.roles[0].forward_kept[0], p.roles[1].forward_kept[1]) for n, p in piped.items()}
     assert kept["checkpointed"][0] - kept["partitioned"][0] == 2 * mb_half
