@@ -289,3 +289,31 @@ def test_memfit_train_predicts_the_ranks_of_a_checkpointed_layout(tmp_path):
         want = predict_layout(_model(seq=16), parallel, batch_size=8, seq_len=16,
                               checkpointing=FULL).peak_bytes
         assert predict_rank_peaks(run, plan) == want
+
+
+def test_the_planner_s_model_prices_the_inputs_at_one_over_tensor(tmp_path):
+    """The 3-D planner's per-rank model (estimate_layout) with partitioned checkpoints:
+    each block's kept input at 1/t per rank (none on the device with offload), one block's
+    input whole again during its recomputation, and one all-gather per block and micro-batch
+    more in the tensor-parallel communication; so the peak drops and the step slows."""
+    from memfit.estimate.layout_cost import estimate_layout, model_shape
+    from memfit.targets import get_device
+    from memfit.workload import load_workload
+
+    _model(seq=SEQ).config.to_json_file(tmp_path / "config.json")
+    workload = load_workload(str(tmp_path / "config.json"), 8, SEQ)
+    kw = dict(batch_size=8, seq_len=SEQ, checkpointing=True, device=get_device("h100"),
+              precision="fp32", optimizer="adamw", gpus_per_node=8)
+    shape = model_shape(workload)
+    priced = {n: estimate_layout(shape, TP2[n], **kw)
+              for n in ("checkpointed", "partitioned", "partitioned, offload")}
+    block_input = 8 * SEQ * HIDDEN * 4
+    acts = {n: c.by_category["activations"] for n, c in priced.items()}
+    work = {n: c.by_category["temporaries"] for n, c in priced.items()}
+    assert acts["checkpointed"] - acts["partitioned"] == LAYERS * block_input // 2
+    assert acts["checkpointed"] - acts["partitioned, offload"] == LAYERS * block_input
+    assert work["partitioned"] - work["checkpointed"] == block_input // 2
+    assert work["partitioned, offload"] - work["checkpointed"] == block_input
+    plain, part = priced["checkpointed"], priced["partitioned"]
+    assert part.max_peak_bytes < plain.max_peak_bytes
+    assert part.parts["tensor"] > plain.parts["tensor"] and part.step_seconds > plain.step_seconds
