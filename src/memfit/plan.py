@@ -414,7 +414,8 @@ class Plan:
             if par.pipeline > 1:
                 m = par.microbatches if par.microbatches is not None else 2 * par.pipeline
                 cut = f", cut at blocks {', '.join(map(str, par.cuts))}" if par.cuts else ""
-                layout += f" ({par.schedule}, {m} micro-batches{cut})"
+                sync = ", vertical sync" if par.vertical_sync else ""
+                layout += f" ({par.schedule}{sync}, {m} micro-batches{cut})"
             if par.sequence:
                 layout += ", sequence parallel"
             if par.partition_activations:

@@ -251,6 +251,10 @@ def test_cuda_cross_check_when_available():
 
     model = mlp().cuda()
     x = torch.randn(64, 16, device="cuda")
+    # The first matrix product allocates cuBLAS's workspace inside the caching allocator (32
+    # MiB on Hopper), which is not a tensor: made before the baseline, it is in ``base``.
+    model(x).sum().backward()
+    model.zero_grad(set_to_none=True)
     device.reset_peak_memory_stats("cuda")
     base = device.memory_allocated("cuda")
     with memfit.track(model) as tr:
@@ -268,7 +272,10 @@ def test_cuda_cross_check_when_available():
         if t == 0 and b <= at and (d < 0 or d > at)
     )
     assert 0 <= allocator_peak - rep.peak_bytes <= 511 * live
-    assert rep.peak_by_category["gradients"] == param_bytes(model)
+    # The peak falls inside backward, before the first layer's gradients exist; by the end
+    # every gradient is counted, as gradients.
+    assert 0 < rep.peak_by_category["gradients"] <= param_bytes(model)
+    assert rep.timeline["gradients"][-1] == param_bytes(model)
 
 
 def test_storage_resized_in_place_is_freed_and_allocated_again():

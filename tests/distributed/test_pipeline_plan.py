@@ -50,7 +50,7 @@ def test_stage_blocks_follow_cuts():
     ("config", "blocks", "says"),
     [
         (PipelineConfig(1), 4, "degree must be a whole number >= 2"),
-        (PipelineConfig(2, "pipedream"), 4, "use one of gpipe, 1f1b, interleaved-1f1b"),
+        (PipelineConfig(2, "chimera"), 4, "use one of gpipe, 1f1b, interleaved-1f1b"),
         (PipelineConfig(4, "1f1b", 2), 8, "needs at least as many micro-batches as the pipeline "
                                           "degree (4), got 2; use microbatches >= 4 or the gpipe"),
         (PipelineConfig(4, "interleaved-1f1b", 6), 8, "a multiple of the pipeline degree (4), got 6; "

@@ -9,7 +9,7 @@ import pytest
 from memfit import Plan
 from memfit.estimate.distributed import predict_ranks, zero_model_state_bytes
 
-from ..distributed.harness import run_ranks
+from ..distributed.harness import collectives_released_in_order, run_ranks
 
 SPEC = "tests.models:stack_workload"
 BATCH, WIDTH = 8, 256
@@ -24,7 +24,8 @@ def _measure_stages(rank: int, world: int) -> dict[int, Measured]:
 
     out = {}
     for stage in range(4):
-        report = measure(SPEC, _plan(stage), steps=3, batch_size=BATCH, seq_len=WIDTH)
+        with collectives_released_in_order():
+            report = measure(SPEC, _plan(stage), steps=3, batch_size=BATCH, seq_len=WIDTH)
         forward = dict(report.phase_peak_by_category["forward"])
         out[stage] = (int(report.peak_bytes), dict(report.peak_by_category), forward)
     return out

@@ -107,7 +107,7 @@ def test_reports_carry_reserved_and_device_totals():
     # Every segment is at least 2 MiB: the allocator model reserves more than tensors take.
     assert gpu.peak_reserved_bytes >= gpu.meta["peak_allocated_bytes"] >= gpu.peak_bytes
     assert gpu.peak_reserved_bytes >= 2 * 1024 * 1024
-    assert gpu.overhead_bytes == h100.context_bytes + h100.workspace_bytes
+    assert gpu.overhead_bytes == h100.context_bytes + h100.workspaces_bytes
     assert gpu.device_total_bytes == gpu.peak_reserved_bytes + gpu.overhead_bytes
     data = gpu.to_dict()
     assert data["target_device"] == "h100"

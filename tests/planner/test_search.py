@@ -198,7 +198,7 @@ def test_cli_plan_json(tmp_path):
     assert data["predicted_device_total_bytes"] < data["predicted_device_total_upper_bytes"]
     assert data["predicted_device_total_upper_bytes"] <= 800 * 2**20
     assert data["predicted_device_total_bytes"] == (
-        data["predicted_peak_reserved_bytes"] + a100.context_bytes + a100.workspace_bytes
+        data["predicted_peak_reserved_bytes"] + a100.context_bytes + a100.workspaces_bytes
     )
     assert data["predicted_peak_reserved_bytes"] >= data["predicted_peak_bytes"]
     loaded = memfit.Plan.load(tmp_path / "p.yaml")

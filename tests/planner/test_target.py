@@ -17,7 +17,7 @@ H100 = DEVICES["h100"]
 
 def test_gpu_plans_fit_the_device_total():
     workload = load_workload("gpt2-tiny", 8, 64)
-    overhead = H100.context_bytes + H100.workspace_bytes
+    overhead = H100.context_bytes + H100.workspaces_bytes
     # The CUDA context (measured), 100 MiB for the run, and the error band's upper edge.
     budget = upper_edge(overhead + 100 * MiB, True) // MiB
     result = plan(workload, f"{budget}MiB", device="h100")

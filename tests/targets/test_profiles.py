@@ -22,7 +22,10 @@ def test_builtin_gpus():
     assert h100.workspace_bytes == 32 * MiB  # Hopper's cuBLAS workspace
     assert DEVICES["a100"].workspace_bytes == 4096 * 1024 * 2 + 16 * 1024 * 8  # ":4096:2:16:8"
     assert not DEVICES["t4"].supports_bf16 and DEVICES["t4"].compute_capability == (7, 5)
-    assert h100.budget_bytes == h100.memory_bytes - h100.context_bytes - h100.workspace_bytes
+    # Two cuBLAS handles' workspaces (the forward's and the autograd thread's) and cuBLASLt's.
+    assert h100.workspaces_bytes == 2 * 32 * MiB + 1 * MiB
+    assert h100.budget_bytes == h100.memory_bytes - h100.context_bytes - h100.workspaces_bytes
+    assert get_device("cpu").workspaces_bytes == 0
     assert get_device("cpu").kind == "cpu" and not get_device("cpu").is_cuda
 
 

@@ -24,6 +24,7 @@ _COLORS = {
     "buffers": "#8172B3",
     "gradients": "#DD8452",
     "optimizer_state": "#C44E52",
+    "stashed_weights": "#CCB974",
     "inputs": "#937860",
     "activations": "#55A868",
     "temporaries": "#DA8BC3",

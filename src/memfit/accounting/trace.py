@@ -16,6 +16,9 @@ CATEGORIES: tuple[str, ...] = (
     "buffers",
     "gradients",
     "optimizer_state",
+    # Copies of parameters a schedule keeps for in-flight micro-batches (PipeDream's weight
+    # versions): ranked above activations, since the forwards save them for backward.
+    "stashed_weights",
     "inputs",
     "activations",
     "temporaries",

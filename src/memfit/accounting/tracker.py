@@ -35,7 +35,7 @@ __all__ = ["CATEGORIES", "PHASES", "MemoryTracker", "label_open", "storage_resiz
 _OPEN: list[MemoryTracker] = []
 
 _RANK = {name: i for i, name in enumerate(CATEGORIES)}
-_PARAM, _BUF, _GRAD, _OPT, _INPUT, _ACT, _TEMP, _OTHER = range(len(CATEGORIES))
+_PARAM, _BUF, _GRAD, _OPT, _STASH, _INPUT, _ACT, _TEMP, _OTHER = range(len(CATEGORIES))
 
 _FWD, _BWD, _OPTPHASE, _OTHERPHASE = range(len(PHASES))
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-__all__ = ["CONTEXT_MODES", "PIPELINE_SCHEDULES", "ZERO_STAGES", "ParallelConfig"]
+__all__ = ["CONTEXT_MODES", "PIPEDREAM_SCHEDULES", "PIPELINE_SCHEDULES", "ZERO_STAGES",
+           "ParallelConfig"]
 
 MiB = 1 << 20
 
@@ -32,7 +33,13 @@ PIPELINE_SCHEDULES = {
     "1f1b": "Schedule1F1B",
     "interleaved-1f1b": "ScheduleInterleaved1F1B",
     "zero-bubble": "ScheduleZBVZeroBubble",
+    # Asynchronous: torch has none; memfit's own (memfit.distributed.pipedream).
+    "pipedream": "PipeDreamSchedule",
+    "pipedream-2bw": "PipeDreamSchedule",
 }
+
+#: The asynchronous schedules (weights updated inside the step, without a flush).
+PIPEDREAM_SCHEDULES = ("pipedream", "pipedream-2bw")
 
 #: How a context-parallel group shares attention (:mod:`memfit.distributed.context`).
 CONTEXT_MODES = ("ring", "all-to-all")
@@ -71,7 +78,16 @@ class ParallelConfig:
         schedule: The pipeline schedule: ``gpipe`` (all forwards, then all backwards: every
             micro-batch's activations at once), ``1f1b`` (at most ``pipeline`` micro-batches
             in flight), ``interleaved-1f1b`` (several stages per process, a smaller bubble),
-            ``zero-bubble`` (backward split into input and weight gradients to fill the bubble).
+            ``zero-bubble`` (backward split into input and weight gradients to fill the bubble);
+            and the asynchronous PipeDream schedules (:mod:`memfit.distributed.pipedream`,
+            1F1B order, the optimizer stepped inside the schedule, pipeline and data
+            replicas only):
+            ``pipedream`` (weight stashing: an update after every micro-batch's backward,
+            each micro-batch's backward on the weights its forward used; costs one stashed
+            copy of the stage's parameters per version in flight, up to ``min(pipeline -
+            r, microbatches)`` on rank ``r``, and an optimizer step per micro-batch) and
+            ``pipedream-2bw`` (double-buffered: one update per step with the gradient of
+            the previous version, ``W(t+1) = W(t) - lr grad(W(t-1))``; one stashed copy).
         microbatches: Micro-batches per step through the pipeline (``None``: ``2 x
             pipeline``); more shrinks the bubble and each micro-batch's activations.
         sequence: Megatron's sequence parallelism, with ``tensor > 1``: the norms, dropouts
@@ -128,6 +144,11 @@ class ParallelConfig:
             (DeepSpeed's ``cpu_checkpointing``; page-locked on CUDA), so the checkpointed
             inputs leave the device altogether and take ``1/tensor`` of their bytes in host
             memory per rank. Costs a copy of each slice down in forward and up in backward.
+        vertical_sync: PipeDream schedules only: every stage runs a micro-batch on the
+            weight version stage 0 used for it (the version it entered the pipeline with),
+            not its own newest. No time cost; memory: a later stage keeps its older versions
+            until their micro-batches' backwards, up to the versions in flight on stage 0
+            (``pipedream-2bw`` uses one version everywhere already: no change).
     """
 
     data: int = 1
@@ -146,6 +167,7 @@ class ParallelConfig:
     expert: int = 1
     partition_activations: bool = False
     partition_offload: bool = False
+    vertical_sync: bool = False
 
     def problems(self) -> list[str]:
         """What is wrong with these settings, one sentence each (empty when valid)."""
@@ -200,6 +222,7 @@ class ParallelConfig:
         out.extend(self._cut_problems())
         out.extend(self._expert_problems())
         out.extend(self._partition_problems())
+        out.extend(self._pipedream_problems())
         return out
 
     def _partition_problems(self) -> list[str]:
@@ -222,6 +245,25 @@ class ParallelConfig:
                     "them false"]
         return []
 
+    def _pipedream_problems(self) -> list[str]:
+        """The asynchronous schedules' limits in memfit, and ``vertical_sync``'s form."""
+        if not isinstance(self.vertical_sync, bool):
+            return [f"parallel vertical_sync must be true or false, got {self.vertical_sync!r}"]
+        if self.schedule not in PIPEDREAM_SCHEDULES:
+            if self.vertical_sync:
+                return [f"parallel vertical_sync applies to the pipedream schedules only "
+                        f"(weight versions), not {self.schedule}; set vertical_sync false or "
+                        f"schedule pipedream"]
+            return []
+        if self.pipeline == 1 or (self.tensor, self.context, self.expert) != (1, 1, 1):
+            return [f"the {self.schedule} schedule runs a pipeline (pipeline >= 2, one stage "
+                    f"per rank), with data replicas at most, in memfit (tensor, context and "
+                    f"expert 1); use such a layout or a synchronous schedule such as 1f1b"]
+        if self.data > 1 and self.zero_stage != 0:
+            return [f"the {self.schedule} schedule all-reduces each update's gradients over "
+                    f"the data replicas (ZeRO 0), it does not shard them; use zero_stage 0"]
+        return []
+
     def _expert_problems(self) -> list[str]:
         """The expert degree's form (its fit to a model's experts is checked where the model
         is known: :func:`memfit.distributed.expert.apply_expert_parallel`)."""
@@ -238,7 +280,7 @@ class ParallelConfig:
     def num_stages(self) -> int:
         """Pipeline stages in all: ``pipeline``, twice that for the schedules that place two
         stages on each rank (``interleaved-1f1b``, ``zero-bubble``)."""
-        two = self.schedule in ("interleaved-1f1b", "zero-bubble")
+        two = self.schedule in ("interleaved-1f1b", "zero-bubble")  # pipedream: one
         return self.pipeline * (2 if two and self.pipeline > 1 else 1)
 
     def _cut_problems(self) -> list[str]:

@@ -56,7 +56,7 @@ from torch import nn
 
 from ..stepping import BaseStepper
 from ..workload import Batch
-from .config import ParallelConfig
+from .config import PIPEDREAM_SCHEDULES, ParallelConfig
 from .context import ContextParallel, apply_context_parallel, check_context_parallel
 from .pipeline import (
     Pipeline,
@@ -141,7 +141,8 @@ def pipeline_config(parallel: ParallelConfig, cuts: tuple[int, ...] | None = Non
     plan's ``parallel.cuts``, else an even split)."""
     if cuts is None and parallel.cuts:
         cuts = tuple(parallel.cuts)
-    return PipelineConfig(parallel.pipeline, parallel.schedule, parallel.microbatches, cuts)
+    return PipelineConfig(parallel.pipeline, parallel.schedule, parallel.microbatches, cuts,
+                          vertical_sync=parallel.vertical_sync)
 
 
 def check_layout(
@@ -220,6 +221,14 @@ def check_layout(
                 problems.append(str(e).rstrip("."))
         if num_blocks is not None:
             problems.extend(pipeline_config(parallel).problems(num_blocks))
+        config = getattr(model, "hf_config", None) or getattr(model, "config", model)
+        if parallel.schedule in PIPEDREAM_SCHEDULES and getattr(
+                config, "tie_word_embeddings", False):
+            problems.append(
+                f"the {parallel.schedule} schedule updates each stage's weights on its own, so "
+                "the embedding tied to the head (on the first and last stages) would drift "
+                "apart; use a model with tie_word_embeddings false (llama-tiny) or a "
+                "synchronous schedule such as 1f1b")
     if batch_size is not None:
         m = layout_microbatches(parallel) if not problems else (parallel.microbatches or 1)
         per = d * m
@@ -280,6 +289,18 @@ class Layout:
                 seen.setdefault(id(p), p)
         return list(seen.values())
 
+    @property
+    def steps_optimizer(self) -> bool:
+        """Whether the schedule steps the optimizer itself, inside :meth:`step` (the
+        asynchronous PipeDream schedules: :mod:`memfit.distributed.pipedream`)."""
+        return self.pipeline is not None and hasattr(self.pipeline.schedule, "optimizer")
+
+    def attach_optimizer(self, optimizer: Any) -> None:
+        """Give a schedule that steps the optimizer itself (:attr:`steps_optimizer`) the
+        optimizer over :meth:`parameters`; a no-op for the others."""
+        if self.steps_optimizer:
+            self.pipeline.schedule.optimizer = optimizer
+
     def loss_context(self) -> contextlib.AbstractContextManager[Any]:
         """``loss_parallel()`` when the logits are vocabulary-sharded (tensor > 1), else a no-op:
         the loss and its backward run inside it."""
@@ -292,6 +313,9 @@ class Layout:
     def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """One training step's forwards and backwards: gradients in ``.grad``, reduced over
         the data-parallel replicas. Zero the gradients before, step the optimizer after.
+        Under a PipeDream schedule (:attr:`steps_optimizer`) the step also updates the
+        weights, with the optimizer given to :meth:`attach_optimizer`; no gradients are
+        left in ``.grad``.
 
         Args:
             inputs: This replica's batch of input ids (``global batch / data`` samples; the
@@ -386,6 +410,7 @@ class LayoutStepper(BaseStepper):
     def __init__(self, layout: Layout, optimizer: Any, device: torch.device | None = None) -> None:
         self.layout = layout
         self.optimizer = optimizer
+        layout.attach_optimizer(optimizer)
         if device is None:
             device = next((p.device for p in layout.parameters()), torch.device("cpu"))
         self.device = device
@@ -419,7 +444,8 @@ class LayoutStepper(BaseStepper):
         raise RuntimeError("a layout's schedule runs its own backwards; use run_step")
 
     def step(self) -> None:
-        self.optimizer.step()
+        if not self.layout.steps_optimizer:  # PipeDream stepped it inside the schedule
+            self.optimizer.step()
 
     def zero_grad(self) -> None:
         # Under DDP the gradients are views of its buckets, live for the whole run: zeroed in
@@ -498,38 +524,38 @@ def build_layout(
             raise LayoutError("; ".join(problems))
     device = torch.device(device) if device is not None else torch.device("cpu")
     mesh = _make_mesh(parallel, device)
-    rank = dist.get_rank()
-    coords = layout_coords(rank, parallel)
+    coords = layout_coords(dist.get_rank(), parallel)
     loss_fn, context = _loss_and_context(model, parallel, mesh, loss_fn)
     handles: list[TensorParallel] = []
     shard_mesh = replica_mesh(mesh, parallel)  # dp, or dp and cp flattened
     ddps: list[nn.Module] = []
-
     experts: list[Any] = []
 
     def prepare(module: nn.Module) -> nn.Module | None:
         _split(module, parallel, mesh, device, handles, experts)
-        if parallel.replicas > 1 and parallel.sharded:
+        if parallel.replicas == 1 or parallel.schedule in PIPEDREAM_SCHEDULES:
+            return None  # PipeDream's updates average the gradients themselves (below)
+        if parallel.sharded:
             _fully_shard(module, parallel, shard_mesh)
-        elif parallel.replicas > 1:
-            ddp = replicate(module, shard_mesh.get_group(), bucket_bytes=parallel.bucket_bytes,
-                            device=device)
-            if parallel.pipeline > 1:
-                # torch's pipeline stage arms DDP's reduction itself, before the last
-                # micro-batch's backward, and runs every forward under no_sync. Its shape
-                # inference at the first step runs one more forward, outside no_sync, and no
-                # weight backward: that forward would arm the reduction for the first
-                # micro-batch's backward instead. Never arming it in a forward fixes that.
-                ddp.require_backward_grad_sync = False
-            ddps.append(ddp)
-            return ddp
-        return None
+            return None
+        ddp = replicate(module, shard_mesh.get_group(), bucket_bytes=parallel.bucket_bytes,
+                        device=device)
+        if parallel.pipeline > 1:
+            # torch's pipeline stage arms DDP's reduction itself, before the last
+            # micro-batch's backward, and runs every forward under no_sync. Its shape
+            # inference at the first step runs one more forward, outside no_sync, and no
+            # weight backward: that forward would arm the reduction for the first
+            # micro-batch's backward instead. Never arming it in a forward fixes that.
+            ddp.require_backward_grad_sync = False
+        ddps.append(ddp)
+        return ddp
 
     pipeline = None
     if parallel.pipeline > 1:
         pipeline = build_pipeline(model, pipeline_config(parallel, cuts), loss_fn=loss_fn,
                                   group=mesh["pp"].get_group(), device=device, prepare=prepare)
         modules: list[nn.Module] = list(pipeline.stages)
+        _average_pipedream_updates(pipeline, parallel, shard_mesh)
     else:
         model.to(device)
         prepare(model)
@@ -539,6 +565,14 @@ def build_layout(
         _tie_shards(pipeline, ddps)
     return Layout(parallel, mesh, coords, modules, pipeline, handles, loss_fn, replicas,
                   context, experts)
+
+
+def _average_pipedream_updates(pipeline: Pipeline, parallel: ParallelConfig,
+                               shard_mesh: Any) -> None:
+    """With data replicas, a PipeDream stage averages each update's gradients over its
+    replicas' group (:mod:`.pipedream`; no DDP: the updates happen inside the schedule)."""
+    if parallel.schedule in PIPEDREAM_SCHEDULES and parallel.replicas > 1:
+        pipeline.schedule.stage.replica_group = shard_mesh.get_group()
 
 
 def _split(module: nn.Module, parallel: ParallelConfig, mesh: Any, device: torch.device,

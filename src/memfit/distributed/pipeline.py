@@ -15,7 +15,8 @@ GPT-2 or Llama layout (Llama, Mistral, Qwen2 share it) and any ``nn.Sequential``
 
 The schedules are torch.distributed.pipelining's
 (:data:`~memfit.distributed.config.PIPELINE_SCHEDULES` maps the names to them); every one
-runs on CPU with gloo. The settings, their checks and their theory (micro-batches
+runs on CPU with gloo. The asynchronous PipeDream schedules, which torch lacks, are memfit's
+own (:mod:`memfit.distributed.pipedream`). The settings, their checks and their theory (micro-batches
 in flight per schedule, balanced cuts) are in :mod:`memfit.distributed.pipeline_plan`,
 re-exported here; the predictions without launching in :mod:`memfit.estimate.pipeline`.
 
@@ -38,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .config import PIPELINE_SCHEDULES
+from .config import PIPEDREAM_SCHEDULES, PIPELINE_SCHEDULES
 from .pipeline_plan import (
     BlockCost,
     PipelineConfig,
@@ -68,6 +69,7 @@ __all__ = [
     "model_blocks",
     "predict_stage_activations",
     "run_pipeline_step",
+    "stage_of_parameter",
 ]
 
 # ---------------------------------------------------------------------------- stages
@@ -390,14 +392,41 @@ def build_pipeline(model: nn.Module, config: PipelineConfig, *,
             wrapper = prepare(stage)
             if isinstance(wrapper, nn.Module):
                 runs[i] = wrapper
+    ties = _tie_groups(model, layout, config, stages, rank, group)
+    if config.schedule in PIPEDREAM_SCHEDULES:
+        return Pipeline(config, rank, stages, _pipedream(config, runs[0], rank, loss_fn, group,
+                                                         model, layout), group, ties)
     torch_stages = [pipelining.PipelineStage(m, s, config.num_stages, device, group=group)
                     for m, s in zip(runs, indices, strict=True)]
     cls = getattr(pipelining, PIPELINE_SCHEDULES[config.schedule])
     single = config.schedule in ("gpipe", "1f1b")
     schedule = cls(torch_stages[0] if single else torch_stages, config.num_microbatches,
                    loss_fn=loss_fn)
-    ties = _tie_groups(model, layout, config, stages, rank, group)
     return Pipeline(config, rank, stages, schedule, group, ties)
+
+
+def _pipedream(config: PipelineConfig, stage: nn.Module, rank: int,
+               loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], group: Any,
+               model: nn.Module, layout: _Layout) -> Any:
+    """memfit's PipeDream schedule for this rank's stage (torch has no asynchronous one)."""
+    from .pipedream import PipeDreamSchedule
+
+    held, _ = _holders(model, layout, config)
+    if any(len(stages) > 1 for stages in held.values()):
+        raise PipelineError(
+            f"the {config.schedule} schedule updates each stage's weights on its own, so a "
+            "weight tied across stages (GPT-2's embedding and head) would drift apart; untie "
+            "it (tie_word_embeddings=False) or use a synchronous schedule such as 1f1b")
+    return PipeDreamSchedule(stage, config.degree, rank, config.num_microbatches,
+                             config.schedule, loss_fn, group, config.vertical_sync)
+
+
+def stage_of_parameter(model: nn.Module, config: PipelineConfig) -> Callable[[str], int]:
+    """The stage holding each of ``model``'s parameters under ``config`` (its first holder),
+    by the model's names (:func:`memfit.distributed.pipedream.pipedream_reference`)."""
+    held, names = _holders(model, _layout(model), config)
+    where = {names[i]: stages[0] for i, stages in held.items()}
+    return where.__getitem__
 
 
 def _tie_groups(model: nn.Module, layout: _Layout, config: PipelineConfig,

@@ -11,7 +11,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .config import PIPELINE_SCHEDULES
+from .config import PIPEDREAM_SCHEDULES, PIPELINE_SCHEDULES
+
+#: Schedules that place one stage on each rank.
+ONE_STAGE = ("gpipe", "1f1b", *PIPEDREAM_SCHEDULES)
 
 __all__ = [
     "BlockCost",
@@ -59,6 +62,8 @@ class PipelineConfig:
             (:func:`choose_cuts` on dry-run profiles, :mod:`memfit.estimate.pipeline`).
         stages_per_rank: Stages each rank holds (``None``: 1 for ``gpipe`` and ``1f1b``, 2
             for ``interleaved-1f1b`` and ``zero-bubble``; zero-bubble needs exactly 2).
+        vertical_sync: PipeDream schedules: every stage uses stage 0's weight version for a
+            micro-batch (:mod:`memfit.distributed.pipedream`).
     """
 
     degree: int
@@ -66,6 +71,7 @@ class PipelineConfig:
     microbatches: int | None = None
     cuts: tuple[int, ...] | None = None
     stages_per_rank: int | None = None
+    vertical_sync: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.cuts, list):
@@ -97,7 +103,7 @@ class PipelineConfig:
         its weight-gradient work fills the bubble, entirely when forward, input-backward and
         weight-backward take equal time."""
         p, m = self.degree, self.num_microbatches
-        v = 1 if self.schedule in ("gpipe", "1f1b") else self.local_stages
+        v = 1 if self.schedule in ONE_STAGE else self.local_stages
         return (p - 1) / (v * m + p - 1)
 
     def stage_indices(self, rank: int) -> tuple[int, ...]:
@@ -141,7 +147,7 @@ class PipelineConfig:
         if v is not None and (not _whole(v) or v < 1):
             return [f"pipeline stages_per_rank must be a whole number >= 1 or null, got {v!r}"]
         v = self.local_stages
-        if self.schedule in ("gpipe", "1f1b") and v != 1:
+        if self.schedule in ONE_STAGE and v != 1:
             out.append(f"the {self.schedule} schedule runs one stage per rank, got "
                        f"stages_per_rank={v}; use interleaved-1f1b for several")
         if self.schedule == "interleaved-1f1b" and v < 2:
@@ -155,7 +161,7 @@ class PipelineConfig:
             out.append(f"pipeline microbatches must be a whole number >= 1 or null, got {m!r}")
             m = None
         m = self.num_microbatches if m is None else m
-        if self.schedule in ("1f1b", "zero-bubble") and m < p:
+        if self.schedule in ("1f1b", "zero-bubble", *PIPEDREAM_SCHEDULES) and m < p:
             out.append(f"the {self.schedule} schedule needs at least as many micro-batches as "
                        f"the pipeline degree ({p}), got {m}; use microbatches >= {p}"
                        + (" or the gpipe schedule" if self.schedule == "1f1b" else ""))
@@ -227,7 +233,8 @@ def microbatches_in_flight(schedule: str, degree: int, microbatches: int, rank: 
     not yet), counted per stage chunk when a rank holds several stages.
 
     * GPipe: ``m`` (all forwards run before the first backward);
-    * 1F1B: ``min(m, p - r)`` (rank ``r`` warms up with ``p - r`` forwards);
+    * 1F1B, and the PipeDream schedules (1F1B order): ``min(m, p - r)`` (rank ``r`` warms
+      up with ``p - r`` forwards);
     * interleaved 1F1B over ``v`` chunks: ``min(v m, 2 (p - r - 1) + (v - 1) p + 1)`` chunk
       micro-batches (Megatron's warm-up);
     * zero-bubble (ZB-V, two chunks): ``min(2 p, m + r + 1)`` chunk micro-batches, counted
@@ -240,7 +247,7 @@ def microbatches_in_flight(schedule: str, degree: int, microbatches: int, rank: 
     p, m, r = degree, microbatches, rank
     if schedule == "gpipe":
         return m
-    if schedule == "1f1b":
+    if schedule in ("1f1b", *PIPEDREAM_SCHEDULES):
         return min(m, p - r)
     if schedule == "interleaved-1f1b":
         v = stages_per_rank or 2
@@ -270,7 +277,7 @@ def predict_stage_activations(per_microbatch_activation_bytes: int, degree: int,
         ``microbatches_in_flight(...) x per_microbatch_activation_bytes / v``: GPipe keeps
         ``m`` micro-batches at once on every stage, 1F1B ``p - stage``.
     """
-    v = 1 if schedule in ("gpipe", "1f1b") else (stages_per_rank or 2)
+    v = 1 if schedule in ONE_STAGE else (stages_per_rank or 2)
     n = microbatches_in_flight(schedule, degree, microbatches, stage, stages_per_rank)
     return round(n * per_microbatch_activation_bytes / v)
 

@@ -509,7 +509,9 @@ def bubble_fraction(schedule: str, pipeline: int, microbatches: int) -> float:
     without a pipeline."""
     if pipeline <= 1:
         return 0.0
-    per = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zero-bubble": 6}[schedule]
+    # PipeDream's steps drain as 1F1B's do (memfit.distributed.pipedream): the same bubble.
+    per = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zero-bubble": 6, "pipedream": 1,
+           "pipedream-2bw": 1}[schedule]
     return (pipeline - 1) / (per * microbatches)
 
 

@@ -56,7 +56,7 @@ from torch import nn
 
 from ..accounting import track
 from ..apply.layout import checkpoint_layout_modules
-from ..distributed.config import ParallelConfig
+from ..distributed.config import PIPEDREAM_SCHEDULES, ParallelConfig
 from ..distributed.context import apply_context_parallel
 from ..distributed.layout import (
     MESH_DIMS,
@@ -78,6 +78,7 @@ from ..strategies.checkpointing import CheckpointConfig
 from ..strategies.grad_buffer import apply_grad_buffer
 from ..workload import Workload, load_workload
 from .distributed import fake_process_group
+from .pipedream import pipedream_rank_peak
 from .pipeline import _fake, _schedule_orders
 
 __all__ = ["LayoutPrediction", "RoleCosts", "predict_layout"]
@@ -139,6 +140,9 @@ class LayoutPrediction:
     roles: dict[int, RoleCosts] = field(default_factory=dict)
     in_flight: dict[int, int] = field(default_factory=dict)
     microbatch_size: int = 0
+    #: By pipeline index, the bytes by category at the rank's peak, where the prediction
+    #: measured them (the PipeDream schedules, whose stashed weight versions show here).
+    categories: dict[int, dict[str, int]] = field(default_factory=dict)
 
     @property
     def max_peak_bytes(self) -> int:
@@ -223,8 +227,7 @@ def _shallow(parallel: ParallelConfig, num_blocks: int, mine: tuple[int, ...],
     for n in sizes[:-1]:
         at += n
         cuts.append(at)
-    cfg = PipelineConfig(full.degree, full.schedule, full.microbatches, tuple(cuts),
-                         full.stages_per_rank)
+    cfg = dataclasses.replace(full, cuts=tuple(cuts))
     return cfg, sum(sizes), {s: real[s] for s in mine}
 
 
@@ -663,6 +666,11 @@ def predict_layout(
                  num_blocks=src.num_blocks, seq_len=seq_len)
     m = layout_microbatches(parallel)
     mb = batch_size // (parallel.data * m)
+    if parallel.schedule in PIPEDREAM_SCHEDULES:
+        if checkpointing is not None:
+            raise LayoutError(f"predict_layout does not model checkpointing under the "
+                              f"{parallel.schedule} schedule yet; predict it without")
+        return _predict_pipedream(src, parallel, mb, seq_len, loss_fn, optimizer, foreach)
     orders = _schedule_orders(pipeline_config(parallel)) if parallel.pipeline > 1 else None
     roles: dict[int, RoleCosts] = {}
     flights: dict[int, int] = {}
@@ -678,6 +686,38 @@ def predict_layout(
         peaks[r], flights[r] = _replay(costs, _actions(parallel, orders, r))
     per_rank = [peaks[layout_coords(g, parallel)["pp"]] for g in range(parallel.world_size)]
     return LayoutPrediction(parallel, per_rank, roles, flights, mb)
+
+
+def _predict_pipedream(src: _Source, parallel: ParallelConfig, mb: int, seq_len: int,
+                       loss_fn: LossFn | None, optimizer: Any,
+                       foreach: bool | None) -> LayoutPrediction:
+    """The PipeDream schedules: each rank's whole warm step run on fake tensors
+    (:func:`~memfit.estimate.pipedream.pipedream_rank_peak`); a stage of more than
+    :data:`EXACT_BLOCKS` blocks run at one and two and its peak extrapolated linearly."""
+    from ..distributed.pipeline_plan import microbatches_in_flight
+
+    peaks: dict[int, int] = {}
+    cats: dict[int, dict[str, int]] = {}
+    cfg = pipeline_config(parallel)
+    for r in range(parallel.pipeline):
+        def run(depth: int | None, r: int = r) -> tuple[int, dict[str, int]]:
+            shallow, total, _ = _shallow(parallel, src.num_blocks, (r,), depth)
+            return pipedream_rank_peak(
+                lambda: src.build(total), shallow, r, mb, seq_len,
+                lambda ps: _make_optimizer(optimizer, ps, foreach), loss_fn)
+
+        if _exact(parallel, src, r):
+            peaks[r], cats[r] = run(None)
+            continue
+        (one, c1), (two, c2) = run(1), run(2)
+        extra = len(cfg.stage_blocks(src.num_blocks, r)) - 1
+        peaks[r] = one + (two - one) * extra
+        cats[r] = {k: c1[k] + (c2[k] - c1[k]) * extra for k in c1}
+    flights = {r: microbatches_in_flight(parallel.schedule, parallel.pipeline,
+                                         cfg.num_microbatches, r)
+               for r in range(parallel.pipeline)}
+    per_rank = [peaks[layout_coords(g, parallel)["pp"]] for g in range(parallel.world_size)]
+    return LayoutPrediction(parallel, per_rank, {}, flights, mb, cats)
 
 
 def _exact(parallel: ParallelConfig, src: _Source, pipe_rank: int) -> bool:

@@ -575,7 +575,7 @@ class _RankModel:
         self.precision = precision
         self.prof = _profile(shape, t, seq_len, dtype, device.name)
         self.state = _state_bytes(optimizer)
-        self.v = 1 if parallel.schedule in ("gpipe", "1f1b") or p == 1 else 2
+        self.v = 1 if p == 1 else PipelineConfig(p, parallel.schedule).local_stages
         act_bytes = 2 if dtype != "float32" else 4
         self.block_input = self.mb * seq_len * shape.hidden * act_bytes
         self.attention, self.attention_flops, self.context_bytes = _context_costs(
@@ -671,7 +671,23 @@ class _RankModel:
         opt = zero(param_bytes=0, grad_bytes=0, state_bytes=self.state)
         cats = {"parameters": int(states - grads - opt), "gradients": int(grads),
                 "optimizer_state": int(opt), "activations": int(kept), "temporaries": int(work)}
-        return int(states + kept + work), cats
+        stash = self._stash(r, params + experts)
+        if stash:
+            cats["stashed_weights"] = stash
+        return int(states + kept + work + stash), cats
+
+    def _stash(self, r: int, params: float) -> int:
+        """PipeDream's stashed weight versions on pipeline rank ``r``: a copy of its fp32
+        parameters per version in flight (:func:`~memfit.distributed.pipedream.
+        stashed_versions`); 0 for the synchronous schedules."""
+        from ..distributed.config import PIPEDREAM_SCHEDULES
+        from ..distributed.pipedream import stashed_versions
+
+        par = self.parallel
+        if par.schedule not in PIPEDREAM_SCHEDULES or par.pipeline == 1:
+            return 0
+        copies = stashed_versions(par.schedule, par.pipeline, self.m, r, par.vertical_sync)
+        return int(copies * 4 * params)
 
     def flops(self, r: int, blocks: int) -> float:
         """Pipeline rank ``r``'s forward and backward FLOPs per step holding ``blocks``."""

@@ -20,6 +20,7 @@ which replays the same schedule orders.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +29,7 @@ import torch
 from torch import nn
 
 from ..accounting import track
-from ..distributed.config import PIPELINE_SCHEDULES
+from ..distributed.config import PIPEDREAM_SCHEDULES, PIPELINE_SCHEDULES
 from ..distributed.pipeline import (
     BlockCost,
     PipelineConfig,
@@ -198,8 +199,22 @@ def schedule_in_flight(config: PipelineConfig) -> list[int]:
     Raises:
         RuntimeError: when this process is already in a process group.
     """
+    if config.schedule in PIPEDREAM_SCHEDULES:  # memfit's own 1F1B order, not torch's
+        from ..distributed.pipedream import one_f_one_b
+
+        return [_replay([_Action(k, 0) for k, _ in one_f_one_b(config.degree,
+                                                              config.num_microbatches, r)],
+                        lambda s: 1) for r in range(config.degree)]
     orders = _schedule_orders(config)
     return [_replay(orders[rank], lambda s: 1) for rank in range(config.degree)]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Action:
+    """An action in the shape of torch's (its ``computation_type`` and ``stage_index``)."""
+
+    computation_type: str
+    stage_index: int
 
 
 def _schedule_orders(config: PipelineConfig) -> dict[int, list[Any]]:

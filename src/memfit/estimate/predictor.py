@@ -233,6 +233,9 @@ class Layout:
             # The rest of the peak is the micro-batches' activations and the step's working
             # set, which the replay does not tell apart.
             cats["activations"] = max(0, peaks[top] - sum(cats.values()))
+        else:  # measured by category (the PipeDream schedules' stashed versions among them)
+            cats = {k: v for k, v in pred.categories.get(
+                plan.parallel.coordinates(top)["stage"], {}).items() if v}
         return _rank_prediction(peaks, cats, "layout", device, {"layout": pred}, plan.parallel,
                                 self.gpus_per_node)
 

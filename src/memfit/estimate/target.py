@@ -60,17 +60,22 @@ def device_memory(trace: Any, target: DeviceProfile, peak_bytes: int) -> dict[st
 #: each is ``(relative, absolute bytes)``, and the measured value stayed within
 #: ``predicted * (1 + relative) + absolute`` above and ``predicted * (1 - OVER)`` below.
 #: Sources: ``benchmarks/results/gpu_h200.md`` (bert-base, gpt2-medium, llama-1b under four
-#: plans, an H200) and ``benchmarks/results/gpu_offload.md`` (gpt2 and llama-1b under every
-#: offload, an H100). Under-predictions were at most 2.2% on models of 3 GiB and more, plus a
-#: constant of about 120 MiB allocated and 150 MiB reserved on bert-base that is not yet
-#: explained (hence the absolute terms); the context outside the allocator varied by 16 MiB.
+#: plans, an H200), ``benchmarks/results/gpu_h100.md`` (the same models, baseline and best, an
+#: H100) and ``benchmarks/results/gpu_offload.md`` (gpt2 and llama-1b under every offload, an
+#: H100). Under-predictions were at most 2.5% on models of 3 GiB and more, plus a constant of
+#: about 120 MiB allocated and 160 MiB reserved on bert-base (hence the absolute terms): the
+#: tracker sees every tensor of the real run (its peak equals the dry run's), so the rest is
+#: allocations no tensor owns, inside kernels; the context outside the allocator varied by
+#: 150 MiB between models (fewer kernels loaded for bert-base).
 UNDER: dict[str, tuple[float, int]] = {
     "peak_allocated_bytes": (0.025, 128 * MiB),
     "peak_reserved_bytes": (0.025, 160 * MiB),
     "predicted_device_total_bytes": (0.025, 176 * MiB),
 }
-#: The most a prediction exceeded the measurement (relative), in the same runs: +0.5%.
-OVER = 0.005
+#: The most a prediction exceeded the measurement (relative), in the same runs: +1.5%, the device
+#: total of bert-base (baseline, H100), whose CUDA context is smaller than llama-1b's that the
+#: Hopper profiles take.
+OVER = 0.015
 
 
 def error_band(values: dict[str, int], target: DeviceProfile) -> dict[str, dict[str, float]]:

@@ -62,9 +62,11 @@ class DeviceProfile:
             attention kernels exist (flash attention needs 8.0 or newer).
         context_bytes: Memory the CUDA context takes outside the allocator (driver, kernels
             loaded lazily). Shown by ``nvidia-smi``, never by the allocator's ``memory_reserved``.
-        workspace_bytes: cuBLAS/cuDNN workspaces. PyTorch allocates the cuBLAS workspace
-            through its caching allocator once per handle and stream; memfit counts it here,
-            beside the context, as fixed device overhead.
+        workspace_bytes: The cuBLAS workspace of one handle. PyTorch allocates it through
+            its caching allocator once per handle (thread) and stream: a training step holds
+            two, the forward's and the autograd thread's, plus cuBLASLt's own 1 MiB
+            (:attr:`workspaces_bytes`); memfit counts them here, beside the context, as fixed
+            device overhead.
         nccl_bytes: NCCL's communicator buffers on one rank of a multi-process run (0 for
             one process): set per rank by :func:`memfit.estimate.nccl.rank_target`, part of
             ``overhead_bytes`` like the context.
@@ -130,10 +132,20 @@ class DeviceProfile:
         return self.has_bf16
 
     @property
+    def workspaces_bytes(self) -> int:
+        """The library workspaces a training step holds: cuBLAS's per handle for the forward's
+        thread and the autograd engine's backward thread, and cuBLASLt's 1 MiB. Seen on an
+        H100 (``benchmarks/results/gpu_h100.md``): after one step of bert-base the caching
+        allocator held two 32 MiB blocks and one 1 MiB block that no tensor owned."""
+        if self.workspace_bytes <= 0:
+            return 0
+        return CUBLAS_HANDLES_PER_STEP * self.workspace_bytes + _CUBLASLT_WORKSPACE
+
+    @property
     def overhead_bytes(self) -> int:
         """Device memory used outside tensors: CUDA context, library workspaces and (on a rank
         of several processes) NCCL's communicators."""
-        return self.context_bytes + self.workspace_bytes + self.nccl_bytes
+        return self.context_bytes + self.workspaces_bytes + self.nccl_bytes
 
     @property
     def budget_bytes(self) -> int:
@@ -165,6 +177,11 @@ _CONTEXT_BYTES_HOPPER = 764 * MiB
 # the autograd thread's, in max_memory_allocated: benchmarks/published); see
 # aten/src/ATen/cuda/CublasHandlePool.cpp, getChosenWorkspaceSize / getDefaultWorkspaceSize.
 _WORKSPACE_HOPPER = 32 * MiB
+#: cuBLAS handles (each with its workspace) a training step uses: one per thread that runs
+#: matrix products on the device, the caller's (forward) and the autograd engine's (backward).
+CUBLAS_HANDLES_PER_STEP = 2
+# cuBLASLt's workspace (torch's default CUBLASLT_WORKSPACE_SIZE, 1024 KiB), seen on the H100.
+_CUBLASLT_WORKSPACE = 1 * MiB
 _WORKSPACE_OLDER = 4096 * 1024 * 2 + 16 * 1024 * 8
 
 
