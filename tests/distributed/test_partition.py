@@ -215,6 +215,7 @@ def test_checkpointed_inputs_per_rank_drop_by_the_tensor_degree(tp2):
 
 
 # --------------------------------------------------------------------------- one process
+@pytest.mark.slow
 def test_prediction_prices_the_partitioned_inputs_at_one_over_tensor():
     """On fake tensors: under tensor 2 the forward keeps each block's input at half with
     partitioning and at nothing on the device with offload, and 1F1B's first pipeline stage,
