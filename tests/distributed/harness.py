@@ -189,7 +189,8 @@ def step_then_track(layout: Any, inputs: Any, warm: Any = contextlib.nullcontext
 
     Returns:
         ``loss`` (the first step's), ``grads`` (its gradients gathered whole, under the
-        model's names), ``peak`` (the warm step's tracked peak) and ``optimizer``.
+        model's names), ``peak`` (the warm step's tracked peak), ``report`` (its memory
+        report) and ``optimizer``.
     """
     import torch
 
@@ -205,7 +206,8 @@ def step_then_track(layout: Any, inputs: Any, warm: Any = contextlib.nullcontext
         tracker.add_inputs((inputs,))
         layout.step(inputs, inputs)
         opt.step()
-    return {"loss": float(loss), "grads": grads, "peak": tracker.report().peak_bytes,
+    report = tracker.report()
+    return {"loss": float(loss), "grads": grads, "peak": report.peak_bytes, "report": report,
             "optimizer": opt}
 
 

@@ -55,6 +55,7 @@ import torch
 from torch import nn
 
 from ..accounting import track
+from ..apply.layout import checkpoint_layout_modules
 from ..distributed.config import PIPEDREAM_SCHEDULES, ParallelConfig
 from ..distributed.context import apply_context_parallel
 from ..distributed.layout import (
@@ -73,6 +74,7 @@ from ..distributed.replicas import local_shards
 from ..distributed.tensor import TensorParallelConfig, apply_tensor_parallel, shifted_cross_entropy
 from ..optim import registry as optim_registry
 from ..optim.config import OptimizerConfig
+from ..strategies.checkpointing import CheckpointConfig
 from ..strategies.grad_buffer import apply_grad_buffer
 from ..workload import Workload, load_workload
 from .distributed import fake_process_group
@@ -270,7 +272,8 @@ def _nbytes(ts: Any) -> int:
 
 def _role_costs(src: _Source, parallel: ParallelConfig, pipe_rank: int, depth: int | None,
                 mb: int, seq_len: int, loss_fn: LossFn | None, optimizer: Any,
-                foreach: bool | None) -> tuple[RoleCosts, dict[int, int]]:
+                foreach: bool | None,
+                checkpointing: CheckpointConfig | None = None) -> tuple[RoleCosts, dict[int, int]]:
     """Run pipeline rank ``pipe_rank``'s program for two micro-batches on fake tensors and
     read its event costs; also return its stages' real block counts."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -319,6 +322,9 @@ def _role_costs(src: _Source, parallel: ParallelConfig, pipe_rank: int, depth: i
                     # real; the parameters stay fake (their own mode follows them).
                     with unset_fake_temporarily():
                         _fully_shard(stage, parallel, replicas)
+            if checkpointing is not None:  # as the trainer checkpoints the rank's modules
+                checkpoint_layout_modules(list(stages.values()), checkpointing, parallel,
+                                          mesh["tp"])
             if parallel.replicas > 1 and not parallel.sharded:
                 # What DDP takes (the local shards under tensor parallelism), and runs.
                 stages = {s: local_shards(st) for s, st in stages.items()}
@@ -608,6 +614,7 @@ def predict_layout(
     optimizer: str | OptimizerConfig | Callable[[list[nn.Parameter]], Any] = "adamw",
     loss_fn: LossFn | None = None,
     foreach: bool | None = None,
+    checkpointing: CheckpointConfig | str | None = None,
 ) -> LayoutPrediction:
     """Predict every rank's peak bytes for one training step under ``parallel``'s layout,
     without launching: each pipeline rank's real program on fake tensors in a fake process
@@ -634,6 +641,10 @@ def predict_layout(
         loss_fn: The last stage's loss, as given to ``build_layout`` (default: the causal LM's).
         foreach: The optimizer's ``foreach`` (``None``: torch's default for CPU tensors, the
             per-tensor loop; pass ``True`` for a CUDA target's default).
+        checkpointing: The plan's activation checkpointing (a ``CheckpointConfig`` or a mode:
+            ``full``, ``selective``), put on each rank's modules as the trainer does
+            (:func:`~memfit.apply.layout.checkpoint_layout_modules`), with ZeRO-R's
+            partitioned checkpoints when ``parallel.partition_activations``; ``None``: none.
 
     Returns:
         A :class:`LayoutPrediction`: ``peak_bytes`` per rank in rank order.
@@ -644,11 +655,21 @@ def predict_layout(
         RuntimeError: inside a real process group (predict from a single process).
     """
     src, batch_size, seq_len = _source(model_or_workload, batch_size, seq_len)
+    if isinstance(checkpointing, str):
+        checkpointing = CheckpointConfig(mode=checkpointing)
+    if checkpointing is not None and checkpointing.mode == "none":
+        checkpointing = None
+    if parallel.partition_activations and checkpointing is None:
+        raise LayoutError("parallel partition_activations splits the checkpointed block inputs "
+                          "and needs checkpointing; pass checkpointing='full'")
     check_layout(src.config, parallel, batch_size=batch_size, world_size=parallel.world_size,
                  num_blocks=src.num_blocks, seq_len=seq_len)
     m = layout_microbatches(parallel)
     mb = batch_size // (parallel.data * m)
     if parallel.schedule in PIPEDREAM_SCHEDULES:
+        if checkpointing is not None:
+            raise LayoutError(f"predict_layout does not model checkpointing under the "
+                              f"{parallel.schedule} schedule yet; predict it without")
         return _predict_pipedream(src, parallel, mb, seq_len, loss_fn, optimizer, foreach)
     orders = _schedule_orders(pipeline_config(parallel)) if parallel.pipeline > 1 else None
     roles: dict[int, RoleCosts] = {}
@@ -656,9 +677,10 @@ def predict_layout(
     peaks: dict[int, int] = {}
     for r in range(parallel.pipeline):
         costs, real = _role_costs(src, parallel, r, None if _exact(parallel, src, r) else 1,
-                                  mb, seq_len, loss_fn, optimizer, foreach)
+                                  mb, seq_len, loss_fn, optimizer, foreach, checkpointing)
         if not _exact(parallel, src, r):
-            two, _ = _role_costs(src, parallel, r, 2, mb, seq_len, loss_fn, optimizer, foreach)
+            two, _ = _role_costs(src, parallel, r, 2, mb, seq_len, loss_fn, optimizer, foreach,
+                                 checkpointing)
             costs = _extrapolate(costs, two, real)
         roles[r] = costs
         peaks[r], flights[r] = _replay(costs, _actions(parallel, orders, r))
