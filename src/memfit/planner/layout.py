@@ -310,18 +310,26 @@ class _LayoutSearch:
             candidates = self._price_layouts(shape, plain, fixed=False)
         except ValueError as e:  # none can split it: context parallelism still might
             candidates, refused = [], e
+        context: list[tuple[int, int, int, int]] = []
         if not any(c.fits for c in candidates):
-            # ZeRO-R's partitioned checkpoints cost an all-gather per block: weighed only
-            # where nothing fits without them, beside context parallelism.
-            self.say("no layout fits; trying partitioned checkpoints (ZeRO-R) and context "
-                     "parallelism (each sample's sequence cut over ranks)")
-            candidates += self._price_layouts(shape, plain, fixed=False, partition=True)
+            # A sample whose activations do not fit is cut along its sequence first: context
+            # parallelism keeps every rank's checkpoints whole.
+            self.say("no layout fits; trying context parallelism (each sample's sequence cut "
+                     "over ranks)")
             try:
-                candidates += self._price_layouts(
-                    shape, list(_layouts(self.world_size, g, context=True)), fixed=False)
+                context = list(_layouts(self.world_size, g, context=True))
+                candidates += self._price_layouts(shape, context, fixed=False)
             except ValueError:
-                if refused is not None and not candidates:
-                    raise refused from None
+                context = []
+        if not any(c.fits for c in candidates):
+            # ZeRO-R's partitioned checkpoints cost an all-gather per block in backward: the
+            # last resort, where nothing fits with whole checkpoints.
+            self.say("no layout fits; trying partitioned checkpoints (ZeRO-R)")
+            candidates += self._price_layouts(shape, plain, fixed=False, partition=True)
+            if context:
+                candidates += self._price_layouts(shape, context, fixed=False, partition=True)
+        if not candidates and refused is not None:
+            raise refused
         return candidates
 
     def _price_layouts(self, shape: ModelShape, layouts: list[tuple[int, int, int, int]], *,
