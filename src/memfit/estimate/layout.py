@@ -109,6 +109,10 @@ class RoleCosts:
         parameter_bytes: This rank's parameter shards.
         gradient_bytes: Its gradients.
         optimizer_state_bytes: Its optimizer state.
+        sent_bytes: Per local stage: the input gradient a backward sends to the previous
+            stage's rank (0 where that stage is on this rank, or there is none). torch's
+            schedule keeps it, in the send's operation, past the backward: 1F1B until the next
+            backward on the stage has run, GPipe until the last backward (:func:`_replay`).
     """
 
     static: int
@@ -120,6 +124,7 @@ class RoleCosts:
     parameter_bytes: int
     gradient_bytes: int
     optimizer_state_bytes: int
+    sent_bytes: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -379,9 +384,10 @@ def _run_role(stages: dict[int, nn.Module], num_stages: int, parallel: ParallelC
         run.marks["O"] = (a, tracker.event_stamp)
     for b in buckets:
         b.remove()
-    return _read_costs(_curve(tracker), run.marks, stages, m, static=static,
-                       parameter_bytes=_nbytes(params), gradient_bytes=grad_bytes,
-                       state_bytes=state_bytes)
+    costs = _read_costs(_curve(tracker), run.marks, stages, m, static=static,
+                        parameter_bytes=_nbytes(params), gradient_bytes=grad_bytes,
+                        state_bytes=state_bytes)
+    return dataclasses.replace(costs, sent_bytes=dict(run.sent))
 
 
 def _primed_optimizer(optimizer: Any, params: list[nn.Parameter],
@@ -414,6 +420,7 @@ class _RoleRun:
         self.labels: Any = None  # ...and labels (last stage only)
         self.recv: dict[tuple[int, int], torch.Tensor] = {}
         self.grad_recv: dict[tuple[int, int], torch.Tensor] = {}
+        self.sent: dict[int, int] = {}  # by stage: the input gradient a backward sends
 
     def inputs_and_buffers(self, params: list[nn.Parameter]) -> int:
         """Make the batch and the receive buffers; returns the live bytes then (the static)."""
@@ -475,8 +482,10 @@ class _RoleRun:
             else:
                 torch.autograd.backward(out, self.grad_recv[s, i])
             grad_in = x.grad if x.requires_grad else None
+            if grad_in is not None and s > 0 and s - 1 not in self.stages:
+                self.sent[s] = _nbytes([grad_in])
             if x.requires_grad and x.is_leaf:
-                x.grad = None  # sent to the previous stage, then freed
+                x.grad = None  # sent to the previous stage: how long it lives is _replay's
             del out, x, loss, grad_in
             self.marks["B", s, i] = (a, tracker.event_stamp)
 
@@ -562,13 +571,21 @@ def _extrapolate(one: RoleCosts, two: RoleCosts, real: dict[int, int]) -> RoleCo
         parameter_bytes=rank_level(one.parameter_bytes, two.parameter_bytes),
         gradient_bytes=rank_level(one.gradient_bytes, two.gradient_bytes),
         optimizer_state_bytes=rank_level(one.optimizer_state_bytes, two.optimizer_state_bytes),
+        sent_bytes=dict(one.sent_bytes),  # a stage's input: the same at any depth
     )
 
 
-def _replay(costs: RoleCosts, actions: list[tuple[str, int]]) -> tuple[int, int]:
-    """The rank's peak over its schedule's actions, and its most chunks in flight."""
+def _replay(costs: RoleCosts, actions: list[tuple[str, int]],
+            hold: str | None = None) -> tuple[int, int]:
+    """The rank's peak over its schedule's actions, and its most chunks in flight.
+
+    ``hold`` says how long a backward's input gradient, sent to the previous stage's rank,
+    stays alive in torch's schedule: ``"next"`` (1F1B: its send operation is replaced after
+    the stage's next backward), ``"step"`` (GPipe: every send's work is waited on after the
+    last backward) or ``None`` (freed at once). All are gone before the optimizer step."""
     live = peak = costs.static
     started: set[int] = set()
+    held: dict[int, int] = {}
     flight = most = 0
     for kind, s in actions:
         if kind == "F":
@@ -582,7 +599,21 @@ def _replay(costs: RoleCosts, actions: list[tuple[str, int]]) -> tuple[int, int]
             live += costs.backward_delta[s][k]
             started.add(s)
             flight -= 1
+            sent = costs.sent_bytes.get(s, 0) if hold else 0
+            if hold == "next":
+                live += sent - held.get(s, 0)
+                held[s] = sent
+            elif hold == "step":
+                live += sent
+                held[s] = held.get(s, 0) + sent
+            peak = max(peak, live)
+    live -= sum(held.values())
     return max(peak, live + costs.optimizer_over), most
+
+
+#: How long each single-stage schedule keeps a backward's sent input gradient (see
+#: :func:`_replay`); the looped schedules' sends are not modelled.
+SEND_HOLD = {"1f1b": "next", "gpipe": "step"}
 
 
 def _actions(parallel: ParallelConfig, orders: dict[int, list[Any]] | None,
@@ -683,7 +714,8 @@ def predict_layout(
                                  checkpointing)
             costs = _extrapolate(costs, two, real)
         roles[r] = costs
-        peaks[r], flights[r] = _replay(costs, _actions(parallel, orders, r))
+        hold = SEND_HOLD.get(parallel.schedule) if parallel.pipeline > 1 else None
+        peaks[r], flights[r] = _replay(costs, _actions(parallel, orders, r), hold)
     per_rank = [peaks[layout_coords(g, parallel)["pp"]] for g in range(parallel.world_size)]
     return LayoutPrediction(parallel, per_rank, roles, flights, mb)
 
