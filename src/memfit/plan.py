@@ -241,6 +241,12 @@ class Plan:
                 "which replace gradient accumulation; leave micro_batch_size unset and "
                 "grad_accum_steps 1"
             )
+        if par.partition_activations and self.checkpointing.mode not in ("full", "selective"):
+            raise PlanError(
+                "parallel partition_activations splits the block inputs that activation "
+                "checkpointing keeps and needs checkpointing 'full' or 'selective'; set "
+                "checkpointing, or partition_activations false"
+            )
         if par.splits_model and par.zero_stage == 1:
             raise PlanError(
                 "zero_stage 1 (ZeroRedundancyOptimizer) is not composed with tensor or pipeline "
@@ -412,6 +418,9 @@ class Plan:
                 layout += f" ({par.schedule}{sync}, {m} micro-batches{cut})"
             if par.sequence:
                 layout += ", sequence parallel"
+            if par.partition_activations:
+                where = " on the host" if par.partition_offload else ""
+                layout += f", checkpoints partitioned{where} (ZeRO-R)"
             if par.expert > 1:
                 layout += f", experts split over {par.expert}"
             if par.zero_stage:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-__all__ = ["PRELOAD", "collectives_released_in_order", "free_port", "run_ranks"]
+__all__ = ["PRELOAD", "collectives_released_in_order", "free_port", "receive_buffers", "run_ranks"]
 
 #: What the fork server imports once, so that no rank imports it again.
 PRELOAD = ["torch", "torch.distributed", "transformers", "memfit", "memfit.apply.compose",
@@ -189,7 +189,8 @@ def step_then_track(layout: Any, inputs: Any, warm: Any = contextlib.nullcontext
 
     Returns:
         ``loss`` (the first step's), ``grads`` (its gradients gathered whole, under the
-        model's names), ``peak`` (the warm step's tracked peak) and ``optimizer``.
+        model's names), ``peak`` (the warm step's tracked peak), ``report`` (its memory
+        report) and ``optimizer``.
     """
     import torch
 
@@ -202,11 +203,28 @@ def step_then_track(layout: Any, inputs: Any, warm: Any = contextlib.nullcontext
     opt.zero_grad(set_to_none=True)
     with warm(), collectives_released_in_order(), memfit.track(optimizer=opt) as tracker:
         tracker.label(layout.parameters(), "parameters")
+        tracker.label(receive_buffers(layout), "other")
         tracker.add_inputs((inputs,))
         layout.step(inputs, inputs)
         opt.step()
-    return {"loss": float(loss), "grads": grads, "peak": tracker.report().peak_bytes,
+    report = tracker.report()
+    return {"loss": float(loss), "grads": grads, "peak": report.peak_bytes, "report": report,
             "optimizer": opt}
+
+
+def receive_buffers(layout: Any) -> list[Any]:
+    """The buffers torch's pipeline stages made at the first step to receive each micro-batch's
+    activations and output gradients, kept from step to step. The tracker learns of a tensor
+    made before it started when an operation touches it: a buffer not yet written at the
+    warm step's peak would be missing from it, though the memory is held."""
+    if layout.pipeline is None:
+        return []
+    schedule = layout.pipeline.schedule
+    out = []
+    for stage in getattr(schedule, "_stages", None) or [schedule._stage]:
+        for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
+            out += [i.buffer for i in infos if getattr(i, "buffer", None) is not None]
+    return out
 
 
 def assert_gradients_close(got: dict, want: dict, rtol: float, where: str = "") -> None:

@@ -206,13 +206,30 @@ def test_context_parallelism_is_not_searched_when_a_layout_without_it_fits():
 @pytest.mark.slow
 def test_a_128k_token_sample_of_llama_8b_trains_by_context_parallelism():
     """memfit plan --model llama-8b --batch-size 1 --seq-len 131072 --world-size 8
-    --gpus-per-node 8 --budget h100: no data x tensor x pipeline layout fits a sample of
-    128k tokens, and the answer cuts it over context ranks, every rank within the budget."""
+    --gpus-per-node 8 --budget h100: no data x tensor x pipeline layout fits a sample of 128k
+    tokens, and the answer cuts it over context ranks, every rank within the budget; ZeRO-R's
+    partitioned checkpoints, the last resort, are not weighed since a context layout fits."""
     result = plan_layout("llama-8b", "h100", 8, 8, batch_size=1, seq_len=131072)
     par = result.plan.parallel
     assert result.fits and par.context > 1 and par.world_size == 8
     assert max(result.rank_peak_bytes) <= result.budget_bytes
     assert not any(c.fits for c in result.layouts if c.parallel.context == 1)
+    assert not any(c.parallel.partition_activations for c in result.layouts)
+
+
+@pytest.mark.slow
+def test_a_fixed_tensor_layout_that_does_not_fit_gets_partitioned_checkpoints():
+    """The same sample with the user's layout, tensor 8: with whole checkpoints no rank fits
+    an H100, and with ZeRO-R's partitioned checkpoints (each block's checkpointed input, the
+    dominant term at 128k tokens, at 1/8 per rank) every rank does."""
+    base = Plan(parallel={"tensor": 8})
+    result = plan_layout("llama-8b", "h100", 8, 8, batch_size=1, seq_len=131072, base=base)
+    par = result.plan.parallel
+    assert result.fits and max(result.rank_peak_bytes) <= result.budget_bytes
+    assert par.tensor == 8 and par.partition_activations
+    assert not any(c.fits for c in result.layouts if not c.parallel.partition_activations)
+    assert result.plan.checkpointing.mode == "full"
+    assert Plan.from_dict(result.plan.to_dict()) == result.plan  # a valid plan, as saved
 
 
 def test_the_cli_prints_the_layout_and_writes_every_rank(tmp_path):

@@ -49,6 +49,8 @@ def workdir(tmp_path_factory) -> Path:
     Plan(parallel=TP2_PP2, precision="bf16-mixed").to_json(d / "tp2pp2_bf16.json")
     Plan(precision="bf16-mixed").to_json(d / "one_bf16.json")
     Plan(parallel=TP2_PP2, checkpointing="full").to_json(d / "tp2pp2_ckpt.json")
+    Plan(parallel={**TP2_PP2, "partition_activations": True},
+         checkpointing="full").to_json(d / "tp2pp2_zeror.json")
     Plan(parallel={"context": 2}).to_json(d / "cp2.json")
     Plan(parallel={**TP2_PP2, "sequence": True}).to_json(d / "tp2pp2_sp.json")
     Plan(parallel={"context": 2, "pipeline": 2, "microbatches": 2}).to_json(d / "cp2pp2.json")
@@ -159,14 +161,30 @@ def test_bf16_mixed_runs_the_schedule_under_autocast(workdir: Path, tp2pp2: dict
 def test_activation_checkpointing_applies_to_every_stage(workdir: Path, tp2pp2: dict,
                                                           one_process: dict):
     """A tensor 2 x pipeline 2 plan with full checkpointing: the same losses as one process
-    (recomputation changes no value: dropout is off), and every rank's activations at its
-    peak below the plain split run's (a stage's blocks keep their inputs only)."""
+    (recomputation changes no value: dropout is off), every rank's peak below the plain
+    split run's (a stage's blocks keep their inputs only), and predicted (predict_layout with
+    the plan's checkpointing) as closely as the plain run's."""
     got = _run(workdir, "tp2pp2_ckpt", "--nproc-per-node", "4", "--plan", "tp2pp2_ckpt.json")
     assert got["losses"] == pytest.approx(one_process["losses"], abs=TOL)
-    assert "predicted_rank_peak_bytes" not in got  # predict_layout models no checkpointing
     for ckpt, plain in zip(got["per_rank_peak_bytes"], tp2pp2["per_rank_peak_bytes"],
                            strict=True):
         assert ckpt < plain
+    measured, predicted = got["per_rank_peak_bytes"], got["predicted_rank_peak_bytes"]
+    for rank, (m, p) in enumerate(zip(measured, predicted, strict=True)):
+        assert p == pytest.approx(m, rel=0.10), f"rank {rank}: measured {m}, predicted {p}"
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_partitioned_checkpoints_train_through_memfit_train(workdir: Path, one_process: dict):
+    """The same plan with ``partition_activations`` (ZeRO-R): the same losses as one process,
+    and each rank's peak predicted (the inputs at half) as closely as the others'."""
+    got = _run(workdir, "tp2pp2_zeror", "--nproc-per-node", "4", "--plan",
+               "tp2pp2_zeror.json")
+    assert got["losses"] == pytest.approx(one_process["losses"], abs=TOL)
+    measured, predicted = got["per_rank_peak_bytes"], got["predicted_rank_peak_bytes"]
+    for rank, (m, p) in enumerate(zip(measured, predicted, strict=True)):
+        assert p == pytest.approx(m, rel=0.10), f"rank {rank}: measured {m}, predicted {p}"
 
 
 @pytest.mark.subprocess

@@ -367,11 +367,13 @@ def _profile_layout(workload: Any, plan: Any, world: int, json_path: Any, target
             f"{par.world_size} processes but --world-size is {world}; give --world-size "
             f"{par.world_size}"
         )
-    if (plan.precision.mode != "fp32" or plan.checkpointing.mode != "none"
+    if (plan.precision.mode != "fp32"
+            or plan.checkpointing.mode not in ("none", "full", "selective")
             or not optim_registry.get(plan.optimizer.name).layout):
         layout = ", ".join(s.name for s in optim_registry.specs() if s.layout)
         fail(
-            "a tensor/pipeline plan's ranks are dry-run in fp32 without checkpointing, with "
+            "a tensor/pipeline plan's ranks are dry-run in fp32, with checkpointing none, full or "
+            "selective, with "
             f"one of {layout}; for other plans, memfit plan --world-size N --gpus-per-node G with "
             "--plan gives the layout model's per-rank figures"
         )

@@ -136,6 +136,19 @@ class ParallelConfig:
             combine) in forward and two in backward, within the expert group; the rank whose
             experts the router favours receives more tokens than its balanced share, which
             ``memfit profile --expert-load c`` and the per-rank prediction price.
+        partition_activations: ZeRO-R's partitioned activation checkpoints (DeepSpeed's
+            ``partition_activations``), with ``tensor > 1`` and the plan's checkpointing
+            (``full`` or ``selective``): each checkpointed block input, the same on every
+            tensor rank, is kept as ``1/tensor`` per rank (:mod:`memfit.distributed.partition`),
+            which divides the checkpointed inputs per rank by the tensor degree; one block's
+            input is whole again only while backward recomputes it. Costs one all-gather of
+            each block's input per backward (``(tensor - 1) / tensor`` of its bytes received
+            per rank). The gradients do not change. Not with ``sequence`` (its block inputs are
+            split over the tensor group already).
+        partition_offload: With ``partition_activations``: the slices wait in host memory
+            (DeepSpeed's ``cpu_checkpointing``; page-locked on CUDA), so the checkpointed
+            inputs leave the device altogether and take ``1/tensor`` of their bytes in host
+            memory per rank. Costs a copy of each slice down in forward and up in backward.
         vertical_sync: PipeDream schedules only: every stage runs a micro-batch on the
             weight version stage 0 used for it (the version it entered the pipeline with),
             not its own newest. No time cost; memory: a later stage keeps its older versions
@@ -157,6 +170,8 @@ class ParallelConfig:
     context: int = 1
     context_mode: str = "ring"
     expert: int = 1
+    partition_activations: bool = False
+    partition_offload: bool = False
     vertical_sync: bool = False
 
     def problems(self) -> list[str]:
@@ -205,8 +220,29 @@ class ParallelConfig:
             out.append(f"parallel backend must be 'gloo', 'nccl' or null, got {self.backend!r}")
         out.extend(self._cut_problems())
         out.extend(self._expert_problems())
+        out.extend(self._partition_problems())
         out.extend(self._pipedream_problems())
         return out
+
+    def _partition_problems(self) -> list[str]:
+        """ZeRO-R's partitioned checkpoints' settings (their need of checkpointing is the
+        plan's check: :meth:`memfit.plan.Plan.validate`)."""
+        for name in ("partition_activations", "partition_offload"):
+            if not isinstance(getattr(self, name), bool):
+                return [f"parallel {name} must be true or false, got {getattr(self, name)!r}"]
+        if self.partition_offload and not self.partition_activations:
+            return ["parallel partition_offload moves the partitioned activation checkpoints to "
+                    "the host and needs partition_activations true; set it, or "
+                    "partition_offload false"]
+        if self.partition_activations and self.tensor == 1:
+            return ["parallel partition_activations splits each checkpointed block input over "
+                    "the tensor-parallel group and needs tensor > 1; set tensor to 2 or more, or "
+                    "partition_activations false"]
+        if self.partition_activations and self.sequence:
+            return ["parallel partition_activations has nothing to split with sequence true (the "
+                    "block inputs are split over the tensor-parallel group already); set one of "
+                    "them false"]
+        return []
 
     def _pipedream_problems(self) -> list[str]:
         """The asynchronous schedules' limits in memfit, and ``vertical_sync``'s form."""

@@ -565,6 +565,9 @@ def communication(
     # of a block's output per micro-batch, each moving 2 (t - 1) / t of it per rank.
     per_allreduce = block_output_bytes * 2 * (t - 1) / t / node if t > 1 else 0.0
     tp = (6 if checkpointing else 4) * per_allreduce * blocks * m
+    if checkpointing and parallel.partition_activations and t > 1:
+        # ZeRO-R: each block's partitioned input all-gathered once per backward.
+        tp += block_output_bytes * (t - 1) / t / node * blocks * m
     # Pipeline: each micro-batch's hidden state forward and its gradient back, per boundary.
     pp_bw = node if t * c * d < g else net
     pp = 2 * block_output_bytes * m / pp_bw if p > 1 else 0.0

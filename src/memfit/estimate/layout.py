@@ -55,6 +55,7 @@ import torch
 from torch import nn
 
 from ..accounting import track
+from ..apply.layout import checkpoint_layout_modules
 from ..distributed.config import PIPEDREAM_SCHEDULES, ParallelConfig
 from ..distributed.context import apply_context_parallel
 from ..distributed.layout import (
@@ -73,6 +74,7 @@ from ..distributed.replicas import local_shards
 from ..distributed.tensor import TensorParallelConfig, apply_tensor_parallel, shifted_cross_entropy
 from ..optim import registry as optim_registry
 from ..optim.config import OptimizerConfig
+from ..strategies.checkpointing import CheckpointConfig
 from ..strategies.grad_buffer import apply_grad_buffer
 from ..workload import Workload, load_workload
 from .distributed import fake_process_group
@@ -107,6 +109,10 @@ class RoleCosts:
         parameter_bytes: This rank's parameter shards.
         gradient_bytes: Its gradients.
         optimizer_state_bytes: Its optimizer state.
+        sent_bytes: Per local stage: the input gradient a backward sends to the previous
+            stage's rank (0 where that stage is on this rank, or there is none). torch's
+            schedule keeps it, in the send's operation, past the backward: 1F1B until the next
+            backward on the stage has run, GPipe until the last backward (:func:`_replay`).
     """
 
     static: int
@@ -118,6 +124,7 @@ class RoleCosts:
     parameter_bytes: int
     gradient_bytes: int
     optimizer_state_bytes: int
+    sent_bytes: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -270,7 +277,8 @@ def _nbytes(ts: Any) -> int:
 
 def _role_costs(src: _Source, parallel: ParallelConfig, pipe_rank: int, depth: int | None,
                 mb: int, seq_len: int, loss_fn: LossFn | None, optimizer: Any,
-                foreach: bool | None) -> tuple[RoleCosts, dict[int, int]]:
+                foreach: bool | None,
+                checkpointing: CheckpointConfig | None = None) -> tuple[RoleCosts, dict[int, int]]:
     """Run pipeline rank ``pipe_rank``'s program for two micro-batches on fake tensors and
     read its event costs; also return its stages' real block counts."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -320,6 +328,9 @@ def _role_costs(src: _Source, parallel: ParallelConfig, pipe_rank: int, depth: i
                     # real; the parameters stay fake (their own mode follows them).
                     with unset_fake_temporarily():
                         _fully_shard(stage, parallel, replicas)
+            if checkpointing is not None:  # as the trainer checkpoints the rank's modules
+                checkpoint_layout_modules(list(stages.values()), checkpointing, parallel,
+                                          mesh["tp"])
             if parallel.replicas > 1 and not parallel.sharded:
                 # What DDP takes (the local shards under tensor parallelism), and runs.
                 stages = {s: local_shards(st) for s, st in stages.items()}
@@ -377,9 +388,10 @@ def _run_role(stages: dict[int, nn.Module], num_stages: int, parallel: ParallelC
         run.marks["O"] = (a, tracker.event_stamp)
     for b in buckets:
         b.remove()
-    return _read_costs(_curve(tracker), run.marks, stages, m, static=static,
-                       parameter_bytes=_nbytes(params), gradient_bytes=grad_bytes,
-                       state_bytes=state_bytes)
+    costs = _read_costs(_curve(tracker), run.marks, stages, m, static=static,
+                        parameter_bytes=_nbytes(params), gradient_bytes=grad_bytes,
+                        state_bytes=state_bytes)
+    return dataclasses.replace(costs, sent_bytes=dict(run.sent))
 
 
 def _primed_optimizer(optimizer: Any, params: list[nn.Parameter],
@@ -412,6 +424,7 @@ class _RoleRun:
         self.labels: Any = None  # ...and labels (last stage only)
         self.recv: dict[tuple[int, int], torch.Tensor] = {}
         self.grad_recv: dict[tuple[int, int], torch.Tensor] = {}
+        self.sent: dict[int, int] = {}  # by stage: the input gradient a backward sends
         #: What the tokens passed between stages are divided by (the tensor degree under
         #: sequence parallelism, whose stages pass their local shards).
         self.sequence_split = 1
@@ -480,8 +493,10 @@ class _RoleRun:
             else:
                 torch.autograd.backward(out, self.grad_recv[s, i])
             grad_in = x.grad if x.requires_grad else None
+            if grad_in is not None and s > 0 and s - 1 not in self.stages:
+                self.sent[s] = _nbytes([grad_in])
             if x.requires_grad and x.is_leaf:
-                x.grad = None  # sent to the previous stage, then freed
+                x.grad = None  # sent to the previous stage: how long it lives is _replay's
             del out, x, loss, grad_in
             self.marks["B", s, i] = (a, tracker.event_stamp)
 
@@ -567,13 +582,21 @@ def _extrapolate(one: RoleCosts, two: RoleCosts, real: dict[int, int]) -> RoleCo
         parameter_bytes=rank_level(one.parameter_bytes, two.parameter_bytes),
         gradient_bytes=rank_level(one.gradient_bytes, two.gradient_bytes),
         optimizer_state_bytes=rank_level(one.optimizer_state_bytes, two.optimizer_state_bytes),
+        sent_bytes=dict(one.sent_bytes),  # a stage's input: the same at any depth
     )
 
 
-def _replay(costs: RoleCosts, actions: list[tuple[str, int]]) -> tuple[int, int]:
-    """The rank's peak over its schedule's actions, and its most chunks in flight."""
+def _replay(costs: RoleCosts, actions: list[tuple[str, int]],
+            hold: str | None = None) -> tuple[int, int]:
+    """The rank's peak over its schedule's actions, and its most chunks in flight.
+
+    ``hold`` says how long a backward's input gradient, sent to the previous stage's rank,
+    stays alive in torch's schedule: ``"next"`` (1F1B: its send operation is replaced after
+    the stage's next backward), ``"step"`` (GPipe: every send's work is waited on after the
+    last backward) or ``None`` (freed at once). All are gone before the optimizer step."""
     live = peak = costs.static
     started: set[int] = set()
+    held: dict[int, int] = {}
     flight = most = 0
     for kind, s in actions:
         if kind == "F":
@@ -587,7 +610,21 @@ def _replay(costs: RoleCosts, actions: list[tuple[str, int]]) -> tuple[int, int]
             live += costs.backward_delta[s][k]
             started.add(s)
             flight -= 1
+            sent = costs.sent_bytes.get(s, 0) if hold else 0
+            if hold == "next":
+                live += sent - held.get(s, 0)
+                held[s] = sent
+            elif hold == "step":
+                live += sent
+                held[s] = held.get(s, 0) + sent
+            peak = max(peak, live)
+    live -= sum(held.values())
     return max(peak, live + costs.optimizer_over), most
+
+
+#: How long each single-stage schedule keeps a backward's sent input gradient (see
+#: :func:`_replay`); the looped schedules' sends are not modelled.
+SEND_HOLD = {"1f1b": "next", "gpipe": "step"}
 
 
 def _actions(parallel: ParallelConfig, orders: dict[int, list[Any]] | None,
@@ -619,6 +656,7 @@ def predict_layout(
     optimizer: str | OptimizerConfig | Callable[[list[nn.Parameter]], Any] = "adamw",
     loss_fn: LossFn | None = None,
     foreach: bool | None = None,
+    checkpointing: CheckpointConfig | str | None = None,
 ) -> LayoutPrediction:
     """Predict every rank's peak bytes for one training step under ``parallel``'s layout,
     without launching: each pipeline rank's real program on fake tensors in a fake process
@@ -645,6 +683,10 @@ def predict_layout(
         loss_fn: The last stage's loss, as given to ``build_layout`` (default: the causal LM's).
         foreach: The optimizer's ``foreach`` (``None``: torch's default for CPU tensors, the
             per-tensor loop; pass ``True`` for a CUDA target's default).
+        checkpointing: The plan's activation checkpointing (a ``CheckpointConfig`` or a mode:
+            ``full``, ``selective``), put on each rank's modules as the trainer does
+            (:func:`~memfit.apply.layout.checkpoint_layout_modules`), with ZeRO-R's
+            partitioned checkpoints when ``parallel.partition_activations``; ``None``: none.
 
     Returns:
         A :class:`LayoutPrediction`: ``peak_bytes`` per rank in rank order.
@@ -655,11 +697,21 @@ def predict_layout(
         RuntimeError: inside a real process group (predict from a single process).
     """
     src, batch_size, seq_len = _source(model_or_workload, batch_size, seq_len)
+    if isinstance(checkpointing, str):
+        checkpointing = CheckpointConfig(mode=checkpointing)
+    if checkpointing is not None and checkpointing.mode == "none":
+        checkpointing = None
+    if parallel.partition_activations and checkpointing is None:
+        raise LayoutError("parallel partition_activations splits the checkpointed block inputs "
+                          "and needs checkpointing; pass checkpointing='full'")
     check_layout(src.config, parallel, batch_size=batch_size, world_size=parallel.world_size,
                  num_blocks=src.num_blocks, seq_len=seq_len)
     m = layout_microbatches(parallel)
     mb = batch_size // (parallel.data * m)
     if parallel.schedule in PIPEDREAM_SCHEDULES:
+        if checkpointing is not None:
+            raise LayoutError(f"predict_layout does not model checkpointing under the "
+                              f"{parallel.schedule} schedule yet; predict it without")
         return _predict_pipedream(src, parallel, mb, seq_len, loss_fn, optimizer, foreach)
     orders = _schedule_orders(pipeline_config(parallel)) if parallel.pipeline > 1 else None
     roles: dict[int, RoleCosts] = {}
@@ -667,12 +719,14 @@ def predict_layout(
     peaks: dict[int, int] = {}
     for r in range(parallel.pipeline):
         costs, real = _role_costs(src, parallel, r, None if _exact(parallel, src, r) else 1,
-                                  mb, seq_len, loss_fn, optimizer, foreach)
+                                  mb, seq_len, loss_fn, optimizer, foreach, checkpointing)
         if not _exact(parallel, src, r):
-            two, _ = _role_costs(src, parallel, r, 2, mb, seq_len, loss_fn, optimizer, foreach)
+            two, _ = _role_costs(src, parallel, r, 2, mb, seq_len, loss_fn, optimizer, foreach,
+                                 checkpointing)
             costs = _extrapolate(costs, two, real)
         roles[r] = costs
-        peaks[r], flights[r] = _replay(costs, _actions(parallel, orders, r))
+        hold = SEND_HOLD.get(parallel.schedule) if parallel.pipeline > 1 else None
+        peaks[r], flights[r] = _replay(costs, _actions(parallel, orders, r), hold)
     per_rank = [peaks[layout_coords(g, parallel)["pp"]] for g in range(parallel.world_size)]
     return LayoutPrediction(parallel, per_rank, roles, flights, mb)
 

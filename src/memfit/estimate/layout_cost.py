@@ -31,6 +31,10 @@ How a layout is priced, per rank:
   ring's keys, values and their gradients in flight, or all-to-all's re-split copies), the
   last chunk's compute adds its attention to every earlier chunk (contiguous chunks under
   the causal mask), and the communication adds the ring's hops or the all-to-alls.
+* **Partitioned checkpoints** (``parallel.partition_activations``, ZeRO-R): each checkpointed
+  block input at ``1/tensor`` per rank (none on the device with ``partition_offload``), one
+  block's input whole again during its recomputation, and one all-gather of each block's
+  input per micro-batch's backward over the tensor group.
 """
 
 from __future__ import annotations
@@ -405,7 +409,9 @@ class LayoutCandidate:
         if par.replicas > 1:
             bits.append(f"ZeRO {par.zero_stage}")
         if self.checkpointing:
-            bits.append("checkpointing")
+            bits.append("checkpointing, partitioned" + (" to host" if par.partition_offload
+                                                        else "")
+                        if par.partition_activations else "checkpointing")
         return ", ".join(bits)
 
     def describe(self) -> str:
@@ -651,6 +657,11 @@ class _RankModel:
             states += 4 * sum(n * (1 - 1 / w) for n, w in groups)
         block_kept = prof.kept("block", mb) - 2 * self.norm_saved  # two norms per block
         per_block = self.stage_input if self.checkpointing else block_kept
+        # ZeRO-R's partitioned checkpoints: a 1/t slice of each input (none with offload: the
+        # host's), and during a block's recomputation its input whole again (all-gathered).
+        partitioned = self.checkpointing and par.partition_activations
+        if partitioned:
+            per_block = 0 if par.partition_offload else self.block_input / par.tensor
         # The combine's weighted product keeps the routed tokens it received back.
         per_block += 0 if self.checkpointing else self.routed
         acts = blocks * per_block
@@ -664,6 +675,7 @@ class _RankModel:
         # One block's backward: its saved tensors again as gradients (recomputed first when
         # checkpointed), and on the last stage the logits' gradient in fp32.
         work = block_kept * (2 if self.checkpointing else 1) + self.attention
+        work += (self.block_input - per_block) if partitioned else 0
         if last:
             work = max(work, 2 * 4 * mb * self.seq_len * (-(-self.shape.vocab // par.tensor)))
         grads = zero(param_bytes=0, grad_bytes=4, state_bytes=0)

@@ -221,7 +221,8 @@ class Layout:
 
         device = get_device(target)
         pred = predict_layout(workload, plan.parallel, optimizer=plan.optimizer,
-                              foreach=True if device.is_cuda else None)
+                              foreach=True if device.is_cuda else None,
+                              checkpointing=plan.checkpointing)
         peaks = [int(x) for x in pred.peak_bytes]
         top = max(range(len(peaks)), key=peaks.__getitem__)
         role = pred.roles.get(plan.parallel.coordinates(top)["stage"])

@@ -300,28 +300,45 @@ class _LayoutSearch:
         workload, base, g = self.workload, self.base, self.g
         fixed = base.parallel if base.parallel.splits_model else None
         if fixed is not None:
-            return self._price_layouts(shape, [_fixed_layout(
-                fixed, self.world_size, shape, workload.batch_size, g, workload.seq_len)],
-                fixed=True)
+            mine = [_fixed_layout(fixed, self.world_size, shape, workload.batch_size, g,
+                                  workload.seq_len)]
+            candidates = self._price_layouts(shape, mine, fixed=True)
+            if not any(c.fits for c in candidates) and not fixed.partition_activations:
+                candidates += self._price_layouts(shape, mine, fixed=True, partition=True)
+            return candidates
         refused: ValueError | None = None
+        plain = list(_layouts(self.world_size, g))
         try:
-            candidates = self._price_layouts(shape, list(_layouts(self.world_size, g)),
-                                             fixed=False)
+            candidates = self._price_layouts(shape, plain, fixed=False)
         except ValueError as e:  # none can split it: context parallelism still might
             candidates, refused = [], e
+        context: list[tuple[int, int, int, int]] = []
         if not any(c.fits for c in candidates):
+            # A sample whose activations do not fit is cut along its sequence first: context
+            # parallelism keeps every rank's checkpoints whole.
             self.say("no layout fits; trying context parallelism (each sample's sequence cut "
                      "over ranks)")
             try:
-                candidates += self._price_layouts(
-                    shape, list(_layouts(self.world_size, g, context=True)), fixed=False)
+                context = list(_layouts(self.world_size, g, context=True))
+                candidates += self._price_layouts(shape, context, fixed=False)
             except ValueError:
-                if refused is not None:
-                    raise refused from None
+                context = []
+        if not any(c.fits for c in candidates):
+            # ZeRO-R's partitioned checkpoints cost an all-gather per block in backward: the
+            # last resort, where nothing fits with whole checkpoints.
+            self.say("no layout fits; trying partitioned checkpoints (ZeRO-R)")
+            candidates += self._price_layouts(shape, plain, fixed=False, partition=True)
+            if context:
+                candidates += self._price_layouts(shape, context, fixed=False, partition=True)
+        if not candidates and refused is not None:
+            raise refused
         return candidates
 
     def _price_layouts(self, shape: ModelShape, layouts: list[tuple[int, int, int, int]], *,
-                       fixed: bool) -> list[LayoutCandidate]:
+                       fixed: bool, partition: bool = False) -> list[LayoutCandidate]:
+        """Every setting of ``layouts`` priced, with and without checkpointing; with
+        ``partition`` only the checkpointed tensor-parallel ones, their checkpoints
+        partitioned (none is no error then)."""
         workload, base, g = self.workload, self.base, self.g
         # A layout's checkpointing is full or none: forbidding either kind leaves none.
         forbid = set(self.forbid)
@@ -341,19 +358,20 @@ class _LayoutSearch:
                 refused.append(f"{name}: " + (problems[0] if problems else "no setting works"))
                 continue
             self.say(f"pricing {name}")
-            for par, m in settings:
+            for setting, m in settings:
                 for ckpt in ckpts:
-                    priced = [estimate_layout(
-                        shape, cut, batch_size=workload.batch_size, seq_len=workload.seq_len,
-                        checkpointing=ckpt, device=self.target, precision=self.precision,
-                        optimizer=base.optimizer, gpus_per_node=g, microbatches=m,
-                        expert_load=self.expert_load,
-                    ) for cut in self._cuts(shape, par, ckpt)]
-                    for cand in _weigh_cuts(priced):
-                        cand.fits = fits(layout_prediction(cand, self.target, g),
-                                         self.budget_bytes)
-                        candidates.append(cand)
-        if not candidates:
+                    for par in _partitioned(setting, ckpt, partition):
+                        priced = [estimate_layout(
+                            shape, cut, batch_size=workload.batch_size,
+                            seq_len=workload.seq_len, checkpointing=ckpt, device=self.target,
+                            precision=self.precision, optimizer=base.optimizer,
+                            gpus_per_node=g, microbatches=m, expert_load=self.expert_load,
+                        ) for cut in self._cuts(shape, par, ckpt)]
+                        for cand in _weigh_cuts(priced):
+                            cand.fits = fits(layout_prediction(cand, self.target, g),
+                                             self.budget_bytes)
+                            candidates.append(cand)
+        if not candidates and not partition:
             raise ValueError(
                 f"no layout of {self.world_size} processes can split {workload.name} at a "
                 f"batch of {workload.batch_size}: " + "; ".join(refused[:3])
@@ -386,6 +404,20 @@ class _LayoutSearch:
 #: slower by no more than this share of the step: below the cost model's resolution, and every
 #: rank gains headroom (the largest rank's peak falls, the others' rise towards it).
 EVEN_PEAKS_TOLERANCE = 0.03
+
+
+def _partitioned(par: ParallelConfig, ckpt: bool, partition: bool) -> list[ParallelConfig]:
+    """The setting to price: with ``partition``, its ZeRO-R partitioned-checkpoint variant
+    where that applies (checkpointed, tensor > 1, no sequence parallelism) and nothing
+    otherwise; without, the setting itself. The plan's own ``partition_activations`` is kept
+    where it applies, and dropped where it does not."""
+    applies = ckpt and par.tensor > 1 and not par.sequence
+    if not applies:
+        plain = dataclasses.replace(par, partition_activations=False, partition_offload=False)
+        return [] if partition else [plain]
+    if par.partition_activations:
+        return [] if partition else [par]
+    return [dataclasses.replace(par, partition_activations=True)] if partition else [par]
 
 
 def _weigh_cuts(priced: list[LayoutCandidate]) -> list[LayoutCandidate]:

@@ -143,9 +143,9 @@ def _ignored_techniques(plan: Plan) -> list[str]:
 def predict_rank_peaks(run: TrainRun, plan: Plan) -> list[int] | None:
     """Every rank's predicted peak (:func:`~memfit.estimate.layout.predict_layout`), or
     ``None`` when it cannot predict this run. Call it before joining the process group: the
-    prediction runs in a fake one. ``None`` for bf16-mixed and checkpointing too: predict_layout
-    models fp32 without them."""
-    if plan.precision.mode != "fp32" or plan.checkpointing.mode != "none":
+    prediction runs in a fake one. ``None`` for bf16-mixed: predict_layout models fp32 (with
+    the plan's checkpointing, partitioned or not)."""
+    if plan.precision.mode != "fp32":
         return None
     try:
         from ..estimate.layout import predict_layout
@@ -155,7 +155,8 @@ def predict_rank_peaks(run: TrainRun, plan: Plan) -> list[int] | None:
             model = w.build_model()
         prediction = predict_layout(model, plan.parallel, batch_size=w.batch_size,
                                     seq_len=w.seq_len, optimizer=plan.optimizer,
-                                    foreach=plan.optimizer.foreach)
+                                    foreach=plan.optimizer.foreach,
+                                    checkpointing=plan.checkpointing)
         return [int(p) for p in prediction.peak_bytes]
     except Exception:  # a figure for the report only: the run does not depend on it
         return None
@@ -340,7 +341,7 @@ class _LayoutLoop:
         model, _ = run.workload.build(seed=cfg.seed, pretrained=True)
         self.layout = build_layout(model, par, device=self.device, batch_size=batch_size)
         del model  # a rank keeps only its stages' modules
-        _checkpoint_stages(self.layout.modules, plan)
+        _checkpoint_stages(self.layout, plan)
         opt_cfg = plan.optimizer
         if cfg.lr is not None:  # the run's learning rate, as the Trainer applies it
             opt_cfg = dataclasses.replace(opt_cfg, lr=float(cfg.lr))
@@ -501,17 +502,16 @@ class _LayoutLoop:
         return loss, tokens
 
 
-def _checkpoint_stages(modules: list[torch.nn.Module], plan: Plan) -> None:
-    """The plan's activation checkpointing on each of the rank's modules. A stage keeps the
-    model's own block names, so memfit's checkpointing finds its blocks as it finds the whole
-    model's (a block recomputes its forward in backward)."""
-    if plan.checkpointing.mode == "none":
-        return
-    from ..strategies.checkpointing import apply_checkpointing
+def _checkpoint_stages(layout: Any, plan: Plan) -> None:
+    """The plan's activation checkpointing on each of the rank's modules
+    (:func:`~memfit.apply.layout.checkpoint_layout_modules`: a stage keeps the model's own
+    block names, so memfit's checkpointing finds its blocks as it finds the whole model's),
+    and with ``parallel.partition_activations`` ZeRO-R's partitioned checkpoints over the
+    tensor-parallel group."""
+    from ..apply.layout import checkpoint_layout_modules
 
-    for module in modules:
-        blocks = tuple(getattr(module, "block_names", ())) or plan.checkpointing.blocks
-        apply_checkpointing(module, dataclasses.replace(plan.checkpointing, blocks=blocks))
+    tp = layout.mesh["tp"] if plan.parallel.partition_activations else None
+    checkpoint_layout_modules(layout.modules, plan.checkpointing, plan.parallel, tp)
 
 
 def _autocast(plan: Plan, device: torch.device) -> Any:
