@@ -25,7 +25,16 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-__all__ = ["PRELOAD", "collectives_released_in_order", "free_port", "receive_buffers", "run_ranks"]
+__all__ = [
+    "PRELOAD",
+    "assert_rank_peaks",
+    "assert_ranks_equal_reference",
+    "collectives_released_in_order",
+    "free_port",
+    "receive_buffers",
+    "run_ranks",
+    "unsplit_reference",
+]
 
 #: What the fork server imports once, so that no rank imports it again.
 PRELOAD = ["torch", "torch.distributed", "transformers", "memfit", "memfit.apply.compose",
@@ -225,6 +234,45 @@ def receive_buffers(layout: Any) -> list[Any]:
         for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
             out += [i.buffer for i in infos if getattr(i, "buffer", None) is not None]
     return out
+
+
+def unsplit_reference(model: Any, ids: Any) -> tuple[float, dict[str, Any]]:
+    """The unsplit model's loss and gradients on the whole batch (``ids`` as the labels too):
+    what every layout's numerics test compares its ranks against."""
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return float(loss.detach()), {n: p.grad for n, p in model.named_parameters()}
+
+
+def assert_rank_peaks(measured: list[int], predicted: list[int], rtol: float,
+                      where: str = "") -> None:
+    """Each rank's measured peak within ``rtol`` of its predicted one; the message lists every
+    rank's pair and error."""
+    import pytest
+
+    rows = "; ".join(f"rank {r}: measured {m} B, predicted {p} B ({(p - m) / m:+.2%})"
+                     for r, (m, p) in enumerate(zip(measured, predicted, strict=True)))
+    for m, p in zip(measured, predicted, strict=True):
+        assert p == pytest.approx(m, rel=rtol), f"{where}{rows}"
+
+
+def assert_ranks_equal_reference(results: list[dict], name: str, parallel: Any,
+                                 reference: tuple[float, dict[str, Any]], rtol: float) -> None:
+    """Each rank of the run ``name`` sits at its layout coordinates and reports the unsplit
+    model's loss, and the gradients gathered from every rank equal the unsplit model's."""
+    import pytest
+
+    from memfit.distributed.layout import layout_coords
+
+    want_loss, want = reference
+    got: dict[str, Any] = {}
+    for r, rank_out in enumerate(results):
+        out = rank_out[name]
+        assert out["coords"] == layout_coords(r, parallel)
+        assert out["loss"] == pytest.approx(want_loss, rel=rtol)
+        got.update(out["grads"])
+    assert set(got) == set(want)
+    assert_gradients_close(got, want, rtol, where=f"{name}: ")
 
 
 def assert_gradients_close(got: dict, want: dict, rtol: float, where: str = "") -> None:

@@ -17,7 +17,13 @@ from memfit.distributed.config import ParallelConfig
 from memfit.distributed.layout import LayoutError, build_layout, check_layout, layout_coords
 from memfit.estimate.layout import predict_layout
 
-from .harness import assert_gradients_close, run_ranks, step_then_track
+from .harness import (
+    assert_gradients_close,
+    assert_rank_peaks,
+    run_ranks,
+    step_then_track,
+    unsplit_reference,
+)
 
 WORLD = 2
 BATCH, SEQ, VOCAB = 2, 128, 256
@@ -65,11 +71,7 @@ def results() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def reference() -> tuple[float, dict[str, torch.Tensor]]:
-    model = _model()
-    ids = _batch()
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    return float(loss), {n: p.grad for n, p in model.named_parameters()}
+    return unsplit_reference(_model(), _batch())
 
 
 @pytest.mark.distributed
@@ -98,10 +100,7 @@ def test_prediction_matches_each_rank_s_measured_peak(results, name):
     group: its chunk's activations and logits, the keys and values in flight)."""
     predicted = predict_layout(_model(), LAYOUTS[name], batch_size=BATCH, seq_len=SEQ)
     measured = [rank_out[name]["peak"] for rank_out in results]
-    rows = "; ".join(f"rank {r}: measured {m} B, predicted {p} B ({(p - m) / m:+.2%})"
-                     for r, (m, p) in enumerate(zip(measured, predicted.peak_bytes, strict=True)))
-    for m, p in zip(measured, predicted.peak_bytes, strict=True):
-        assert p == pytest.approx(m, rel=MEMORY_RTOL), f"{name}: {rows}"
+    assert_rank_peaks(measured, predicted.peak_bytes, MEMORY_RTOL, f"{name}: ")
 
 
 # --------------------------------------------------------------------------- one process

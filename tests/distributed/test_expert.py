@@ -12,7 +12,7 @@ import torch
 from memfit import Plan
 from memfit.distributed.config import ParallelConfig
 
-from .harness import run_ranks
+from .harness import assert_rank_peaks, run_ranks
 
 BATCH, SEQ, VOCAB, EXPERTS = 4, 16, 128, 4
 CONFIG = dict(model_type="mixtral", architectures=["MixtralForCausalLM"], hidden_size=32,
@@ -120,10 +120,7 @@ def test_each_rank_s_peak_matches_its_prediction(config_path, stage):
     plan = Plan(parallel=ParallelConfig(data=2, expert=2, zero_stage=stage))
     measured = run_ranks(_peak, 2, config_path, plan.to_dict(), timeout=300)
     predicted = predict_ranks(config_path, plan, batch_size=BATCH, seq_len=SEQ).peak_bytes
-    rows = "; ".join(f"rank {r}: measured {m} B, predicted {p} B ({(p - m) / m:+.2%})"
-                     for r, (m, p) in enumerate(zip(measured, predicted, strict=True)))
-    for m, p in zip(measured, predicted, strict=True):
-        assert p == pytest.approx(m, rel=MEMORY_RTOL), rows
+    assert_rank_peaks(measured, predicted, MEMORY_RTOL)
 
 
 LAYOUT = ParallelConfig(data=2, pipeline=2, expert=2, microbatches=2)
@@ -198,11 +195,8 @@ def test_layout_prediction_matches_each_rank_s_peak(layout_results):
     whole = predict_layout(_model(), dataclasses.replace(LAYOUT, expert=1), batch_size=BATCH,
                            seq_len=SEQ).peak_bytes
     measured = [out["peak"] for out in layout_results]
-    rows = "; ".join(f"rank {r}: measured {m} B, predicted {p} B ({(p - m) / m:+.2%})"
-                     for r, (m, p) in enumerate(zip(measured, predicted, strict=True)))
-    for m, p, w in zip(measured, predicted, whole, strict=True):
-        assert p == pytest.approx(m, rel=MEMORY_RTOL), rows
-        assert p < w
+    assert_rank_peaks(measured, predicted, MEMORY_RTOL)
+    assert all(p < w for p, w in zip(predicted, whole, strict=True))
 
 
 def _train(plan: dict) -> dict[str, torch.Tensor]:

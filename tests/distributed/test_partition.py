@@ -22,6 +22,7 @@ from memfit.strategies.checkpointing import CheckpointConfig
 
 from .harness import (
     assert_gradients_close,
+    assert_rank_peaks,
     collectives_released_in_order,
     receive_buffers,
     run_ranks,
@@ -178,10 +179,7 @@ def test_each_rank_s_peak_is_predicted_within_3_percent(request, which, name):
     predicted = predict_layout(_model(seq=seq), layouts[name], batch_size=BATCH, seq_len=seq,
                                checkpointing=_checkpointing(name))
     measured = [out[name]["peak"] for out in results]
-    rows = "; ".join(f"rank {r}: measured {m} B, predicted {p} B ({(p - m) / m:+.2%})"
-                     for r, (m, p) in enumerate(zip(measured, predicted.peak_bytes, strict=True)))
-    for m, p in zip(measured, predicted.peak_bytes, strict=True):
-        assert p == pytest.approx(m, rel=PEAK_RTOL), f"{which}, {name}: {rows}"
+    assert_rank_peaks(measured, predicted.peak_bytes, PEAK_RTOL, f"{which}, {name}: ")
 
 
 @pytest.mark.distributed

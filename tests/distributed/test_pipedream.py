@@ -31,7 +31,7 @@ from memfit.distributed.pipeline import stage_of_parameter
 from memfit.distributed.pipeline_plan import PipelineConfig, microbatches_in_flight
 from memfit.estimate.pipeline import schedule_in_flight
 
-from .harness import run_ranks
+from .harness import assert_rank_peaks, run_ranks
 from .test_layout import SEQ, VOCAB, _model
 
 WORLD = 2
@@ -151,10 +151,7 @@ def test_pipedream_peaks_match_the_prediction(results, name):
     predicted = predict_layout(_model(), parallel, batch_size=BATCH, seq_len=SEQ,
                                optimizer=OPTIMIZER)
     measured = [r[name]["peak"] for r in results]
-    rows = "; ".join(f"rank {r}: measured {m} B, predicted {p} B ({(p - m) / m:+.2%})"
-                     for r, (m, p) in enumerate(zip(measured, predicted.peak_bytes, strict=True)))
-    for m, p in zip(measured, predicted.peak_bytes, strict=True):
-        assert p == pytest.approx(m, rel=MEMORY_RTOL), f"{name}: {rows}"
+    assert_rank_peaks(measured, predicted.peak_bytes, MEMORY_RTOL, f"{name}: ")
     for r, rank_out in enumerate(results):
         copies, rest = divmod(rank_out[name]["stashed"], rank_out[name]["param_bytes"])
         most = stashed_versions(parallel.schedule, WORLD, M, r, parallel.vertical_sync)

@@ -20,7 +20,13 @@ from memfit.distributed.config import ParallelConfig
 from memfit.distributed.layout import LayoutError, build_layout, check_layout, layout_coords
 from memfit.estimate.layout import predict_layout
 
-from .harness import assert_gradients_close, run_ranks, step_then_track
+from .harness import (
+    assert_rank_peaks,
+    assert_ranks_equal_reference,
+    run_ranks,
+    step_then_track,
+    unsplit_reference,
+)
 
 WORLD = 4
 BATCH, SEQ, VOCAB = 4, 16, 256
@@ -87,11 +93,7 @@ def results() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def reference() -> tuple[float, dict[str, torch.Tensor]]:
-    model = _model()
-    ids = _batch()
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    return float(loss), {n: p.grad for n, p in model.named_parameters()}
+    return unsplit_reference(_model(), _batch())
 
 
 @pytest.mark.distributed
@@ -101,15 +103,7 @@ def test_sequence_parallel_pipeline_equals_unsplit_model(results, reference, nam
     """The loss and every gradient (gathered whole over the tensor ranks, collected from both
     stages) equal the unsplit model's on the whole batch to 1e-5 (relative to each gradient's
     largest entry)."""
-    want_loss, want = reference
-    got: dict[str, torch.Tensor] = {}
-    for r, rank_out in enumerate(results):
-        out = rank_out[name]
-        assert out["coords"] == layout_coords(r, LAYOUTS[name])
-        assert out["loss"] == pytest.approx(want_loss, rel=RTOL)
-        got.update(out["grads"])
-    assert set(got) == set(want)
-    assert_gradients_close(got, want, RTOL, where=f"{name}: ")
+    assert_ranks_equal_reference(results, name, LAYOUTS[name], reference, RTOL)
 
 
 @pytest.mark.distributed
@@ -120,10 +114,7 @@ def test_prediction_matches_each_rank_s_measured_peak(results, name):
     that rank (which runs the same stage program on fake tensors)."""
     predicted = predict_layout(_model(), LAYOUTS[name], batch_size=BATCH, seq_len=SEQ)
     measured = [rank_out[name]["peak"] for rank_out in results]
-    rows = "; ".join(f"rank {r}: measured {m} B, predicted {p} B ({(p - m) / m:+.2%})"
-                     for r, (m, p) in enumerate(zip(measured, predicted.peak_bytes, strict=True)))
-    for m, p in zip(measured, predicted.peak_bytes, strict=True):
-        assert p == pytest.approx(m, rel=PEAK_RTOL), f"{name}: {rows}"
+    assert_rank_peaks(measured, predicted.peak_bytes, PEAK_RTOL, f"{name}: ")
 
 
 @pytest.mark.distributed

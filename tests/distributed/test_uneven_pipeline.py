@@ -16,7 +16,13 @@ from memfit.distributed.config import ParallelConfig
 from memfit.distributed.layout import build_layout
 from memfit.estimate.layout import predict_layout
 
-from .harness import assert_gradients_close, run_ranks, step_then_track
+from .harness import (
+    assert_gradients_close,
+    assert_rank_peaks,
+    run_ranks,
+    step_then_track,
+    unsplit_reference,
+)
 from .test_layout import RTOL, SEQ, VOCAB, _model
 
 WORLD = 3
@@ -53,11 +59,7 @@ def results() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def reference() -> tuple[float, dict[str, torch.Tensor]]:
-    model = _model()
-    ids = _batch()
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    return float(loss.detach()), {n: p.grad for n, p in model.named_parameters()}
+    return unsplit_reference(_model(), _batch())
 
 
 @pytest.mark.distributed
@@ -84,7 +86,4 @@ def test_uneven_stages_peaks_match_the_prediction(results, name):
     of predict_layout's figure for it, the prediction cutting the blocks as the run did."""
     predicted = predict_layout(_model(), LAYOUTS[name], batch_size=BATCH, seq_len=SEQ)
     measured = [rank_out[name]["peak"] for rank_out in results]
-    rows = "; ".join(f"rank {r}: measured {m} B, predicted {p} B ({(p - m) / m:+.2%})"
-                     for r, (m, p) in enumerate(zip(measured, predicted.peak_bytes, strict=True)))
-    for m, p in zip(measured, predicted.peak_bytes, strict=True):
-        assert p == pytest.approx(m, rel=0.03), f"{name}: {rows}"
+    assert_rank_peaks(measured, predicted.peak_bytes, 0.03, f"{name}: ")
