@@ -33,6 +33,8 @@ __all__ = [
     "free_port",
     "receive_buffers",
     "run_ranks",
+    "tiny_llama",
+    "token_batch",
     "unsplit_reference",
 ]
 
@@ -234,6 +236,26 @@ def receive_buffers(layout: Any) -> list[Any]:
         for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
             out += [i.buffer for i in infos if getattr(i, "buffer", None) is not None]
     return out
+
+
+def tiny_llama(vocab: int, seq: int, layers: int = 4, hidden: int = 64) -> Any:
+    """The layout tests' model: a Llama of ``layers`` blocks, width ``hidden``, 4 query and 2
+    key-value heads, seeded alike on every rank, in training mode, no dropout."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=128,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=seq, attention_dropout=0.0)
+    return LlamaForCausalLM(config).train()
+
+
+def token_batch(batch: int, seq: int, vocab: int) -> Any:
+    """The layout tests' batch of token ids, the same on every rank."""
+    import torch
+
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1))
 
 
 def unsplit_reference(model: Any, ids: Any) -> tuple[float, dict[str, Any]]:

@@ -22,6 +22,8 @@ from .harness import (
     assert_rank_peaks,
     run_ranks,
     step_then_track,
+    tiny_llama,
+    token_batch,
     unsplit_reference,
 )
 
@@ -39,17 +41,11 @@ MEMORY_RTOL = 0.03
 
 
 def _model() -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=SEQ, attention_dropout=0.0)
-    return LlamaForCausalLM(config).train()
+    return tiny_llama(VOCAB, SEQ, 2)
 
 
 def _batch() -> torch.Tensor:
-    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    return token_batch(BATCH, SEQ, VOCAB)
 
 
 def _ranks(rank: int, world: int) -> dict:

@@ -12,7 +12,7 @@ import torch
 from memfit import Plan
 from memfit.distributed.config import ParallelConfig
 
-from .harness import assert_rank_peaks, run_ranks
+from .harness import assert_rank_peaks, run_ranks, token_batch
 
 BATCH, SEQ, VOCAB, EXPERTS = 4, 16, 128, 4
 CONFIG = dict(model_type="mixtral", architectures=["MixtralForCausalLM"], hidden_size=32,
@@ -38,7 +38,7 @@ def _model() -> torch.nn.Module:
 
 
 def _batch() -> torch.Tensor:
-    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    return token_batch(BATCH, SEQ, VOCAB)
 
 
 def _grads(rank: int, world: int) -> list[tuple[float, dict]]:

@@ -27,6 +27,8 @@ from .harness import (
     receive_buffers,
     run_ranks,
     step_then_track,
+    tiny_llama,
+    token_batch,
 )
 
 BATCH, SEQ, VOCAB, HIDDEN, LAYERS = 4, 256, 256, 64, 4
@@ -61,17 +63,11 @@ def _checkpointing(name: str) -> CheckpointConfig:
 
 
 def _model(layers: int = LAYERS, seq: int = SEQ) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=seq, attention_dropout=0.0)
-    return LlamaForCausalLM(config).train()
+    return tiny_llama(VOCAB, seq, layers, hidden=HIDDEN)
 
 
 def _batch(seq: int = SEQ) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (BATCH, seq), generator=torch.Generator().manual_seed(1))
+    return token_batch(BATCH, seq, VOCAB)
 
 
 def _ranks(rank: int, world: int, layouts: dict[str, ParallelConfig], seq: int) -> dict:
