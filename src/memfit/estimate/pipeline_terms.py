@@ -55,13 +55,21 @@ def norm_kept_bytes(model: Any, seq_len: int, dtype: str) -> int:
     """Bytes the model's final norm saves for backward for one sample of ``seq_len`` tokens
     (every block's two norms are its like), run on ``model``'s own norm under autocast to
     ``dtype``; 0 for a model without one where memfit looks (Llama's ``model.norm``,
-    GPT-2's ``transformer.ln_f``)."""
-    import torch
-
+    GPT-2's ``transformer.ln_f``). What a norm saves is linear in the tokens (its input and a
+    statistic per token), so it runs at one and two tokens and extends the line: at 128k
+    tokens a real run would allocate and normalise gigabytes."""
     norm = getattr(getattr(model, "model", None), "norm", None) or getattr(
         getattr(model, "transformer", None), "ln_f", None)
     if norm is None:
         return 0
+    one, two = _norm_saved(norm, 1, dtype), _norm_saved(norm, 2, dtype)
+    return one + (two - one) * (seq_len - 1)
+
+
+def _norm_saved(norm: Any, tokens: int, dtype: str) -> int:
+    """Bytes ``norm`` saves for backward on one sample of ``tokens`` tokens."""
+    import torch
+
     params = {p.untyped_storage().data_ptr() for p in norm.parameters()}
     seen: dict[int, int] = {}
 
@@ -71,7 +79,7 @@ def norm_kept_bytes(model: Any, seq_len: int, dtype: str) -> int:
             seen[st.data_ptr()] = st.nbytes()
         return t
 
-    x = torch.zeros(1, seq_len, norm.weight.shape[-1], requires_grad=True)
+    x = torch.zeros(1, tokens, norm.weight.shape[-1], requires_grad=True)
     autocast = (torch.autocast("cpu", dtype=getattr(torch, dtype))
                 if dtype in ("bfloat16", "float16") else contextlib.nullcontext())
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
