@@ -17,6 +17,8 @@ from memfit import Plan
 from memfit.train import TrainConfig
 from memfit.train.layout_run import LayoutRunError, check_layout_run, is_layout_plan
 
+from ..distributed.harness import assert_rank_peaks
+
 CONFIG = """\
 model: llama-tiny
 data: [data.txt]
@@ -114,8 +116,7 @@ def test_tensor_x_pipeline_trains_like_one_process(tp2pp2: dict, one_process: di
     assert got["final_loss"] < got["first_loss"]
     measured, predicted = got["per_rank_peak_bytes"], got["predicted_rank_peak_bytes"]
     assert len(measured) == len(predicted) == 4 and all(m > 0 for m in measured)
-    for rank, (m, p) in enumerate(zip(measured, predicted, strict=True)):
-        assert p == pytest.approx(m, rel=0.10), f"rank {rank}: measured {m}, predicted {p}"
+    assert_rank_peaks(measured, predicted, 0.10)
     # Each tensor-parallel pair holds half of a stage: less than one process holds it all.
     assert max(measured) < one_process["peak_bytes"]
 
@@ -137,8 +138,7 @@ def test_torchrun_with_data_replicas_trains_like_one_process(workdir: Path, one_
     assert got["world_size"] == 4 and len(got["per_rank_peak_bytes"]) == 4
     assert got["losses"] == pytest.approx(one_process["losses"], abs=TOL)
     measured, predicted = got["per_rank_peak_bytes"], got["predicted_rank_peak_bytes"]
-    for rank, (m, p) in enumerate(zip(measured, predicted, strict=True)):
-        assert p == pytest.approx(m, rel=0.10), f"rank {rank}: measured {m}, predicted {p}"
+    assert_rank_peaks(measured, predicted, 0.10)
 
 
 @pytest.mark.distributed
@@ -170,8 +170,7 @@ def test_activation_checkpointing_applies_to_every_stage(workdir: Path, tp2pp2: 
                            strict=True):
         assert ckpt < plain
     measured, predicted = got["per_rank_peak_bytes"], got["predicted_rank_peak_bytes"]
-    for rank, (m, p) in enumerate(zip(measured, predicted, strict=True)):
-        assert p == pytest.approx(m, rel=0.10), f"rank {rank}: measured {m}, predicted {p}"
+    assert_rank_peaks(measured, predicted, 0.10)
 
 
 @pytest.mark.distributed
@@ -183,8 +182,7 @@ def test_partitioned_checkpoints_train_through_memfit_train(workdir: Path, one_p
                "tp2pp2_zeror.json")
     assert got["losses"] == pytest.approx(one_process["losses"], abs=TOL)
     measured, predicted = got["per_rank_peak_bytes"], got["predicted_rank_peak_bytes"]
-    for rank, (m, p) in enumerate(zip(measured, predicted, strict=True)):
-        assert p == pytest.approx(m, rel=0.10), f"rank {rank}: measured {m}, predicted {p}"
+    assert_rank_peaks(measured, predicted, 0.10)
 
 
 @pytest.mark.subprocess
@@ -252,8 +250,7 @@ def test_sequence_parallelism_under_a_pipeline_trains_like_one_process(
     assert got["plan"]["parallel"]["sequence"] is True
     assert got["losses"] == pytest.approx(one_process["losses"], abs=TOL)
     measured, predicted = got["per_rank_peak_bytes"], got["predicted_rank_peak_bytes"]
-    for rank, (m, p) in enumerate(zip(measured, predicted, strict=True)):
-        assert p == pytest.approx(m, rel=0.10), f"rank {rank}: measured {m}, predicted {p}"
+    assert_rank_peaks(measured, predicted, 0.10)
     for sp, plain in zip(measured, tp2pp2["per_rank_peak_bytes"], strict=True):
         assert sp < plain
 
@@ -269,8 +266,7 @@ def test_context_parallelism_under_a_pipeline_trains_like_one_process(workdir: P
     assert got["plan"]["parallel"]["context"] == 2 and got["plan"]["parallel"]["pipeline"] == 2
     assert got["losses"] == pytest.approx(one_process["losses"], abs=TOL)
     measured, predicted = got["per_rank_peak_bytes"], got["predicted_rank_peak_bytes"]
-    for rank, (m, p) in enumerate(zip(measured, predicted, strict=True)):
-        assert p == pytest.approx(m, rel=0.03), f"rank {rank}: measured {m}, predicted {p}"
+    assert_rank_peaks(measured, predicted, 0.03)
 
 
 # --------------------------------------------------------------------------- one process
@@ -284,8 +280,7 @@ def test_context_parallelism_trains_like_one_process(workdir: Path, one_process:
     assert got["world_size"] == 2 and got["plan"]["parallel"]["context"] == 2
     assert got["losses"] == pytest.approx(one_process["losses"], abs=TOL)
     measured, predicted = got["per_rank_peak_bytes"], got["predicted_rank_peak_bytes"]
-    for rank, (m, p) in enumerate(zip(measured, predicted, strict=True)):
-        assert p == pytest.approx(m, rel=0.03), f"rank {rank}: measured {m}, predicted {p}"
+    assert_rank_peaks(measured, predicted, 0.03)
     assert max(measured) < one_process["peak_bytes"]
 
 
