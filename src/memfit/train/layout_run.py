@@ -111,10 +111,13 @@ def check_layout_run(config: TrainConfig, plan: Plan) -> None:
             f"{', '.join(ignored)}; remove {'it' if len(ignored) == 1 else 'them'} from the plan")
     if problems:
         raise LayoutRunError("; ".join(problems))
-    if config.resume and config.checkpoint_dir is not None:
+    from .resume import resume_point
+
+    point = resume_point(config.checkpoint_dir, config.resume, config.resume_from)
+    if point is not None:
         from .layout_checkpoint import check_resume_before_launch
 
-        check_resume_before_launch(config.checkpoint_dir, par, config.max_steps)
+        check_resume_before_launch(point.path, par, config.max_steps)
     from ..distributed.layout import check_layout
 
     # The model's heads, widths, vocabulary and blocks against the degrees, and the batch
@@ -359,22 +362,26 @@ class _LayoutLoop:
         self.stopped_by: str | None = None
         self.memory = RankMemory(cfg.track_every)
         self.say: Any = None  # the progress bar's line above it, on rank 0
+        self.resumed_from: str | None = None  # the checkpoint resume() continued from
 
     # ------------------------------------------------------------------ checkpoints
     def resume(self) -> None:
-        """Continue from the checkpoint folder's latest checkpoint, when ``resume`` asks and
-        there is one: weights, optimizer, schedule, this rank's RNG, data position, losses."""
+        """Continue from a checkpoint, when ``resume`` or ``resume_from`` asks and there is one
+        (:func:`~memfit.train.resume.resume_point`): weights, optimizer, schedule, this rank's
+        RNG, data position, losses."""
         from .callbacks.checkpointing import check_data
-        from .checkpoint import latest_checkpoint, read_state
+        from .checkpoint import adopt_checkpoints, read_state
         from .layout_checkpoint import load_layout_checkpoint
         from .layout_memory import RankMemory
+        from .resume import resume_point
 
         cfg = self.config
-        if not cfg.resume or cfg.checkpoint_dir is None:
+        point = resume_point(cfg.checkpoint_dir, cfg.resume, cfg.resume_from)
+        if point is None:
             return
-        latest = latest_checkpoint(cfg.checkpoint_dir)
-        if latest is None:
-            return
+        latest = point.path
+        adopt_checkpoints(latest.parent)
+        self.resumed_from = str(latest)
         state = read_state(latest)  # every file checked against the manifest, once
         check_data(self, state.get("data_files"))
         state = load_layout_checkpoint(latest, self.layout.modules, self.optimizer,
@@ -388,7 +395,8 @@ class _LayoutLoop:
         if self.step_count >= cfg.max_steps:
             raise ValueError(
                 f"no step was run: the checkpoint {latest} is at step {self.step_count} and "
-                f"max_steps is {cfg.max_steps}; raise --max-steps to train on")
+                f"max_steps is {cfg.max_steps}; raise --max-steps above {self.step_count} to "
+                "train on")
 
     def save(self) -> None:
         """A checkpoint of the current step (a collective)."""
