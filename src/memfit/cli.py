@@ -16,7 +16,7 @@ import typer
 from .commands.bench import bench_ladder
 from .commands.plan import plan_command
 from .commands.profile import profile
-from .commands.train import train
+from .commands.train import TrainCommand, train
 from .console import _QUICK_EXIT, err, writes_guarded
 
 __all__ = ["app", "bench_app", "main"]
@@ -36,7 +36,7 @@ app.add_typer(bench_app, name="bench")
 app.command("profile")(writes_guarded(profile))
 app.command("plan")(writes_guarded(plan_command))
 bench_app.command("ladder")(writes_guarded(bench_ladder))
-app.command("train")(writes_guarded(train))
+app.command("train", cls=TrainCommand)(writes_guarded(train))
 
 
 def main() -> None:

@@ -37,6 +37,8 @@ __all__ = ["DEFAULT_BATCH_SIZE", "ConfigError", "TrainConfig", "field_help"]
 DEFAULT_BATCH_SIZE = 16
 
 # Fields that name files or folders: a YAML file's relative paths are taken from its folder.
+#: The budget when none is given: the built-in demo's, below what its plain plan needs.
+DEFAULT_BUDGET = "48MiB"
 _PATH_FIELDS = ("data", "tokenizer", "checkpoint_dir", "plan", "resume_from")
 
 
@@ -117,10 +119,12 @@ class TrainConfig:
     fused); at most the model's positions."""
 
     # ------------------------------------------------------------------ the plan
-    budget: str | int = "48MiB"
+    budget: str | int | None = None
     """The memory budget the planner fits: a size (``4GiB``, ``48MiB``, bytes) or a device name
-    (``t4``: its whole memory, allocator reserve and CUDA context included). A tighter budget
-    turns on techniques that cost compute (checkpointing, micro-batching)."""
+    (``t4``: its whole memory, allocator reserve and CUDA context included); ``None``: 48 MiB,
+    the built-in demo's. A tighter budget turns on techniques that cost compute
+    (checkpointing, micro-batching). With a given ``plan``, a budget that was given is checked
+    against the plan's predicted peak before training (a plan over it is refused)."""
 
     allow: tuple[str, ...] = ()
     """Techniques that change training which the planner may use (``freeze``, ``shorter-seq``,
@@ -278,7 +282,7 @@ class TrainConfig:
         from ..targets import parse_budget
 
         try:
-            return parse_budget(self.budget)[0]
+            return parse_budget(DEFAULT_BUDGET if self.budget is None else self.budget)[0]
         except ValueError as e:
             raise ConfigError("budget", _drop_prefix(str(e), "budget ")) from None
 

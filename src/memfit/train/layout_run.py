@@ -189,6 +189,8 @@ class LayoutRunResult:
             timeline points), in rank order.
         stopped_by: ``"SIGTERM"`` when a signal to this process ended the run early (after a
             checkpoint), ``"SIGTERM (another process)"`` when one to another did, else ``None``.
+        resumed_from: The checkpoint the run continued from, if it resumed.
+        steps_run: Steps this run ran (``steps`` less a resumed run's start).
     """
 
     first_loss: float
@@ -206,6 +208,8 @@ class LayoutRunResult:
     report: Any = None
     rank_reports: list[dict[str, Any] | None] = field(default_factory=list)
     stopped_by: str | None = None
+    resumed_from: str | None = None
+    steps_run: int | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -221,6 +225,8 @@ class LayoutRunResult:
             "first_loss": self.first_loss,
             "final_loss": self.final_loss,
             "steps": self.steps,
+            "steps_run": self.steps_run,
+            "resumed_from": self.resumed_from,
             "peak_bytes": max(peaks),
             "per_rank_peak_bytes": list(peaks),
             "peak_by_category": dict(top["peak_by_category"]) if top else {},
@@ -283,6 +289,7 @@ def train_layout(
 
     loop = _LayoutLoop(run, plan)
     loop.resume()
+    start = loop.step_count
     bar = _Progress(run.config.max_steps, console, start=loop.step_count) if progress else None
     try:
         seconds, tokens = loop.train(bar)
@@ -310,7 +317,8 @@ def train_layout(
         per_rank_peak_bytes=[int(g[0]) for g in gathered], coords=dict(loop.layout.coords),
         tokens=tokens, seconds=seconds, plan=plan.to_dict(), eval_losses=list(loop.eval_losses),
         checkpoint=loop.last_checkpoint, report=report, rank_reports=[g[1] for g in gathered],
-        stopped_by=loop.stopped_by,
+        stopped_by=loop.stopped_by, resumed_from=loop.resumed_from,
+        steps_run=loop.step_count - start,
     )
 
 
