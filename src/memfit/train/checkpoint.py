@@ -358,7 +358,7 @@ def _write_cause(error: BaseException) -> str:
     safetensors' or DCP's own error carries in its message (``Os { code: 28, ... }``)."""
     code = getattr(error, "errno", None)
     if code is None:
-        m = re.search(r"(?:code: |Errno )(\d+)", str(error))
+        m = re.search(r"(?:code: |Errno |os error )(\d+)", str(error))
         code = int(m.group(1)) if m else None
     if code == errno.ENOSPC or "StorageFull" in str(error):
         return "the disk is full"
