@@ -9,9 +9,9 @@ folder is refused at once, in one sentence naming the holder's process id and ho
 The lock is :func:`fcntl.flock` on the lock file: the kernel releases it when its process
 ends, however it ends (a ``kill -9`` included), so a lock left by a killed run is stale by
 construction and the next run takes it over. The file holds the holder's pid, host and start
-time as JSON, only for the message. Where ``flock`` is unavailable (a platform without
-``fcntl``) the file alone is the lock: it is taken with ``O_EXCL`` and a file whose pid no
-longer runs on this host is stale and taken over.
+time as JSON, for the message; a run removes it as it lets go, so a finished run leaves the
+folder as it found it. Where ``flock`` is unavailable (a platform without ``fcntl``) the file
+alone is the lock: one whose pid still runs on this host refuses the run, any other is stale.
 
 The lock is per process and re-entrant: the command takes it, and the
 :class:`~memfit.train.Trainer` it runs (which takes it too, for Python users) finds it held.
@@ -79,18 +79,24 @@ def lock_folder(folder: str | os.PathLike[str]) -> None:
         # A process of a run whose launcher holds the lock: the run is one writer.
         _HELD[key] = [None, 1]
         return
-    try:
-        key.mkdir(parents=True, exist_ok=True)
-        fd = os.open(key / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:
-        raise CheckpointError(
-            f"cannot lock the checkpoint folder {str(key)!r} ({e.strerror or e})"
-        ) from None
-    try:
-        _flock(fd, key)
-    except BaseException:
+    while True:
+        try:
+            key.mkdir(parents=True, exist_ok=True)
+            fd = os.open(key / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise CheckpointError(
+                f"cannot lock the checkpoint folder {str(key)!r} ({e.strerror or e})"
+            ) from None
+        try:
+            _flock(fd, key)
+        except BaseException:
+            os.close(fd)
+            raise
+        # The holder before us removes the file as it lets go: a lock on a removed file is
+        # no lock, so take it again on the file now there.
+        if _same_file(fd, key / LOCK_FILE):
+            break
         os.close(fd)
-        raise
     _write_holder(fd)
     _HELD[key] = [fd, 1]
     os.environ[ENV] = str(key)  # the run's launched processes write under this hold
@@ -111,10 +117,10 @@ def release(folder: str | os.PathLike[str]) -> None:
         return
     if os.environ.get(ENV) == str(key):
         del os.environ[ENV]
-    # The file stays (removing it would race a run that opened it to wait); its content is
-    # only read while a live process holds the lock.
+    # Removed while still locked (a run that opened it meanwhile sees it gone and opens the
+    # new one), so a finished run leaves the folder as it found it.
     with contextlib.suppress(OSError):
-        os.ftruncate(fd, 0)
+        os.unlink(key / LOCK_FILE)
     os.close(fd)
 
 
@@ -193,6 +199,13 @@ def process_alive(pid: int) -> bool:
     except (PermissionError, ValueError, OverflowError):
         return True
     return True
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.fstat(fd).st_ino == os.stat(path).st_ino
+    except OSError:
+        return False
 
 
 def _write_holder(fd: int) -> None:
