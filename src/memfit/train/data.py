@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ..workload import Batch, WorkloadError
+from .stopping import check_stop
 from .tokenizer import Tokenizer
 
 __all__ = [
@@ -65,6 +66,7 @@ def stdlib_corpus(max_bytes: int = 2_000_000) -> str:
     parts: list[str] = []
     size = 0
     for path in _stdlib_files(root):
+        check_stop()  # a SIGTERM or SIGINT while reading (memfit.train.stopping)
         try:
             data = path.read_bytes()
         except OSError:
@@ -114,7 +116,9 @@ class TextDataset(torch.utils.data.Dataset):
     short last window is kept (no text is dropped) and padded by :func:`collate`.
 
     Args:
-        texts: The documents (one string is one document).
+        texts: The documents (one string is one document). A signal that asks the run to stop
+            (:mod:`memfit.train.stopping`) ends tokenising before the next one, with
+            :class:`~memfit.train.stopping.StopRequested`.
         tokenizer: Anything with ``encode(text) -> list[int]`` and ``eos_token_id``.
         seq_len: Input tokens per sample (>= 2).
         pack: Join documents into one stream (no padding) or keep them apart.
@@ -146,7 +150,12 @@ class TextDataset(torch.utils.data.Dataset):
         self.seq_len = seq_len
         self.label_shift = label_shift
         eos = getattr(tokenizer, "eos_token_id", None)
-        streams = [_encode(tokenizer, t) + ([eos] if eos is not None else []) for t in texts]
+        streams = []
+        for t in texts:
+            # A SIGTERM or SIGINT stops tokenising before the next document (StopRequested;
+            # one document is tokenised whole, since a cut could change its tokens).
+            check_stop()
+            streams.append(_encode(tokenizer, t) + ([eos] if eos is not None else []))
         if pack:
             streams = [[i for s in streams for i in s]]
         # A NumPy array, not a tensor: slicing it runs no torch operation, so a memory tracker
