@@ -17,8 +17,8 @@ this one flag, at a point where stopping loses nothing but the work not yet done
   checkpoint the stop needs); files are written into a temporary folder and renamed, so a
   second signal, which interrupts at once, leaves the previous checkpoint intact.
 
-The first SIGTERM or SIGINT sets the flag; a second one raises ``KeyboardInterrupt`` at once
-(a hard stop, as Ctrl-C did before). ``memfit train`` exits with ``128 + signal``: 143 after a
+The first SIGTERM or SIGINT sets the flag; a second one raises :class:`Interrupted` (a
+``KeyboardInterrupt``) at once: a hard stop, as Ctrl-C did before. ``memfit train`` exits with ``128 + signal``: 143 after a
 SIGTERM, 130 after a SIGINT (:func:`exit_code`).
 
 Signals are delivered to a process, not to an object, so the flag is one per process
@@ -35,6 +35,7 @@ from typing import Any
 
 __all__ = [
     "STOP",
+    "Interrupted",
     "StopFlag",
     "StopRequested",
     "catch_signals",
@@ -61,6 +62,18 @@ class StopRequested(BaseException):
         super().__init__(f"stopped by {signal_name}")
         self.signal_name = signal_name
         self.code = code
+
+
+class Interrupted(KeyboardInterrupt):
+    """A second SIGTERM or SIGINT: the run ends at once, without a checkpoint.
+
+    Attributes:
+        code: The exit code: ``128 +`` the second signal's number.
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"a second {signal.Signals(signum).name}")
+        self.code = exit_code(signum)
 
 
 class StopFlag:
@@ -126,20 +139,22 @@ def exit_code(signum: int | None) -> int:
 def _handler(signum: int, frame: Any) -> None:
     if STOP.requested:
         # A second signal: the user (or the scheduler) will not wait for a clean stop.
-        STOP.signum = int(signum)  # the exit code names the signal that ended the process
-        raise KeyboardInterrupt(f"a second {signal.Signals(signum).name}")
+        raise Interrupted(signum)
     STOP.request(signum)
 
 
 @contextlib.contextmanager
 def catch_signals() -> Iterator[StopFlag]:
     """Within the block, SIGTERM and SIGINT set :data:`STOP` instead of ending the process
-    (a second one raises ``KeyboardInterrupt``); the previous handlers are put back after it.
+    (a second one raises :class:`Interrupted`, a ``KeyboardInterrupt``); the previous handlers
+    are put back after it, and the flag is cleared (work done after a run, such as building
+    another dataset, is not stopped by the run's signal).
 
     Blocks nest: only the outermost clears the flag and installs the handlers, so that a
     command can catch signals around data preparation and the trainer's own block inside it
-    keeps what was caught. Outside the main thread (where Python cannot install handlers) the
-    flag is still cleared and read, and only set by :meth:`StopFlag.request`.
+    keeps what was caught (read the flag inside the block). Outside the main thread (where
+    Python cannot install handlers) the flag is still read, and only set by
+    :meth:`StopFlag.request`.
 
     Yields:
         The flag (:data:`STOP`).
@@ -160,3 +175,5 @@ def catch_signals() -> Iterator[StopFlag]:
             signal.signal(sig, handler)
         with _LOCK:
             _DEPTH[0] -= 1
+            if outermost:
+                STOP.clear()

@@ -99,14 +99,17 @@ class Trainer:
             :class:`~memfit.train.data.TextDataset`), batched by a seeded
             :class:`~memfit.train.data.BatchStream`; or an iterable of ready batches (a
             ``DataLoader``), re-iterated when exhausted.
-        eval_data: Evaluation data of the same kinds (one pass per evaluation).
+        eval_data: Evaluation data of the same kinds (each evaluation reads its first
+            ``eval_max_batches`` batches).
         config: The run's settings (default: ``TrainConfig()``); the loop reads ``batch_size``,
             ``max_steps``, ``lr``, ``schedule``, ``warmup_steps``, ``seed``, ``eval_every``,
-            ``checkpoint_dir``, ``checkpoint_every``, ``keep_checkpoints``, ``resume``,
-            ``cap`` and ``track_every`` (see :class:`~memfit.train.config.TrainConfig` for
-            each, with its cost), and ``plan`` when no plan is given.
-        lr, schedule, warmup_steps, max_steps, eval_every, checkpoint_dir, checkpoint_every,
-            keep_checkpoints, resume, cap, seed, batch_size, track_every: Each, when given
+            ``eval_max_batches``, ``checkpoint_dir``, ``checkpoint_every``,
+            ``keep_checkpoints``, ``resume``, ``cap`` and ``track_every`` (see
+            :class:`~memfit.train.config.TrainConfig` for each, with its cost), and ``plan``
+            when no plan is given.
+        lr, schedule, warmup_steps, max_steps, eval_every, eval_max_batches, checkpoint_dir,
+            checkpoint_every, keep_checkpoints, resume, cap, seed, batch_size, track_every:
+            Each, when given
             (not ``None``), overrides the config's field of that name. Without a config the
             defaults are :class:`~memfit.train.config.TrainConfig`'s: 300 steps, 10 warm-up
             steps, batch 16 (a workload's own batch size for a workload). ``cap`` is bytes or
@@ -144,6 +147,7 @@ class Trainer:
         warmup_steps: int | None = None,
         max_steps: int | None = None,
         eval_every: int | None = None,
+        eval_max_batches: int | None = None,
         checkpoint_dir: str | Path | None = None,
         checkpoint_every: int | None = None,
         keep_checkpoints: int | None = None,
@@ -167,6 +171,7 @@ class Trainer:
             warmup_steps=warmup_steps,
             max_steps=max_steps,
             eval_every=eval_every,
+            eval_max_batches=eval_max_batches,
             checkpoint_dir=checkpoint_dir,
             checkpoint_every=checkpoint_every,
             keep_checkpoints=keep_checkpoints,
@@ -378,11 +383,6 @@ class Trainer:
                     callback.on_fit_end(self, result)
         assert result is not None  # _loop returned, or its error propagated above
         return result
-
-    @property
-    def stopped_by(self) -> str | None:
-        """The signal that asked this run to stop (``"SIGTERM"``), or ``None``."""
-        return STOP.signal_name
 
     def _stop_agreed(self) -> bool:
         """Whether to stop after this step: a signal to this process, or (data parallelism)
