@@ -474,8 +474,9 @@ def eval_line(config: TrainConfig, samples: int, batch_size: int) -> str:
     batches = -(-samples // batch_size)
     limit = config.eval_batch_limit
     n = batches if limit is None else min(limit, batches)
-    when = f"every {config.eval_every} steps and after the last" if config.eval_every else (
-        "after the last step"
+    every = config.eval_every
+    when = "after the last step" if not every else (
+        "after every step" if every == 1 else f"every {every} steps and after the last"
     )
     return (
         f"eval: {n:,} of {batches:,} batches ({min(n * batch_size, samples):,} of {samples:,} "

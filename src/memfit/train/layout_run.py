@@ -421,6 +421,9 @@ class _LayoutLoop:
         from .stopping import STOP
 
         w, limit = self.run.workload, self.config.eval_batch_limit
+        if self.say is not None:
+            bound = f"at most {limit} batches" if limit else "all batches"
+            self.say(f"step {self.step_count}: evaluating ({bound})")
         batches = eval_batches(self.run.eval, w.batch_size, self.run.collate, w.seq_len)
         counted = {"n": 0}
 
@@ -460,10 +463,10 @@ class _LayoutLoop:
         cfg = self.config
         self.say = bar.say if bar is not None else None
         at_start = self.run.workload.weights is not None and self.step_count == 0
-        if self.run.eval is not None and at_start:  # a fine-tune's saved weights first
-            self.evaluate()
         tokens, t0 = 0, time.perf_counter()
         with catch_signals():
+            if self.run.eval is not None and at_start:  # a fine-tune's saved weights first
+                self.evaluate()
             while self.step_count < cfg.max_steps:
                 loss, n = self.step()
                 tokens += n
