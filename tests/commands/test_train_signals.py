@@ -1,6 +1,7 @@
 """``memfit train`` stopped by a signal, as real processes: SIGTERM during evaluation stops it
-within one batch, saves and exits 143; SIGINT exits 130; SIGTERM while the data is tokenised
-stops before training (issue 37). And the ``--eval-max-batches`` option."""
+within one batch, saves and exits 143; SIGINT exits 130; a second signal interrupts at once;
+SIGTERM while the data is tokenised stops before training (issue 37). And the
+``--eval-max-batches`` option."""
 
 from __future__ import annotations
 
@@ -120,6 +121,35 @@ def test_sigterm_during_evaluation_stops_within_one_batch_saves_and_exits_143(wo
     assert [p.name for p in (workdir / "ck-term").iterdir()] == ["step-00000001"]
     assert data["checkpoint"].endswith("step-00000001")
     assert "stopped by SIGTERM after step 1" in output
+    assert "Traceback" not in output
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_a_second_signal_interrupts_at_once_with_its_code(workdir):
+    log = workdir / "twice.log"
+    proc = subprocess.Popen(
+        _argv("twice", logging=True), cwd=workdir, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+        env=_env(MEMFIT_TEST_WHAT="eval", MEMFIT_TEST_LOG=str(log), MEMFIT_TEST_SLEEP="1"),
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while _lines(log) < 2:
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)  # the batch being made takes a second: both land in it
+        time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, output[-3000:]
+    assert "interrupted by a second SIGTERM" in output
+    assert not (workdir / "twice.json").exists()  # no clean stop, no results
+    assert not list(workdir.glob("ck-twice/step-*"))
     assert "Traceback" not in output
 
 

@@ -12,8 +12,9 @@ memfit's built-in ``byte-gpt`` on the Python standard library's sources under a 
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -25,7 +26,7 @@ from ..outputs import write_text
 from ..train.config import ConfigError, TrainConfig, field_help
 from ..train.layout_run import check_layout_run, is_layout_plan
 from ..train.run import TrainRun, prepare_run
-from ..train.stopping import StopRequested, catch_signals, exit_code
+from ..train.stopping import Interrupted, StopRequested, catch_signals, exit_code
 from ..train.trainer import TrainingDiverged
 from ..workload import WorkloadError
 
@@ -169,6 +170,17 @@ def _all_done() -> None:
     dist.barrier()
 
 
+@contextlib.contextmanager
+def _hard_stop(err: Any) -> Iterator[None]:
+    """A second signal (:class:`~memfit.train.stopping.Interrupted`) ends the command at once
+    with its own code (typer would turn the ``KeyboardInterrupt`` into exit code 1)."""
+    try:
+        yield
+    except Interrupted as e:
+        err.print(f"interrupted by {e}; no checkpoint was written for it", highlight=False)
+        raise typer.Exit(e.code) from None
+
+
 def _stopped_early(err: Any, e: StopRequested) -> NoReturn:
     """End the command for a signal that came before training: a line, the signal's code."""
     err.print(f"{e}; nothing was trained", highlight=False)
@@ -181,7 +193,7 @@ def _work(
 ) -> int:
     """Plan, train and report in this process (one of ``world``); returns the exit code:
     0, or ``128 + signal`` when a signal stopped the run (after the results are written)."""
-    with catch_signals() as stop:
+    with catch_signals() as stop, _hard_stop(err):
         _train_and_report(settings, rank, world, plot=plot, json_path=json_path, out=out, err=err)
         return exit_code(stop.signum)
 
@@ -273,7 +285,7 @@ def _work_layout(
     :mod:`memfit.train.layout_run`; join and leave the process group here. ``--plot`` is
     drawn by every process, its own report beside the path given (``mem-rank0.png``, ...).
     Returns the exit code: 0, or ``128 + signal`` when a signal stopped the run."""
-    with catch_signals() as stop:
+    with catch_signals() as stop, _hard_stop(err):
         _train_layout(settings, plan, world, plot=plot, json_path=json_path, out=out, err=err)
         return exit_code(stop.signum)
 
