@@ -64,6 +64,16 @@ def test_first_signal_sets_the_flag_second_interrupts_and_handlers_are_put_back(
     assert not STOP.requested  # a later run (or dataset) is not stopped by this one's signal
 
 
+def test_under_a_launcher_a_repeated_signal_is_the_same_stop():
+    with catch_signals(second_interrupts=False) as stop:
+        os.kill(os.getpid(), signal.SIGINT)  # from the terminal
+        os.kill(os.getpid(), signal.SIGINT)  # forwarded by the launcher: no interrupt
+        assert stop.signal_name == "SIGINT"
+    with catch_signals() as stop, pytest.raises(KeyboardInterrupt):  # the default again
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+
+
 def test_nested_blocks_keep_what_the_outer_one_caught_and_a_new_run_starts_clear():
     with catch_signals():
         os.kill(os.getpid(), signal.SIGTERM)

@@ -170,6 +170,13 @@ def _all_done() -> None:
     dist.barrier()
 
 
+def _launched() -> bool:
+    """Whether torch's launcher started this process (it forwards signals to it)."""
+    from ..distributed.launch import under_launcher
+
+    return under_launcher()
+
+
 @contextlib.contextmanager
 def _hard_stop(err: Any) -> Iterator[None]:
     """A second signal (:class:`~memfit.train.stopping.Interrupted`) ends the command at once
@@ -193,7 +200,7 @@ def _work(
 ) -> int:
     """Plan, train and report in this process (one of ``world``); returns the exit code:
     0, or ``128 + signal`` when a signal stopped the run (after the results are written)."""
-    with catch_signals() as stop, _hard_stop(err):
+    with catch_signals(second_interrupts=not _launched()) as stop, _hard_stop(err):
         _train_and_report(settings, rank, world, plot=plot, json_path=json_path, out=out, err=err)
         return exit_code(stop.signum)
 
@@ -285,7 +292,7 @@ def _work_layout(
     :mod:`memfit.train.layout_run`; join and leave the process group here. ``--plot`` is
     drawn by every process, its own report beside the path given (``mem-rank0.png``, ...).
     Returns the exit code: 0, or ``128 + signal`` when a signal stopped the run."""
-    with catch_signals() as stop, _hard_stop(err):
+    with catch_signals(second_interrupts=not _launched()) as stop, _hard_stop(err):
         _train_layout(settings, plan, world, plot=plot, json_path=json_path, out=out, err=err)
         return exit_code(stop.signum)
 

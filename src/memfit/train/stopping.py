@@ -117,6 +117,8 @@ STOP = StopFlag()
 
 # How many catch_signals blocks are open (only the outermost installs and clears).
 _DEPTH = [0]
+# Whether a second signal interrupts at once (set by the outermost block).
+_HARD = [True]
 _LOCK = threading.Lock()
 
 
@@ -137,14 +139,14 @@ def exit_code(signum: int | None) -> int:
 
 
 def _handler(signum: int, frame: Any) -> None:
-    if STOP.requested:
+    if STOP.requested and _HARD[0]:
         # A second signal: the user (or the scheduler) will not wait for a clean stop.
         raise Interrupted(signum)
     STOP.request(signum)
 
 
 @contextlib.contextmanager
-def catch_signals() -> Iterator[StopFlag]:
+def catch_signals(*, second_interrupts: bool = True) -> Iterator[StopFlag]:
     """Within the block, SIGTERM and SIGINT set :data:`STOP` instead of ending the process
     (a second one raises :class:`Interrupted`, a ``KeyboardInterrupt``); the previous handlers
     are put back after it, and the flag is cleared (work done after a run, such as building
@@ -156,6 +158,13 @@ def catch_signals() -> Iterator[StopFlag]:
     Python cannot install handlers) the flag is still read, and only set by
     :meth:`StopFlag.request`.
 
+    Args:
+        second_interrupts: Whether a second signal interrupts at once (the outermost block
+            decides). ``False`` for a process under torch's launcher: a Ctrl-C reaches every
+            process of the group and the launcher then forwards it to its workers too, so a
+            worker gets two signals for one stop; the launcher ends a worker that does not
+            stop with SIGKILL after its own timeout.
+
     Yields:
         The flag (:data:`STOP`).
     """
@@ -166,6 +175,7 @@ def catch_signals() -> Iterator[StopFlag]:
     try:
         if outermost:
             STOP.clear()
+            _HARD[0] = second_interrupts
             if threading.current_thread() is threading.main_thread():
                 for sig in SIGNALS:
                     previous[sig] = signal.signal(sig, _handler)
