@@ -36,6 +36,8 @@ class TrainResult:
         eval_batches: ``(step, batches)`` of each evaluation this ``fit`` ran: the batches it
             evaluated (at most ``eval_max_batches``); an evaluation a signal cut short has
             fewer, and no entry in ``eval_losses``.
+        resumed_from: The checkpoint this ``fit`` continued from, if it resumed.
+        steps_run: Optimizer steps this ``fit`` ran (``steps`` less a resumed run's start).
         phases: The job's phases this trainer measured, each the first time it happened
             (a :class:`~memfit.train.phases.JobPhases`: ``load``, ``first_step``,
             ``steady_step``, ``eval``, ``save`` in a fresh run; ``load_checkpoint`` and
@@ -57,7 +59,13 @@ class TrainResult:
     params_sha256: str = ""
     stopped_by: str | None = None
     phases: Any = None
+    resumed_from: str | None = None
+    steps_run: int | None = None
     eval_batches: list[tuple[int, int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.steps_run is None:
+            self.steps_run = self.steps
 
     @property
     def tokens_per_second(self) -> float:
@@ -71,6 +79,8 @@ class TrainResult:
             "first_loss": self.first_loss,
             "final_loss": self.final_loss,
             "steps": self.steps,
+            "steps_run": self.steps_run,
+            "resumed_from": self.resumed_from,
             "peak_bytes": self.peak_bytes,
             "peak_by_category": dict(self.report.peak_by_category),
             "losses": list(self.losses),
