@@ -89,6 +89,8 @@ BAD: dict[str, dict[str, list[str] | None]] = {
         "--keep": ["0"],
         "--eval-max-batches": ["-1", "x"],
         "--resume": None,
+        "--resume-mode": ["newest"],
+        "--resume-from": [MISSING, "{tmp}/a-folder"],
     },
     "bench ladder": {
         "--json": [UNWRITABLE, A_FOLDER],
@@ -207,6 +209,7 @@ OUTPUTS: dict[str, dict[str, str]] = {
     "bench ladder": {"--json": "file", "--markdown": "file"},
 }
 INPUTS = {("profile", "--plan"), ("plan", "--plan"), ("train", "--config"), ("train", "--plan"),
+          ("train", "--resume-from"),
           ("profile", "--tokenizer"), ("plan", "--tokenizer")}  # train's also takes a hub id
 # What each kind of output cannot be, as a value and the end of the sentence that refuses it.
 REFUSED = {
