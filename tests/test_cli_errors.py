@@ -87,6 +87,7 @@ BAD: dict[str, dict[str, list[str] | None]] = {
         "--save-every": ["0"],
         "--nproc-per-node": ["0", "3", "x"],
         "--keep": ["0"],
+        "--eval-max-batches": ["-1", "x"],
         "--resume": None,
         "--resume-mode": ["newest"],
         "--resume-from": [MISSING, "{tmp}/a-folder"],

@@ -44,9 +44,11 @@ def main() -> None:
     _QUICK_EXIT[0] = False
     try:
         app()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        # Ctrl-C outside a training run, or a second signal during one (the first stops it
+        # cleanly): 128 + the signal, as a shell reports a process the signal ended.
         err.print("interrupted")
-        sys.exit(130)
+        sys.exit(getattr(e, "code", 130))
     except SystemExit as e:
         if _QUICK_EXIT[0]:
             _exit_now(e.code)

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ..workload import WorkloadError
+from .stopping import check_stop
 
 __all__ = ["DATA_SUFFIXES", "Record", "read_records"]
 
@@ -104,6 +105,7 @@ def read_records(
         )
     records: list[Record] = []
     for raw in paths:
+        check_stop()  # a SIGTERM or SIGINT stops reading between files (StopRequested)
         records.extend(_read_file(Path(raw), text_field))
     return records
 
