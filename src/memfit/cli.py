@@ -7,8 +7,10 @@ API); this module only names them, and :func:`main` runs the app.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import typer
@@ -17,7 +19,8 @@ from .commands.bench import bench_ladder
 from .commands.plan import plan_command
 from .commands.profile import profile
 from .commands.train import train
-from .console import _QUICK_EXIT, err
+from .console import _QUICK_EXIT, err, fail
+from .extras import MissingExtra
 
 __all__ = ["app", "bench_app", "main"]
 
@@ -31,11 +34,27 @@ app = typer.Typer(
 bench_app = typer.Typer(
     help="Benchmarks that reproduce memfit's published tables.", no_args_is_help=True
 )
+
+
+def _guarded(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``command``, where a missing optional package found wherever the run reaches it (past
+    the checks each command makes before any work) is still one sentence and exit 2."""
+
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except MissingExtra as e:
+            fail(str(e))
+
+    return run
+
+
 app.add_typer(bench_app, name="bench")
-app.command()(profile)
-app.command("plan")(plan_command)
-bench_app.command("ladder")(bench_ladder)
-app.command("train")(train)
+app.command("profile")(_guarded(profile))
+app.command("plan")(_guarded(plan_command))
+bench_app.command("ladder")(_guarded(bench_ladder))
+app.command("train")(_guarded(train))
 
 
 def main() -> None:

@@ -7,14 +7,17 @@ from typing import Annotated, Any
 
 import typer
 
-from ..console import check_outputs, err, exit_without_teardown, fail, out, quiet_libraries
+from ..console import check_outputs, configure, exit_without_teardown, fail, out, show
 from ..outputs import make_parent, write_text
 from ..plan import Plan
 from ..units import format_bytes
 from .checks import (
+    QuietOption,
     TextFieldOption,
     TokenizerOption,
+    VerboseOption,
     check_data_options,
+    check_extras,
     check_sizes,
     data_lengths,
     data_option,
@@ -28,7 +31,8 @@ _Model = Annotated[
     typer.Option(
         "--model",
         "-m",
-        help="Preset name, path to a HF config.json, or package.module:function.",
+        help="A preset (gpt2-tiny, llama-1b, ...), a Hugging Face model folder (config.json, "
+        "with or without weights) or its config.json, a hub id, or package.module:function.",
     ),
 ]
 _Budget = Annotated[
@@ -107,7 +111,7 @@ _Emit = Annotated[
     typer.Option(
         "--emit",
         help="Also print how to run the plan elsewhere: 'hf' (TrainingArguments lines and "
-        "the code for the Hugging Face Trainer).",
+        "the code for the Hugging Face Trainer, valid Python).",
     ),
 ]
 _LoraRank = Annotated[
@@ -173,6 +177,8 @@ def plan_command(
     tokenizer: _Tokenizer = None,
     text_field: _TextField = "text",
     lora_rank: _LoraRank = None,
+    quiet: QuietOption = False,
+    verbose: VerboseOption = False,
 ) -> None:
     """Find the fastest plan whose peak memory fits a budget."""
     # Nothing is left to finish once the answer is printed: the process then exits without
@@ -180,7 +186,7 @@ def plan_command(
     # behind, module by module (about a quarter of a second), only for the operating system to
     # take the memory back anyway.
     exit_without_teardown()
-    quiet_libraries()
+    configure(quiet=quiet, verbose=verbose)
 
     if emit is not None and emit != "hf":
         fail(f"--emit {emit!r} is not known; use 'hf' (the Hugging Face Trainer)")
@@ -191,6 +197,9 @@ def plan_command(
     # --disk-dir is written by training under the plan, not here, but must exist by then.
     check_outputs({"--json": json_path, "--save": save}, existing_folders={"--disk-dir": disk_dir})
     base_plan = run_guarded(Plan.load, base) if base is not None else None
+    # The optional packages --allow or the plan needs, before any work (planning runs only
+    # dry runs: a peer's optimizer has a stand-in there).
+    check_extras(allow.split(","), base_plan, where=f"--plan {base}", real=False)
     check_data_options(data, tokenizer, text_field)
     lengths = None
     if data:
@@ -224,11 +233,10 @@ def _search(workload: Any, budget: str, json_path: Path | None, **options: Any) 
     written to ``json_path`` (when given) and the reason as the command's failure."""
     import json
 
-    from rich.status import Status
-
+    from ..console import status as status_line
     from ..planner import NothingFits, plan
 
-    with Status("planning...", console=err) as status:
+    with status_line("planning...") as status:
         try:
             return run_guarded(
                 plan, workload, budget, progress=lambda msg: status.update(msg), **options
@@ -247,9 +255,9 @@ def _print_answer(result: Any) -> None:
     if result.layout is not None:
         from ..planner.layout import layout_table
 
-        out.print(layout_table(result))
+        show(layout_table(result))
     else:
-        out.print(explain_table(result))
+        show(explain_table(result))
     cats = ", ".join(
         f"{k} {format_bytes(v)}" for k, v in result.predicted_peak_by_category.items() if v
     )
