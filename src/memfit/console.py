@@ -125,7 +125,9 @@ def fit_width(renderable: Any, console: Console) -> Any:
         return Group(*(fit_width(r, console) for r in renderable.renderables))
     if not isinstance(renderable, Table):
         return renderable
-    if Measurement.get(console, console.options, renderable).maximum <= console.width:
+    # Measured without the console's width (which would clamp it): the width it wants.
+    wide = console.options.update_width(1 << 20)
+    if Measurement.get(console, wide, renderable).maximum <= console.width:
         return renderable
     return _records(renderable)
 
@@ -134,6 +136,7 @@ def _records(table: Any) -> Any:
     """A table as lines: its title, then per row its first cell on a line of its own and the
     other columns as ``header value`` pairs after it (wrapped between pairs by the console)."""
     from rich.console import Group
+    from rich.padding import Padding
     from rich.text import Text
 
     columns = table.columns
@@ -150,9 +153,8 @@ def _records(table: Any) -> Any:
             for j in range(1, len(columns))
             if _plain(cells[j][i])
         ]
-        if pairs:
-            rest = Text("    " + ";  ".join(pairs), style=style)
-            lines.append(rest)
+        if pairs:  # indented, wrapped lines included
+            lines.append(Padding(Text(";  ".join(pairs), style=style), (0, 0, 0, 4)))
     for text in (table.caption,):
         if text:
             lines.append(_text(text, ""))
