@@ -94,8 +94,9 @@ _Html = Annotated[
     Path | None,
     typer.Option(
         "--html",
-        help="Write the run's memory timeline as an HTML page to open in a browser (the "
-        "--snapshot data drawn by PyTorch's memory viewer, modelled for the target).",
+        help="Write the run's memory timeline as one self-contained HTML page (drawn by "
+        "memfit, no network needed; the caching allocator modelled for the target), with the "
+        "--snapshot data as a download for PyTorch's viewer.",
     ),
 ]
 _Device = Annotated[
@@ -226,7 +227,7 @@ def profile(
     if snapshot is not None:
         _write_snapshot(report, snapshot)
     if html is not None:
-        _write_snapshot(report, html, page=True)
+        _write_snapshot(report, html, page=True, title=title)
 
 
 def _check_job_options(
@@ -278,20 +279,24 @@ def _profile_job(
         out.print(f"wrote {json_path}")
 
 
-def _write_snapshot(report: Any, path: Path, *, page: bool = False) -> None:
-    """The run's PyTorch memory snapshot: the pickle (``--snapshot``) or PyTorch's viewer page
-    drawing it (``--html``)."""
+def _write_snapshot(report: Any, path: Path, *, page: bool = False, title: str = "") -> None:
+    """The run's PyTorch memory snapshot: the pickle (``--snapshot``), or memfit's page of the
+    run's timeline carrying it (``--html``, headed ``title``)."""
     from ..accounting.snapshot import write_html, write_snapshot
 
     flag = "--html" if page else "--snapshot"
     if report.trace is None:
         fail(f"this run kept no allocation trace, so {flag} has nothing to write")
     try:
-        (write_html if page else write_snapshot)(report.trace, path)
+        if page:
+            write_html(report.trace, path, title=title)
+        else:
+            write_snapshot(report.trace, path)
     except OSError as e:
         fail(f"{flag} {path}: cannot write it ({e.strerror or e})")
     if page:
-        out.print(f"wrote the memory timeline to {path} (open it in a browser)")
+        out.print(f"wrote the memory timeline to {path} (open it in a browser; no network "
+                  "needed)")
     else:
         out.print(f"wrote the memory snapshot to {path} (open it at https://pytorch.org/memory_viz)")
 
