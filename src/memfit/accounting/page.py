@@ -203,7 +203,7 @@ def _legend(reserved: list[int]) -> str:
     keys += [f'<span><span class="key" style="background:{color};border:1px solid #ccc">'
              f"</span>{phase}</span>" for phase, color in _PHASE_COLORS.items()]
     if reserved:
-        keys.append("<span>&#9135; reserved (caching allocator model)</span>")
+        keys.append("<span>&#8212; reserved (caching allocator model)</span>")
     keys.append("<span>- - peak</span>")
     return '<p id="legend">' + " &nbsp; ".join(keys) + "</p>"
 
