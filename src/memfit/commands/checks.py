@@ -120,13 +120,15 @@ def data_lengths(
     batch_size: int,
     seq_len: int,
     model: str | None = None,
+    console: Any = None,
 ) -> Any:
     """Read ``--data`` as ``memfit train`` would, print its length percentiles and worst batch,
     and return the :class:`~memfit.train.lengths.LengthReport` (its ``max`` is the length to
     plan for); bad data fails with one sentence and exit 2.
 
     Without ``tokenizer``, a model folder's own tokenizer counts the tokens, as ``memfit
-    train`` uses it (else memfit's byte tokenizer)."""
+    train`` uses it (else memfit's byte tokenizer). The summary goes to ``console`` (default:
+    standard output)."""
     from ..console import err, out
     from ..train.chat import build_dataset
     from ..train.lengths import length_report
@@ -142,7 +144,7 @@ def data_lengths(
             say=lambda m: status.update(str(m)),
         )
     report = run_guarded(length_report, dataset, batch_size, seq_len=seq_len)
-    out.print(report.summary(), highlight=False)
+    (console or out).print(report.summary(), highlight=False)
     return report
 
 

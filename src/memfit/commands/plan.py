@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ..console import check_outputs, configure, exit_without_teardown, fail, out, show
+from ..console import check_outputs, configure, err, exit_without_teardown, fail, out, show
 from ..outputs import make_parent, write_text
 from ..plan import Plan
 from ..units import format_bytes
@@ -205,7 +205,8 @@ def plan_command(
     if data:
         # The budget must hold for the longest batch the data makes, not a typical one.
         share = max(batch_size // (world_size or 1), 1)
-        lengths = data_lengths(data, tokenizer, text_field, share, seq_len, model)
+        lengths = data_lengths(data, tokenizer, text_field, share, seq_len, model,
+                               console=err if emit else None)
         seq_len = lengths.max
     workload = run_guarded(load_workload, model, batch_size, seq_len)
     result = _search(
@@ -224,8 +225,11 @@ def plan_command(
         jobs=jobs,
         lora_rank=lora_rank,
     )
-    _print_answer(result)
-    _write_answer(result, json_path, save, emit, lengths)
+    # With --emit, standard output is the emitted Python alone (it runs as it stands); what
+    # a person reads goes to standard error.
+    words = err if emit else out
+    _print_answer(result, words)
+    _write_answer(result, json_path, save, emit, lengths, words)
 
 
 def _search(workload: Any, budget: str, json_path: Path | None, **options: Any) -> Any:
@@ -248,16 +252,17 @@ def _search(workload: Any, budget: str, json_path: Path | None, **options: Any) 
             fail(str(e))
 
 
-def _print_answer(result: Any) -> None:
-    """The explanation table, the chosen plan and its predicted peak, memory and step time."""
+def _print_answer(result: Any, out: Any = out) -> None:
+    """The explanation table, the chosen plan and its predicted peak, memory and step time,
+    on ``out`` (standard error when standard output carries ``--emit``'s Python)."""
     from ..planner import explain_table
 
     if result.layout is not None:
         from ..planner.layout import layout_table
 
-        show(layout_table(result))
+        show(layout_table(result), out)
     else:
-        show(explain_table(result))
+        show(explain_table(result), out)
     cats = ", ".join(
         f"{k} {format_bytes(v)}" for k, v in result.predicted_peak_by_category.items() if v
     )
@@ -293,10 +298,12 @@ def _print_answer(result: Any) -> None:
 
 
 def _write_answer(
-    result: Any, json_path: Path | None, save: Path | None, emit: str | None, lengths: Any = None
+    result: Any, json_path: Path | None, save: Path | None, emit: str | None, lengths: Any = None,
+    out: Any = out,
 ) -> None:
     """The answer as JSON (with ``--data``'s lengths), the chosen plan as a file, and ``--emit
-    hf``'s lines, when asked."""
+    hf``'s Python, when asked (the only thing on standard output then: ``memfit plan ...
+    --emit hf > run_plan.py`` is a Python file; the words go to ``out``, standard error)."""
     import json
 
     if json_path is not None:

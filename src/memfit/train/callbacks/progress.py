@@ -197,4 +197,7 @@ class ProgressCallback(Callback):
         if result is not None and self.enabled:
             from rich.console import Console
 
-            (self.console or Console(stderr=True)).print(result.report.table())
+            from ...console import fit_width
+
+            console = self.console or Console(stderr=True)
+            console.print(fit_width(result.report.table(), console))
