@@ -129,14 +129,14 @@ def fit_width(renderable: Any, console: Console) -> Any:
     wide = console.options.update_width(1 << 20)
     if Measurement.get(console, wide, renderable).maximum <= console.width:
         return renderable
-    return _records(renderable)
+    return _records(renderable, console.width)
 
 
-def _records(table: Any) -> Any:
+def _records(table: Any, width: int) -> Any:
     """A table as lines: its title, then per row its first cell on a line of its own and the
-    other columns as ``header value`` pairs after it (wrapped between pairs by the console)."""
+    other columns as ``header value`` pairs after it, indented, as many to a line as
+    ``width`` holds (a pair is never split)."""
     from rich.console import Group
-    from rich.padding import Padding
     from rich.text import Text
 
     columns = table.columns
@@ -153,12 +153,28 @@ def _records(table: Any) -> Any:
             for j in range(1, len(columns))
             if _plain(cells[j][i])
         ]
-        if pairs:  # indented, wrapped lines included
-            lines.append(Padding(Text(";  ".join(pairs), style=style), (0, 0, 0, 4)))
+        lines += [Text(line, style=style) for line in _pack(pairs, width, "    ", ";  ")]
     for text in (table.caption,):
         if text:
             lines.append(_text(text, ""))
     return Group(*lines)
+
+
+def _pack(items: list[str], width: int, indent: str, sep: str) -> list[str]:
+    """``items`` joined by ``sep`` into lines of at most ``width`` characters, each starting
+    with ``indent`` (an item longer than a line gets a line of its own)."""
+    lines: list[str] = []
+    line = ""
+    for item in items:
+        joined = f"{line}{sep}{item}" if line else item
+        if line and len(indent) + len(joined) > width:
+            lines.append(indent + line)
+            line = item
+        else:
+            line = joined
+    if line:
+        lines.append(indent + line)
+    return lines
 
 
 def _plain(cell: Any) -> str:
