@@ -67,6 +67,7 @@ def test_quiet_with_verbose_is_one_sentence():
 
 
 @pytest.mark.subprocess
+@pytest.mark.slow
 def test_no_third_party_noise_unless_verbose():
     # A dry run imports torchao (its float8 and NF4 support): where its optional kernels do
     # not load, torchao logs "Failed to load ... .so" and torch logs _pytree deprecations.
