@@ -80,3 +80,28 @@ def test_messages_go_among_the_lines_when_there_is_no_bar():
     with TrainProgress(4, console=console, lines=console) as bar:
         bar.print("step 2: eval loss 1.2345")
     assert buf.getvalue() == "step 2: eval loss 1.2345\n"
+
+
+def test_figures_a_caller_lacks_are_left_out():
+    console, buf = _file_console()
+    with TrainProgress(2, console=console, lines=console) as bar:
+        bar.update(1, 0.5, None, None, None)
+    assert buf.getvalue().startswith("step 1/2  loss 0.5000  elapsed 0:00:0")
+
+
+def test_a_layout_runs_progress_writes_lines_to_a_piped_stdout(capsys):
+    # Tensor/pipeline runs (memfit.train.layout_run) report through the same progress: with
+    # standard output a pipe (pytest's capture), plain lines there.
+    from memfit.train.layout_run import _Progress
+
+    console, buf = _file_console()
+    bar = _Progress(3, console)
+    for loss in (3.0, 2.0, 1.0):
+        bar.advance(loss)
+    bar.say("step 3: eval loss 0.9000")
+    bar.close()
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split("  ")[:2] for line in lines[:3]] == [
+        ["step 1/3", "loss 3.0000"], ["step 2/3", "loss 2.0000"], ["step 3/3", "loss 1.0000"]]
+    assert lines[3:] == ["step 3: eval loss 0.9000"]
+    assert buf.getvalue() == ""  # no bar where standard error is not a terminal either

@@ -71,28 +71,29 @@ class TrainProgress:
         if self._bar is not None:
             self._bar.stop()
 
-    def update(self, step: int, loss: float, tokens_per_s: float, live: int, peak: int) -> None:
-        """Show the state after ``step`` steps."""
+    def update(
+        self, step: int, loss: float, tokens_per_s: float | None, live: int | None,
+        peak: int | None,
+    ) -> None:
+        """Show the state after ``step`` steps (``None``: a figure the caller does not have,
+        left out)."""
         if not self.enabled:
             return
         from ...units import format_bytes
 
-        mem = f"{format_bytes(live)} (peak {format_bytes(peak)})"
+        mem = "-" if live is None else f"{format_bytes(live)} (peak {format_bytes(peak or live)})"
+        speed = "-" if tokens_per_s is None else f"{tokens_per_s:,.0f} tok/s"
         if self._bar is not None:
-            self._bar.update(
-                self._task,
-                completed=step,
-                loss=f"{loss:.4f}",
-                speed=f"{tokens_per_s:,.0f} tok/s",
-                mem=mem,
-            )
+            self._bar.update(self._task, completed=step, loss=f"{loss:.4f}", speed=speed, mem=mem)
         if self._lines is not None and self._line_due(step):
             elapsed = datetime.timedelta(seconds=round(time.monotonic() - self._t0))
-            self._lines.print(
-                f"step {step}/{self.total}  loss {loss:.4f}  {tokens_per_s:,.0f} tokens/s  "
-                f"mem {mem}  elapsed {elapsed}",
-                highlight=False, soft_wrap=True, markup=False,
-            )
+            parts = [f"step {step}/{self.total}", f"loss {loss:.4f}"]
+            if tokens_per_s is not None:
+                parts.append(f"{tokens_per_s:,.0f} tokens/s")
+            if live is not None:
+                parts.append(f"mem {mem}")
+            self._lines.print("  ".join([*parts, f"elapsed {elapsed}"]),
+                              highlight=False, soft_wrap=True, markup=False)
 
     def _line_due(self, step: int) -> bool:
         """Whether the step just done prints a plain line (and if so, count from it)."""
