@@ -18,8 +18,8 @@ import typer
 from .commands.bench import bench_ladder
 from .commands.plan import plan_command
 from .commands.profile import profile
-from .commands.train import train
-from .console import _QUICK_EXIT, err, fail
+from .commands.train import TrainCommand, train
+from .console import _QUICK_EXIT, err, fail, writes_guarded
 from .extras import MissingExtra
 
 __all__ = ["app", "bench_app", "main"]
@@ -51,10 +51,12 @@ def _guarded(command: Callable[..., Any]) -> Callable[..., Any]:
 
 
 app.add_typer(bench_app, name="bench")
-app.command("profile")(_guarded(profile))
-app.command("plan")(_guarded(plan_command))
-bench_app.command("ladder")(_guarded(bench_ladder))
-app.command("train")(_guarded(train))
+# Each command ends in one sentence and exit 2 where an output cannot be written, or where
+# an optional package it reaches is missing.
+app.command("profile")(writes_guarded(_guarded(profile)))
+app.command("plan")(writes_guarded(_guarded(plan_command)))
+bench_app.command("ladder")(writes_guarded(_guarded(bench_ladder)))
+app.command("train", cls=TrainCommand)(writes_guarded(_guarded(train)))
 
 
 def main() -> None:

@@ -7,9 +7,10 @@ so that they share these without importing each other.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -29,6 +30,7 @@ __all__ = [
     "quiet_libraries",
     "show",
     "status",
+    "writes_guarded",
 ]
 
 #: Results go to standard output; progress and errors to standard error.
@@ -236,3 +238,25 @@ def check_outputs(
         check(files, folders, existing_folders=existing_folders)
     except OutputError as e:
         fail(str(e))
+
+
+def writes_guarded(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``command`` (a typer command function), ended by one sentence and exit code 2 where a
+    write fails deep inside it: :class:`~memfit.outputs.OutputError` from memfit's atomic
+    writers, or an :class:`OSError` of a full disk, a quota or a lost permission raised by a
+    library's own writer (safetensors, matplotlib) with the file it was writing. The earlier
+    file is untouched either way (every output is written atomically)."""
+    from .outputs import WRITE_ERRNOS, OutputError, write_failure
+
+    @functools.wraps(command)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except OutputError as e:
+            fail(str(e))
+        except OSError as e:
+            if e.errno not in WRITE_ERRNOS or e.filename is None:
+                raise
+            fail(write_failure(e.filename, e))
+
+    return guarded

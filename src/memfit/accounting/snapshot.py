@@ -27,6 +27,7 @@ import pickle
 from pathlib import Path
 from typing import Any
 
+from ..outputs import write_bytes, write_text
 from .allocator import AllocatorConfig, CachingAllocatorModel
 from .trace import CATEGORIES, PHASES, AllocationTrace
 
@@ -171,7 +172,7 @@ def write_snapshot(trace: AllocationTrace, path: str | Path,
                    config: AllocatorConfig | None = None) -> None:
     """Pickle :func:`memory_snapshot` to ``path`` (what https://pytorch.org/memory_viz opens,
     like the file of PyTorch's ``memory._dump_snapshot``)."""
-    Path(path).write_bytes(pickle.dumps(memory_snapshot(trace, config)))
+    write_bytes(path, pickle.dumps(memory_snapshot(trace, config)))
 
 
 def write_html(trace: AllocationTrace, path: str | Path,
@@ -182,4 +183,4 @@ def write_html(trace: AllocationTrace, path: str | Path,
     from .page import timeline_page
 
     page = timeline_page(trace, memory_snapshot(trace, config), title=title)
-    Path(path).write_text(page, encoding="utf-8")
+    write_text(path, page)
