@@ -110,8 +110,9 @@ _Emit = Annotated[
     str | None,
     typer.Option(
         "--emit",
-        help="Also print how to run the plan elsewhere: 'hf' (TrainingArguments lines and "
-        "the code for the Hugging Face Trainer, valid Python).",
+        help="Print Python that runs the plan elsewhere: 'hf' (the Hugging Face Trainer: the "
+        "plan, its TrainingArguments and a train(model, train_dataset) function). Standard "
+        "output then carries that code alone (> run_plan.py); the answer goes to stderr.",
     ),
 ]
 _LoraRank = Annotated[
