@@ -333,7 +333,7 @@ def test_emitted_python_runs_and_trains(tmp_path):
     assert losses and all(loss == loss for loss in losses)  # finite, no NaN
 
 
-def test_cli_emit_hf_prints_only_python_on_stdout():
+def test_cli_emit_hf_output_runs_as_python():
     from typer.testing import CliRunner
 
     from memfit.cli import app
@@ -341,8 +341,10 @@ def test_cli_emit_hf_prints_only_python_on_stdout():
     res = CliRunner().invoke(app, ["plan", "-m", "tests.models:mlp_workload", "-b", "4", "-l",
                                    "1", "--budget", "1GiB", "--emit", "hf"])
     assert res.exit_code == 0, res.output
+    assert res.stderr == ""  # all of it is the Python: memfit plan ... --emit hf > run.py
     namespace: dict = {}
-    exec(compile(res.stdout, "memfit-plan-emit-hf.py", "exec"), namespace)
+    exec(compile(res.output, "memfit-plan-emit-hf.py", "exec"), namespace)
     assert isinstance(namespace["plan"], Plan) and callable(namespace["train"])
-    # The answer's words are still shown, on standard error.
-    assert "plan: " + namespace["plan"].summary() in res.stderr
+    # The answer's words are still there, as comments above the code.
+    assert "# plan: " + namespace["plan"].summary() in res.stdout.splitlines()
+    assert "# Candidates weighed against a budget of 1.00 GiB" in res.stdout

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ..console import check_outputs, configure, err, exit_without_teardown, fail, out, show
+from ..console import check_outputs, configure, exit_without_teardown, fail, out, show
 from ..outputs import write_text
 from ..plan import Plan
 from ..units import format_bytes
@@ -111,8 +111,8 @@ _Emit = Annotated[
     typer.Option(
         "--emit",
         help="Print Python that runs the plan elsewhere: 'hf' (the Hugging Face Trainer: the "
-        "plan, its TrainingArguments and a train(model, train_dataset) function). Standard "
-        "output then carries that code alone (> run_plan.py); the answer goes to stderr.",
+        "plan, its TrainingArguments and a train(model, train_dataset) function). The answer "
+        "is printed above it as comments: the whole output runs as Python (> run_plan.py).",
     ),
 ]
 _LoraRank = Annotated[
@@ -202,12 +202,15 @@ def plan_command(
     # dry runs: a peer's optimizer has a stand-in there).
     check_extras(allow.split(","), base_plan, where=f"--plan {base}", real=False)
     check_data_options(data, tokenizer, text_field)
+    # With --emit, what a person reads becomes comments above the emitted code: the whole
+    # output runs as Python (memfit plan ... --emit hf > run_plan.py).
+    words = _comment_console() if emit else out
     lengths = None
     if data:
         # The budget must hold for the longest batch the data makes, not a typical one.
         share = max(batch_size // (world_size or 1), 1)
         lengths = data_lengths(data, tokenizer, text_field, share, seq_len, model,
-                               console=err if emit else None)
+                               console=words)
         seq_len = lengths.max
     workload = run_guarded(load_workload, model, batch_size, seq_len)
     result = _search(
@@ -226,9 +229,6 @@ def plan_command(
         jobs=jobs,
         lora_rank=lora_rank,
     )
-    # With --emit, standard output is the emitted Python alone (it runs as it stands); what
-    # a person reads goes to standard error.
-    words = err if emit else out
     _print_answer(result, words)
     _write_answer(result, json_path, save, emit, lengths, words)
 
@@ -255,7 +255,7 @@ def _search(workload: Any, budget: str, json_path: Path | None, **options: Any) 
 
 def _print_answer(result: Any, out: Any = out) -> None:
     """The explanation table, the chosen plan and its predicted peak, memory and step time,
-    on ``out`` (standard error when standard output carries ``--emit``'s Python)."""
+    on ``out`` (with ``--emit``, a console whose lines become Python comments)."""
     from ..planner import explain_table
 
     if result.layout is not None:
@@ -303,8 +303,8 @@ def _write_answer(
     out: Any = out,
 ) -> None:
     """The answer as JSON (with ``--data``'s lengths), the chosen plan as a file, and ``--emit
-    hf``'s Python, when asked (the only thing on standard output then: ``memfit plan ...
-    --emit hf > run_plan.py`` is a Python file; the words go to ``out``, standard error)."""
+    hf``'s Python, when asked: then what ``out`` holds is printed first as comments, so that
+    the whole output is a Python file (``memfit plan ... --emit hf > run_plan.py``)."""
     import json
 
     if json_path is not None:
@@ -322,7 +322,28 @@ def _write_answer(
     if emit == "hf":
         from ..integrations.hf import emit as emit_hf
 
-        print(emit_hf(result.plan), end="")
+        print(_as_comments(out) + emit_hf(result.plan), end="")
+
+
+def _comment_console() -> Any:
+    """A console that keeps what it is given (plain text, two columns narrower than standard
+    output, for the ``# `` each line gets)."""
+    import io
+
+    from rich.console import Console
+
+    return Console(file=io.StringIO(), width=max(out.width - 2, 40), highlight=False)
+
+
+def _as_comments(console: Any) -> str:
+    """What a :func:`_comment_console` holds, each line a Python comment (``""`` for another
+    console)."""
+    import io
+
+    if not isinstance(console.file, io.StringIO):
+        return ""
+    lines = console.file.getvalue().splitlines()
+    return "".join(f"# {line.rstrip()}".rstrip() + "\n" for line in lines) + ("\n" if lines else "")
 
 
 def _stages_line(result: Any) -> str:
