@@ -131,7 +131,12 @@ class Trainer:
     Raises:
         ValueError: (:class:`~memfit.train.config.ConfigError`) for a bad setting, in one
             sentence; ``TypeError`` for something that is neither a workload nor a module.
+
+    Attributes:
+        resumed_from: The checkpoint the last :meth:`fit` continued from, if it resumed.
     """
+
+    resumed_from: str | None = None
 
     def __init__(
         self,
@@ -232,8 +237,6 @@ class Trainer:
         if on_step is not None:
             self.callbacks.append(OnStep(on_step))
         self.callbacks += [self.evaluation, self.checkpoints, *callbacks]
-        #: The checkpoint the last :meth:`fit` continued from, if it resumed.
-        self.resumed_from: str | None = None
 
     def _model(self, workload_or_model: Workload | nn.Module, plan: Plan) -> nn.Module:
         """The model to train, in train mode: the workload's, built with the seed (its saved
