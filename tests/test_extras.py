@@ -170,3 +170,17 @@ def test_end_to_end_a_broken_peft_is_one_line_on_stderr(tmp_path):
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("error: ") and "pip install 'memfit[peft]'" in lines[0]
     assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_a_missing_package_found_deep_in_a_command_is_still_one_sentence(monkeypatch):
+    # Past the checks made before the work (a package imported by a library memfit calls, say):
+    # the command's guard in memfit.cli turns it into the same sentence and exit 2.
+    from memfit.commands import plan as plan_command
+
+    def deep(*args, **kwargs):
+        raise MissingExtra("lightning", "a callback the plan's technique builds")
+
+    monkeypatch.setattr(plan_command, "_print_answer", deep)
+    result = runner.invoke(app, ["plan", "-m", "tests.models:mlp_workload", "-b", "2", "-l", "1",
+                                 "--budget", "1GiB"])
+    _one_sentence(result, "lightning", "lightning")
