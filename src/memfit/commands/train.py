@@ -34,6 +34,7 @@ from ..train.run import TrainRun, prepare_run
 from ..train.stopping import Interrupted, StopRequested, catch_signals, exit_code
 from ..train.trainer import TrainingDiverged
 from ..workload import WorkloadError
+from .checks import QuietOption, VerboseOption, check_extras
 
 __all__ = ["TrainCommand", "build_config", "train"]
 
@@ -95,6 +96,8 @@ def train(
     nproc_per_node: Annotated[int | None, typer.Option("--nproc-per-node", help=_help("nproc_per_node", "started through torch's elastic launcher"))] = None,
     text_field: Annotated[str | None, typer.Option("--text-field", help=_help("text_field", "default text"))] = None,
     eval_max_batches: Annotated[int | None, typer.Option("--eval-max-batches", help=_help("eval_max_batches", "default 16, the tokens of 16 training steps; 0: the whole held-out split"))] = None,
+    quiet: QuietOption = False,
+    verbose: VerboseOption = False,
 ) -> None:
     """Train a causal LM on text under a memory budget: plan, train, report memory.
 
@@ -104,10 +107,10 @@ def train(
     after SIGINT. A second signal stops at once. Other exit codes: 0 done, 1 out of memory or
     a diverged loss, 2 bad input.
     """
-    from ..console import check_outputs, fail, quiet_libraries
+    from ..console import check_outputs, configure, fail
     from ..distributed.launch import under_launcher, worker_world_size
 
-    quiet_libraries()
+    configure(quiet=quiet, verbose=verbose)
     check_outputs({"--json": json_path, "--plot": plot}, {"--checkpoint-dir": checkpoint_dir})
     flags = {
         "model": model,
@@ -134,6 +137,9 @@ def train(
         flags["nproc_per_node"] = world  # started by torchrun directly
     try:
         settings = build_config(config, {k: v for k, v in flags.items() if v is not None})
+        # The optional packages the run needs (--allow's techniques, the plan's), before any
+        # process starts or any work is done.
+        check_extras(settings.allow, settings.load_plan(), where=_plan_source(plan_path, config))
         _check_plan_degree(settings)  # before any process starts (and again in each, harmless)
         _check_config_outputs(settings, config, given_checkpoint_dir=checkpoint_dir is not None)
         if under_launcher() and settings.nproc_per_node != world:
@@ -268,21 +274,22 @@ def _train_and_report(
     settings: TrainConfig, rank: int, world: int, *, plot: Path | None, json_path: Path | None,
     out: Any, err: Any,
 ) -> None:
-    from ..console import fail
+    from ..console import SETTINGS, fail, status
 
     if rank != 0:  # one voice: the other processes print only their errors
         out, err = _quiet(out), _quiet(err)
     try:
         # Planner progress goes to a transient status line: it is noise once a plan is chosen.
-        with err.status("preparing the run") as status:
-            run = prepare_run(settings, say=lambda m: status.update(str(m)), world_size=world)
+        with status("preparing the run") as line:
+            run = prepare_run(settings, say=lambda m: line.update(str(m)), world_size=world)
     except (WorkloadError, ValueError) as e:
         fail(str(e))
     except StopRequested as e:
         _stopped_early(err, e)
     _print_plan(out, run)
     try:
-        result = run.trainer(report_png=plot if rank == 0 else None, console=err, progress=rank == 0).fit()
+        result = run.trainer(report_png=plot if rank == 0 else None, console=err,
+                             progress=rank == 0 and not SETTINGS.quiet).fit()
     except (torch.OutOfMemoryError, TrainingDiverged) as e:
         fail(str(e), code=1)
     except (WorkloadError, ValueError) as e:
@@ -300,6 +307,13 @@ def _train_and_report(
         data.update(world_size=world, per_rank_peak_bytes=peaks)
         write_text(json_path, json.dumps(data, indent=2) + "\n")
         out.print(f"wrote {json_path}")
+
+
+def _plan_source(plan_path: Path | None, config: Path | None) -> str:
+    """How the run's plan was given, for a sentence about it."""
+    if plan_path is not None:
+        return f"--plan {plan_path}"
+    return f"{config.name}'s plan" if config is not None else "the plan"
 
 
 def _check_config_outputs(
@@ -362,7 +376,7 @@ def _train_layout(
 ) -> None:
     import os
 
-    from ..console import exit_without_teardown, fail
+    from ..console import SETTINGS, exit_without_teardown, fail
     from ..distributed.launch import finish_worker, init_worker
     from ..train.layout_run import predict_rank_peaks, train_layout
 
@@ -389,7 +403,8 @@ def _train_layout(
     init_worker(par.backend)
     try:
         try:
-            result = train_layout(run, plan, console=err, progress=rank == 0, report_png=plot)
+            result = train_layout(run, plan, console=err, progress=rank == 0 and not SETTINGS.quiet,
+                                  report_png=plot)
         except (torch.OutOfMemoryError, TrainingDiverged) as e:
             fail(str(e), code=1)
         except (WorkloadError, ValueError) as e:
@@ -474,8 +489,9 @@ def _argv(params: Mapping[str, Any]) -> list[str]:
             argv += [flag, str(value)]
     for path in params.get("data") or ():
         argv += ["--data", str(path)]
-    if params.get("resume"):
-        argv.append("--resume")
+    for flag in ("resume", "quiet", "verbose"):
+        if params.get(flag):
+            argv.append(f"--{flag}")
     return argv
 
 

@@ -569,23 +569,22 @@ class _nothing:
 
 
 class _Progress:
-    """A rich progress bar over the steps, with the last loss."""
+    """The run's progress on rank 0: a rich bar on a terminal, plain lines (step, loss,
+    elapsed) in a log (:class:`~memfit.train.callbacks.progress.TrainProgress`)."""
 
     def __init__(self, total: int, console: Any, *, start: int = 0) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+        from .callbacks.progress import TrainProgress
 
-        self._bar = Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(),
-                             TextColumn("loss {task.fields[loss]}"), console=console,
-                             transient=True)
-        self._task = self._bar.add_task("train", total=total, completed=start, loss="-")
-        self._bar.start()
+        self._step = start
+        self._progress = TrainProgress(total, console=console, start=start).__enter__()
 
     def advance(self, loss: float) -> None:
-        self._bar.update(self._task, advance=1, loss=f"{loss:.4f}")
+        self._step += 1
+        self._progress.update(self._step, loss, None, None, None)
 
     def say(self, message: str) -> None:
-        """A line above the bar (an evaluation's loss)."""
-        self._bar.console.print(message, highlight=False)
+        """A line above the bar or among the lines (an evaluation's loss)."""
+        self._progress.print(message)
 
     def close(self) -> None:
-        self._bar.stop()
+        self._progress.__exit__(None, None, None)

@@ -252,8 +252,8 @@ def _parquet_rows(path: Path, name: str) -> list[Any]:
         import pyarrow.parquet as pq
     except ImportError:
         raise WorkloadError(
-            f"{name} is Parquet, which needs the datasets or pyarrow package to read; install "
-            "memfit[data] (or pyarrow), or convert the file to JSONL"
+            f"{name} is Parquet, which needs the datasets or pyarrow package to read, and "
+            "neither is installed here: pip install 'memfit[data]', or convert the file to JSONL"
         ) from None
     try:
         return list(pq.read_table(str(path)).to_pylist())
