@@ -7,10 +7,8 @@ API); this module only names them, and :func:`main` runs the app.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import typer
@@ -19,8 +17,7 @@ from .commands.bench import bench_ladder
 from .commands.plan import plan_command
 from .commands.profile import profile
 from .commands.train import TrainCommand, train
-from .console import _QUICK_EXIT, err, fail, writes_guarded
-from .extras import MissingExtra
+from .console import _QUICK_EXIT, err, guarded
 
 __all__ = ["app", "bench_app", "main"]
 
@@ -36,27 +33,13 @@ bench_app = typer.Typer(
 )
 
 
-def _guarded(command: Callable[..., Any]) -> Callable[..., Any]:
-    """``command``, where a missing optional package found wherever the run reaches it (past
-    the checks each command makes before any work) is still one sentence and exit 2."""
-
-    @functools.wraps(command)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return command(*args, **kwargs)
-        except MissingExtra as e:
-            fail(str(e))
-
-    return run
-
-
 app.add_typer(bench_app, name="bench")
 # Each command ends in one sentence and exit 2 where an output cannot be written, or where
 # an optional package it reaches is missing.
-app.command("profile")(writes_guarded(_guarded(profile)))
-app.command("plan")(writes_guarded(_guarded(plan_command)))
-bench_app.command("ladder")(writes_guarded(_guarded(bench_ladder)))
-app.command("train", cls=TrainCommand)(writes_guarded(_guarded(train)))
+app.command("profile")(guarded(profile))
+app.command("plan")(guarded(plan_command))
+bench_app.command("ladder")(guarded(bench_ladder))
+app.command("train", cls=TrainCommand)(guarded(train))
 
 
 def main() -> None:

@@ -26,11 +26,11 @@ __all__ = [
     "exit_without_teardown",
     "fail",
     "fit_width",
+    "guarded",
     "out",
     "quiet_libraries",
     "show",
     "status",
-    "writes_guarded",
 ]
 
 #: Results go to standard output; progress and errors to standard error.
@@ -240,23 +240,28 @@ def check_outputs(
         fail(str(e))
 
 
-def writes_guarded(command: Callable[..., Any]) -> Callable[..., Any]:
-    """``command`` (a typer command function), ended by one sentence and exit code 2 where a
-    write fails deep inside it: :class:`~memfit.outputs.OutputError` from memfit's atomic
-    writers, or an :class:`OSError` of a full disk, a quota or a lost permission raised by a
-    library's own writer (safetensors, matplotlib) with the file it was writing. The earlier
-    file is untouched either way (every output is written atomically)."""
+def guarded(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``command`` (a typer command function), ended by one sentence and exit code 2 where,
+    past the checks it makes before any work, deep inside it:
+
+    * a write fails: :class:`~memfit.outputs.OutputError` from memfit's atomic writers, or an
+      :class:`OSError` of a full disk, a quota or a lost permission raised by a library's own
+      writer (safetensors, matplotlib) with the file it was writing. The earlier file is
+      untouched either way (every output is written atomically);
+    * an optional package the run reaches is missing (:class:`~memfit.extras.MissingExtra`).
+    """
+    from .extras import MissingExtra
     from .outputs import WRITE_ERRNOS, OutputError, write_failure
 
     @functools.wraps(command)
-    def guarded(*args: Any, **kwargs: Any) -> Any:
+    def run(*args: Any, **kwargs: Any) -> Any:
         try:
             return command(*args, **kwargs)
-        except OutputError as e:
+        except (OutputError, MissingExtra) as e:
             fail(str(e))
         except OSError as e:
             if e.errno not in WRITE_ERRNOS or e.filename is None:
                 raise
             fail(write_failure(e.filename, e))
 
-    return guarded
+    return run

@@ -37,6 +37,8 @@ __all__ = [
     "atomic_file",
     "check_outputs",
     "exit_if_unwritable",
+    "fsync_file",
+    "fsync_folder",
     "make_parent",
     "output_problem",
     "write_bytes",
@@ -204,9 +206,9 @@ def atomic_file(path: PathLike) -> Iterator[Path]:
     tmp = final.with_name(f".{final.stem}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}{final.suffix}")
     try:
         yield tmp
-        _fsync(tmp)
+        fsync_file(tmp)
         os.replace(tmp, final)
-        _fsync_folder(final.parent)
+        fsync_folder(final.parent)
     except OSError as e:
         _remove(tmp)
         raise OutputError(write_failure(final, e)) from None
@@ -235,13 +237,15 @@ def write_failure(path: PathLike, error: OSError) -> str:
     return f"could not write {os.fspath(path)}: {why}{kept}"
 
 
-def _fsync(path: Path) -> None:
+def fsync_file(path: PathLike) -> None:
+    """Flush the file ``path``'s content to disk."""
     with open(path, "rb") as f:
         os.fsync(f.fileno())
 
 
-def _fsync_folder(path: Path) -> None:
-    # Makes the rename itself durable; not every platform can open a folder.
+def fsync_folder(path: PathLike) -> None:
+    """Make the renames in the folder ``path`` durable (where the platform can open a
+    folder)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:

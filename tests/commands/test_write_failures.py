@@ -33,7 +33,7 @@ def _disk_full(path: Path) -> None:
 @pytest.fixture
 def full_disk(monkeypatch):
     """Every atomic write of memfit fails as a full disk does."""
-    monkeypatch.setattr(outputs, "_fsync", _disk_full)
+    monkeypatch.setattr(outputs, "fsync_file", _disk_full)
 
 
 def _assert_one_sentence(res, path: Path) -> None:
@@ -92,7 +92,7 @@ def test_a_write_failing_for_lack_of_permission_names_the_cause(tmp_path, monkey
     def denied(path):
         raise OSError(errno.EACCES, "Permission denied", str(path))
 
-    monkeypatch.setattr(outputs, "_fsync", denied)
+    monkeypatch.setattr(outputs, "fsync_file", denied)
     with pytest.raises(outputs.OutputError, match="permission denied; nothing was written"):
         outputs.write_text(tmp_path / "new.json", "{}")
     assert os.listdir(tmp_path) == []

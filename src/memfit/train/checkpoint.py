@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..outputs import fsync_file, fsync_folder
 from .lock import process_alive
 from .manifest import MANIFEST_FILE, CheckpointError, flatten, unflatten, verify, write_manifest
 
@@ -183,7 +184,7 @@ def save_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_folder(root)
     except (OSError, SafetensorError) as e:
         # safetensors raises its own error for a failed write (its message carries the OS
         # error's code), where Python's writers raise OSError.
@@ -315,7 +316,7 @@ def _save_sharded(
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
-            _fsync_dir(root)
+            fsync_folder(root)
             _WRITTEN.add(final.resolve())
             _prune(root, keep)
     except (OSError, CheckpointException, SafetensorError) as e:
@@ -349,8 +350,8 @@ def _write(
     # The manifest last: its checksums cover the files as written.
     write_manifest(tmp, step)
     for f in tmp.iterdir():
-        _fsync_file(f)
-    _fsync_dir(tmp)
+        fsync_file(f)
+    fsync_folder(tmp)
 
 
 def _write_cause(error: BaseException) -> str:
@@ -386,25 +387,6 @@ def _prune(root: Path, keep: int | None) -> None:
         m = _LEFTOVER.match(p.name)
         if m and int(m.group(1)) != os.getpid() and not process_alive(int(m.group(1))):
             shutil.rmtree(p, ignore_errors=True)
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    # Makes the rename itself durable; not every platform can open a folder.
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # ---------------------------------------------------------------------------------- load
