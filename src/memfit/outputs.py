@@ -22,6 +22,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import NoReturn
 
+from .errors import MemfitError
+
 __all__ = [
     "OutputError",
     "check_outputs",
@@ -34,7 +36,7 @@ __all__ = [
 PathLike = str | os.PathLike[str]
 
 
-class OutputError(ValueError):
+class OutputError(MemfitError, ValueError):
     """An output path that cannot be written: one sentence naming the option and the path."""
 
 

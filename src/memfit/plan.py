@@ -17,6 +17,7 @@ from typing import Any
 
 from .distributed import data as _data_parallel
 from .distributed.config import ParallelConfig
+from .errors import MemfitError
 from .optim import config as _optimizer
 from .optim.config import OptimizerConfig
 from .strategies import (
@@ -86,7 +87,7 @@ for _technique in BUILTIN_TECHNIQUES:
 
 
 
-class PlanError(ValueError):
+class PlanError(MemfitError, ValueError):
     """A plan is malformed or combines techniques that cannot work together."""
 
 

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .errors import MemfitError
 from .weights import WeightsError, hub_folder, is_hub_id, load_pretrained, model_class, reason
 
 __all__ = [
@@ -52,7 +53,7 @@ __all__ = [
 Batch = Any
 
 
-class WorkloadError(ValueError):
+class WorkloadError(MemfitError, ValueError):
     """A workload SPEC or its model/batch/loss is not usable; the message says why."""
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ..accounting import MemoryReport, track
+from ..errors import MemfitError
 from ..optim.registry import get as optimizer_spec
 from ..plan import Plan, PlanError
 from ..targets import DeviceProfile, emulate, get_device
@@ -33,7 +34,7 @@ __all__ = [
 Progress = Callable[[int, int], None]
 
 
-class ModelError(RuntimeError):
+class ModelError(MemfitError, RuntimeError):
     """The model itself raised inside its forward or backward (the cause is its own error)."""
 
 

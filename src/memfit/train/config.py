@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..errors import MemfitError
 from ..optim.schedule import LR_SCHEDULES
 from ..plan import Plan
 
@@ -40,7 +41,7 @@ DEFAULT_BATCH_SIZE = 16
 _PATH_FIELDS = ("data", "tokenizer", "checkpoint_dir", "plan")
 
 
-class ConfigError(ValueError):
+class ConfigError(MemfitError, ValueError):
     """A setting of a :class:`TrainConfig` is not usable.
 
     ``str(error)`` is one sentence that starts with the setting's name (``max_steps must be a

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from ..apply.compose import TrainingSetup, apply_plan
+from ..errors import MemfitError
 from ..plan import Plan
 from ..strategies.precision import weights_dtype
 from ..workload import Batch, Workload
@@ -75,7 +76,7 @@ __all__ = [
 logger = logging.getLogger("memfit.train")
 
 
-class TrainingDiverged(RuntimeError):
+class TrainingDiverged(MemfitError, RuntimeError):
     """The loss became NaN or infinite with no loss scaler to skip the step; ``str(error)``
     names the step, the batch's samples and the last good checkpoint."""
 
