@@ -52,17 +52,18 @@ class MemfitValueError(MemfitError, ValueError):
 def describe(value: Any) -> str:
     """``value`` as a message names it: its type, and its repr when that is short."""
     kind = type(value).__name__
+    kind = f"{'an' if kind[:1].lower() in 'aeiou' else 'a'} {kind}"
     if value is None:
         return "None"
     try:
         text = repr(value)
     except Exception:  # a broken __repr__ must not hide the real mistake
-        return f"a {kind}"
+        return kind
     if len(text) > 60 or "\n" in text:
-        return f"a {kind}"
+        return kind
     if isinstance(value, (str, int, float)):
-        return f"{text} (a {kind})"
-    return f"a {kind} ({text})"
+        return f"{text} ({kind})"
+    return f"{kind} ({text})"
 
 
 def check_type(value: Any, types: type | tuple[type, ...], name: str, accepted: str) -> None:
@@ -81,12 +82,16 @@ def check_type(value: Any, types: type | tuple[type, ...], name: str, accepted: 
 def check_int(value: Any, name: str, minimum: int | None = None, *, optional: bool = False) -> None:
     """Raise unless ``value`` is a whole number (not a bool) of at least ``minimum``.
 
-    ``None`` passes with ``optional``. A wrong kind is a :class:`MemfitTypeError`, a number
-    below ``minimum`` a :class:`MemfitValueError`.
+    ``None`` passes with ``optional``. A wrong kind is a :class:`MemfitTypeError`; a float
+    (even a whole one: an int argument stays an int) or a number below ``minimum`` is a
+    :class:`MemfitValueError`.
     """
     if value is None and optional:
         return
     floor = "" if minimum is None else f" >= {minimum}"
+    if isinstance(value, float):
+        # A number, but not a whole one: a wrong value, as a budget of 4.5 bytes is.
+        raise MemfitValueError(f"{name} must be a whole number{floor}, got {value!r}")
     if isinstance(value, bool) or not isinstance(value, int):
         raise MemfitTypeError(f"{name} must be a whole number{floor}, got {describe(value)}")
     if minimum is not None and value < minimum:
