@@ -12,7 +12,9 @@ fallback use. Both refuse a plan passed where the optimizer goes, and the revers
 
 Every error memfit raises on purpose is a :class:`MemfitError`; a wrong argument to a public
 function is a :class:`MemfitTypeError` (a ``TypeError``) or a :class:`MemfitValueError` (a
-``ValueError``) whose one sentence names the argument, what was given and what is accepted.
+``ValueError``) whose one sentence names the argument, what was given and what is accepted;
+a call at the wrong moment (a tracker's ``report()`` before its block ran) a
+:class:`MemfitStateError`.
 """
 
 from __future__ import annotations
@@ -24,7 +26,12 @@ from .versions import __version__, check_versions
 check_versions()  # before anything uses torch: an unsupported one is named in one sentence
 
 from .accounting import CATEGORIES, MemoryReport, MemoryTracker, track  # noqa: E402
-from .errors import MemfitError, MemfitTypeError, MemfitValueError  # noqa: E402
+from .errors import (  # noqa: E402
+    MemfitError,
+    MemfitStateError,
+    MemfitTypeError,
+    MemfitValueError,
+)
 from .plan import Plan, PlanError  # noqa: E402
 from .units import format_bytes, parse_size  # noqa: E402
 from .workload import PRESETS, Workload, WorkloadError, load_workload  # noqa: E402
@@ -45,6 +52,7 @@ __all__ = [
     "PRESETS",
     "JobPhases",
     "MemfitError",
+    "MemfitStateError",
     "MemfitTypeError",
     "MemfitValueError",
     "MemoryReport",

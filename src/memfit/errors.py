@@ -9,6 +9,8 @@ is a bug: issue 37). Each keeps the built-in base it had, so code that catches `
   a model goes;
 * :class:`MemfitValueError` (``ValueError``): an argument of the right kind but a wrong value,
   e.g. a budget of ``4.5`` bytes, an unknown ``allow`` name;
+* :class:`MemfitStateError` (``RuntimeError``): a call at the wrong moment, e.g. a
+  tracker's ``report()`` before its block ran;
 * the errors of each concern (``PlanError``, ``WorkloadError``, ``ConfigError``, ...) derive
   from :class:`MemfitError` and their old base.
 
@@ -26,6 +28,7 @@ from typing import Any
 
 __all__ = [
     "MemfitError",
+    "MemfitStateError",
     "MemfitTypeError",
     "MemfitValueError",
     "check_bool",
@@ -47,6 +50,11 @@ class MemfitTypeError(MemfitError, TypeError):
 
 class MemfitValueError(MemfitError, ValueError):
     """An argument of a public function is of the right kind but a value it does not accept."""
+
+
+class MemfitStateError(MemfitError, RuntimeError):
+    """A call at a moment it cannot serve, e.g. ``tracker.report()`` before the tracker's
+    block ran."""
 
 
 def describe(value: Any) -> str:
