@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
+import numbers
 import re
 
-from .errors import MemfitTypeError, MemfitValueError, describe
+from .errors import MemfitTypeError, MemfitValueError, check_int, describe
 
 __all__ = ["GiB", "KiB", "MiB", "TiB", "format_bytes", "parse_size"]
 
@@ -40,6 +41,12 @@ def format_bytes(n: float, precision: int = 2) -> str:
         n: Number of bytes (may be negative, for differences).
         precision: Digits after the decimal point for units above bytes.
     """
+    # numbers.Real: numpy's integers too, which are no ints.
+    if isinstance(n, bool) or not isinstance(n, numbers.Real):
+        raise MemfitTypeError(f"format_bytes takes a number of bytes, got {describe(n)}")
+    if math.isnan(n):
+        raise MemfitValueError("format_bytes takes a number of bytes, got nan")
+    check_int(precision, "precision", 0)
     sign = "-" if n < 0 else ""
     n = abs(n)
     for unit, size in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):

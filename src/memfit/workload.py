@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import MemfitError
+from .errors import MemfitError, MemfitTypeError, describe
 from .weights import WeightsError, hub_folder, is_hub_id, load_pretrained, model_class, reason
 
 __all__ = [
@@ -465,11 +465,19 @@ def load_workload(spec: str, batch_size: int = 8, seq_len: int = 128) -> Workloa
         seq_len: Tokens per sample (must be >= 1).
 
     Raises:
+        MemfitTypeError: for a ``spec`` that is not a string (or a path).
         WorkloadError: with one sentence saying what was wrong and what is accepted.
     """
-    if not isinstance(batch_size, int) or batch_size < 1:
+    if isinstance(spec, os.PathLike):
+        spec = os.fspath(spec)
+    if not isinstance(spec, str):
+        raise MemfitTypeError(
+            f"spec must be a SPEC string (a preset such as 'gpt2-tiny', a model folder or "
+            f"config.json, a hub id, or package.module:function), got {describe(spec)}"
+        )
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise WorkloadError(f"batch size must be a whole number >= 1, got {batch_size!r}")
-    if not isinstance(seq_len, int) or seq_len < 1:
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise WorkloadError(f"sequence length must be a whole number >= 1, got {seq_len!r}")
     if spec in PRESETS:
         return _preset_workload(spec, batch_size, seq_len)
