@@ -23,6 +23,7 @@ Stdlib only, on the bottom floor: every floor may raise these.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -35,6 +36,7 @@ __all__ = [
     "check_int",
     "check_names",
     "check_number",
+    "check_text",
     "check_type",
     "describe",
 ]
@@ -115,6 +117,16 @@ def check_number(value: Any, name: str, minimum: float | None = None) -> None:
         raise MemfitValueError(f"{name} must be a finite number{floor}, got {value}")
     if minimum is not None and value < minimum:
         raise MemfitValueError(f"{name} must be a number{floor}, got {value}")
+
+
+def check_text(value: Any, name: str, accepted: str) -> str:
+    """``value`` as a string: a ``str``, or a path (``os.PathLike``) as its string; anything
+    else is a :class:`MemfitTypeError` naming ``accepted``."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str):
+        raise MemfitTypeError(f"{name} must be {accepted}, got {describe(value)}")
+    return value
 
 
 def check_bool(value: Any, name: str) -> None:

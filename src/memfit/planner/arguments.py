@@ -21,6 +21,7 @@ from ..errors import (
     check_type,
     describe,
 )
+from ..estimate.arguments import check_callable
 from ..plan import Plan
 from ..targets import DeviceProfile
 from ..targets.profiles import parse_budget
@@ -31,22 +32,37 @@ __all__ = ["check_plan_arguments"]
 
 
 def check_plan_arguments(
-    workload: Any, budget: Any, settings: dict[str, Any], **layout: Any
+    workload: Any,
+    budget: Any,
+    *,
+    world_size: Any,
+    gpus_per_node: Any,
+    expert_load: Any,
+    lora_rank: Any,
+    **settings: Any,
 ) -> dict[str, Any]:
-    """Check :func:`memfit.planner.plan`'s arguments; return ``settings`` normalised.
+    """Check :func:`memfit.planner.plan`'s arguments; return the settings the searches share.
 
     Args:
         workload: A :class:`Workload`, or a SPEC string (which needs ``batch_size`` and
-            ``seq_len`` in ``settings``, as the docstring of :func:`memfit.plan` says).
+            ``seq_len``, as the docstring of :func:`memfit.plan` says).
         budget: Bytes, a size string or a device name (:func:`parse_budget`).
-        settings: The keyword arguments the searches share (``batch_size`` ... ``jobs``, and
-            ``lora_rank`` when given).
-        layout: ``world_size``, ``gpus_per_node`` and ``expert_load``.
+        world_size: Processes, or ``None``.
+        gpus_per_node: Devices per node, or ``None``.
+        expert_load: A number >= 1.
+        lora_rank: A whole number >= 1, or ``None``.
+        settings: The other keyword arguments (``batch_size`` ... ``jobs``).
+
+    Returns:
+        ``settings``, with ``allow``/``forbid`` as tuples of names, ``disk_dir`` as a string
+        and ``lora_rank`` when given.
 
     Raises:
         MemfitTypeError: for an argument of a kind it does not accept.
         MemfitValueError: for a value it does not accept.
     """
+    if lora_rank is not None:
+        settings["lora_rank"] = lora_rank
     _check_workload(workload, settings)
     parse_budget(budget)
     if settings["host_budget"] is not None:
@@ -55,21 +71,17 @@ def check_plan_arguments(
             parse_budget(host)
         except (MemfitTypeError, MemfitValueError) as e:
             raise type(e)(f"host_budget: {e}") from None
-    check_int(layout.get("world_size"), "world_size", 1, optional=True)
-    check_int(layout.get("gpus_per_node"), "gpus_per_node", 1, optional=True)
-    check_number(layout.get("expert_load", 1.0), "expert_load", 1)
+    check_int(world_size, "world_size", 1, optional=True)
+    check_int(gpus_per_node, "gpus_per_node", 1, optional=True)
+    check_number(expert_load, "expert_load", 1)
     check_int(settings["jobs"], "--jobs", 1)
     check_int(settings.get("lora_rank"), "--lora-rank", 1, optional=True)
-    check_int(settings["max_predictions"], "max_predictions", 1)
+    check_int(settings["max_predictions"], "max_predictions", 0)
     check_type(settings["base"], (Plan, type(None)), "base",
                "a memfit.Plan or None (a precision is Plan(precision='bf16'))")
     check_type(settings["device"], (str, DeviceProfile, type(None)), "device",
                "a device name such as 'a100', a custom description, a DeviceProfile or None")
-    progress = settings["progress"]
-    if progress is not None and not callable(progress):
-        raise MemfitTypeError(
-            f"progress must be a function taking a message, or None, got {describe(progress)}"
-        )
+    check_callable(settings["progress"], "progress", "taking a message")
     disk_dir = settings["disk_dir"]
     check_type(disk_dir, (str, os.PathLike, type(None)), "disk_dir", "a folder path or None")
     out = dict(settings)
@@ -77,7 +89,9 @@ def check_plan_arguments(
         out["disk_dir"] = os.fspath(disk_dir)
     out["allow"] = check_names(settings["allow"], allow_names(), "--allow")
     out["forbid"] = check_names(settings["forbid"], forbid_names(), "--forbid")
-    _check_sizes(workload, settings)  # last: the SPEC's sizes are the least likely mistake
+    _check_sizes(workload, settings)
+    _check_searches(workload, out, world_size=world_size, gpus_per_node=gpus_per_node,
+                    expert_load=expert_load)
     return out
 
 
@@ -102,4 +116,63 @@ def _check_sizes(workload: Any, settings: dict[str, Any]) -> None:
         raise MemfitValueError(
             f"workload {workload!r} is a SPEC, which plan() builds at a size: give "
             f"{' and '.join(missing)} (samples per optimizer step, tokens per sample)"
+        )
+
+
+def _check_searches(
+    workload: Any, settings: dict[str, Any], *, world_size: int | None,
+    gpus_per_node: int | None, expert_load: float,
+) -> None:
+    """What the chosen search cannot honour, refused before it starts: the same sentences
+    as the searches' own (and the CLI's), which would otherwise come after a model build."""
+    allow, disk_dir = settings["allow"], settings["disk_dir"]
+    if "lora_rank" in settings and world_size is not None:
+        raise MemfitValueError("--lora-rank is searched in one process only; leave out --world-size")
+    if gpus_per_node is not None:
+        if world_size is None:
+            raise MemfitValueError(
+                "--gpus-per-node describes the machines of --world-size; give both")
+        _check_layout(allow, disk_dir, world_size, gpus_per_node)
+        return
+    if expert_load != 1:
+        raise MemfitValueError(
+            "--expert-load is priced by the layout planner, which splits experts; give "
+            "--world-size and --gpus-per-node, or profile a plan with memfit profile "
+            "--dry-run --expert-load")
+    if disk_dir is not None:
+        if "offload" not in allow:
+            raise MemfitValueError(
+                "--disk-dir is where offload puts state on disk: add --allow offload")
+        if not os.path.isdir(disk_dir):
+            raise MemfitValueError(
+                f"--disk-dir {disk_dir!r} is not an existing directory; create it first")
+    batch = workload.batch_size if isinstance(workload, Workload) else settings["batch_size"]
+    if world_size is not None and batch % world_size:
+        raise MemfitValueError(
+            f"--world-size {world_size} does not divide the batch of {batch} samples; use a "
+            f"batch size that is a multiple of {world_size}"
+        )
+
+
+def _check_layout(
+    allow: tuple[str, ...], disk_dir: str | None, world_size: int, gpus_per_node: int
+) -> None:
+    """The options the layout search (``gpus_per_node``) refuses, as it words them."""
+    if allow:
+        raise MemfitValueError(
+            f"--allow {','.join(allow)} is not searched with --gpus-per-node (the layout "
+            "planner keeps the plan's precision and optimizer and offloads nothing); leave "
+            "out --gpus-per-node to plan data parallelism with it, or give the optimizer or "
+            "precision in --plan"
+        )
+    if disk_dir is not None:
+        raise MemfitValueError(
+            "--disk-dir is where offload puts state on disk, and the layout planner "
+            "(--gpus-per-node) offloads nothing; leave out one or the other"
+        )
+    if world_size % gpus_per_node and world_size > gpus_per_node:
+        raise MemfitValueError(
+            f"--gpus-per-node {gpus_per_node} does not divide --world-size {world_size}; nodes "
+            "hold the same number of devices, so use a world size that is a multiple of "
+            f"{gpus_per_node}"
         )

@@ -4,9 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
 
-from ..errors import MemfitValueError
 from ..plan import Plan
 from ..targets import DeviceProfile
 from ..workload import Workload
@@ -89,38 +87,14 @@ def plan(
             or a world size that does not divide the batch (a ``ValueError``).
         NothingFits: when no allowed plan fits; ``.result`` holds the closest plan.
     """
-    settings: dict[str, Any] = dict(
-        batch_size=batch_size,
-        seq_len=seq_len,
-        allow=allow,
-        forbid=forbid,
-        base=base,
-        device=device,
-        max_predictions=max_predictions,
-        progress=progress,
-        host_budget=host_budget,
-        disk_dir=disk_dir,
-        jobs=jobs,
-    )
-    if lora_rank is not None:
-        settings["lora_rank"] = lora_rank
-    # Every argument is checked before any work (issue 37): allow/forbid come back as tuples.
-    settings = check_plan_arguments(workload, budget, settings, world_size=world_size,
-                                    gpus_per_node=gpus_per_node, expert_load=expert_load)
-    if lora_rank is not None and world_size is not None:
-        raise MemfitValueError("--lora-rank is searched in one process only; leave out --world-size")
+    # Every argument is checked before any work (issue 37); what the searches share comes
+    # back normalised (allow/forbid as tuples of names; lora_rank only when given).
+    settings = check_plan_arguments(**locals())
     if gpus_per_node is not None:
-        if world_size is None:
-            raise MemfitValueError("--gpus-per-node describes the machines of --world-size; give both")
         from .layout import plan_layout
 
         return plan_layout(workload, budget, world_size, gpus_per_node, **settings,
                            expert_load=expert_load)
-    if expert_load != 1:
-        raise MemfitValueError(
-            "--expert-load is priced by the layout planner, which splits experts; give "
-            "--world-size and --gpus-per-node, or profile a plan with memfit profile "
-            "--dry-run --expert-load")
     if world_size is not None:
         return plan_parallel(workload, budget, world_size, **settings)
     return search.plan(workload, budget, **settings)
