@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import MemfitError
+from ..errors import MemfitError, check_names
 from ..optim.schedule import LR_SCHEDULES
 from ..plan import Plan
 
@@ -408,7 +408,15 @@ def _normalise(key: str, value: Any) -> Any:
     one string or a list for a list, a mapping for a plan, a whole number for a number."""
     if isinstance(value, os.PathLike):
         value = os.fspath(value)
-    if key in ("data", "allow", "forbid"):
+    if key in ("allow", "forbid") and isinstance(value, (str, list, tuple)):
+        # As on the command line: one name, names separated by commas, or a list; each known.
+        from ..techniques import allow_names, forbid_names
+
+        try:
+            return check_names(value, allow_names() if key == "allow" else forbid_names(), key)
+        except MemfitError as e:
+            raise ConfigError(key, str(e).removeprefix(f"{key} ")) from None
+    if key == "data":
         if isinstance(value, str):
             return (value,)
         if isinstance(value, list):
