@@ -54,6 +54,7 @@ from ..apply.stepper import Stepper, finish_step, forward_loss, prepare_batch
 from ..errors import MemfitTypeError, MemfitValueError, describe
 from ..plan import Plan
 from ..workload import Batch, batch_size_of
+from .arguments import check_batch_covers_accumulation
 
 __all__ = ["Prepared", "prepare"]
 
@@ -155,19 +156,7 @@ class Prepared:
         return self.setup.step(batch)
 
     def _check_batch(self, batch: Batch) -> None:
-        plan = self.plan
-        if plan.micro_batch_size is not None or plan.grad_accum_steps <= 1:
-            return  # a fixed micro-batch takes any batch: its count follows the batch
-        processes = plan.parallel.data
-        needed = plan.grad_accum_steps * processes
-        size = batch_size_of(batch)
-        if size < needed:
-            where = f" x {processes} processes" if processes > 1 else ""
-            raise MemfitValueError(
-                f"batch of {size} samples is smaller than the plan's grad_accum_steps="
-                f"{plan.grad_accum_steps}{where}: give a batch of at least {needed} samples "
-                "(the effective batch, split into micro-batches) or lower grad_accum_steps"
-            )
+        check_batch_covers_accumulation(batch_size_of(batch), self.plan)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The plan's autocast context (a no-op in fp32): run the forward and loss under it."""
