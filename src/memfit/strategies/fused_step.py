@@ -567,6 +567,10 @@ def _check_arguments(
 def _check(plan: Any) -> None:
     """The rules tying the fused step to the loss scaler and to exact clipping
     (``Technique.check``)."""
+    if not isinstance(plan.optimizer_in_backward, bool):
+        raise ValueError(
+            f"optimizer_in_backward must be true or false, got {describe(plan.optimizer_in_backward)}"
+        )
     if not plan.optimizer_in_backward:
         return
     if plan.parallel.world_size > 1 or plan.parallel.zero_stage:
