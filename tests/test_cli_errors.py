@@ -88,6 +88,8 @@ BAD: dict[str, dict[str, list[str] | None]] = {
         "--nproc-per-node": ["0", "3", "x"],
         "--keep": ["0"],
         "--resume": None,
+        "--resume-mode": ["newest"],
+        "--resume-from": [MISSING, "{tmp}/a-folder"],
     },
     "bench ladder": {
         "--json": [UNWRITABLE, A_FOLDER],
@@ -206,6 +208,7 @@ OUTPUTS: dict[str, dict[str, str]] = {
     "bench ladder": {"--json": "file", "--markdown": "file"},
 }
 INPUTS = {("profile", "--plan"), ("plan", "--plan"), ("train", "--config"), ("train", "--plan"),
+          ("train", "--resume-from"),
           ("profile", "--tokenizer"), ("plan", "--tokenizer")}  # train's also takes a hub id
 # What each kind of output cannot be, as a value and the end of the sentence that refuses it.
 REFUSED = {

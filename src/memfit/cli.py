@@ -16,8 +16,8 @@ import typer
 from .commands.bench import bench_ladder
 from .commands.plan import plan_command
 from .commands.profile import profile
-from .commands.train import train
-from .console import _QUICK_EXIT, err
+from .commands.train import TrainCommand, train
+from .console import _QUICK_EXIT, err, writes_guarded
 
 __all__ = ["app", "bench_app", "main"]
 
@@ -32,10 +32,11 @@ bench_app = typer.Typer(
     help="Benchmarks that reproduce memfit's published tables.", no_args_is_help=True
 )
 app.add_typer(bench_app, name="bench")
-app.command()(profile)
-app.command("plan")(plan_command)
-bench_app.command("ladder")(bench_ladder)
-app.command("train")(train)
+# Each command ends in one sentence and exit 2 where an output cannot be written.
+app.command("profile")(writes_guarded(profile))
+app.command("plan")(writes_guarded(plan_command))
+bench_app.command("ladder")(writes_guarded(bench_ladder))
+app.command("train", cls=TrainCommand)(writes_guarded(train))
 
 
 def main() -> None:

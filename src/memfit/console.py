@@ -6,15 +6,24 @@ so that they share these without importing each other.
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
 
-__all__ = ["check_outputs", "err", "exit_without_teardown", "fail", "out", "quiet_libraries"]
+__all__ = [
+    "check_outputs",
+    "err",
+    "exit_without_teardown",
+    "fail",
+    "out",
+    "quiet_libraries",
+    "writes_guarded",
+]
 
 #: Results go to standard output; progress and errors to standard error.
 out = Console()
@@ -69,3 +78,25 @@ def check_outputs(
         check(files, folders, existing_folders=existing_folders)
     except OutputError as e:
         fail(str(e))
+
+
+def writes_guarded(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``command`` (a typer command function), ended by one sentence and exit code 2 where a
+    write fails deep inside it: :class:`~memfit.outputs.OutputError` from memfit's atomic
+    writers, or an :class:`OSError` of a full disk, a quota or a lost permission raised by a
+    library's own writer (safetensors, matplotlib) with the file it was writing. The earlier
+    file is untouched either way (every output is written atomically)."""
+    from .outputs import WRITE_ERRNOS, OutputError, write_failure
+
+    @functools.wraps(command)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except OutputError as e:
+            fail(str(e))
+        except OSError as e:
+            if e.errno not in WRITE_ERRNOS or e.filename is None:
+                raise
+            fail(write_failure(e.filename, e))
+
+    return guarded

@@ -3,8 +3,14 @@
 A profile, a plan search or a training run can take minutes; a ``--json`` path in a folder
 that cannot exist should stop the command at once, not after the work. The commands
 (``memfit profile/plan/train/bench``) and the scripts in ``benchmarks/`` check every path they
-will write with :func:`check_outputs` first, and write through :func:`write_text` (or
-:func:`make_parent`), which creates the missing folders the check allowed.
+will write with :func:`check_outputs` first, and write through :func:`write_text`,
+:func:`write_bytes` or :func:`atomic_file`, which create the missing folders the check allowed.
+
+Every write is atomic: the content goes to a temporary file in the same folder, is flushed to
+disk (``fsync``), then renamed over the path (:func:`os.replace`, atomic on POSIX). A write
+that fails (a full disk, a quota, a permission lost mid-run) leaves the earlier file as it was
+and raises :class:`OutputError` with one sentence naming the path and the cause; a crash at
+any moment leaves the old file or the new one, never half of one.
 
 The rule, for a file output: its folder must exist and be writable, and the path must not be
 an existing folder (an ancestor that is a file is named as such). For a folder output
@@ -16,20 +22,27 @@ bottom floor): the command line and the benchmark scripts both import it.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import sys
-from collections.abc import Mapping
+import uuid
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import NoReturn
 
 from .errors import MemfitError
 
 __all__ = [
+    "WRITE_ERRNOS",
     "OutputError",
+    "atomic_file",
     "check_outputs",
     "exit_if_unwritable",
     "make_parent",
     "output_problem",
+    "write_bytes",
+    "write_failure",
     "write_text",
 ]
 
@@ -157,7 +170,93 @@ def make_parent(path: PathLike) -> Path:
 
 
 def write_text(path: PathLike, text: str) -> Path:
-    """Write ``text`` to the file ``path``, creating its missing parent folders first."""
-    p = make_parent(path)
-    p.write_text(text)
-    return p
+    """Write ``text`` to the file ``path`` atomically, creating its missing parent folders
+    first.
+
+    Raises:
+        OutputError: when the write fails; the earlier file at ``path`` is untouched.
+    """
+    return write_bytes(path, text.encode("utf-8"))
+
+
+def write_bytes(path: PathLike, data: bytes) -> Path:
+    """Write ``data`` to the file ``path`` atomically (see :func:`atomic_file`).
+
+    Raises:
+        OutputError: when the write fails; the earlier file at ``path`` is untouched.
+    """
+    with atomic_file(path) as tmp, open(tmp, "wb") as f:
+        f.write(data)
+    return Path(os.fspath(path))
+
+
+@contextlib.contextmanager
+def atomic_file(path: PathLike) -> Iterator[Path]:
+    """A temporary path beside ``path`` for a writer that takes a file name (matplotlib's
+    ``savefig``, safetensors): once the block ends, the file is flushed to disk and renamed
+    over ``path``. The temporary name keeps ``path``'s suffix, so a writer that infers the
+    format from it still does.
+
+    Raises:
+        OutputError: when the block or the rename fails with an :class:`OSError` (a full
+            disk, a quota, a permission); the temporary file is removed and the earlier file
+            at ``path`` is untouched. Other exceptions propagate, after the same cleanup.
+    """
+    final = make_parent(path)
+    tmp = final.with_name(f".{final.stem}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}{final.suffix}")
+    try:
+        yield tmp
+        _fsync(tmp)
+        os.replace(tmp, final)
+        _fsync_folder(final.parent)
+    except OSError as e:
+        _remove(tmp)
+        raise OutputError(write_failure(final, e)) from None
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def write_failure(path: PathLike, error: OSError) -> str:
+    """One sentence for a write of ``path`` that failed with ``error``: the path, the cause
+    in words, and that the earlier file (if any) is untouched."""
+    causes: dict[int, str] = {
+        errno.ENOSPC: "the disk is full",
+        errno.EDQUOT: "the disk quota is exceeded",
+        errno.EACCES: "permission denied",
+        errno.EPERM: "permission denied",
+        errno.EROFS: "the file system is read-only",
+        errno.EIO: "an input/output error",
+    }
+    why = causes.get(error.errno or 0) or error.strerror or str(error)
+    kept = (
+        "; the earlier file is unchanged"
+        if os.path.exists(path)
+        else "; nothing was written"
+    )
+    return f"could not write {os.fspath(path)}: {why}{kept}"
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_folder(path: Path) -> None:
+    # Makes the rename itself durable; not every platform can open a folder.
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    with contextlib.suppress(OSError):
+        os.fsync(fd)
+    os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+#: The causes of a failed write that are the user's to fix (not memfit's bugs).
+WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS})

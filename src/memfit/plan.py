@@ -20,6 +20,7 @@ from .distributed.config import ParallelConfig
 from .errors import MemfitError, describe
 from .optim import config as _optimizer
 from .optim.config import OptimizerConfig
+from .outputs import write_text
 from .strategies import (
     accumulation,
     activation_offload,
@@ -336,10 +337,10 @@ class Plan:
             raise PlanError(f"plan is malformed: {e}") from None
 
     def to_json(self, path: str | Path | None = None) -> str:
-        """The plan as JSON; also written to ``path`` when given."""
+        """The plan as JSON; also written to ``path`` when given (atomically)."""
         text = json.dumps(self.to_dict(), indent=2) + "\n"
         if path is not None:
-            Path(path).write_text(text)
+            write_text(path, text)
         return text
 
     def to_yaml(self, path: str | Path | None = None) -> str:
@@ -348,7 +349,7 @@ class Plan:
 
         text = yaml.safe_dump(self.to_dict(), sort_keys=False)
         if path is not None:
-            Path(path).write_text(text)
+            write_text(path, text)
         return text
 
     @classmethod

@@ -123,15 +123,69 @@ def model_class(config: Any) -> Any:
 
 
 def check_weights(folder: str | os.PathLike[str]) -> list[Path]:
-    """The safetensors files of a model folder, each checked to exist (none is read).
+    """The safetensors files of a model folder, each checked to exist and to be whole (its
+    header is read and the file's size checked against it; no tensor is read), so a damaged
+    download is named before any tokenising or planning.
 
     Returns:
         ``[model.safetensors]``, or the shards ``model.safetensors.index.json`` lists.
 
     Raises:
         WeightsError: naming the file: no weights at all, an index that is not JSON or lists
-            no shards, or a shard the index names that is not in the folder.
+            no shards, a shard the index names that is not in the folder, or a file that is
+            not safetensors or is cut short.
     """
+    files = _weight_files(folder)
+    for f in files:
+        problem = safetensors_problem(f)
+        if problem is not None:
+            raise WeightsError(
+                f"weights file {str(f)!r} {problem}; download or copy it again"
+            )
+    return files
+
+
+def safetensors_problem(path: str | os.PathLike[str]) -> str | None:
+    """What is wrong with a safetensors file, judged from its header alone, as the end of a
+    sentence (``"is cut short: 1,024 of 4,096 bytes"``), or ``None`` for a whole file.
+
+    The format: 8 bytes of header length (little-endian), the JSON header, then the tensors'
+    bytes, whose extent the header's ``data_offsets`` give; a file shorter than that was cut
+    (an interrupted copy or a full disk).
+    """
+    import struct
+
+    p = Path(path)
+    try:
+        size = p.stat().st_size
+        with open(p, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"is not a safetensors file ({size} bytes)"
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8 or n > 100_000_000:
+                return "is not a safetensors file (its header length is past its end)"
+            header = json.loads(f.read(n))
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return "is not a safetensors file (its header is not JSON)"
+    if not isinstance(header, dict):
+        return "is not a safetensors file (its header is not a JSON object)"
+    try:
+        end = max(
+            (int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"),
+            default=0,
+        )
+    except (KeyError, TypeError, ValueError, IndexError):
+        return "is not a safetensors file (a tensor's entry has no data_offsets)"
+    if size < 8 + n + end:
+        return f"is cut short: {size:,} of {8 + n + end:,} bytes"
+    return None
+
+
+def _weight_files(folder: str | os.PathLike[str]) -> list[Path]:
+    """:func:`check_weights`' files, each checked to exist."""
     p = Path(folder)
     single, index = p / SINGLE_FILE, p / INDEX_FILE
     if index.is_file():

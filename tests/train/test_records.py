@@ -170,3 +170,13 @@ def test_datasets_reads_each_format_itself(tmp_path, kind):
 
         pq.write_table(pa.Table.from_pylist(rows), str(path))
     assert records_module._rows_through_datasets(path, kind) == rows
+
+
+def test_a_file_datasets_refuses_prints_nothing_before_memfits_sentence(tmp_path, capfd):
+    pytest.importorskip("datasets")
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(b"PAR1 not really parquet")
+    with pytest.raises(WorkloadError, match="cannot be read as Parquet"):
+        read_records([bad])
+    captured = capfd.readouterr()
+    assert captured.out == "" and captured.err == ""  # datasets' "Failed to read ..." is silent

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from ..outputs import atomic_file, write_text
 from ..units import format_bytes
 from .tiers import DEVICE, HOST, HOST_PINNED
 from .trace import CATEGORIES, PHASES, AllocationTrace
@@ -123,9 +124,9 @@ class MemoryReport:
         return out
 
     def to_json(self, path: str | Path) -> None:
-        """Write :meth:`to_dict` as JSON to ``path``."""
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        """Write :meth:`to_dict` as JSON to ``path`` (atomically:
+        :func:`memfit.outputs.write_text`)."""
+        write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
     def top_modules(self, n: int = 10) -> list[tuple[str, dict[str, int]]]:
         """The ``n`` named submodules with the highest peak, highest first."""
@@ -231,9 +232,11 @@ class MemoryReport:
         ax.set_xlim(x[0] if len(x) else 0, x[-1] if len(x) else 1)
         ax.set_ylim(0, self.peak_bytes / scale * 1.15 or 1)
         fig.tight_layout()
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path)
-        plt.close(fig)
+        try:
+            with atomic_file(path) as tmp:
+                fig.savefig(tmp, format=Path(path).suffix.lstrip(".").lower() or "png")
+        finally:
+            plt.close(fig)
 
 
 def build_report(trace: AllocationTrace) -> MemoryReport:

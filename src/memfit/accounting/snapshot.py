@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..device import memory_timeline_html
+from ..outputs import write_bytes, write_text
 from .allocator import AllocatorConfig, CachingAllocatorModel
 from .trace import CATEGORIES, PHASES, AllocationTrace
 
@@ -173,11 +174,11 @@ def write_snapshot(trace: AllocationTrace, path: str | Path,
                    config: AllocatorConfig | None = None) -> None:
     """Pickle :func:`memory_snapshot` to ``path`` (what https://pytorch.org/memory_viz opens,
     like the file of PyTorch's ``memory._dump_snapshot``)."""
-    Path(path).write_bytes(pickle.dumps(memory_snapshot(trace, config)))
+    write_bytes(path, pickle.dumps(memory_snapshot(trace, config)))
 
 
 def write_html(trace: AllocationTrace, path: str | Path,
                config: AllocatorConfig | None = None) -> None:
     """Write :func:`memory_snapshot` as PyTorch's memory viewer page (its "Active Memory
     Timeline") to ``path``: an HTML file carrying the whole snapshot."""
-    Path(path).write_text(memory_timeline_html(memory_snapshot(trace, config)))
+    write_text(path, memory_timeline_html(memory_snapshot(trace, config)))

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from ..console import check_outputs, err, exit_without_teardown, fail, out, quiet_libraries
-from ..outputs import make_parent, write_text
+from ..outputs import write_text
 from ..plan import Plan
 from ..units import format_bytes
 from .checks import (
@@ -298,7 +298,6 @@ def _write_answer(
         write_text(json_path, json.dumps(answer, indent=2) + "\n")
         out.print(f"wrote {json_path}")
     if save is not None:
-        make_parent(save)
         if save.suffix.lower() in (".yaml", ".yml"):
             result.plan.to_yaml(save)
         else:

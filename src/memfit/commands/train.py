@@ -13,22 +13,53 @@ memfit's built-in ``byte-gpt`` on the Python standard library's sources under a 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
 import torch
 import typer
+import typer.core
 
 from ..outputs import check_outputs as check_paths
 from ..outputs import write_text
 from ..train.config import ConfigError, TrainConfig, field_help
 from ..train.layout_run import check_layout_run, is_layout_plan
+from ..train.lock import hold
+from ..train.manifest import CheckpointError
+from ..train.resume import ResumePoint, resume_point
 from ..train.run import TrainRun, prepare_run
 from ..train.trainer import TrainingDiverged
 from ..workload import WorkloadError
 
-__all__ = ["build_config", "train"]
+__all__ = ["TrainCommand", "build_config", "train"]
+
+
+class TrainCommand(typer.core.TyperCommand):
+    """``memfit train``'s click command: ``--resume`` is a flag that may take a word after it
+    (``--resume latest-good``), which click's flags cannot; the word is moved into the hidden
+    ``--resume-mode`` option before parsing."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, resume_word(args))
+
+
+def resume_word(args: list[str]) -> list[str]:
+    """``args`` with ``--resume WORD`` written as ``--resume --resume-mode WORD`` (a word not
+    starting with a dash; an unknown one is refused by the config's check, in one
+    sentence)."""
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        out.append(args[i])
+        if args[i] == "--resume" and i + 1 < len(args) and not args[i + 1].startswith("-"):
+            out += ["--resume-mode", args[i + 1]]
+            i += 1
+        elif args[i].startswith("--resume="):
+            out[-1:] = ["--resume", "--resume-mode", args[i].split("=", 1)[1]]
+        i += 1
+    return out
 
 
 def _help(name: str, note: str = "overrides the config") -> str:
@@ -56,19 +87,15 @@ def train(
     checkpoint_dir: Annotated[Path | None, typer.Option("--checkpoint-dir", help=_help("checkpoint_dir"))] = None,
     save_every: Annotated[int | None, typer.Option("--save-every", help=_help("checkpoint_every", "needs --checkpoint-dir"))] = None,
     keep: Annotated[int | None, typer.Option("--keep", help=_help("keep_checkpoints", "default 3"))] = None,
-    resume: Annotated[bool, typer.Option("--resume", help=_help("resume", "needs --checkpoint-dir"))] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from the latest checkpoint in --checkpoint-dir (refused, with the remedies, when it is damaged); --resume latest-good continues from the newest whole one, passing over damaged ones. The checkpoint is verified before any work.")] = False,
+    resume_mode: Annotated[str | None, typer.Option("--resume-mode", hidden=True, help="The word after --resume (latest or latest-good); memfit rewrites '--resume WORD' into it.")] = None,
+    resume_from: Annotated[Path | None, typer.Option("--resume-from", metavar="PATH", help=_help("resume_from", "new checkpoints go to --checkpoint-dir, by default PATH's folder"))] = None,
     nproc_per_node: Annotated[int | None, typer.Option("--nproc-per-node", help=_help("nproc_per_node", "started through torch's elastic launcher"))] = None,
     text_field: Annotated[str | None, typer.Option("--text-field", help=_help("text_field", "default text"))] = None,
 ) -> None:
     """Train a causal LM on text under a memory budget: plan, train, report memory."""
-    from ..console import check_outputs, err, exit_without_teardown, fail, out, quiet_libraries
-    from ..distributed.launch import (
-        finish_worker,
-        init_worker,
-        launch,
-        under_launcher,
-        worker_world_size,
-    )
+    from ..console import check_outputs, fail, quiet_libraries
+    from ..distributed.launch import under_launcher, worker_world_size
 
     quiet_libraries()
     check_outputs({"--json": json_path, "--plot": plot}, {"--checkpoint-dir": checkpoint_dir})
@@ -86,7 +113,8 @@ def train(
         "checkpoint_dir": str(checkpoint_dir) if checkpoint_dir else None,
         "checkpoint_every": save_every,
         "keep_checkpoints": keep,
-        "resume": resume or None,
+        "resume": resume_mode if resume_mode is not None else (resume or None),
+        "resume_from": str(resume_from) if resume_from else None,
         "nproc_per_node": nproc_per_node,
         "text_field": text_field,
     }
@@ -97,11 +125,6 @@ def train(
         settings = build_config(config, {k: v for k, v in flags.items() if v is not None})
         _check_plan_degree(settings)  # before any process starts (and again in each, harmless)
         _check_config_outputs(settings, config, given_checkpoint_dir=checkpoint_dir is not None)
-        if settings.nproc_per_node > 1 and not under_launcher():
-            failed = launch(settings.nproc_per_node, _argv(locals()))
-            if failed is not None:
-                fail(failed, code=1)
-            raise typer.Exit(0)
         if under_launcher() and settings.nproc_per_node != world:
             raise ValueError(
                 f"--nproc-per-node {settings.nproc_per_node} differs from the launcher's "
@@ -109,6 +132,36 @@ def train(
             )
     except (WorkloadError, ValueError) as e:
         fail(str(e))
+    # One writer per checkpoint folder, taken before any work and held to the end (launched
+    # processes inherit it); then the checkpoint to resume, verified.
+    try:
+        with hold(settings.checkpoint_dir):
+            # Rank 0 (or the launcher) verifies; every process's load verifies its own again.
+            point = (
+                resume_point(settings.checkpoint_dir, settings.resume, settings.resume_from)
+                if os.environ.get("RANK", "0") == "0"
+                else None
+            )
+            _run(settings, world, point, plot=plot, json_path=json_path, argv=_argv(locals()))
+    except CheckpointError as e:
+        fail(str(e))
+
+
+def _run(
+    settings: TrainConfig, world: int, point: ResumePoint | None, *, plot: Path | None,
+    json_path: Path | None, argv: list[str],
+) -> None:
+    """The run, with the checkpoint folder held: launch the processes, or train in this one."""
+    from ..console import err, exit_without_teardown, fail, out
+    from ..distributed.launch import finish_worker, init_worker, launch, under_launcher
+
+    if settings.nproc_per_node > 1 and not under_launcher():
+        failed = launch(settings.nproc_per_node, argv)
+        if failed is not None:
+            fail(failed, code=1)
+        raise typer.Exit(0)
+    if point is not None and int(os.environ.get("RANK", "0")) == 0:
+        out.print(point.describe(), highlight=False)
     if world > 1:
         given = settings.load_plan()
         if is_layout_plan(given):
@@ -249,7 +302,7 @@ def _work_layout(
     finish_worker()
     exit_without_teardown()
     out.print(
-        f"loss {result.first_loss:.4f} -> {result.final_loss:.4f} in {result.steps} steps "
+        f"loss {result.first_loss:.4f} -> {result.final_loss:.4f} in {_steps(result)} "
         f"({result.seconds:.1f} s, {result.tokens_per_second:,.0f} tokens/s); per-process "
         "peaks: " + ", ".join(_fmt(p) for p in result.per_rank_peak_bytes)
         + (" (predicted " + ", ".join(_fmt(p) for p in predicted) + ")" if predicted else ""),
@@ -297,6 +350,7 @@ _PASSED = {
     "json_path": "--json", "cap": "--cap", "plot": "--plot", "plan_path": "--plan",
     "checkpoint_dir": "--checkpoint-dir", "save_every": "--save-every", "keep": "--keep",
     "nproc_per_node": "--nproc-per-node", "text_field": "--text-field",
+    "resume_mode": "--resume-mode", "resume_from": "--resume-from",
 }  # fmt: skip
 
 
@@ -372,21 +426,37 @@ def _print_plan(out: Any, run: TrainRun) -> None:
     )
     if run.lengths is not None and run.config.data is not None:
         out.print(run.lengths.summary(), highlight=False)
-    verdict = "fits" if choice.fits else "[red]does not fit[/]"
     out.print(
-        f"plan ({choice.method}): [bold]{choice.plan.summary()}[/]; predicted peak "
-        f"{_fmt(choice.predicted_peak_bytes)} {verdict} the budget of {_fmt(run.budget_bytes)}",
+        f"plan ({choice.method}): [bold]{choice.plan.summary()}[/]; {_verdict(run)}",
         highlight=False,
     )
 
 
+def _verdict(run: TrainRun) -> str:
+    """The plan line's end: the prediction and the budget it is held to, each only where
+    there is one (a given plan is held to a budget only when one was given)."""
+    choice, peak = run.choice, run.choice.predicted_peak_bytes
+    budget_given = run.config.budget is not None or choice.method != "given"
+    if peak is None:
+        budget = f" (budget {_fmt(run.budget_bytes)})" if budget_given else ""
+        return f"not predicted here (a plan over several processes){budget}"
+    if not budget_given:
+        return f"predicted peak {_fmt(peak)} (no --budget given)"
+    verdict = "fits" if peak <= run.budget_bytes else "[red]does not fit[/]"
+    return f"predicted peak {_fmt(peak)} {verdict} the budget of {_fmt(run.budget_bytes)}"
+
+
 def _print_result(out: Any, run: TrainRun, result: Any) -> None:
     budget = run.budget_bytes
-    within = "within" if result.peak_bytes <= budget else "[red]over[/]"
+    if run.config.budget is None and run.choice.method == "given":
+        held = ""  # no budget was given to hold the plan to
+    else:
+        within = "within" if result.peak_bytes <= budget else "[red]over[/]"
+        held = f", {within} the budget of {_fmt(budget)}"
     out.print(
-        f"loss {result.first_loss:.4f} -> {result.final_loss:.4f} in {result.steps} steps "
+        f"loss {result.first_loss:.4f} -> {result.final_loss:.4f} in {_steps(result)} "
         f"({result.seconds:.1f} s, {result.tokens_per_second:,.0f} tokens/s); measured peak "
-        f"[bold]{_fmt(result.peak_bytes)}[/], {within} the budget of {_fmt(budget)}",
+        f"[bold]{_fmt(result.peak_bytes)}[/]{held}",
         highlight=False,
     )
     evals = result.eval_losses
@@ -407,6 +477,16 @@ def _print_result(out: Any, run: TrainRun, result: Any) -> None:
             "device would have refused)",
             highlight=False,
         )
+
+
+def _steps(result: Any) -> str:
+    """``12 steps``, or for a resumed run the steps it ran: ``4 steps (9 to 12; resumed from
+    .../step-00000008)``."""
+    ran = result.steps_run if result.steps_run is not None else result.steps
+    if not result.resumed_from:
+        return f"{ran} steps"
+    first = result.steps - ran + 1
+    return f"{ran} steps ({first} to {result.steps}; resumed from {result.resumed_from})"
 
 
 def _result_json(run: TrainRun, result: Any) -> dict[str, Any]:

@@ -36,10 +36,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from .lock import process_alive
 from .manifest import MANIFEST_FILE, CheckpointError, flatten, unflatten, verify, write_manifest
 
 __all__ = [
     "CheckpointError",
+    "adopt_checkpoints",
     "checkpoint_state",
     "latest_checkpoint",
     "list_checkpoints",
@@ -167,6 +169,8 @@ def save_checkpoint(
     tmp = root / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     # Flattened before anything is written: state that cannot be stored fails here.
     tree, tensors = checkpoint_state(int(step), optimizer, scheduler, state)
+    from safetensors import SafetensorError
+
     try:
         tmp.mkdir()
         _write(tmp, int(step), model, tree, tensors)
@@ -180,17 +184,26 @@ def save_checkpoint(
         else:
             os.replace(tmp, final)
         _fsync_dir(root)
-    except OSError as e:
+    except (OSError, SafetensorError) as e:
+        # safetensors raises its own error for a failed write (its message carries the OS
+        # error's code), where Python's writers raise OSError.
         shutil.rmtree(tmp, ignore_errors=True)
-        why = "the disk is full" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+        why = _write_cause(e)
         before = latest_checkpoint(root)
         kept = f"; the previous checkpoint {before.name} is intact" if before else ""
         raise CheckpointError(f"could not write checkpoint {final.name} in {str(root)!r}: {why}{kept}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _WRITTEN.add(final.resolve())
     _prune(root, keep)
     return final
+
+
+def adopt_checkpoints(directory: str | os.PathLike[str]) -> None:
+    """Count the checkpoints now in ``directory`` as this run's own, so that pruning may
+    delete them (a resumed run continues the run that wrote them)."""
+    _WRITTEN.update(p.resolve() for p in list_checkpoints(directory))
 
 
 def checkpoint_state(
@@ -273,6 +286,7 @@ def _save_sharded(
     :mod:`memfit.train.layout_checkpoint`), the trainer state and every process's RNG written
     by process 0, then the manifest and the atomic rename."""
     import torch.distributed as dist
+    from safetensors import SafetensorError
     from torch.distributed.checkpoint.api import CheckpointException
 
     rank = dist.get_rank()
@@ -302,11 +316,11 @@ def _save_sharded(
                 shutil.rmtree(final)
             os.replace(tmp, final)
             _fsync_dir(root)
+            _WRITTEN.add(final.resolve())
             _prune(root, keep)
-    except (OSError, CheckpointException) as e:
+    except (OSError, CheckpointException, SafetensorError) as e:
         # DCP gathers the processes' write errors into a CheckpointException.
-        errno_ = getattr(e, "errno", None)
-        why = "the disk is full" if errno_ == errno.ENOSPC else (getattr(e, "strerror", None) or str(e))
+        why = _write_cause(e)
         raise CheckpointError(f"could not write checkpoint {final.name} in {str(root)!r}: {why}") from None
     finally:
         dist.barrier()
@@ -339,13 +353,38 @@ def _write(
     _fsync_dir(tmp)
 
 
+def _write_cause(error: BaseException) -> str:
+    """Why a checkpoint write failed, in words: an :class:`OSError`'s, or the OS error that
+    safetensors' or DCP's own error carries in its message (``Os { code: 28, ... }``)."""
+    code = getattr(error, "errno", None)
+    if code is None:
+        m = re.search(r"(?:code: |Errno |os error )(\d+)", str(error))
+        code = int(m.group(1)) if m else None
+    if code == errno.ENOSPC or "StorageFull" in str(error):
+        return "the disk is full"
+    if code == errno.EDQUOT:
+        return "the disk quota is exceeded"
+    if code is not None:
+        return os.strerror(code).lower()
+    return getattr(error, "strerror", None) or str(error)
+
+
+#: Checkpoints this process wrote (or resumed from): the only ones pruning may delete, so a
+#: run never deletes another's (an earlier run's in the same folder, which it did not resume).
+_WRITTEN: set[Path] = set()
+_LEFTOVER = re.compile(r"^\.(?:tmp|old)-step-\d+-(\d+)-[0-9a-f]+$")
+
+
 def _prune(root: Path, keep: int | None) -> None:
     if keep is not None:
-        for old in list_checkpoints(root)[:-keep]:
+        ours = [p for p in list_checkpoints(root) if p.resolve() in _WRITTEN]
+        for old in ours[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
-    # Leftovers of writes that crashed (a kill -9 skips the cleanup above).
+    # Leftovers of writes that crashed (a kill -9 skips the cleanup above): only those of a
+    # process that no longer runs, never a save in progress.
     for p in root.iterdir():
-        if p.name.startswith((".tmp-step-", ".old-step-")) and f"-{os.getpid()}-" not in p.name:
+        m = _LEFTOVER.match(p.name)
+        if m and int(m.group(1)) != os.getpid() and not process_alive(int(m.group(1))):
             shutil.rmtree(p, ignore_errors=True)
 
 

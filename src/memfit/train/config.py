@@ -38,7 +38,9 @@ __all__ = ["DEFAULT_BATCH_SIZE", "ConfigError", "TrainConfig", "field_help"]
 DEFAULT_BATCH_SIZE = 16
 
 # Fields that name files or folders: a YAML file's relative paths are taken from its folder.
-_PATH_FIELDS = ("data", "tokenizer", "checkpoint_dir", "plan")
+#: The budget when none is given: the built-in demo's, below what its plain plan needs.
+DEFAULT_BUDGET = "48MiB"
+_PATH_FIELDS = ("data", "tokenizer", "checkpoint_dir", "plan", "resume_from")
 
 
 class ConfigError(MemfitError, ValueError):
@@ -118,10 +120,12 @@ class TrainConfig:
     fused); at most the model's positions."""
 
     # ------------------------------------------------------------------ the plan
-    budget: str | int = "48MiB"
+    budget: str | int | None = None
     """The memory budget the planner fits: a size (``4GiB``, ``48MiB``, bytes) or a device name
-    (``t4``: its whole memory, allocator reserve and CUDA context included). A tighter budget
-    turns on techniques that cost compute (checkpointing, micro-batching)."""
+    (``t4``: its whole memory, allocator reserve and CUDA context included); ``None``: 48 MiB,
+    the built-in demo's. A tighter budget turns on techniques that cost compute
+    (checkpointing, micro-batching). With a given ``plan``, a budget that was given is checked
+    against the plan's predicted peak before training (a plan over it is refused)."""
 
     allow: tuple[str, ...] = ()
     """Techniques that change training which the planner may use (``freeze``, ``shorter-seq``,
@@ -184,9 +188,16 @@ class TrainConfig:
     keep_checkpoints: int = 3
     """Checkpoints kept in ``checkpoint_dir``; older ones are deleted (disk, not memory)."""
 
-    resume: bool = False
-    """Continue from the latest checkpoint in ``checkpoint_dir``, if there is one: weights,
-    optimizer, schedule, RNG, data position and the plan a step-down had moved to."""
+    resume: bool | str = False
+    """Continue from a checkpoint in ``checkpoint_dir``, if there is one: weights, optimizer,
+    schedule, RNG, data position and the plan a step-down had moved to. ``true`` (or
+    ``"latest"``): the latest checkpoint, refused with the remedies when it is damaged;
+    ``"latest-good"``: the newest checkpoint whose files match its manifest, passing over
+    damaged ones. The checkpoint is verified (every file's checksum) before any work."""
+
+    resume_from: str | None = None
+    """Continue from this checkpoint folder (``step-NNNNNNNN``), verified before any work; new
+    checkpoints go to ``checkpoint_dir``, by default the folder holding it."""
 
     nproc_per_node: int = 1
     """Processes to train with on this machine (data parallelism, one per device): each
@@ -240,6 +251,9 @@ class TrainConfig:
             raise ConfigError(
                 "checkpoint_every", "needs checkpoint_dir, the folder to save checkpoints in"
             )
+        if self.resume_from is not None and self.checkpoint_dir is None:
+            # The run goes on writing where the checkpoint it continues lies.
+            object.__setattr__(self, "checkpoint_dir", str(Path(self.resume_from).parent))
         if self.resume and self.checkpoint_dir is None:
             raise ConfigError(
                 "resume", "needs checkpoint_dir, the folder whose latest checkpoint to continue from"
@@ -269,7 +283,7 @@ class TrainConfig:
         from ..targets import parse_budget
 
         try:
-            return parse_budget(self.budget)[0]
+            return parse_budget(DEFAULT_BUDGET if self.budget is None else self.budget)[0]
         except ValueError as e:
             raise ConfigError("budget", _drop_prefix(str(e), "budget ")) from None
 
@@ -428,6 +442,14 @@ def _normalise(key: str, value: Any) -> Any:
             return Plan.from_dict(value)
         except (PlanError, TypeError, ValueError) as e:
             raise ConfigError("plan", f"is not a valid plan ({e})") from None
+    if key == "resume" and isinstance(value, str):
+        from .resume import RESUME_MODES
+
+        if value not in RESUME_MODES:
+            raise ConfigError(
+                "resume", f"must be true, false, {' or '.join(map(repr, RESUME_MODES))}, got {value!r}"
+            )
+        return True if value == "latest" else value
     if key == "lr" and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if key == "eval_fraction" and isinstance(value, int) and not isinstance(value, bool):

@@ -42,7 +42,7 @@ from .checkpoint import (
     restore_rng_state,
     save_sharded_checkpoint,
 )
-from .manifest import CheckpointError, read_manifest
+from .manifest import MANIFEST_FILE, CheckpointError, read_manifest
 
 __all__ = [
     "check_resumable",
@@ -221,14 +221,15 @@ def load_layout_checkpoint(
 def check_resume_before_launch(
     directory: str | Path, parallel: ParallelConfig, max_steps: int
 ) -> None:
-    """Refuse, before any process starts, a resume that cannot run: the folder's latest
-    checkpoint written under another layout, or already at ``max_steps``. Reads only the
-    manifest and the state's JSON (no checksums: the load verifies every file).
+    """Refuse, before any process starts, a resume that cannot run: the checkpoint (or the
+    run folder's latest) written under another layout, or already at ``max_steps``. Reads
+    only the manifest and the state's JSON (no checksums: the load verifies every file).
 
     Raises:
         CheckpointError: one sentence naming what to change.
     """
-    latest = latest_checkpoint(directory)
+    given = Path(directory)
+    latest = given if (given / MANIFEST_FILE).is_file() else latest_checkpoint(given)
     if latest is None:
         return  # nothing to resume: the run starts from step 0, as the trainer's does
     step = int(read_manifest(latest).get("step", 0))
@@ -242,4 +243,4 @@ def check_resume_before_launch(
     if step >= max_steps:
         raise CheckpointError(
             f"no step was run: the checkpoint {latest} is at step {step} and max_steps is "
-            f"{max_steps}; raise --max-steps to train on")
+            f"{max_steps}; raise --max-steps above {step} to train on")

@@ -112,10 +112,13 @@ def check_layout_run(config: TrainConfig, plan: Plan) -> None:
             f"{', '.join(ignored)}; remove {'it' if len(ignored) == 1 else 'them'} from the plan")
     if problems:
         raise LayoutRunError("; ".join(problems))
-    if config.resume and config.checkpoint_dir is not None:
+    from .resume import resume_point
+
+    point = resume_point(config.checkpoint_dir, config.resume, config.resume_from)
+    if point is not None:
         from .layout_checkpoint import check_resume_before_launch
 
-        check_resume_before_launch(config.checkpoint_dir, par, config.max_steps)
+        check_resume_before_launch(point.path, par, config.max_steps)
     from ..distributed.layout import check_layout
 
     # The model's heads, widths, vocabulary and blocks against the degrees, and the batch
@@ -187,6 +190,8 @@ class LayoutRunResult:
             timeline points), in rank order.
         stopped_by: ``"SIGTERM"`` when a signal to this process ended the run early (after a
             checkpoint), ``"SIGTERM (another process)"`` when one to another did, else ``None``.
+        resumed_from: The checkpoint the run continued from, if it resumed.
+        steps_run: Steps this run ran (``steps`` less a resumed run's start).
     """
 
     first_loss: float
@@ -204,6 +209,8 @@ class LayoutRunResult:
     report: Any = None
     rank_reports: list[dict[str, Any] | None] = field(default_factory=list)
     stopped_by: str | None = None
+    resumed_from: str | None = None
+    steps_run: int | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -219,6 +226,8 @@ class LayoutRunResult:
             "first_loss": self.first_loss,
             "final_loss": self.final_loss,
             "steps": self.steps,
+            "steps_run": self.steps_run,
+            "resumed_from": self.resumed_from,
             "peak_bytes": max(peaks),
             "per_rank_peak_bytes": list(peaks),
             "peak_by_category": dict(top["peak_by_category"]) if top else {},
@@ -281,6 +290,7 @@ def train_layout(
 
     loop = _LayoutLoop(run, plan)
     loop.resume()
+    start = loop.step_count
     bar = _Progress(run.config.max_steps, console, start=loop.step_count) if progress else None
     try:
         seconds, tokens = loop.train(bar)
@@ -308,7 +318,8 @@ def train_layout(
         per_rank_peak_bytes=[int(g[0]) for g in gathered], coords=dict(loop.layout.coords),
         tokens=tokens, seconds=seconds, plan=plan.to_dict(), eval_losses=list(loop.eval_losses),
         checkpoint=loop.last_checkpoint, report=report, rank_reports=[g[1] for g in gathered],
-        stopped_by=loop.stopped_by,
+        stopped_by=loop.stopped_by, resumed_from=loop.resumed_from,
+        steps_run=loop.step_count - start,
     )
 
 
@@ -360,22 +371,26 @@ class _LayoutLoop:
         self.stopped_by: str | None = None
         self.memory = RankMemory(cfg.track_every)
         self.say: Any = None  # the progress bar's line above it, on rank 0
+        self.resumed_from: str | None = None  # the checkpoint resume() continued from
 
     # ------------------------------------------------------------------ checkpoints
     def resume(self) -> None:
-        """Continue from the checkpoint folder's latest checkpoint, when ``resume`` asks and
-        there is one: weights, optimizer, schedule, this rank's RNG, data position, losses."""
+        """Continue from a checkpoint, when ``resume`` or ``resume_from`` asks and there is one
+        (:func:`~memfit.train.resume.resume_point`): weights, optimizer, schedule, this rank's
+        RNG, data position, losses."""
         from .callbacks.checkpointing import check_data
-        from .checkpoint import latest_checkpoint, read_state
+        from .checkpoint import adopt_checkpoints, read_state
         from .layout_checkpoint import load_layout_checkpoint
         from .layout_memory import RankMemory
+        from .resume import resume_point
 
         cfg = self.config
-        if not cfg.resume or cfg.checkpoint_dir is None:
+        point = resume_point(cfg.checkpoint_dir, cfg.resume, cfg.resume_from)
+        if point is None:
             return
-        latest = latest_checkpoint(cfg.checkpoint_dir)
-        if latest is None:
-            return
+        latest = point.path
+        adopt_checkpoints(latest.parent)
+        self.resumed_from = str(latest)
         state = read_state(latest)  # every file checked against the manifest, once
         check_data(self, state.get("data_files"))
         state = load_layout_checkpoint(latest, self.layout.modules, self.optimizer,
@@ -389,7 +404,8 @@ class _LayoutLoop:
         if self.step_count >= cfg.max_steps:
             raise ValueError(
                 f"no step was run: the checkpoint {latest} is at step {self.step_count} and "
-                f"max_steps is {cfg.max_steps}; raise --max-steps to train on")
+                f"max_steps is {cfg.max_steps}; raise --max-steps above {self.step_count} to "
+                "train on")
 
     def save(self) -> None:
         """A checkpoint of the current step (a collective)."""

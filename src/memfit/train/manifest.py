@@ -204,7 +204,11 @@ def read_manifest(folder: Path) -> dict[str, Any]:
         old = " (an older memfit format that used pickle; it cannot be loaded)" if (
             folder / "state.pt"
         ).exists() else ""
-        raise CheckpointError(f"checkpoint {str(folder)!r} has no {MANIFEST_FILE}{old}")
+        raise CheckpointError(
+            f"checkpoint {str(folder)!r} has no {MANIFEST_FILE}{old}; it is not a finished memfit "
+            "checkpoint: resume from another with --resume-from PATH, or the newest whole one "
+            "with --resume latest-good"
+        )
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -226,6 +230,9 @@ def verify(folder: Path) -> dict[str, Any]:
         CheckpointError: naming the first file that is missing or differs.
     """
     manifest = read_manifest(folder)
+    stamp = _stamp(folder, manifest)
+    if stamp is not None and _VERIFIED.get(Path(folder).resolve()) == stamp:
+        return manifest  # hashed already by this process, and not touched since
     for name, meta in manifest["files"].items():
         p = folder / name
         if not p.is_file():
@@ -235,4 +242,21 @@ def verify(folder: Path) -> dict[str, Any]:
                 f"checkpoint {str(folder)!r} is corrupt: the checksum of {name} does not match "
                 "its manifest; delete that folder to resume from an earlier checkpoint"
             )
+    if stamp is not None:
+        _VERIFIED[Path(folder).resolve()] = stamp
     return manifest
+
+
+#: Checkpoints this process verified: folder -> the stat of each of its files then. A run
+#: checks the checkpoint it resumes from before any work and again when it loads it; the
+#: second check hashes nothing when no file changed.
+_VERIFIED: dict[Path, tuple[tuple[str, int, int, int], ...]] = {}
+
+
+def _stamp(folder: Path, manifest: Mapping[str, Any]) -> tuple[tuple[str, int, int, int], ...] | None:
+    try:
+        names = [MANIFEST_FILE, *sorted(manifest["files"])]
+        stats = [(n, os.stat(Path(folder) / n)) for n in names]
+    except OSError:
+        return None
+    return tuple((n, s.st_size, s.st_mtime_ns, s.st_ino) for n, s in stats)

@@ -194,12 +194,17 @@ def _csv_through_datasets(datasets: Any, path: str, **kwargs: Any) -> Any:
 
 @contextlib.contextmanager
 def _quiet_datasets(datasets: Any) -> Iterator[None]:
-    # Its progress bars would draw over memfit's own status line; put back as they were.
+    # Its progress bars would draw over memfit's own status line, and its log lines ("Failed
+    # to read file ... with error ...") would come before memfit's own sentence on a file it
+    # refuses (which is read again below to name the line at fault); put back as they were.
     was_off = datasets.utils.are_progress_bars_disabled()
+    level = datasets.logging.get_verbosity()
     datasets.utils.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL + 10)
     try:
         yield
     finally:
+        datasets.logging.set_verbosity(level)
         if not was_off:
             datasets.utils.enable_progress_bars()
 

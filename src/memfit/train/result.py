@@ -33,6 +33,8 @@ class TrainResult:
             each tensor's bytes (equal for two runs whose weights are equal bit for bit).
         stopped_by: ``"SIGTERM"`` when a signal ended the run early (after a checkpoint),
             else ``None``.
+        resumed_from: The checkpoint this ``fit`` continued from, if it resumed.
+        steps_run: Optimizer steps this ``fit`` ran (``steps`` less a resumed run's start).
         phases: The job's phases this trainer measured, each the first time it happened
             (a :class:`~memfit.train.phases.JobPhases`: ``load``, ``first_step``,
             ``steady_step``, ``eval``, ``save`` in a fresh run; ``load_checkpoint`` and
@@ -54,6 +56,12 @@ class TrainResult:
     params_sha256: str = ""
     stopped_by: str | None = None
     phases: Any = None
+    resumed_from: str | None = None
+    steps_run: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.steps_run is None:
+            self.steps_run = self.steps
 
     @property
     def tokens_per_second(self) -> float:
@@ -67,6 +75,8 @@ class TrainResult:
             "first_loss": self.first_loss,
             "final_loss": self.final_loss,
             "steps": self.steps,
+            "steps_run": self.steps_run,
+            "resumed_from": self.resumed_from,
             "peak_bytes": self.peak_bytes,
             "peak_by_category": dict(self.report.peak_by_category),
             "losses": list(self.losses),

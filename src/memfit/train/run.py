@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -263,6 +264,65 @@ def choose_plan(
     )
 
 
+def _given_choice(
+    workload: Workload, plan: Plan, config: TrainConfig, world_size: int, say: Callable[[str], Any]
+) -> PlanChoice:
+    """The plan given, with its predicted peak (a dry run of the worst batch) where one
+    process trains it; a plan over a ``budget`` the user gave is refused before training.
+
+    A data-parallel or tensor/pipeline plan is not predicted here: its processes are
+    predicted per rank (:func:`~memfit.train.layout_run.predict_rank_peaks`).
+
+    Raises:
+        ValueError: for a plan whose predicted peak is over the budget given.
+    """
+    from ..units import format_bytes
+
+    if world_size > 1 or plan.parallel.world_size > 1:
+        return PlanChoice(plan, True, None, method="given", explanation="the plan given")
+    from ..estimate import dry_run
+
+    say("predicting the plan's peak")
+    peak = int(dry_run(workload, plan, steps=2).peak_bytes)
+    budget = config.budget_bytes
+    if config.budget is not None and peak > budget:
+        raise ValueError(
+            f"the plan's predicted peak {format_bytes(peak)} is over the budget of "
+            f"{format_bytes(budget)} (--budget {config.budget}); give a plan that fits (memfit "
+            "plan --budget ... --save PLAN), a larger --budget, or leave out --plan to let the "
+            "planner choose"
+        )
+    return PlanChoice(plan, peak <= budget, peak, method="given", explanation="the plan given")
+
+
+def _check_machine(choice: PlanChoice) -> None:
+    """Refuse a plan whose predicted peak is more memory than this machine's device has at
+    all: no step-down reaches it, and torch would fail with a traceback building the model.
+
+    Raises:
+        ValueError: naming the figures and what to lower.
+    """
+    from ..device import default_device, total_memory
+    from ..units import format_bytes
+
+    peak = choice.predicted_peak_bytes
+    if peak is None:
+        return
+    device = default_device()
+    have = total_memory(device)
+    if have is None:  # the CPU: the machine's physical memory
+        try:
+            have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
+            return
+    if peak > have:
+        raise ValueError(
+            f"the run needs {format_bytes(peak)} by its predicted peak (plan "
+            f"{choice.plan.summary()}) and this machine's {device.type} has "
+            f"{format_bytes(have)} in all; lower --seq-len or --batch-size"
+        )
+
+
 def _over_processes(choice: PlanChoice, world_size: int) -> PlanChoice:
     """The choice with its plan spread over ``world_size`` processes (no fallbacks)."""
     try:
@@ -371,6 +431,10 @@ def prepare_run(
 
     say = say or (lambda message: None)
     tokenizer = run_tokenizer(config)
+    batch_size = config.batch_size or DEFAULT_BATCH_SIZE
+    # The model first (its weight files' headers, its positions): a damaged download is named
+    # before the text is read and tokenised.
+    workload = text_workload(config.model, tokenizer, batch_size, config.seq_len)
     if config.data is None:
         texts: Sequence[str] = [stdlib_corpus(config.corpus_bytes)]
         data_name = "the Python standard library's sources"
@@ -381,16 +445,14 @@ def prepare_run(
             list(config.data), tokenizer, config.seq_len, pack=config.pack,
             text_field=config.text_field, say=say,
         )
-    batch_size = config.batch_size or DEFAULT_BATCH_SIZE
     # The plan holds for the worst batch: one process's share of samples at the longest
     # sample's length (the model itself is built for the configured seq_len).
     lengths = length_report(dataset, max(batch_size // world_size, 1), seq_len=config.seq_len)
-    workload = text_workload(config.model, tokenizer, batch_size, config.seq_len)
     workload = workload.replace(seq_len=lengths.max)
     train_set, eval_set = train_eval_split(dataset, config.eval_fraction)
     given = config.load_plan()
     if given is not None:
-        choice = PlanChoice(given, True, None, method="given", explanation="the plan given")
+        choice = _given_choice(workload, given, config, world_size, say)
     else:
         from ..units import format_bytes
 
@@ -414,6 +476,7 @@ def prepare_run(
             )
     if world_size > 1:
         choice = _over_processes(choice, world_size)
+    _check_machine(choice)
     pad = tokenizer.pad_token_id
     pad_multiple = choice.plan.sequence.pad_to_multiple_of
     longest = workload.seq_len

@@ -52,13 +52,15 @@ from .callbacks import (
     evaluate,
 )
 from .callbacks.checkpointing import load_trainer, save_trainer
-from .checkpoint import latest_checkpoint
+from .checkpoint import adopt_checkpoints, latest_checkpoint
 from .config import DEFAULT_BATCH_SIZE, TrainConfig
 from .data import BatchStream, collate
+from .lock import hold
 from .manifest import params_sha256
 from .oom import switch_plan
 from .phases import PhaseRecorder
 from .result import TrainResult
+from .resume import resume_point
 from .schedule import LR_SCHEDULES, build_scheduler, lr_factor
 from .streams import IterableStream, WorkloadStream, count_tokens, is_map_style, to_device
 
@@ -134,7 +136,12 @@ class Trainer:
             ``train_data`` or a batch smaller than the plan's ``grad_accum_steps``.
         MemfitTypeError: (a ``TypeError``) for an argument of the wrong kind: something that
             is neither a workload nor a module, a plan that is not a :class:`Plan`, ...
+
+    Attributes:
+        resumed_from: The checkpoint the last :meth:`fit` continued from, if it resumed.
     """
+
+    resumed_from: str | None = None
 
     def __init__(
         self,
@@ -152,7 +159,7 @@ class Trainer:
         checkpoint_dir: str | Path | None = None,
         checkpoint_every: int | None = None,
         keep_checkpoints: int | None = None,
-        resume: bool | None = None,
+        resume: bool | str | None = None,
         cap: int | str | None = None,
         seed: int | None = None,
         batch_size: int | None = None,
@@ -357,10 +364,18 @@ class Trainer:
                 since it was saved, or a checkpoint that cannot be written.
             ValueError: when a resumed run has no step left to run.
         """
-        if self.config.resume and self.checkpoint_dir is not None:
-            latest = latest_checkpoint(self.checkpoint_dir)
-            if latest is not None:
-                self.load(latest)
+        # One writer per checkpoint folder, for the whole run (re-entrant: memfit train took
+        # it already, before any work).
+        with hold(self.checkpoint_dir):
+            return self._fit()
+
+    def _fit(self) -> TrainResult:
+        cfg = self.config
+        point = resume_point(self.checkpoint_dir, cfg.resume, cfg.resume_from)
+        if point is not None:
+            self.load(point.path)
+            adopt_checkpoints(point.path.parent)  # pruned as this run's own from now on
+            self.resumed_from = str(point.path)
         started: list[Callback] = []
         result: TrainResult | None = None
         restore = self._catch_sigterm()
@@ -438,7 +453,11 @@ class Trainer:
                 break
         seconds = time.perf_counter() - t0
         if not self.losses or self.step_count == start_step:
-            raise ValueError("no step was run: max_steps is already reached by the checkpoint")
+            raise ValueError(
+                f"no step was run: the checkpoint {self.resumed_from or ''} is at step "
+                f"{self.step_count} and max_steps is {self.max_steps}; raise --max-steps "
+                f"(max_steps) above {self.step_count} to train on"
+            )
         report = self.memory.finish(self)
         return TrainResult(
             first_loss=self.losses[0],
@@ -456,6 +475,8 @@ class Trainer:
             params_sha256=params_sha256(self.model),
             stopped_by=self._signal,
             phases=self.phases.record,
+            resumed_from=self.resumed_from,
+            steps_run=self.step_count - start_step,
         )
 
     def _saved_this_step(self) -> bool:
