@@ -192,10 +192,10 @@ def apply_plan(
     Raises:
         MemfitTypeError: when an argument has the wrong kind (a plan where the optimizer goes,
             or the reverse), see :func:`check_plan_arguments`.
-        ValueError: (a :class:`~memfit.errors.MemfitError`) when the plan cannot apply to this model (a freeze pattern that matches
-            nothing, no blocks to checkpoint, ``fused_loss`` on a model that is not a Hugging
-            Face causal LM with a linear head) or an optimizer is given with
-            ``optimizer_in_backward``.
+        ValueError: (a :class:`~memfit.errors.MemfitError`) when the plan cannot apply to
+            this model (a freeze pattern that matches nothing, no blocks to checkpoint,
+            ``fused_loss`` on a model that is not a Hugging Face causal LM with a linear head)
+            or an optimizer is given with ``optimizer_in_backward``.
     """
     check_plan_arguments("apply_plan", model, plan, optimizer, loss_fn, keep_original_weights)
     plan = plan or Plan()
@@ -394,10 +394,10 @@ def check_plan_arguments(
     loss_fn=None)``).
 
     Raises:
-        MemfitTypeError: (a ``TypeError``) for a model that is not an ``nn.Module``, a plan that is not a
-            :class:`~memfit.plan.Plan` (an optimizer where the plan goes, as the old
-            ``prepare(model, optimizer, plan)`` order had it), an optimizer that is a plan or
-            has no ``step``/``param_groups``, a ``loss_fn`` that is not callable, or a
+        MemfitTypeError: (a ``TypeError``) for a model that is not an ``nn.Module``, a plan
+            that is not a :class:`~memfit.plan.Plan` (an optimizer where the plan goes, as the
+            old ``prepare(model, optimizer, plan)`` order had it), an optimizer that is a plan
+            or has no ``step``/``param_groups``, a ``loss_fn`` that is not callable, or a
             ``keep_original_weights`` that is not a bool.
     """
     if not isinstance(model, nn.Module):

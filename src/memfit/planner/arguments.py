@@ -127,7 +127,8 @@ def _check_searches(
     as the searches' own (and the CLI's), which would otherwise come after a model build."""
     allow, disk_dir = settings["allow"], settings["disk_dir"]
     if "lora_rank" in settings and world_size is not None:
-        raise MemfitValueError("--lora-rank is searched in one process only; leave out --world-size")
+        raise MemfitValueError(
+            "--lora-rank is searched in one process only; leave out --world-size")
     if gpus_per_node is not None:
         if world_size is None:
             raise MemfitValueError(

@@ -569,7 +569,8 @@ def _check(plan: Any) -> None:
     (``Technique.check``)."""
     if not isinstance(plan.optimizer_in_backward, bool):
         raise ValueError(
-            f"optimizer_in_backward must be true or false, got {describe(plan.optimizer_in_backward)}"
+            "optimizer_in_backward must be true or false, got "
+            f"{describe(plan.optimizer_in_backward)}"
         )
     if not plan.optimizer_in_backward:
         return

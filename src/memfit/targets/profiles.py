@@ -579,7 +579,8 @@ def _read_description(spec: str | Mapping[str, Any]) -> dict[str, Any]:
 
                 data = yaml.safe_load(text)
         except Exception as e:  # malformed file: say which
-            raise MemfitValueError(f"device description file {str(path)!r} cannot be read ({e})") from None
+            raise MemfitValueError(
+                f"device description file {str(path)!r} cannot be read ({e})") from None
         if not isinstance(data, Mapping):
             raise MemfitValueError(
                 f"device description file {str(path)!r} must hold a mapping of fields "
@@ -701,7 +702,8 @@ def parse_budget(text: str | int) -> tuple[int, DeviceProfile | None]:
         return parse_size(text), None
     except ValueError as e:
         if "positive" in str(e) or "less than one byte" in str(e):
-            raise MemfitValueError(f"budget {text!r} must be a positive size, such as 4GiB") from None
+            raise MemfitValueError(
+                f"budget {text!r} must be a positive size, such as 4GiB") from None
         if "whole number" in str(e):
             raise MemfitValueError(
                 f"budget {text!r} is not a whole number of bytes; give whole bytes or a unit, "
