@@ -44,6 +44,8 @@ BAD: dict[str, dict[str, list[str] | None]] = {
         "--data": [MISSING, "{tmp}/a-file", "{tmp}/bad-chat.jsonl"],
         "--tokenizer": [MISSING],
         "--text-field": ["body"],
+        "--quiet": None,
+        "--verbose": None,
     },
     "plan": {
         "--model": ["nonsense-model"],
@@ -67,6 +69,8 @@ BAD: dict[str, dict[str, list[str] | None]] = {
         "--tokenizer": [MISSING],
         "--text-field": ["body"],
         "--lora-rank": ["0", "x"],
+        "--quiet": None,
+        "--verbose": None,
     },
     "train": {
         "--config": [MISSING],
@@ -87,9 +91,12 @@ BAD: dict[str, dict[str, list[str] | None]] = {
         "--save-every": ["0"],
         "--nproc-per-node": ["0", "3", "x"],
         "--keep": ["0"],
+        "--eval-max-batches": ["-1", "x"],
         "--resume": None,
         "--resume-mode": ["newest"],
         "--resume-from": [MISSING, "{tmp}/a-folder"],
+        "--quiet": None,
+        "--verbose": None,
     },
     "bench ladder": {
         "--json": [UNWRITABLE, A_FOLDER],
@@ -101,6 +108,8 @@ BAD: dict[str, dict[str, list[str] | None]] = {
         "--markdown": [UNWRITABLE, A_FOLDER],
         "--device": ["no-such-gpu"],
         "--only": ["nonsense-rung"],
+        "--quiet": None,
+        "--verbose": None,
     },
 }
 # Options whose bad value is only bad together with another option.

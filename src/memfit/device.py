@@ -34,7 +34,6 @@ __all__ = [
     "mem_get_info",
     "memory_allocated",
     "memory_reserved",
-    "memory_timeline_html",
     "on_stream",
     "record_event",
     "record_stream",
@@ -290,12 +289,3 @@ def wait_event(event: Any) -> None:
     work queued after it goes on."""
     if event is not None:
         event.synchronize()
-
-
-def memory_timeline_html(snapshot: dict[str, Any]) -> str:
-    """PyTorch's memory viewer page for ``snapshot`` (``memory._snapshot()``'s structure): its
-    "Active Memory Timeline", from ``torch.cuda._memory_viz.trace_plot``. Pure Python, no
-    CUDA needed: the page embeds the pickled snapshot and loads PyTorch's viewer script."""
-    from torch.cuda import _memory_viz
-
-    return _memory_viz.trace_plot(snapshot)

@@ -55,18 +55,17 @@ def test_snapshot_takes_one_process(tmp_path):
 
 
 def _embedded_snapshot(html: str):
-    """The snapshot PyTorch's viewer page carries: the base64 of its pickle, in a JSON list."""
+    """The snapshot the page carries: its download link's base64 pickle."""
     import base64
-    import json
     import re
 
-    files = json.loads(re.search(r"const local_files = (\[.*?\])\n", html).group(1))
-    assert [f["name"] for f in files] == ["snapshot.pickle"]
-    return pickle.loads(base64.b64decode(files[0]["base64"]))
+    link = re.search(r'<a download="snapshot.pickle" href="data:application/octet-stream;base64,'
+                     r'([A-Za-z0-9+/=]+)">', html)
+    return pickle.loads(base64.b64decode(link.group(1)))
 
 
 @pytest.mark.parametrize("dry", [True, False])
-def test_html_draws_the_snapshot_with_pytorchs_viewer(tmp_path, dry):
+def test_html_is_a_self_contained_page_of_the_timeline(tmp_path, dry):
     page, pickled = tmp_path / "timeline.html", tmp_path / "run.pickle"
     args = ["profile", "--model", "gpt2-tiny", "-b", "2", "-l", "16", "--steps", "2",
             "--html", str(page), "--snapshot", str(pickled), *(["--dry-run"] if dry else [])]
@@ -74,13 +73,25 @@ def test_html_draws_the_snapshot_with_pytorchs_viewer(tmp_path, dry):
     assert result.exit_code == 0, result.output
     assert "wrote the memory timeline to" in result.output
     html = page.read_text()
-    # PyTorch's page: its viewer script, the "Active Memory Timeline", and the run's snapshot
-    # embedded whole (the same one --snapshot pickles).
-    assert html.lstrip().startswith("<!DOCTYPE html>") and "MemoryViz.js" in html
-    assert "Active Memory Timeline" in html
+    # memfit's page: the timeline as inline SVG, nothing loaded from anywhere (no script, no
+    # URL a browser would fetch), and the run's snapshot carried whole (the one --snapshot
+    # pickles) for PyTorch's viewer.
+    assert html.lstrip().startswith("<!DOCTYPE html>") and '<svg id="timeline"' in html
+    assert "<script" not in html and "src=" not in html and "@import" not in html
+    assert "<polygon" in html  # the categories' areas
     embedded = _embedded_snapshot(html)
     assert embedded == pickle.loads(pickled.read_bytes())
     assert len(embedded["device_traces"][0]) > 100
+    # The figures it states are the run's: the peak the command printed, and the reserve the
+    # snapshot's segment events reach.
+    import re
+
+    from memfit.units import format_bytes
+
+    printed = re.search(r"peak: (\S+ \S+) of tensors", result.output).group(1)
+    assert f"Peak: <b>{printed}</b> of tensors" in html
+    reserved = _peaks([(e["action"], e["size"]) for e in embedded["device_traces"][0]])[1]
+    assert f"reserves up to <b>{format_bytes(reserved)}</b>" in html
 
 
 def test_html_to_a_path_that_cannot_be_written_is_one_sentence(tmp_path):

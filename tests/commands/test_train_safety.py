@@ -136,3 +136,15 @@ def test_cut_weights_are_named_before_any_work(tmp_path):
                         env={"COLUMNS": "400"})
     _one_sentence(res, f"weights file {str(weights)!r} is cut short", "download or copy it again")
     assert "tokens" not in res.output
+
+
+@pytest.mark.slow
+def test_a_sequence_longer_than_the_machine_can_hold_is_one_sentence(tmp_path):
+    # byte-gpt's position table alone would be 1e9 x 128 floats (512 GB): torch's allocator
+    # fails with a logged traceback if the model is ever built.
+    (tmp_path / "text.txt").write_text(" ".join(["alpha", "beta", "gamma"] * 500))
+    (tmp_path / "run.yaml").write_text("eval_fraction: 0\n")
+    res = runner.invoke(app, ["train", "--config", str(tmp_path / "run.yaml"), "--data",
+                              str(tmp_path / "text.txt"), "--seq-len", "1000000000",
+                              "--max-steps", "1"], env={"COLUMNS": "400"})
+    _one_sentence(res, "the run needs", "by its predicted peak", "in all; lower --seq-len")

@@ -313,3 +313,38 @@ def test_memfit_checkpointing_modes_and_bf16_pure_reach_the_model(tmp_path):
     assert not getattr(args, flag) and not args.bf16
     assert checkpointed_blocks(model) == ["transformer.h.0", "transformer.h.1"]
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+
+
+def test_emitted_python_runs_and_trains(tmp_path):
+    # --emit hf's text is Python as it stands: executed, it builds the plan and its train()
+    # trains a model in the Trainer under it (the plan's TrainingArguments set).
+    plan = Plan(grad_accum_steps=2, checkpointing="full", optimizer={"name": "adamw", "lr": 1e-2})
+    namespace: dict = {}
+    exec(compile(hf.emit(plan), "emitted.py", "exec"), namespace)
+    assert namespace["plan"] == plan
+    trainer = namespace["train"](
+        tiny_gpt2(), _Data(), output_dir=str(tmp_path), use_cpu=True, report_to=[],
+        save_strategy="no", per_device_train_batch_size=4, num_train_epochs=1, logging_steps=1,
+        disable_tqdm=True,
+    )
+    assert trainer.args.gradient_accumulation_steps == 2
+    assert trainer.state.global_step == N // (4 * 2)
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    assert losses and all(loss == loss for loss in losses)  # finite, no NaN
+
+
+def test_cli_emit_hf_output_runs_as_python():
+    from typer.testing import CliRunner
+
+    from memfit.cli import app
+
+    res = CliRunner().invoke(app, ["plan", "-m", "tests.models:mlp_workload", "-b", "4", "-l",
+                                   "1", "--budget", "1GiB", "--emit", "hf"])
+    assert res.exit_code == 0, res.output
+    assert res.stderr == ""  # all of it is the Python: memfit plan ... --emit hf > run.py
+    namespace: dict = {}
+    exec(compile(res.output, "memfit-plan-emit-hf.py", "exec"), namespace)
+    assert isinstance(namespace["plan"], Plan) and callable(namespace["train"])
+    # The answer's words are still there, as comments above the code.
+    assert "# plan: " + namespace["plan"].summary() in res.stdout.splitlines()
+    assert "# Candidates weighed against a budget of 1.00 GiB" in res.stdout

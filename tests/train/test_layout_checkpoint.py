@@ -4,6 +4,7 @@ checkpointed and resumed ends bit for bit where the straight run ends."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -116,6 +117,7 @@ def _straight_then_halves(rank: int, world: int, parallel: dict, folder: str, da
         "report_rank": report.meta["rank"],
         "eval": evals,
         "stopped": (stopped.steps, stopped.stopped_by, stopped.checkpoint, stopped.losses),
+        "eval_batches": straight.eval_batches,
     }
 
 
@@ -136,7 +138,19 @@ def _eval_against_unsplit(config: TrainConfig, plan: Plan) -> tuple[float, float
     layout = build_layout(model, plan.parallel, batch_size=w.batch_size)
     split = evaluate_layout(layout, eval_batches(run.eval, w.batch_size, run.collate, w.seq_len),
                             local_batch=LayoutStepper(layout, None).local_batch)
-    return one, split, len(run.eval)
+    # A stop asked before the second batch (as a signal to any rank is: every rank gets the
+    # same answer): the loss of the first batch alone, as the unsplit model has it.
+    asked: list[int] = []
+
+    def stop() -> bool:
+        asked.append(1)
+        return len(asked) > 1
+
+    first = evaluate(whole, itertools.islice(map_style_batches(run.eval, w.batch_size,
+                                                               run.collate), 1))
+    cut = evaluate_layout(layout, eval_batches(run.eval, w.batch_size, run.collate, w.seq_len),
+                          local_batch=LayoutStepper(layout, None).local_batch, stop=stop)
+    return one, split, len(run.eval), (first, cut, len(asked))
 
 
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
@@ -212,10 +226,26 @@ def test_evaluation_equals_the_unsplit_models(ranks):
     another order), on every rank."""
     out, _ = ranks
     for got in out:
-        one, split, samples = got["eval"]
+        one, split, samples, _ = got["eval"]
         assert samples % 4  # the last batch is short: padded to the step's shape
         assert one == one  # a real loss, not NaN
         assert split == pytest.approx(one, abs=1e-5)
+        # Every evaluation read the whole (small) held-out split: below eval_max_batches.
+        assert got["eval_batches"] == [(s, -(-samples // 4)) for s in (1, 2, 3, 4)]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_stop_ends_a_layout_evaluation_before_its_next_batch(ranks):
+    """``evaluate_layout(stop=...)``, asked before each batch (the loop passes an
+    ``any_rank`` of the stop flag): true before the second batch, the loss is the first
+    batch's alone, as the unsplit model has it."""
+    out, _ = ranks
+    for got in out:
+        first, cut, asked = got["eval"][3]
+        assert asked == 2
+        assert cut == pytest.approx(first, abs=1e-5)
+        assert cut != pytest.approx(got["eval"][0], abs=1e-6)  # not the whole split's loss
 
 
 # --------------------------------------------------------------------------- one process

@@ -15,10 +15,12 @@ from ..units import format_bytes
 from .tiers import DEVICE, HOST, HOST_PINNED
 from .trace import CATEGORIES, PHASES, AllocationTrace
 
-__all__ = ["MemoryReport", "build_report"]
+__all__ = ["MemoryReport", "build_report", "window_max"]
 
 #: Most timeline points kept in ``to_dict``/JSON (the peak is always kept).
 MAX_TIMELINE_POINTS = 2000
+#: Windows of the PNG's timeline (:func:`window_max`): its axes are about 1000 pixels wide.
+PLOT_WINDOWS = 600
 
 _COLORS = {
     "parameters": "#4C72B0",
@@ -191,7 +193,10 @@ class MemoryReport:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        tl = _downsample(self.timeline, 4000)
+        # One window per pixel or two, each drawn at its highest point and held across it:
+        # a spike one operation wide (the loss's logits) stays as tall as it is, and wide
+        # enough to see, where 4000 thin points had it vanish between pixels.
+        tl = window_max(self.timeline, PLOT_WINDOWS)
         x = np.asarray(tl["op_index"])
         unit, scale = ("GiB", 1024**3) if self.peak_bytes >= 1024**3 else ("MiB", 1024**2)
         fig, ax = plt.subplots(figsize=(12, 5), dpi=110)
@@ -202,10 +207,11 @@ class MemoryReport:
                 if i == len(x) or phase[i] != phase[start]:
                     color = _PHASE_COLORS.get(phase[start])
                     if color:
-                        ax.axvspan(x[start], x[i - 1], color=color, lw=0)
+                        ax.axvspan(x[start], x[min(i, len(x) - 1)], color=color, lw=0)
                     start = i
         ys = [np.asarray(tl[c], dtype=float) / scale for c in CATEGORIES]
-        ax.stackplot(x, ys, labels=CATEGORIES, colors=[_COLORS[c] for c in CATEGORIES], alpha=0.9)
+        ax.stackplot(x, ys, labels=CATEGORIES, colors=[_COLORS[c] for c in CATEGORIES],
+                     alpha=0.9, step="post")
         ax.axhline(self.peak_bytes / scale, color="black", lw=0.8, ls="--")
         ax.annotate(
             f"peak {format_bytes(self.peak_bytes)}\n{self.peak_op} ({self.peak_phase})",
@@ -358,6 +364,33 @@ def _tier_peaks(
     pinned = tier == HOST_PINNED
     pinned_peak = int(live(pinned).sum(axis=0).max()) if pinned.any() else 0
     return int(total[at]), {c: int(per_cat[i, at]) for i, c in enumerate(CATEGORIES)}, pinned_peak
+
+
+def window_max(timeline: dict[str, list[Any]], windows: int) -> dict[str, list[Any]]:
+    """The timeline in at most ``windows`` equal windows of operations, each as the point of
+    its highest total at the window's first operation (held until the next window when drawn
+    as steps), and a last point at the last operation: the highest total is kept whatever the
+    number of windows, and each window is as wide as the others.
+
+    Args:
+        timeline: :attr:`MemoryReport.timeline`.
+        windows: The most windows (the plot's: about one per pixel or two of its width).
+    """
+    n = len(timeline["op_index"])
+    if n <= windows:
+        return {k: list(v) for k, v in timeline.items()}
+    total = np.zeros(n, dtype=np.int64)
+    for c in CATEGORIES:
+        total += np.asarray(timeline[c], dtype=np.int64)
+    edges = np.linspace(0, n, windows + 1).astype(np.int64)
+    starts = [int(lo) for lo, hi in itertools.pairwise(edges) if hi > lo]
+    best = [int(lo + np.argmax(total[lo:hi])) for lo, hi in itertools.pairwise(edges) if hi > lo]
+    out: dict[str, list[Any]] = {"op_index": [timeline["op_index"][i] for i in starts]}
+    out["op_index"].append(timeline["op_index"][-1])
+    for k, v in timeline.items():
+        if k != "op_index":
+            out[k] = [v[i] for i in best] + [v[best[-1]]]
+    return out
 
 
 def _downsample(timeline: dict[str, list[Any]], max_points: int) -> dict[str, list[Any]]:

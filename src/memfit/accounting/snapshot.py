@@ -15,10 +15,9 @@ each event's frames name the module that allocated (its qualified name as the fi
 phase and the memory category as the function), where the real snapshot has Python stack
 frames.
 
-:func:`write_html` renders the same snapshot with PyTorch's own viewer
-(``_memory_viz.trace_plot``, called in :mod:`memfit.device`) into one HTML page to open in a
-browser: the snapshot is embedded in the page (base64 of its pickle), the viewer's script
-(PyTorch's ``MemoryViz.js``) is loaded from the jsDelivr CDN, as PyTorch's own pages do.
+:func:`write_html` writes one self-contained HTML page of the run (memfit's own drawing of
+the timeline, :mod:`memfit.accounting.page`), the snapshot in it as a download. PyTorch's page
+(``_memory_viz.trace_plot``) loads its viewer script from a CDN: offline, a white page.
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ import pickle
 from pathlib import Path
 from typing import Any
 
-from ..device import memory_timeline_html
 from ..outputs import write_bytes, write_text
 from .allocator import AllocatorConfig, CachingAllocatorModel
 from .trace import CATEGORIES, PHASES, AllocationTrace
@@ -178,7 +176,11 @@ def write_snapshot(trace: AllocationTrace, path: str | Path,
 
 
 def write_html(trace: AllocationTrace, path: str | Path,
-               config: AllocatorConfig | None = None) -> None:
-    """Write :func:`memory_snapshot` as PyTorch's memory viewer page (its "Active Memory
-    Timeline") to ``path``: an HTML file carrying the whole snapshot."""
-    write_text(path, memory_timeline_html(memory_snapshot(trace, config)))
+               config: AllocatorConfig | None = None, *, title: str = "") -> None:
+    """Write the run's memory timeline to ``path`` as one self-contained HTML page
+    (:func:`~memfit.accounting.page.timeline_page`: drawn by memfit as inline SVG, no network,
+    no script), carrying :func:`memory_snapshot` for PyTorch's viewer as a download."""
+    from .page import timeline_page
+
+    page = timeline_page(trace, memory_snapshot(trace, config), title=title)
+    write_text(path, page)

@@ -7,9 +7,9 @@ from typing import Annotated
 
 import typer
 
-from ..console import check_outputs, err, fail, out, quiet_libraries
+from ..console import check_outputs, configure, fail, out, show, status
 from ..outputs import write_text
-from .checks import check_sizes, run_guarded
+from .checks import QuietOption, VerboseOption, check_sizes, run_guarded
 
 __all__ = ["bench_ladder"]
 
@@ -48,12 +48,12 @@ def bench_ladder(
             "'baseline + fused loss'.",
         ),
     ] = "",
+    quiet: QuietOption = False,
+    verbose: VerboseOption = False,
 ) -> None:
     """Reproduce and extend the published BERT-large strategy ladder."""
-    quiet_libraries()
+    configure(quiet=quiet, verbose=verbose)
     import json
-
-    from rich.status import Status
 
     from ..bench.ladder import ladder_markdown, ladder_table, run_ladder
 
@@ -65,7 +65,7 @@ def bench_ladder(
     from ..targets import get_device
 
     target = run_guarded(get_device, device)
-    with Status("ladder...", console=err) as status:
+    with status("ladder...") as line:
         rows = run_guarded(
             run_ladder,
             model,
@@ -75,10 +75,10 @@ def bench_ladder(
             compute_depth=compute_depth,
             compute_seq=compute_seq,
             device=target,
-            progress=lambda msg: status.update(msg),
+            progress=lambda msg: line.update(msg),
             only=[n.strip() for n in only.split(",") if n.strip()] or None,
         )
-    out.print(ladder_table(rows))
+    show(ladder_table(rows))
     if json_path is not None:
         write_text(json_path, json.dumps([r.to_dict() for r in rows], indent=2) + "\n")
         out.print(f"wrote {json_path}")

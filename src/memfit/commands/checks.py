@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import traceback
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -14,9 +15,12 @@ import typer
 from ..console import fail
 
 __all__ = [
+    "QuietOption",
     "TextFieldOption",
     "TokenizerOption",
+    "VerboseOption",
     "check_data_options",
+    "check_extras",
     "check_sizes",
     "data_lengths",
     "data_option",
@@ -36,6 +40,26 @@ TokenizerOption = Annotated[
 #: ``--text-field`` of the same commands.
 TextFieldOption = Annotated[
     str, typer.Option("--text-field", help="With --data: the field holding a record's text.")
+]
+
+
+#: ``--quiet`` of every command (:func:`memfit.console.configure`).
+QuietOption = Annotated[
+    bool,
+    typer.Option(
+        "--quiet",
+        "-q",
+        help="For scripts: print the results only (no progress, no tables); errors still print.",
+    ),
+]
+#: ``--verbose`` of every command.
+VerboseOption = Annotated[
+    bool,
+    typer.Option(
+        "--verbose",
+        help="Also show third-party libraries' warnings and logs (torchao's kernels that do "
+        "not load here, torch's deprecation notes), silenced by default.",
+    ),
 ]
 
 
@@ -96,13 +120,15 @@ def data_lengths(
     batch_size: int,
     seq_len: int,
     model: str | None = None,
+    console: Any = None,
 ) -> Any:
     """Read ``--data`` as ``memfit train`` would, print its length percentiles and worst batch,
     and return the :class:`~memfit.train.lengths.LengthReport` (its ``max`` is the length to
     plan for); bad data fails with one sentence and exit 2.
 
     Without ``tokenizer``, a model folder's own tokenizer counts the tokens, as ``memfit
-    train`` uses it (else memfit's byte tokenizer)."""
+    train`` uses it (else memfit's byte tokenizer). The summary goes to ``console`` (default:
+    standard output)."""
     from ..console import err, out
     from ..train.chat import build_dataset
     from ..train.lengths import length_report
@@ -118,7 +144,7 @@ def data_lengths(
             say=lambda m: status.update(str(m)),
         )
     report = run_guarded(length_report, dataset, batch_size, seq_len=seq_len)
-    out.print(report.summary(), highlight=False)
+    (console or out).print(report.summary(), highlight=False)
     return report
 
 
@@ -131,3 +157,53 @@ def check_data_options(data: Any, tokenizer: Any, text_field: str) -> None:
         fail("--tokenizer counts the tokens of --data; give --data too, or leave --tokenizer out")
     if text_field != "text":
         fail("--text-field names a field of --data's records; give --data too, or leave it out")
+
+
+#: ``--allow`` name -> the optional packages it needs: (package, the extra that brings it).
+_ALLOW_NEEDS: dict[str, tuple[tuple[str, str], ...]] = {
+    "lora": (("peft", "peft"),),
+    "qlora": (("peft", "peft"), ("torchao", "peft")),
+    "fp8": (("torchao", "fp8"),),
+}
+
+
+def check_extras(
+    allow: Iterable[str] = (), plan: Any = None, *, where: str = "", real: bool = True
+) -> None:
+    """Fail (one sentence naming the extra to install, exit 2) before any work when ``--allow``
+    or a plan needs an optional package that is not installed.
+
+    Args:
+        allow: ``--allow``'s names (the planner may choose these techniques).
+        plan: A given :class:`~memfit.plan.Plan` (its LoRA, fp8 precision and optimizer).
+        where: How the plan was given, for the sentence (``--plan plan.json``).
+        real: The plan will train for real; ``False``: only dry runs, where a peer's optimizer
+            (bitsandbytes', torchao's) has memfit's stand-in and its package is not needed.
+    """
+    from ..extras import MissingExtra, require
+
+    try:
+        for name in allow:
+            for package, extra in _ALLOW_NEEDS.get(name.strip(), ()):
+                require(package, f"--allow {name.strip()}", extra)
+        if plan is not None:
+            _check_plan_extras(plan, where or "the plan", real)
+    except MissingExtra as e:
+        fail(str(e))
+
+
+def _check_plan_extras(plan: Any, where: str, real: bool) -> None:
+    """Raise :class:`~memfit.extras.MissingExtra` for the first package ``plan`` needs that is
+    not installed."""
+    from ..extras import installed, require
+    from ..optim import registry
+
+    if plan.lora is not None:
+        require("peft", f"{where}'s LoRA adapters", "peft")
+        if plan.lora.quantize_base is not None:
+            require("torchao", f"{where}'s QLoRA base ({plan.lora.quantize_base})", "peft")
+    if plan.precision.mode == "fp8":
+        require("torchao", f"{where}'s precision 'fp8'", "fp8")
+    spec = registry.get(plan.optimizer.name)
+    if real and spec.package is not None and not installed(spec.package):
+        raise spec.missing()

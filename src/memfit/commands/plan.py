@@ -7,14 +7,17 @@ from typing import Annotated, Any
 
 import typer
 
-from ..console import check_outputs, err, exit_without_teardown, fail, out, quiet_libraries
+from ..console import check_outputs, configure, exit_without_teardown, fail, out, show
 from ..outputs import write_text
 from ..plan import Plan
 from ..units import format_bytes
 from .checks import (
+    QuietOption,
     TextFieldOption,
     TokenizerOption,
+    VerboseOption,
     check_data_options,
+    check_extras,
     check_sizes,
     data_lengths,
     data_option,
@@ -28,7 +31,8 @@ _Model = Annotated[
     typer.Option(
         "--model",
         "-m",
-        help="Preset name, path to a HF config.json, or package.module:function.",
+        help="A preset (gpt2-tiny, llama-1b, ...), a Hugging Face model folder (config.json, "
+        "with or without weights) or its config.json, a hub id, or package.module:function.",
     ),
 ]
 _Budget = Annotated[
@@ -106,8 +110,9 @@ _Emit = Annotated[
     str | None,
     typer.Option(
         "--emit",
-        help="Also print how to run the plan elsewhere: 'hf' (TrainingArguments lines and "
-        "the code for the Hugging Face Trainer).",
+        help="Print Python that runs the plan elsewhere: 'hf' (the Hugging Face Trainer: the "
+        "plan, its TrainingArguments and a train(model, train_dataset) function). The answer "
+        "is printed above it as comments: the whole output runs as Python (> run_plan.py).",
     ),
 ]
 _LoraRank = Annotated[
@@ -173,6 +178,8 @@ def plan_command(
     tokenizer: _Tokenizer = None,
     text_field: _TextField = "text",
     lora_rank: _LoraRank = None,
+    quiet: QuietOption = False,
+    verbose: VerboseOption = False,
 ) -> None:
     """Find the fastest plan whose peak memory fits a budget."""
     # Nothing is left to finish once the answer is printed: the process then exits without
@@ -180,7 +187,7 @@ def plan_command(
     # behind, module by module (about a quarter of a second), only for the operating system to
     # take the memory back anyway.
     exit_without_teardown()
-    quiet_libraries()
+    configure(quiet=quiet, verbose=verbose)
 
     if emit is not None and emit != "hf":
         fail(f"--emit {emit!r} is not known; use 'hf' (the Hugging Face Trainer)")
@@ -191,12 +198,19 @@ def plan_command(
     # --disk-dir is written by training under the plan, not here, but must exist by then.
     check_outputs({"--json": json_path, "--save": save}, existing_folders={"--disk-dir": disk_dir})
     base_plan = run_guarded(Plan.load, base) if base is not None else None
+    # The optional packages --allow or the plan needs, before any work (planning runs only
+    # dry runs: a peer's optimizer has a stand-in there).
+    check_extras(allow.split(","), base_plan, where=f"--plan {base}", real=False)
     check_data_options(data, tokenizer, text_field)
+    # With --emit, what a person reads becomes comments above the emitted code: the whole
+    # output runs as Python (memfit plan ... --emit hf > run_plan.py).
+    words = _comment_console() if emit else out
     lengths = None
     if data:
         # The budget must hold for the longest batch the data makes, not a typical one.
         share = max(batch_size // (world_size or 1), 1)
-        lengths = data_lengths(data, tokenizer, text_field, share, seq_len, model)
+        lengths = data_lengths(data, tokenizer, text_field, share, seq_len, model,
+                               console=words)
         seq_len = lengths.max
     workload = run_guarded(load_workload, model, batch_size, seq_len)
     result = _search(
@@ -215,8 +229,8 @@ def plan_command(
         jobs=jobs,
         lora_rank=lora_rank,
     )
-    _print_answer(result)
-    _write_answer(result, json_path, save, emit, lengths)
+    _print_answer(result, words)
+    _write_answer(result, json_path, save, emit, lengths, words)
 
 
 def _search(workload: Any, budget: str, json_path: Path | None, **options: Any) -> Any:
@@ -224,11 +238,10 @@ def _search(workload: Any, budget: str, json_path: Path | None, **options: Any) 
     written to ``json_path`` (when given) and the reason as the command's failure."""
     import json
 
-    from rich.status import Status
-
+    from ..console import status as status_line
     from ..planner import NothingFits, plan
 
-    with Status("planning...", console=err) as status:
+    with status_line("planning...") as status:
         try:
             return run_guarded(
                 plan, workload, budget, progress=lambda msg: status.update(msg), **options
@@ -240,16 +253,17 @@ def _search(workload: Any, budget: str, json_path: Path | None, **options: Any) 
             fail(str(e))
 
 
-def _print_answer(result: Any) -> None:
-    """The explanation table, the chosen plan and its predicted peak, memory and step time."""
+def _print_answer(result: Any, out: Any = out) -> None:
+    """The explanation table, the chosen plan and its predicted peak, memory and step time,
+    on ``out`` (with ``--emit``, a console whose lines become Python comments)."""
     from ..planner import explain_table
 
     if result.layout is not None:
         from ..planner.layout import layout_table
 
-        out.print(layout_table(result))
+        show(layout_table(result), out)
     else:
-        out.print(explain_table(result))
+        show(explain_table(result), out)
     cats = ", ".join(
         f"{k} {format_bytes(v)}" for k, v in result.predicted_peak_by_category.items() if v
     )
@@ -285,10 +299,12 @@ def _print_answer(result: Any) -> None:
 
 
 def _write_answer(
-    result: Any, json_path: Path | None, save: Path | None, emit: str | None, lengths: Any = None
+    result: Any, json_path: Path | None, save: Path | None, emit: str | None, lengths: Any = None,
+    out: Any = out,
 ) -> None:
     """The answer as JSON (with ``--data``'s lengths), the chosen plan as a file, and ``--emit
-    hf``'s lines, when asked."""
+    hf``'s Python, when asked: then what ``out`` holds is printed first as comments, so that
+    the whole output is a Python file (``memfit plan ... --emit hf > run_plan.py``)."""
     import json
 
     if json_path is not None:
@@ -306,7 +322,28 @@ def _write_answer(
     if emit == "hf":
         from ..integrations.hf import emit as emit_hf
 
-        print(emit_hf(result.plan), end="")
+        print(_as_comments(out) + emit_hf(result.plan), end="")
+
+
+def _comment_console() -> Any:
+    """A console that keeps what it is given (plain text, two columns narrower than standard
+    output, for the ``# `` each line gets)."""
+    import io
+
+    from rich.console import Console
+
+    return Console(file=io.StringIO(), width=max(out.width - 2, 40), highlight=False)
+
+
+def _as_comments(console: Any) -> str:
+    """What a :func:`_comment_console` holds, each line a Python comment (``""`` for another
+    console)."""
+    import io
+
+    if not isinstance(console.file, io.StringIO):
+        return ""
+    lines = console.file.getvalue().splitlines()
+    return "".join(f"# {line.rstrip()}".rstrip() + "\n" for line in lines) + ("\n" if lines else "")
 
 
 def _stages_line(result: Any) -> str:

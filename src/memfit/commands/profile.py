@@ -23,16 +23,29 @@ from typing import Annotated, Any
 import torch.distributed as dist
 import typer
 
-from ..console import check_outputs, err, fail, out, quiet_libraries
+from ..console import (
+    SETTINGS,
+    check_outputs,
+    configure,
+    err,
+    fail,
+    fit_width,
+    out,
+    show,
+    status,
+)
 from ..distributed.launch import init_worker
 from ..outputs import write_text
 from ..plan import Plan, PlanError
 from ..units import format_bytes
 from ..workload import Workload
 from .checks import (
+    QuietOption,
     TextFieldOption,
     TokenizerOption,
+    VerboseOption,
     check_data_options,
+    check_extras,
     check_sizes,
     data_lengths,
     data_option,
@@ -47,7 +60,8 @@ _Model = Annotated[
     typer.Option(
         "--model",
         "-m",
-        help="Preset name, path to a HF config.json, or package.module:function.",
+        help="A preset (gpt2-tiny, llama-1b, ...), a Hugging Face model folder (config.json, "
+        "with or without weights) or its config.json, a hub id, or package.module:function.",
     ),
 ]
 _BatchSize = Annotated[int, typer.Option("--batch-size", "-b", help="Samples per step.")]
@@ -80,8 +94,9 @@ _Html = Annotated[
     Path | None,
     typer.Option(
         "--html",
-        help="Write the run's memory timeline as an HTML page to open in a browser (the "
-        "--snapshot data drawn by PyTorch's memory viewer, modelled for the target).",
+        help="Write the run's memory timeline as one self-contained HTML page (drawn by "
+        "memfit, no network needed; the caching allocator modelled for the target), with the "
+        "--snapshot data as a download for PyTorch's viewer.",
     ),
 ]
 _Device = Annotated[
@@ -147,9 +162,11 @@ def profile(
     tokenizer: _Tokenizer = None,
     text_field: _TextField = "text",
     job: _Job = False,
+    quiet: QuietOption = False,
+    verbose: VerboseOption = False,
 ) -> None:
     """Measure where a training step's memory goes, by category, phase and module."""
-    quiet_libraries()
+    configure(quiet=quiet, verbose=verbose)
     from ..estimate.predictor import Measured
     from ..workload import load_workload
 
@@ -162,6 +179,7 @@ def profile(
 
     target = run_guarded(get_device, device)
     the_plan = run_guarded(Plan.load, plan) if plan is not None else None
+    check_extras((), the_plan, where=f"--plan {plan}", real=not dry_run)
     check_data_options(data, tokenizer, text_field)
     if data:
         # Measure the longest batch the data makes: the one a budget must hold.
@@ -209,7 +227,7 @@ def profile(
     if snapshot is not None:
         _write_snapshot(report, snapshot)
     if html is not None:
-        _write_snapshot(report, html, page=True)
+        _write_snapshot(report, html, page=True, title=title)
 
 
 def _check_job_options(
@@ -238,7 +256,7 @@ def _profile_job(
     from ..train.job import measure_job, predict_job
 
     what = "dry-running" if dry else "running"
-    with err.status(f"{what} the phases of a job of {workload.name} for {target.name}"):
+    with status(f"{what} the phases of a job of {workload.name} for {target.name}"):
         if dry:
             phases = run_guarded(
                 predict_job, workload, plan, device=target, expert_load=expert_load
@@ -248,7 +266,7 @@ def _profile_job(
     mode = "predicted on fake tensors" if dry else "measured by the trainer"
     title = (f"{workload.name}, batch {workload.batch_size}, length {workload.seq_len}: "
              f"the job's phases ({mode}, target {target.name if dry else 'this machine'})")
-    out.print(phases.table(title))
+    show(phases.table(title))
     top = phases.peak_phase
     out.print(f"the run's peak is set by [bold]{top}[/]: "
               f"[bold]{format_bytes(phases.peak_bytes)}[/] of tensors", highlight=False)
@@ -261,20 +279,24 @@ def _profile_job(
         out.print(f"wrote {json_path}")
 
 
-def _write_snapshot(report: Any, path: Path, *, page: bool = False) -> None:
-    """The run's PyTorch memory snapshot: the pickle (``--snapshot``) or PyTorch's viewer page
-    drawing it (``--html``)."""
+def _write_snapshot(report: Any, path: Path, *, page: bool = False, title: str = "") -> None:
+    """The run's PyTorch memory snapshot: the pickle (``--snapshot``), or memfit's page of the
+    run's timeline carrying it (``--html``, headed ``title``)."""
     from ..accounting.snapshot import write_html, write_snapshot
 
     flag = "--html" if page else "--snapshot"
     if report.trace is None:
         fail(f"this run kept no allocation trace, so {flag} has nothing to write")
     try:
-        (write_html if page else write_snapshot)(report.trace, path)
+        if page:
+            write_html(report.trace, path, title=title)
+        else:
+            write_snapshot(report.trace, path)
     except OSError as e:
         fail(f"{flag} {path}: cannot write it ({e.strerror or e})")
     if page:
-        out.print(f"wrote the memory timeline to {path} (open it in a browser)")
+        out.print(f"wrote the memory timeline to {path} (open it in a browser; no network "
+                  "needed)")
     else:
         out.print(f"wrote the memory snapshot to {path} (open it at https://pytorch.org/memory_viz)")
 
@@ -324,7 +346,7 @@ def _profile_ranks(
         plan = plan.over_processes(world)
     except PlanError:
         fail(f"the plan is for {plan.parallel.data} processes but --world-size is {world}")
-    with err.status(f"dry-running {world} ranks of {workload.name}"):
+    with status(f"dry-running {world} ranks of {workload.name}"):
         prediction = run_guarded(Ranks(steps=max(steps, 3), expert_load=expert_load).predict,
                                  workload, plan, target)
     pred = prediction.extra["ranks"]  # the ranks' own reports, for their categories
@@ -339,7 +361,7 @@ def _profile_ranks(
         if device_cols:
             cells += [format_bytes(pred.nccl_bytes[r]), format_bytes(pred.device_total_bytes[r])]
         table.add_row(str(r), format_bytes(pred.peak_bytes[r]), *cells)
-    out.print(table)
+    show(table)
     if json_path is not None:
         data = {"model": workload.name, "plan": plan.to_dict(), "world_size": world, **pred.to_dict()}
         data["reports"] = {str(r): rep.to_dict(max_points=200) for r, rep in pred.reports.items()}
@@ -377,7 +399,7 @@ def _profile_layout(workload: Any, plan: Any, world: int, json_path: Any, target
             f"one of {layout}; for other plans, memfit plan --world-size N --gpus-per-node G with "
             "--plan gives the layout model's per-rank figures"
         )
-    with err.status(f"dry-running the {par.pipeline} pipeline stages of {workload.name}"):
+    with status(f"dry-running the {par.pipeline} pipeline stages of {workload.name}"):
         prediction = run_guarded(Layout().predict, workload, plan, target)
     pred = prediction.extra["layout"]  # each rank's peak and the layout's record
     nccl = run_guarded(nccl_rank_bytes, par, target)
@@ -396,7 +418,7 @@ def _profile_layout(workload: Any, plan: Any, world: int, json_path: Any, target
         extra = [format_bytes(nccl[r]), format_bytes(totals[r])] if device_cols else []
         table.add_row(str(r), *(str(where[k]) for k in ("stage", "replica", "chunk", "shard")),
                       format_bytes(peak), *extra)
-    out.print(table)
+    show(table)
     if json_path is not None:
         data = {"model": workload.name, "plan": plan.to_dict(), "world_size": world,
                 **pred.to_dict(), "predicted_rank_peak_bytes": list(pred.peak_bytes),
@@ -417,7 +439,7 @@ def _with_progress(description: str, total: int, fn: Any) -> Any:
         TextColumn("{task.completed}/{task.total} steps"),
         TimeElapsedColumn(),
     )
-    with Progress(*columns, console=err, transient=True) as bar:
+    with Progress(*columns, console=err, transient=True, disable=SETTINGS.quiet) as bar:
         task = bar.add_task(description, total=total)
         try:
             return fn(lambda done, _total: bar.update(task, completed=done))
@@ -439,7 +461,7 @@ def _print_report(report: Any) -> None:
         f"{attention}",
         highlight=False,
     )
-    out.print(report.table())
+    show(report.table())
     target = meta.get("target_device", report.device)
     out.print(f"peak: [bold]{format_bytes(report.peak_bytes)}[/] of tensors", highlight=False)
     if report.overhead_bytes or (report.peak_reserved_bytes or 0) > report.peak_bytes:
@@ -502,7 +524,7 @@ def profile_under_launcher(
                 format_bytes(row["peak_bytes"]),
                 *(format_bytes(row["peak_by_category"][c]) for c in categories),
             )
-        console.print(table)
+        console.print(fit_width(table, console))
         if json_path is not None:
             data = {"model": workload.name, "plan": plan.to_dict(), "world_size": world,
                     "ranks": rows, "per_rank_peak_bytes": [r["peak_bytes"] for r in rows]}

@@ -12,11 +12,12 @@ memfit's built-in ``byte-gpt`` on the Python standard library's sources under a 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import torch
 import typer
@@ -30,8 +31,10 @@ from ..train.lock import hold
 from ..train.manifest import CheckpointError
 from ..train.resume import ResumePoint, resume_point
 from ..train.run import TrainRun, prepare_run
+from ..train.stopping import Interrupted, StopRequested, catch_signals, exit_code
 from ..train.trainer import TrainingDiverged
 from ..workload import WorkloadError
+from .checks import QuietOption, VerboseOption, check_extras
 
 __all__ = ["TrainCommand", "build_config", "train"]
 
@@ -92,12 +95,22 @@ def train(
     resume_from: Annotated[Path | None, typer.Option("--resume-from", metavar="PATH", help=_help("resume_from", "new checkpoints go to --checkpoint-dir, by default PATH's folder"))] = None,
     nproc_per_node: Annotated[int | None, typer.Option("--nproc-per-node", help=_help("nproc_per_node", "started through torch's elastic launcher"))] = None,
     text_field: Annotated[str | None, typer.Option("--text-field", help=_help("text_field", "default text"))] = None,
+    eval_max_batches: Annotated[int | None, typer.Option("--eval-max-batches", help=_help("eval_max_batches", "default 16, the tokens of 16 training steps; 0: the whole held-out split"))] = None,
+    quiet: QuietOption = False,
+    verbose: VerboseOption = False,
 ) -> None:
-    """Train a causal LM on text under a memory budget: plan, train, report memory."""
-    from ..console import check_outputs, fail, quiet_libraries
+    """Train a causal LM on text under a memory budget: plan, train, report memory.
+
+    SIGTERM or Ctrl-C (SIGINT) stops the run at the next step or evaluation batch (data
+    preparation at the next record), saves a checkpoint when there is a checkpoint folder,
+    prints and writes the results, and exits with 128 + the signal: 143 after SIGTERM, 130
+    after SIGINT. A second signal stops at once. Other exit codes: 0 done, 1 out of memory or
+    a diverged loss, 2 bad input.
+    """
+    from ..console import check_outputs, configure, fail
     from ..distributed.launch import under_launcher, worker_world_size
 
-    quiet_libraries()
+    configure(quiet=quiet, verbose=verbose)
     check_outputs({"--json": json_path, "--plot": plot}, {"--checkpoint-dir": checkpoint_dir})
     flags = {
         "model": model,
@@ -117,12 +130,16 @@ def train(
         "resume_from": str(resume_from) if resume_from else None,
         "nproc_per_node": nproc_per_node,
         "text_field": text_field,
+        "eval_max_batches": eval_max_batches,
     }
     world = worker_world_size()
     if world > 1 and nproc_per_node is None:
         flags["nproc_per_node"] = world  # started by torchrun directly
     try:
         settings = build_config(config, {k: v for k, v in flags.items() if v is not None})
+        # The optional packages the run needs (--allow's techniques, the plan's), before any
+        # process starts or any work is done.
+        check_extras(settings.allow, settings.load_plan(), where=_plan_source(plan_path, config))
         _check_plan_degree(settings)  # before any process starts (and again in each, harmless)
         _check_config_outputs(settings, config, given_checkpoint_dir=checkpoint_dir is not None)
         if under_launcher() and settings.nproc_per_node != world:
@@ -152,57 +169,133 @@ def _run(
     json_path: Path | None, argv: list[str],
 ) -> None:
     """The run, with the checkpoint folder held: launch the processes, or train in this one."""
-    from ..console import err, exit_without_teardown, fail, out
-    from ..distributed.launch import finish_worker, init_worker, launch, under_launcher
+    from ..console import err, out
+    from ..distributed.launch import under_launcher
 
     if settings.nproc_per_node > 1 and not under_launcher():
-        failed = launch(settings.nproc_per_node, argv)
-        if failed is not None:
-            fail(failed, code=1)
-        raise typer.Exit(0)
+        _launch(settings.nproc_per_node, argv)
     if point is not None and int(os.environ.get("RANK", "0")) == 0:
         out.print(point.describe(), highlight=False)
     if world > 1:
         given = settings.load_plan()
         if is_layout_plan(given):
             assert given is not None
-            _work_layout(settings, given, world, plot=plot, json_path=json_path, out=out,
-                         err=err)
-            return
-        rank = init_worker(given.parallel.backend if given is not None else None)[0]
-        try:
-            _work(settings, rank, world, plot=plot, json_path=json_path, out=out, err=err)
-        except BaseException:
-            finish_worker(ok=False)
-            raise
-        finish_worker()
-        exit_without_teardown()
+            code = _work_layout(settings, given, world, plot=plot, json_path=json_path, out=out,
+                                err=err)
+        else:
+            code = _work_data_parallel(settings, world, plot=plot, json_path=json_path, out=out,
+                                       err=err)
     else:
-        _work(settings, 0, world, plot=plot, json_path=json_path, out=out, err=err)
+        code = _work(settings, 0, world, plot=plot, json_path=json_path, out=out, err=err)
+    if code:
+        raise typer.Exit(code)
+
+
+def _launch(nproc: int, argv: list[str]) -> NoReturn:
+    """Run ``argv`` in ``nproc`` processes and end with their outcome: 0, 1 for a failure
+    (named), or the stop code (143, 130) when a signal stopped them."""
+    from ..console import fail
+    from ..distributed.launch import ProcessesStopped, launch
+
+    try:
+        failed = launch(nproc, argv)
+    except ProcessesStopped as e:
+        raise typer.Exit(e.code) from None  # the processes printed how they stopped
+    if failed is not None:
+        fail(failed, code=1)
+    raise typer.Exit(0)
+
+
+def _work_data_parallel(
+    settings: TrainConfig, world: int, *, plot: Path | None, json_path: Path | None, out: Any,
+    err: Any,
+) -> int:
+    """:func:`_work` in one of ``world`` launched processes: join the group, train, leave."""
+    from ..console import exit_without_teardown
+    from ..distributed.launch import finish_worker, init_worker
+
+    given = settings.load_plan()
+    rank = init_worker(given.parallel.backend if given is not None else None)[0]
+    try:
+        code = _work(settings, rank, world, plot=plot, json_path=json_path, out=out, err=err)
+        _all_done()
+    except BaseException:
+        finish_worker(ok=False)
+        raise
+    finish_worker()
+    exit_without_teardown()
+    return code
+
+
+def _all_done() -> None:
+    """Wait until every process has written its results: one that exits with a stop code
+    (143) makes the launcher end the others, since a non-zero exit is a failure to it."""
+    import torch.distributed as dist
+
+    dist.barrier()
+
+
+def _launched() -> bool:
+    """Whether torch's launcher started this process (it forwards signals to it)."""
+    from ..distributed.launch import under_launcher
+
+    return under_launcher()
+
+
+@contextlib.contextmanager
+def _hard_stop(err: Any) -> Iterator[None]:
+    """A second signal (:class:`~memfit.train.stopping.Interrupted`) ends the command at once
+    with its own code (typer would turn the ``KeyboardInterrupt`` into exit code 1)."""
+    try:
+        yield
+    except Interrupted as e:
+        err.print(f"interrupted by {e}; no checkpoint was written for it", highlight=False)
+        raise typer.Exit(e.code) from None
+
+
+def _stopped_early(err: Any, e: StopRequested) -> NoReturn:
+    """End the command for a signal that came before training: a line, the signal's code."""
+    err.print(f"{e}; nothing was trained", highlight=False)
+    raise typer.Exit(e.code)
 
 
 def _work(
     settings: TrainConfig, rank: int, world: int, *, plot: Path | None, json_path: Path | None,
     out: Any, err: Any,
+) -> int:
+    """Plan, train and report in this process (one of ``world``); returns the exit code:
+    0, or ``128 + signal`` when a signal stopped the run (after the results are written)."""
+    with catch_signals(second_interrupts=not _launched()) as stop, _hard_stop(err):
+        _train_and_report(settings, rank, world, plot=plot, json_path=json_path, out=out, err=err)
+        return exit_code(stop.signum)
+
+
+def _train_and_report(
+    settings: TrainConfig, rank: int, world: int, *, plot: Path | None, json_path: Path | None,
+    out: Any, err: Any,
 ) -> None:
-    """Plan, train and report in this process (one of ``world``)."""
-    from ..console import fail
+    from ..console import SETTINGS, fail, status
 
     if rank != 0:  # one voice: the other processes print only their errors
         out, err = _quiet(out), _quiet(err)
     try:
         # Planner progress goes to a transient status line: it is noise once a plan is chosen.
-        with err.status("preparing the run") as status:
-            run = prepare_run(settings, say=lambda m: status.update(str(m)), world_size=world)
+        with status("preparing the run") as line:
+            run = prepare_run(settings, say=lambda m: line.update(str(m)), world_size=world)
     except (WorkloadError, ValueError) as e:
         fail(str(e))
+    except StopRequested as e:
+        _stopped_early(err, e)
     _print_plan(out, run)
     try:
-        result = run.trainer(report_png=plot if rank == 0 else None, console=err, progress=rank == 0).fit()
+        result = run.trainer(report_png=plot if rank == 0 else None, console=err,
+                             progress=rank == 0 and not SETTINGS.quiet).fit()
     except (torch.OutOfMemoryError, TrainingDiverged) as e:
         fail(str(e), code=1)
     except (WorkloadError, ValueError) as e:
         fail(str(e))
+    except StopRequested as e:
+        _stopped_early(err, e)
     peaks = _gather_peaks(result.peak_bytes, world)
     _print_result(out, run, result)
     if world > 1:
@@ -214,6 +307,13 @@ def _work(
         data.update(world_size=world, per_rank_peak_bytes=peaks)
         write_text(json_path, json.dumps(data, indent=2) + "\n")
         out.print(f"wrote {json_path}")
+
+
+def _plan_source(plan_path: Path | None, config: Path | None) -> str:
+    """How the run's plan was given, for a sentence about it."""
+    if plan_path is not None:
+        return f"--plan {plan_path}"
+    return f"{config.name}'s plan" if config is not None else "the plan"
 
 
 def _check_config_outputs(
@@ -260,13 +360,23 @@ def _check_plan_degree(settings: TrainConfig) -> None:
 def _work_layout(
     settings: TrainConfig, plan: Any, world: int, *, plot: Path | None, json_path: Path | None,
     out: Any, err: Any,
-) -> None:
+) -> int:
     """Train a tensor/pipeline plan in this process (one of ``world``) through
     :mod:`memfit.train.layout_run`; join and leave the process group here. ``--plot`` is
-    drawn by every process, its own report beside the path given (``mem-rank0.png``, ...)."""
+    drawn by every process, its own report beside the path given (``mem-rank0.png``, ...).
+    Returns the exit code: 0, or ``128 + signal`` when a signal stopped the run."""
+    with catch_signals(second_interrupts=not _launched()) as stop, _hard_stop(err):
+        _train_layout(settings, plan, world, plot=plot, json_path=json_path, out=out, err=err)
+        return exit_code(stop.signum)
+
+
+def _train_layout(
+    settings: TrainConfig, plan: Any, world: int, *, plot: Path | None, json_path: Path | None,
+    out: Any, err: Any,
+) -> None:
     import os
 
-    from ..console import exit_without_teardown, fail
+    from ..console import SETTINGS, exit_without_teardown, fail
     from ..distributed.launch import finish_worker, init_worker
     from ..train.layout_run import predict_rank_peaks, train_layout
 
@@ -280,6 +390,8 @@ def _work_layout(
         predicted = predict_rank_peaks(run, plan) if rank == 0 else None
     except (WorkloadError, ValueError) as e:
         fail(str(e))
+    except StopRequested as e:
+        _stopped_early(err, e)
     par = plan.parallel
     out.print(
         f"[bold]{run.workload.name}[/]: {run.workload.description}; batch "
@@ -291,16 +403,29 @@ def _work_layout(
     init_worker(par.backend)
     try:
         try:
-            result = train_layout(run, plan, console=err, progress=rank == 0, report_png=plot)
+            result = train_layout(run, plan, console=err, progress=rank == 0 and not SETTINGS.quiet,
+                                  report_png=plot)
         except (torch.OutOfMemoryError, TrainingDiverged) as e:
             fail(str(e), code=1)
         except (WorkloadError, ValueError) as e:
             fail(str(e))
+        except StopRequested as e:
+            _stopped_early(err, e)
+        _report_layout(out, run, plan, result, predicted, world=world, rank=rank, plot=plot,
+                       json_path=json_path)
+        _all_done()  # the results are written before any process leaves
     except BaseException:
         finish_worker(ok=False)
         raise
     finish_worker()
     exit_without_teardown()
+
+
+def _report_layout(
+    out: Any, run: TrainRun, plan: Any, result: Any, predicted: list[int] | None, *, world: int,
+    rank: int, plot: Path | None, json_path: Path | None,
+) -> None:
+    """Print a tensor/pipeline run's results; process 0 writes the JSON."""
     out.print(
         f"loss {result.first_loss:.4f} -> {result.final_loss:.4f} in {_steps(result)} "
         f"({result.seconds:.1f} s, {result.tokens_per_second:,.0f} tokens/s); per-process "
@@ -350,6 +475,7 @@ _PASSED = {
     "json_path": "--json", "cap": "--cap", "plot": "--plot", "plan_path": "--plan",
     "checkpoint_dir": "--checkpoint-dir", "save_every": "--save-every", "keep": "--keep",
     "nproc_per_node": "--nproc-per-node", "text_field": "--text-field",
+    "eval_max_batches": "--eval-max-batches",
     "resume_mode": "--resume-mode", "resume_from": "--resume-from",
 }  # fmt: skip
 
@@ -363,8 +489,9 @@ def _argv(params: Mapping[str, Any]) -> list[str]:
             argv += [flag, str(value)]
     for path in params.get("data") or ():
         argv += ["--data", str(path)]
-    if params.get("resume"):
-        argv.append("--resume")
+    for flag in ("resume", "quiet", "verbose"):
+        if params.get(flag):
+            argv.append(f"--{flag}")
     return argv
 
 
@@ -429,6 +556,24 @@ def _print_plan(out: Any, run: TrainRun) -> None:
     out.print(
         f"plan ({choice.method}): [bold]{choice.plan.summary()}[/]; {_verdict(run)}",
         highlight=False,
+    )
+    if run.eval is not None:
+        out.print(eval_line(run.config, len(run.eval), w.batch_size), highlight=False)
+
+
+def eval_line(config: TrainConfig, samples: int, batch_size: int) -> str:
+    """What each evaluation reads, in words: ``eval: 16 of 62,500 batches (256 of 1,000,000
+    held-out samples) every 50 steps and after the last``."""
+    batches = -(-samples // batch_size)
+    limit = config.eval_batch_limit
+    n = batches if limit is None else min(limit, batches)
+    every = config.eval_every
+    when = "after the last step" if not every else (
+        "after every step" if every == 1 else f"every {every} steps and after the last"
+    )
+    return (
+        f"eval: {n:,} of {batches:,} batches ({min(n * batch_size, samples):,} of {samples:,} "
+        f"held-out samples) {when}"
     )
 
 

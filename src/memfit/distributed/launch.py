@@ -15,7 +15,34 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
-__all__ = ["finish_worker", "init_worker", "launch", "under_launcher", "worker_world_size"]
+from ..errors import MemfitError
+
+__all__ = [
+    "ProcessesStopped",
+    "finish_worker",
+    "init_worker",
+    "launch",
+    "under_launcher",
+    "worker_world_size",
+]
+
+#: Exit codes of a process that a signal stopped cleanly (``128 + SIGINT``, ``128 + SIGTERM``).
+STOP_CODES = (130, 143)
+
+
+class ProcessesStopped(MemfitError):
+    """The launched processes ended because a signal stopped them cleanly, not by a failure:
+    at least one exited with a stop code (130, 143) and the others with one too, or were
+    ended by the launcher's SIGTERM after it (a worker's non-zero exit makes the launcher end
+    the rest).
+
+    Attributes:
+        code: The stop code to exit with (143 after a SIGTERM, 130 after a SIGINT).
+    """
+
+    def __init__(self, code: int) -> None:
+        super().__init__(f"stopped by a signal (exit code {code})")
+        self.code = code
 
 
 def under_launcher() -> bool:
@@ -72,7 +99,15 @@ def launch(nproc: int, argv: Sequence[str]) -> str | None:
     Returns:
         ``None`` when every process succeeded, else one sentence naming the processes that
         failed and how.
+
+    Raises:
+        ProcessesStopped: when a signal stopped the run cleanly (the processes exited with
+            130 or 143), or this launcher itself got SIGTERM or SIGINT (it then stops the
+            processes with SIGTERM, which they answer as a stop: a checkpoint, then exit).
     """
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -83,7 +118,14 @@ def launch(nproc: int, argv: Sequence[str]) -> str | None:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     try:
         run(args)
+    except SignalException as e:
+        raise ProcessesStopped(128 + int(e.sigval)) from None
     except ChildFailedError as e:
+        codes = [f.exitcode for f in e.failures.values()]
+        ended = (*STOP_CODES, -signal.SIGTERM, -signal.SIGINT)
+        stops = [c for c in codes if c in STOP_CODES]
+        if stops and all(c in ended for c in codes):
+            raise ProcessesStopped(stops[0]) from None
         how = []
         for rank, failure in sorted(e.failures.items()):
             code = failure.exitcode

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import json
 import warnings
 from pathlib import Path
 from typing import Any
@@ -117,9 +116,13 @@ def apply(plan: Plan, model: nn.Module, training_args: Any) -> tuple[Any, tuple[
     Raises:
         ValueError: for a combination the Trainer cannot run (offload, exact clipping with the
             fused step, ``max_seq_len``, token normalisation), or one apply_plan refuses.
+        MissingExtra: without accelerate (``pip install 'memfit[hf]'``).
     """
     from ..apply.compose import applied_by, apply_plan
+    from ..extras import require
 
+    # transformers' Trainer steps through accelerate; so do memfit's hooks (GradientState).
+    require("accelerate", "memfit's Hugging Face integration (transformers' Trainer)")
     if not isinstance(plan, Plan):
         raise TypeError(f"apply(plan, model, training_args) takes a memfit.Plan first, got a "
                         f"{type(plan).__name__}")
@@ -302,23 +305,41 @@ def _calling_trainer(callback: Any) -> Any:
 
 
 def emit(plan: Plan) -> str:
-    """The ``TrainingArguments`` lines and the Python code that run ``plan`` in the Trainer."""
+    """Python that runs ``plan`` in the Hugging Face Trainer: it builds the plan, and defines
+    ``train(model, train_dataset, **arguments)``, which makes the ``TrainingArguments`` the
+    plan sets (``arguments`` add or override fields: ``output_dir``, ``use_cpu``, ...), applies
+    the plan and trains. Valid Python as it stands (the plan a Python literal, not JSON):
+    save it as a file and import it, or ``exec`` it, then call ``train``."""
+    import pprint
+
     changes = args_changes(plan)
-    lines = ["# TrainingArguments set by the plan"]
-    lines += [f"{k}={v!r}," for k, v in changes.items()]
-    plan_json = json.dumps(plan.to_dict())
-    lines += [
-        "",
-        "# Python",
+    literal = pprint.pformat(plan.to_dict(), indent=4, width=92, sort_dicts=False)
+    lines = [
+        "# memfit plan --emit hf: the chosen plan in the Hugging Face Trainer.",
+        "# Run it with: train(model, train_dataset, output_dir='out')",
         "import memfit",
         "from memfit.integrations import hf",
-        "from transformers import Trainer, TrainingArguments",
         "",
-        f"plan = memfit.Plan.from_dict({plan_json})",
-        "args = TrainingArguments(output_dir='out')",
-        "args, optimizers, callbacks = hf.apply(plan, model, args)",
-        "trainer = Trainer(model=model, args=args, optimizers=optimizers, callbacks=callbacks,",
-        "                  train_dataset=train_dataset)",
-        "trainer.train()",
+        "plan = memfit.Plan.from_dict(",
+        *("    " + line for line in literal.splitlines()),
+        ")",
+        "",
+        "",
+        "def train(model, train_dataset, **arguments):",
+        '    """Train model on train_dataset under the plan; arguments: more TrainingArguments."""',
+        "    from transformers import Trainer, TrainingArguments",
+        "",
+        "    # TrainingArguments set by the plan (hf.apply sets them too, and checks the rest)",
+        "    settings = dict(",
+        "        output_dir='out',",
+        *(f"        {k}={v!r}," for k, v in changes.items()),
+        "    )",
+        "    settings.update(arguments)",
+        "    args = TrainingArguments(**settings)",
+        "    args, optimizers, callbacks = hf.apply(plan, model, args)",
+        "    trainer = Trainer(model=model, args=args, optimizers=optimizers, callbacks=callbacks,",
+        "                      train_dataset=train_dataset)",
+        "    trainer.train()",
+        "    return trainer",
     ]
     return "\n".join(lines) + "\n"

@@ -146,7 +146,9 @@ def __getattr__(name: str) -> Any:
 
 
 def _make_class() -> type:
-    import lightning as L
+    from ..extras import import_extra
+
+    L = import_extra("lightning", "memfit's Lightning integration (MemfitCallback)")
 
     class _MemfitCallback(_CallbackMethods, L.Callback):
         __doc__ = _CALLBACK_DOC

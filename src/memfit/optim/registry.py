@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from ..extras import MissingExtra
 from . import state_size
 from .adafactor import Adafactor
 from .adamw8bit import AdamW8bit
@@ -172,19 +173,22 @@ class OptimizerSpec:
 
     # ------------------------------------------------------------------ building
     def optimizer_class(self) -> Callable[..., Optimizer]:
-        """The class :attr:`load` returns; a ``ValueError`` naming the package to install when
-        a peer's library is missing."""
+        """The class :attr:`load` returns; a :class:`~memfit.extras.MissingExtra` (a
+        ``ValueError`` too) naming the extra to install when a peer's library is missing."""
         try:
             return self.load()
         except ImportError:
             if self.package is None:
                 raise
-            instead = f" (or use memfit's {self.stand_in!r}, the same state layout)" if (
-                self.stand_in) else ""
-            raise ValueError(
-                f"optimizer {self.name!r} needs {self.package}, which is not installed here: "
-                f"pip install {self.package}{instead}"
-            ) from None
+            raise self.missing() from None
+
+    def missing(self) -> MissingExtra:
+        """The error saying that :attr:`package` is missing, the extra that brings it and the
+        stand-in to use instead."""
+        instead = f" (or use memfit's {self.stand_in!r}, the same state layout)" if (
+            self.stand_in) else ""
+        return MissingExtra(self.package or self.name, f"optimizer {self.name!r}",
+                            instead=instead)
 
     def build(self, params: Iterable[Any], **settings: Any) -> Optimizer:
         """The optimizer over ``params`` built with ``settings``; under fake tensors (a dry

@@ -24,7 +24,10 @@ _SHORT = {
 
 
 def explain_table(result: PlanResult, limit: int = 15) -> Any:
-    """A rich renderable: predicted peak by category and relative step time per candidate."""
+    """A rich renderable: predicted peak by category and relative step time per candidate.
+
+    The first ``limit`` candidates, the chosen plan always among them (in the last row when it
+    ranks later), then the verdict."""
     from rich.console import Group
     from rich.table import Table
 
@@ -40,7 +43,7 @@ def explain_table(result: PlanResult, limit: int = 15) -> Any:
         table.add_column(short, justify="right")
     table.add_column("other", justify="right")
     table.add_column("fits", justify="center")
-    shown = result.candidates[:limit]
+    shown = _shown(result, limit)
     for c in shown:
         cats = c.by_category or {}
         other = sum(v for k, v in cats.items() if k not in _SHORT)
@@ -61,6 +64,15 @@ def explain_table(result: PlanResult, limit: int = 15) -> Any:
     verdict = "Winner" if result.fits else "Closest"
     notes.append(f"{verdict}: {result.plan.summary()}: {result.explanation}")
     return Group(*notes)
+
+
+def _shown(result: PlanResult, limit: int) -> list[Candidate]:
+    """The candidates the table lists: the first ``limit``, the winner always among them."""
+    shown = list(result.candidates[: max(limit, 1)])
+    if any(c.plan == result.plan for c in shown):
+        return shown
+    winner = next((c for c in result.candidates if c.plan == result.plan), None)
+    return shown if winner is None else [*shown[:-1], winner]
 
 
 def why_it_won(

@@ -219,6 +219,9 @@ def apply_fp8(model: nn.Module) -> Fp8Conversion:
     problem = _device_problem(model)
     if problem is not None:
         raise ValueError(problem)
+    from ..extras import import_extra
+
+    import_extra("torchao", "precision 'fp8' (torchao's float8 training, --allow fp8)", "fp8")
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
         from torchao.float8.float8_linear import Float8Linear

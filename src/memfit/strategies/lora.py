@@ -166,14 +166,9 @@ class LoraConfig:
 
 
 def _peft() -> Any:
-    try:
-        import peft
-    except ImportError:
-        raise ImportError(
-            "LoRA needs the peft library, which is not installed; install memfit's extra: "
-            "pip install 'memfit[peft]'"
-        ) from None
-    return peft
+    from ..extras import import_extra
+
+    return import_extra("peft", "LoRA (a plan's lora, --allow lora or qlora)")
 
 
 # ---------------------------------------------------------------------------- targets

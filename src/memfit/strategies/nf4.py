@@ -54,6 +54,10 @@ def nf4_module() -> Any:
     Raises:
         ImportError: naming the extra to install.
     """
+    from ..extras import import_extra
+
+    # torchao missing: one sentence naming the extra (peft's, which brings torchao too).
+    import_extra("torchao", "QLoRA (lora quantize_base 'nf4', --allow qlora)", "peft")
     try:
         from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
     except ImportError:
@@ -63,8 +67,8 @@ def nf4_module() -> Any:
             nf4_tensor = None
     if nf4_tensor is None:
         raise ImportError(
-            "QLoRA (lora quantize_base 'nf4') needs torchao's NF4 tensor, which is not "
-            "installed; install memfit's extra: pip install 'memfit[peft]' (it brings torchao)"
+            "QLoRA (lora quantize_base 'nf4') needs torchao's NF4 tensor, which this torchao "
+            "lacks; install memfit's extra: pip install -U 'memfit[peft]' (it brings torchao)"
         ) from None
     return nf4_tensor
 

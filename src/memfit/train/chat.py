@@ -32,6 +32,7 @@ import torch
 from ..workload import WorkloadError
 from .data import TextDataset
 from .records import Record, read_records
+from .stopping import check_stop
 from .tokenizer import Tokenizer
 
 __all__ = ["IGNORE_INDEX", "SupervisedDataset", "build_dataset", "chat_tokenizer", "render"]
@@ -160,6 +161,7 @@ class SupervisedDataset(torch.utils.data.Dataset):
         ids_parts: list[list[int]] = []
         prompts: list[int] = []
         for record in records:
+            check_stop()  # a SIGTERM or SIGINT stops tokenising here (StopRequested)
             ids, prompt = render(record, tokenizer)
             if len(ids) > seq_len:
                 self.truncated += 1

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ..workload import Batch, WorkloadError
+from .stopping import check_stop
 from .tokenizer import Tokenizer
 
 __all__ = [
@@ -65,6 +66,7 @@ def stdlib_corpus(max_bytes: int = 2_000_000) -> str:
     parts: list[str] = []
     size = 0
     for path in _stdlib_files(root):
+        check_stop()  # a SIGTERM or SIGINT while reading (memfit.train.stopping)
         try:
             data = path.read_bytes()
         except OSError:
@@ -114,7 +116,9 @@ class TextDataset(torch.utils.data.Dataset):
     short last window is kept (no text is dropped) and padded by :func:`collate`.
 
     Args:
-        texts: The documents (one string is one document).
+        texts: The documents (one string is one document). A signal that asks the run to stop
+            (:mod:`memfit.train.stopping`) ends tokenising before the next one, with
+            :class:`~memfit.train.stopping.StopRequested`.
         tokenizer: Anything with ``encode(text) -> list[int]`` and ``eos_token_id``.
         seq_len: Input tokens per sample (>= 2).
         pack: Join documents into one stream (no padding) or keep them apart.
@@ -146,22 +150,30 @@ class TextDataset(torch.utils.data.Dataset):
         self.seq_len = seq_len
         self.label_shift = label_shift
         eos = getattr(tokenizer, "eos_token_id", None)
-        streams = [_encode(tokenizer, t) + ([eos] if eos is not None else []) for t in texts]
-        if pack:
-            streams = [[i for s in streams for i in s]]
+        parts: list[np.ndarray] = []
+        for t in texts:
+            # A SIGTERM or SIGINT stops tokenising before the next document (StopRequested;
+            # one document is tokenised whole, since a cut could change its tokens).
+            check_stop()
+            ids = _encode(tokenizer, t) + ([eos] if eos is not None else [])
+            parts.append(np.asarray(ids, dtype=np.int64))
         # A NumPy array, not a tensor: slicing it runs no torch operation, so a memory tracker
         # never counts the whole corpus as training memory (on CPU, host memory is the
-        # device's), only the samples that become batches.
-        self.tokens = np.fromiter((i for s in streams for i in s), dtype=np.int64)
+        # device's), only the samples that become batches. Each document is converted once
+        # and the arrays joined (not a Python loop over every token of the corpus).
+        self.tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
         self.num_tokens = int(self.tokens.size)
+        # Packed, the documents are one stream; else each is its own.
+        stream_lengths = [self.num_tokens] if pack else [int(x.size) for x in parts]
+        del parts
         window = seq_len + (1 if label_shift == "data" else 0)
         # (start, end) of each window in self.tokens; windows never cross a stream's end.
         self._spans: list[tuple[int, int]] = []
         offset = 0
-        for s in streams:
-            for start in range(0, max(len(s) - 1, 0), window - 1):
-                self._spans.append((offset + start, offset + min(start + window, len(s))))
-            offset += len(s)
+        for n in stream_lengths:
+            for start in range(0, max(n - 1, 0), window - 1):
+                self._spans.append((offset + start, offset + min(start + window, n)))
+            offset += n
         if not self._spans:
             raise WorkloadError(
                 "the data holds fewer than 2 tokens, too few to predict anything; give more text"

@@ -69,6 +69,7 @@ def evaluate_layout(
     *,
     local_batch: Callable[[Batch], Batch],
     autocast: Callable[[], Any] | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> float:
     """Mean loss of the layout's model over ``batches`` without gradients (a collective:
     every rank calls it with the same batches, and every rank gets the same value).
@@ -80,6 +81,8 @@ def evaluate_layout(
         local_batch: Turns a global batch into this replica's share on the device
             (:meth:`~memfit.distributed.layout.LayoutStepper.local_batch`).
         autocast: The precision's autocast factory (``None``: fp32).
+        stop: Asked before each batch (by every rank: it must give every rank the same
+            answer, e.g. an ``any_rank`` of the stop flag); ``True`` ends the pass there.
 
     Returns:
         The loss per label token (NaN when no batch had one).
@@ -92,6 +95,8 @@ def evaluate_layout(
     try:
         with torch.no_grad(), layout.loss_context():
             for batch in batches:
+                if stop is not None and stop():
+                    break
                 share = local_batch(batch)
                 with autocast() if autocast is not None else contextlib.nullcontext():
                     t, w = _share_loss(layout, share["input_ids"], share["labels"])

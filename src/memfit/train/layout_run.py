@@ -36,7 +36,6 @@ import dataclasses
 import math
 import os
 import signal
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -188,8 +187,11 @@ class LayoutRunResult:
             the highest peak), ``None`` when no step was tracked.
         rank_reports: Every rank's report as plain data (:meth:`MemoryReport.to_dict`, 200
             timeline points), in rank order.
-        stopped_by: ``"SIGTERM"`` when a signal to this process ended the run early (after a
-            checkpoint), ``"SIGTERM (another process)"`` when one to another did, else ``None``.
+        stopped_by: ``"SIGTERM"`` (``"SIGINT"``) when a signal to this process ended the run
+            early (after a checkpoint), ``"SIGTERM (another process)"`` when one to another
+            did, else ``None``.
+        eval_batches: ``(step, batches)`` of each evaluation: the batches it read (at most
+            ``eval_max_batches``; fewer, and no ``eval_losses`` entry, when a signal cut it).
         resumed_from: The checkpoint the run continued from, if it resumed.
         steps_run: Steps this run ran (``steps`` less a resumed run's start).
     """
@@ -209,6 +211,7 @@ class LayoutRunResult:
     report: Any = None
     rank_reports: list[dict[str, Any] | None] = field(default_factory=list)
     stopped_by: str | None = None
+    eval_batches: list[tuple[int, int]] = field(default_factory=list)
     resumed_from: str | None = None
     steps_run: int | None = None
 
@@ -241,6 +244,7 @@ class LayoutRunResult:
             "memory_report": top,
             "per_rank_memory_reports": list(self.rank_reports),
             "stopped_by": self.stopped_by,
+            "eval_batches": [list(e) for e in self.eval_batches],
         }
 
 
@@ -319,7 +323,7 @@ def train_layout(
         tokens=tokens, seconds=seconds, plan=plan.to_dict(), eval_losses=list(loop.eval_losses),
         checkpoint=loop.last_checkpoint, report=report, rank_reports=[g[1] for g in gathered],
         stopped_by=loop.stopped_by, resumed_from=loop.resumed_from,
-        steps_run=loop.step_count - start,
+        steps_run=loop.step_count - start, eval_batches=list(loop.eval_batches),
     )
 
 
@@ -367,6 +371,7 @@ class _LayoutLoop:
         self.step_count = 0
         self.losses: list[float] = []
         self.eval_losses: list[tuple[int, float]] = []
+        self.eval_batches: list[tuple[int, int]] = []
         self.last_checkpoint: str | None = None
         self.stopped_by: str | None = None
         self.memory = RankMemory(cfg.track_every)
@@ -423,34 +428,62 @@ class _LayoutLoop:
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> None:
-        """The held-out loss now, appended to ``eval_losses`` (a collective)."""
-        from .layout_eval import eval_batches, evaluate_layout
+        """The held-out loss now, appended to ``eval_losses`` (a collective): at most
+        ``eval_max_batches`` batches, and none after a signal to any process (then nothing
+        is appended, and ``eval_batches`` says how far it got)."""
+        import itertools
 
-        w = self.run.workload
+        from ..distributed.data import any_rank
+        from .layout_eval import eval_batches, evaluate_layout
+        from .stopping import STOP
+
+        w, limit = self.run.workload, self.config.eval_batch_limit
+        if self.say is not None:
+            bound = f"at most {limit} batches" if limit else "all batches"
+            self.say(f"step {self.step_count}: evaluating ({bound})")
         batches = eval_batches(self.run.eval, w.batch_size, self.run.collate, w.seq_len)
-        value = evaluate_layout(self.layout, batches, local_batch=self.stepper.local_batch,
-                                autocast=self.autocast)
+        counted = {"n": 0}
+
+        def bounded() -> Any:
+            for batch in itertools.islice(batches, limit):
+                counted["n"] += 1
+                yield batch
+
+        # Every rank runs the same batches (a pipeline's forward is a collective): all stop
+        # before the same one.
+        value = evaluate_layout(self.layout, bounded(), local_batch=self.stepper.local_batch,
+                                autocast=self.autocast,
+                                stop=lambda: any_rank(STOP.requested, self.device))
+        n = counted["n"]
+        self.eval_batches.append((self.step_count, n))
+        total = -(-len(self.run.eval) // w.batch_size)
+        if STOP.requested and n < (total if limit is None else min(limit, total)):
+            if self.say is not None:
+                self.say(f"step {self.step_count}: evaluation stopped by {STOP.signal_name} "
+                         f"after {n} batches")
+            return
         self.eval_losses.append((self.step_count, value))
         if self.say is not None:
-            self.say(f"step {self.step_count}: eval loss {value:.4f}")
+            self.say(f"step {self.step_count}: eval loss {value:.4f} ({n} batches)")
 
     # ------------------------------------------------------------------ steps
     def train(self, bar: _Progress | None) -> tuple[float, int]:
         """Steps up to ``max_steps``, with evaluations and checkpoints when due; returns the
-        wall time and the tokens trained on. A SIGTERM (a scheduler's pre-emption) to any
-        process ends the run on every process after the step in flight, with a checkpoint
-        when there is a checkpoint folder, as the Trainer does."""
+        wall time and the tokens trained on. A SIGTERM or SIGINT to any process
+        (:mod:`memfit.train.stopping`) ends the run on every process after the step in
+        flight (an evaluation before its next batch), with a checkpoint when there is a
+        checkpoint folder, as the Trainer does."""
         from ..distributed.data import any_rank
         from .callbacks.base import due
+        from .stopping import STOP, catch_signals
 
         cfg = self.config
         self.say = bar.say if bar is not None else None
         at_start = self.run.workload.weights is not None and self.step_count == 0
-        if self.run.eval is not None and at_start:  # a fine-tune's saved weights first
-            self.evaluate()
         tokens, t0 = 0, time.perf_counter()
-        restore = self._catch_sigterm()
-        try:
+        with catch_signals():
+            if self.run.eval is not None and at_start:  # a fine-tune's saved weights first
+                self.evaluate()
             while self.step_count < cfg.max_steps:
                 loss, n = self.step()
                 tokens += n
@@ -464,26 +497,13 @@ class _LayoutLoop:
                 if saved:
                     self.save()
                 # Every process stops at the same step (a save is a collective).
-                if any_rank(self.stopped_by is not None, self.device):
-                    self.stopped_by = self.stopped_by or "SIGTERM (another process)"
+                if any_rank(STOP.requested, self.device):
+                    STOP.request(signal.SIGTERM, "SIGTERM (another process)")  # kept if set
+                    self.stopped_by = STOP.signal_name
                     if cfg.checkpoint_dir is not None and not saved:
                         self.save()
                     break
-        finally:
-            restore()
         return time.perf_counter() - t0, tokens
-
-    def _catch_sigterm(self) -> Any:
-        """Note a SIGTERM in ``stopped_by`` (only the main thread may install a handler);
-        returns what puts the previous handler back."""
-        if threading.current_thread() is not threading.main_thread():
-            return lambda: None
-
-        def handler(signum: int, frame: Any) -> None:
-            self.stopped_by = signal.Signals(signum).name
-
-        previous = signal.signal(signal.SIGTERM, handler)
-        return lambda: signal.signal(signal.SIGTERM, previous)
 
     def step(self) -> tuple[float, int]:
         """One optimizer step through :func:`~memfit.apply.stepper.run_step`; returns its loss
@@ -550,23 +570,22 @@ class _nothing:
 
 
 class _Progress:
-    """A rich progress bar over the steps, with the last loss."""
+    """The run's progress on rank 0: a rich bar on a terminal, plain lines (step, loss,
+    elapsed) in a log (:class:`~memfit.train.callbacks.progress.TrainProgress`)."""
 
     def __init__(self, total: int, console: Any, *, start: int = 0) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+        from .callbacks.progress import TrainProgress
 
-        self._bar = Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(),
-                             TextColumn("loss {task.fields[loss]}"), console=console,
-                             transient=True)
-        self._task = self._bar.add_task("train", total=total, completed=start, loss="-")
-        self._bar.start()
+        self._step = start
+        self._progress = TrainProgress(total, console=console, start=start).__enter__()
 
     def advance(self, loss: float) -> None:
-        self._bar.update(self._task, advance=1, loss=f"{loss:.4f}")
+        self._step += 1
+        self._progress.update(self._step, loss, None, None, None)
 
     def say(self, message: str) -> None:
-        """A line above the bar (an evaluation's loss)."""
-        self._bar.console.print(message, highlight=False)
+        """A line above the bar or among the lines (an evaluation's loss)."""
+        self._progress.print(message)
 
     def close(self) -> None:
-        self._bar.stop()
+        self._progress.__exit__(None, None, None)

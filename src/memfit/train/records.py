@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ..workload import WorkloadError
+from .stopping import check_stop
 
 __all__ = ["DATA_SUFFIXES", "Record", "read_records"]
 
@@ -104,6 +105,7 @@ def read_records(
         )
     records: list[Record] = []
     for raw in paths:
+        check_stop()  # a SIGTERM or SIGINT stops reading between files (StopRequested)
         records.extend(_read_file(Path(raw), text_field))
     return records
 
@@ -250,8 +252,8 @@ def _parquet_rows(path: Path, name: str) -> list[Any]:
         import pyarrow.parquet as pq
     except ImportError:
         raise WorkloadError(
-            f"{name} is Parquet, which needs the datasets or pyarrow package to read; install "
-            "memfit[data] (or pyarrow), or convert the file to JSONL"
+            f"{name} is Parquet, which needs the datasets or pyarrow package to read, and "
+            "neither is installed here: pip install 'memfit[data]', or convert the file to JSONL"
         ) from None
     try:
         return list(pq.read_table(str(path)).to_pylist())

@@ -31,8 +31,11 @@ class TrainResult:
         checkpoint: The last checkpoint written, if any.
         params_sha256: SHA-256 over the final parameters in ``named_parameters()`` order,
             each tensor's bytes (equal for two runs whose weights are equal bit for bit).
-        stopped_by: ``"SIGTERM"`` when a signal ended the run early (after a checkpoint),
-            else ``None``.
+        stopped_by: ``"SIGTERM"`` or ``"SIGINT"`` when a signal ended the run early (after a
+            checkpoint, when there is a checkpoint folder), else ``None``.
+        eval_batches: ``(step, batches)`` of each evaluation this ``fit`` ran: the batches it
+            evaluated (at most ``eval_max_batches``); an evaluation a signal cut short has
+            fewer, and no entry in ``eval_losses``.
         resumed_from: The checkpoint this ``fit`` continued from, if it resumed.
         steps_run: Optimizer steps this ``fit`` ran (``steps`` less a resumed run's start).
         phases: The job's phases this trainer measured, each the first time it happened
@@ -58,6 +61,7 @@ class TrainResult:
     phases: Any = None
     resumed_from: str | None = None
     steps_run: int | None = None
+    eval_batches: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.steps_run is None:
@@ -89,5 +93,6 @@ class TrainResult:
             "checkpoint": self.checkpoint,
             "params_sha256": self.params_sha256,
             "stopped_by": self.stopped_by,
+            "eval_batches": [list(e) for e in self.eval_batches],
             "phases": self.phases.to_dict() if self.phases is not None else None,
         }

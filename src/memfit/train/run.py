@@ -39,6 +39,7 @@ from ..weights import WeightsError, check_weights, has_tokenizer, hub_folder, is
 from ..workload import PRESETS, Workload, WorkloadError, load_workload
 from .config import DEFAULT_BATCH_SIZE, TrainConfig
 from .lengths import LengthReport, length_report
+from .stopping import check_stop
 from .tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
@@ -406,6 +407,18 @@ class TrainRun:
         )
 
 
+def _stopping(say: Callable[[str], Any] | None) -> Callable[[str], Any]:
+    """``say`` that first stops the run (:class:`~memfit.train.stopping.StopRequested`) when a
+    signal asked it to: every message, the planner's progress included, is a point to stop."""
+    told = say or (lambda message: None)
+
+    def checked(message: str) -> Any:
+        check_stop()
+        return told(message)
+
+    return checked
+
+
 def prepare_run(
     config: TrainConfig, *, say: Callable[[str], Any] | None = None, world_size: int = 1
 ) -> TrainRun:
@@ -424,12 +437,15 @@ def prepare_run(
         WorkloadError: for text, a tokenizer or a model that cannot be used.
         ConfigError: for a plan file that is missing or not a plan.
         ValueError: for unknown ``allow`` / ``forbid`` names (from the planner).
+        StopRequested: when a SIGTERM or SIGINT came while it worked (within a
+            :func:`~memfit.train.stopping.catch_signals` block): it stops at the next file,
+            record, phase or planner message.
     """
     from ..strategies.sequence import pad_collate
     from .chat import build_dataset
     from .data import TextDataset, stdlib_corpus, train_eval_split
 
-    say = say or (lambda message: None)
+    say = _stopping(say)
     tokenizer = run_tokenizer(config)
     batch_size = config.batch_size or DEFAULT_BATCH_SIZE
     # The model first (its weight files' headers, its positions): a damaged download is named
@@ -445,6 +461,7 @@ def prepare_run(
             list(config.data), tokenizer, config.seq_len, pack=config.pack,
             text_field=config.text_field, say=say,
         )
+    check_stop()
     # The plan holds for the worst batch: one process's share of samples at the longest
     # sample's length (the model itself is built for the configured seq_len).
     lengths = length_report(dataset, max(batch_size // world_size, 1), seq_len=config.seq_len)
@@ -474,6 +491,7 @@ def prepare_run(
                 local, config.budget_bytes, allow=config.allow, forbid=config.forbid,
                 base=base, progress=say, lora_rank=config.lora_rank,
             )
+    check_stop()
     if world_size > 1:
         choice = _over_processes(choice, world_size)
     _check_machine(choice)

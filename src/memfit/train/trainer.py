@@ -24,7 +24,6 @@ import dataclasses
 import logging
 import math
 import signal
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -62,6 +61,7 @@ from .phases import PhaseRecorder
 from .result import TrainResult
 from .resume import resume_point
 from .schedule import LR_SCHEDULES, build_scheduler, lr_factor
+from .stopping import STOP, StopRequested, catch_signals, exit_code
 from .streams import IterableStream, WorkloadStream, count_tokens, is_map_style, to_device
 
 __all__ = [
@@ -103,14 +103,17 @@ class Trainer:
             :class:`~memfit.train.data.TextDataset`), batched by a seeded
             :class:`~memfit.train.data.BatchStream`; or an iterable of ready batches (a
             ``DataLoader``), re-iterated when exhausted.
-        eval_data: Evaluation data of the same kinds (one pass per evaluation).
+        eval_data: Evaluation data of the same kinds (each evaluation reads its first
+            ``eval_max_batches`` batches).
         config: The run's settings (default: ``TrainConfig()``); the loop reads ``batch_size``,
             ``max_steps``, ``lr``, ``schedule``, ``warmup_steps``, ``seed``, ``eval_every``,
-            ``checkpoint_dir``, ``checkpoint_every``, ``keep_checkpoints``, ``resume``,
-            ``cap`` and ``track_every`` (see :class:`~memfit.train.config.TrainConfig` for
-            each, with its cost), and ``plan`` when no plan is given.
-        lr, schedule, warmup_steps, max_steps, eval_every, checkpoint_dir, checkpoint_every,
-            keep_checkpoints, resume, cap, seed, batch_size, track_every: Each, when given
+            ``eval_max_batches``, ``checkpoint_dir``, ``checkpoint_every``,
+            ``keep_checkpoints``, ``resume``, ``cap`` and ``track_every`` (see
+            :class:`~memfit.train.config.TrainConfig` for each, with its cost), and ``plan``
+            when no plan is given.
+        lr, schedule, warmup_steps, max_steps, eval_every, eval_max_batches, checkpoint_dir,
+            checkpoint_every, keep_checkpoints, resume, cap, seed, batch_size, track_every:
+            Each, when given
             (not ``None``), overrides the config's field of that name. Without a config the
             defaults are :class:`~memfit.train.config.TrainConfig`'s: 300 steps, 10 warm-up
             steps, batch 16 (a workload's own batch size for a workload). ``cap`` is bytes or
@@ -156,6 +159,7 @@ class Trainer:
         warmup_steps: int | None = None,
         max_steps: int | None = None,
         eval_every: int | None = None,
+        eval_max_batches: int | None = None,
         checkpoint_dir: str | Path | None = None,
         checkpoint_every: int | None = None,
         keep_checkpoints: int | None = None,
@@ -180,6 +184,7 @@ class Trainer:
             warmup_steps=warmup_steps,
             max_steps=max_steps,
             eval_every=eval_every,
+            eval_max_batches=eval_max_batches,
             checkpoint_dir=checkpoint_dir,
             checkpoint_every=checkpoint_every,
             keep_checkpoints=keep_checkpoints,
@@ -216,7 +221,6 @@ class Trainer:
         self.train_data, self.eval_data = train_data, eval_data
         self.stream = self._make_stream(train_data)
         self.step_count = 0
-        self._signal: str | None = None
         self.losses: list[float] = []
         self.eval_losses: list[tuple[int, float]] = []
         # The built-in callbacks, in the order their hooks run.
@@ -229,7 +233,7 @@ class Trainer:
         at_start = self.workload is not None and self.workload.weights is not None
         self.evaluation = EvaluationCallback(
             eval_data, every=cfg.eval_every, collate_fn=self.collate_fn, at_start=at_start,
-            phases=self.phases,
+            phases=self.phases, max_batches=cfg.eval_batch_limit,
         )
         self.checkpoints = CheckpointCallback(cfg.checkpoint_dir, every=cfg.checkpoint_every,
                                               keep=cfg.keep_checkpoints, phases=self.phases)
@@ -353,8 +357,11 @@ class Trainer:
     def fit(self) -> TrainResult:
         """Train up to ``max_steps`` and return the :class:`TrainResult`.
 
-        A SIGTERM ends the run after the step in progress, with a checkpoint when there is a
-        checkpoint folder (``result.stopped_by`` is ``"SIGTERM"``).
+        A SIGTERM or SIGINT (:mod:`memfit.train.stopping`) ends the run soon and cleanly: an
+        evaluation stops before its next batch, a step in progress is finished, and a
+        checkpoint is saved when there is a checkpoint folder; ``result.stopped_by`` names the
+        signal (``"SIGTERM"``) and ``memfit train`` exits with ``128 + signal`` (143, 130). A
+        second signal interrupts at once (``KeyboardInterrupt``).
 
         Raises:
             torch.OutOfMemoryError: when even the smallest plan runs out of memory.
@@ -363,6 +370,8 @@ class Trainer:
             CheckpointError: (a ``ValueError``) for a corrupt checkpoint, a data file changed
                 since it was saved, or a checkpoint that cannot be written.
             ValueError: when a resumed run has no step left to run.
+            StopRequested: when a signal came before the first step of this ``fit`` (nothing
+                was trained, so nothing is saved).
         """
         # One writer per checkpoint folder, for the whole run (re-entrant: memfit train took
         # it already, before any work).
@@ -378,31 +387,28 @@ class Trainer:
             self.resumed_from = str(point.path)
         started: list[Callback] = []
         result: TrainResult | None = None
-        restore = self._catch_sigterm()
-        try:
-            for callback in self.callbacks:
-                callback.on_fit_start(self)
-                started.append(callback)
-            result = self._loop()
-        finally:
-            restore()
-            for callback in started:
-                callback.on_fit_end(self, result)
+        with catch_signals():
+            try:
+                for callback in self.callbacks:
+                    callback.on_fit_start(self)
+                    started.append(callback)
+                result = self._loop()
+            finally:
+                for callback in started:
+                    callback.on_fit_end(self, result)
         assert result is not None  # _loop returned, or its error propagated above
         return result
 
-    def _catch_sigterm(self) -> Callable[[], None]:
-        # SIGTERM (a scheduler's pre-emption) ends the run after the current step, with a
-        # checkpoint; only the main thread may install a handler.
-        if threading.current_thread() is not threading.main_thread():
-            return lambda: None
-        self._signal = None
+    def _stop_agreed(self) -> bool:
+        """Whether to stop after this step: a signal to this process, or (data parallelism)
+        to any process, since every process must stop at the same step (a save is a
+        collective)."""
+        if self.setup.parallel is not None:
+            from ..distributed.data import any_rank
 
-        def handler(signum: int, frame: Any) -> None:
-            self._signal = signal.Signals(signum).name
-
-        previous = signal.signal(signal.SIGTERM, handler)
-        return lambda: signal.signal(signal.SIGTERM, previous)
+            if any_rank(STOP.requested, self.device) and not STOP.requested:
+                STOP.request(signal.SIGTERM, "SIGTERM (another process)")
+        return STOP.requested
 
     def _check_loss(self, loss: float, indices: list[int]) -> None:
         if math.isfinite(loss) or getattr(self.setup.precision, "scaler", None) is not None:
@@ -423,6 +429,9 @@ class Trainer:
         device, start_step, tokens = self.device, self.step_count, 0
         t0 = time.perf_counter()
         while self.step_count < self.max_steps:
+            if self.step_count == start_step and self._stop_agreed():
+                # A signal before the first step (an evaluation at step 0 was cut short).
+                raise StopRequested(str(STOP.signal_name), exit_code(STOP.signum))
             indices, batch = self.stream.next_batch()
             batch = to_device(batch, device)
             with contextlib.ExitStack() as stack:
@@ -440,14 +449,7 @@ class Trainer:
             for callback in self.callbacks:
                 callback.on_step_end(self, info)
             del info
-            if self.setup.parallel is not None:
-                # Every process stops at the same step (a save is a collective): a signal seen
-                # by one is acted on by all.
-                from ..distributed.data import any_rank
-
-                if any_rank(self._signal is not None, device) and self._signal is None:
-                    self._signal = "SIGTERM (another process)"
-            if self._signal is not None:
+            if self._stop_agreed():
                 if self.checkpoint_dir is not None and not self._saved_this_step():
                     self.checkpoints.last = str(self.save())
                 break
@@ -473,7 +475,8 @@ class Trainer:
             seconds=seconds,
             checkpoint=self.checkpoints.last,
             params_sha256=params_sha256(self.model),
-            stopped_by=self._signal,
+            stopped_by=STOP.signal_name,
+            eval_batches=list(self.evaluation.batches_run),
             phases=self.phases.record,
             resumed_from=self.resumed_from,
             steps_run=self.step_count - start_step,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import time
 from typing import Any
 
@@ -11,47 +12,55 @@ from .base import Callback, StepInfo, TrainerLike
 __all__ = ["ProgressCallback", "TrainProgress"]
 
 
+#: A plain progress line is printed at least this often (seconds) when the output is a file.
+LINE_SECONDS = 30.0
+#: ... and at least every this many steps when a run has many (``total // LINES_PER_RUN``).
+LINES_PER_RUN = 20
+
+
 class TrainProgress:
-    """A rich progress bar: step, loss, tokens/s, live and peak memory, ETA.
+    """A rich progress bar on a terminal: step, loss, tokens/s, live and peak memory, ETA; and
+    plain progress lines where the output is a file or a CI log, which a bar never reaches.
+
+    A plain line (``step 40/300  loss 2.3104  1,234 tokens/s  mem 12.1 MiB (peak 20.3 MiB)
+    elapsed 0:01:02``) is printed after the first step, then at least every
+    :data:`LINE_SECONDS` seconds or every ``total // 20`` steps, and after the last step.
 
     Args:
         total: Steps of the run.
-        console: The rich console (default: stderr).
+        console: The bar's rich console (default: stderr); a bar only where it is a terminal.
         enabled: ``False`` makes every method a no-op.
         start: Steps already done (a resumed run).
+        lines: The console of the plain lines; default: standard output when it is not a
+            terminal (``memfit train > log.txt``), else ``console`` when that is not one
+            either (no line where a bar or a notebook shows the progress).
+        every_steps: Steps between plain lines (default: ``total // 20``, at least 1).
+        every_seconds: Seconds after which the next step prints a line anyway.
     """
 
     def __init__(
-        self, total: int, *, console: Any = None, enabled: bool = True, start: int = 0
+        self, total: int, *, console: Any = None, enabled: bool = True, start: int = 0,
+        lines: Any = None, every_steps: int | None = None,
+        every_seconds: float = LINE_SECONDS,
     ) -> None:
         self.enabled = enabled
         self._bar: Any = None
+        self._lines: Any = None
         if not enabled:
             return
         from rich.console import Console
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeRemainingColumn,
-        )
 
         self.console = console or Console(stderr=True)
-        self._bar = Progress(
-            TextColumn("[bold]train[/]"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]}"),
-            TextColumn("{task.fields[speed]}"),
-            TextColumn("mem {task.fields[mem]}"),
-            TimeRemainingColumn(),
-            console=self.console,
-            transient=False,
-        )
-        self._task = self._bar.add_task(
-            "train", total=total, completed=start, loss="-", speed="-", mem="-"
-        )
+        self.total = total
+        self._lines = lines if lines is not None else _line_console(self.console)
+        self._every = every_steps or max(total // LINES_PER_RUN, 1)
+        self._seconds = every_seconds
+        self._t0 = self._last_time = time.monotonic()
+        self._last_step = start
+        self._printed = False
+        if self.console.is_terminal or self.console.is_jupyter:
+            self._bar = _bar(self.console, total, start)
+            self._task = self._bar.tasks[0].id
 
     def __enter__(self) -> TrainProgress:
         if self._bar is not None:
@@ -62,24 +71,86 @@ class TrainProgress:
         if self._bar is not None:
             self._bar.stop()
 
-    def update(self, step: int, loss: float, tokens_per_s: float, live: int, peak: int) -> None:
-        """Show the state after ``step`` steps."""
-        if self._bar is None:
+    def update(
+        self, step: int, loss: float, tokens_per_s: float | None, live: int | None,
+        peak: int | None,
+    ) -> None:
+        """Show the state after ``step`` steps (``None``: a figure the caller does not have,
+        left out)."""
+        if not self.enabled:
             return
         from ...units import format_bytes
 
-        self._bar.update(
-            self._task,
-            completed=step,
-            loss=f"{loss:.4f}",
-            speed=f"{tokens_per_s:,.0f} tok/s",
-            mem=f"{format_bytes(live)} (peak {format_bytes(peak)})",
-        )
+        mem = "-" if live is None else f"{format_bytes(live)} (peak {format_bytes(peak or live)})"
+        speed = "-" if tokens_per_s is None else f"{tokens_per_s:,.0f} tok/s"
+        if self._bar is not None:
+            self._bar.update(self._task, completed=step, loss=f"{loss:.4f}", speed=speed, mem=mem)
+        if self._lines is not None and self._line_due(step):
+            elapsed = datetime.timedelta(seconds=round(time.monotonic() - self._t0))
+            parts = [f"step {step}/{self.total}", f"loss {loss:.4f}"]
+            if tokens_per_s is not None:
+                parts.append(f"{tokens_per_s:,.0f} tokens/s")
+            if live is not None:
+                parts.append(f"mem {mem}")
+            self._lines.print("  ".join([*parts, f"elapsed {elapsed}"]),
+                              highlight=False, soft_wrap=True, markup=False)
+
+    def _line_due(self, step: int) -> bool:
+        """Whether the step just done prints a plain line (and if so, count from it)."""
+        now = time.monotonic()
+        due = (not self._printed or step >= self.total or step - self._last_step >= self._every
+               or now - self._last_time >= self._seconds)
+        if due:
+            self._last_step, self._last_time, self._printed = step, now, True
+        return due
 
     def print(self, message: str) -> None:
-        """Print a line above the bar."""
+        """Print a line above the bar, or among the plain lines."""
         if self._bar is not None:
             self._bar.console.print(message, highlight=False)
+        elif self._lines is not None:
+            self._lines.print(message, highlight=False, soft_wrap=True)
+
+
+def _line_console(bar_console: Any) -> Any:
+    """Where plain progress lines go by default: standard output when it is a file or a pipe
+    (a log), else the bar's console when that is not a terminal either; ``None``: a terminal
+    or a notebook shows the bar."""
+    import sys
+
+    from rich.console import Console
+
+    stdout = Console(file=sys.stdout)
+    if not (stdout.is_terminal or stdout.is_jupyter):
+        return stdout
+    if not (bar_console.is_terminal or bar_console.is_jupyter):
+        return bar_console
+    return None
+
+
+def _bar(console: Any, total: int, start: int) -> Any:
+    """The rich progress bar (one task: the run's steps)."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
+
+    bar = Progress(
+        TextColumn("[bold]train[/]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]}"),
+        TextColumn("{task.fields[speed]}"),
+        TextColumn("mem {task.fields[mem]}"),
+        TimeRemainingColumn(),
+        console=console,
+        transient=False,
+    )
+    bar.add_task("train", total=total, completed=start, loss="-", speed="-", mem="-")
+    return bar
 
 
 class ProgressCallback(Callback):
@@ -127,4 +198,7 @@ class ProgressCallback(Callback):
         if result is not None and self.enabled:
             from rich.console import Console
 
-            (self.console or Console(stderr=True)).print(result.report.table())
+            from ...console import fit_width
+
+            console = self.console or Console(stderr=True)
+            console.print(fit_width(result.report.table(), console))
