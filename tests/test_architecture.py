@@ -17,7 +17,8 @@ SRC = ROOT / "src" / "memfit"
 #: package's own, the top floor's face. The same list as docs/architecture.md's headings (a
 #: test checks it): to move a module to another floor, change both.
 FLOORS: list[tuple[str, ...]] = [
-    ("units.py", "device.py", "console.py", "versions.py", "outputs.py", "extras.py"),
+    ("errors.py", "units.py", "device.py", "console.py", "versions.py", "outputs.py",
+     "extras.py"),
     ("accounting/",),
     ("workload.py", "weights.py", "optim/", "ops/", "targets/", "blocks.py", "techniques.py",
      "stepping.py"),

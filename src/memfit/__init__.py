@@ -9,6 +9,12 @@ keep_original_weights=False)``:
 micro-batch ``accumulate``/``backward``); :func:`apply_plan` returns the bare
 ``TrainingSetup`` it wraps (``step``, ``stepper``, ``remove``), which the Trainer and the OOM
 fallback use. Both refuse a plan passed where the optimizer goes, and the reverse.
+
+Every error memfit raises on purpose is a :class:`MemfitError`; a wrong argument to a public
+function is a :class:`MemfitTypeError` (a ``TypeError``) or a :class:`MemfitValueError` (a
+``ValueError``) whose one sentence names the argument, what was given and what is accepted;
+a call at the wrong moment (a tracker's ``report()`` before its block ran) a
+:class:`MemfitStateError`.
 """
 
 from __future__ import annotations
@@ -20,6 +26,12 @@ from .versions import __version__, check_versions
 check_versions()  # before anything uses torch: an unsupported one is named in one sentence
 
 from .accounting import CATEGORIES, MemoryReport, MemoryTracker, track  # noqa: E402
+from .errors import (  # noqa: E402
+    MemfitError,
+    MemfitStateError,
+    MemfitTypeError,
+    MemfitValueError,
+)
 from .plan import Plan, PlanError  # noqa: E402
 from .units import format_bytes, parse_size  # noqa: E402
 from .workload import PRESETS, Workload, WorkloadError, load_workload  # noqa: E402
@@ -39,6 +51,10 @@ __all__ = [
     "CATEGORIES",
     "PRESETS",
     "JobPhases",
+    "MemfitError",
+    "MemfitStateError",
+    "MemfitTypeError",
+    "MemfitValueError",
     "MemoryReport",
     "MemoryTracker",
     "NothingFits",

@@ -12,6 +12,8 @@ import importlib
 import importlib.util
 from types import ModuleType
 
+from .errors import MemfitError
+
 __all__ = ["EXTRAS", "MissingExtra", "import_extra", "installed", "require"]
 
 #: Package -> the extra of memfit that installs it (``pip install 'memfit[EXTRA]'``).
@@ -25,7 +27,7 @@ EXTRAS: dict[str, str] = {
 }
 
 
-class MissingExtra(ImportError, ValueError):
+class MissingExtra(MemfitError, ImportError, ValueError):
     """An optional dependency is not installed; the message is one sentence naming the extra.
 
     Both an ``ImportError`` (what it is) and a ``ValueError`` (what the commands turn into one

@@ -31,6 +31,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import NoReturn
 
+from .errors import MemfitError
+
 __all__ = [
     "WRITE_ERRNOS",
     "OutputError",
@@ -49,7 +51,7 @@ __all__ = [
 PathLike = str | os.PathLike[str]
 
 
-class OutputError(ValueError):
+class OutputError(MemfitError, ValueError):
     """An output path that cannot be written: one sentence naming the option and the path."""
 
 

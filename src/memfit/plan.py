@@ -17,6 +17,7 @@ from typing import Any
 
 from .distributed import data as _data_parallel
 from .distributed.config import ParallelConfig
+from .errors import MemfitError, describe
 from .optim import config as _optimizer
 from .optim.config import OptimizerConfig
 from .outputs import write_text
@@ -87,7 +88,7 @@ for _technique in BUILTIN_TECHNIQUES:
 
 
 
-class PlanError(ValueError):
+class PlanError(MemfitError, ValueError):
     """A plan is malformed or combines techniques that cannot work together."""
 
 
@@ -203,6 +204,13 @@ class Plan:
             coerce(self, "offload", _coerce(OffloadConfig, offload, None))
         if isinstance(self.freeze, str):
             coerce(self, "freeze", (self.freeze,) if self.freeze else ())
+        if not isinstance(self.freeze, (list, tuple)) or not all(
+            isinstance(f, str) for f in self.freeze
+        ):
+            raise PlanError(
+                "freeze must be a pattern or a list of patterns (fnmatch over parameter names, "
+                f"'embeddings', 'body' or 'blocks:K'), got {describe(self.freeze)}"
+            )
         coerce(self, "freeze", tuple(self.freeze))
         coerce(self, "extra", _extra(self.extra))
         for technique in BUILTIN_TECHNIQUES:

@@ -33,6 +33,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import MemfitError
+
 __all__ = [
     "DEFAULT_ORDER",
     "ENGINES",
@@ -61,7 +63,7 @@ ENGINES: tuple[str, ...] = ("single", "data", "layout", "hf", "lightning")
 DEFAULT_ORDER = 80
 
 
-class TechniqueError(ValueError):
+class TechniqueError(MemfitError, ValueError):
     """A technique is malformed, registered twice, or not registered."""
 
 

@@ -18,6 +18,8 @@ import re
 import warnings
 from importlib import metadata
 
+from .errors import MemfitError
+
 __all__ = ["ALLOW_OLDER", "SUPPORTED", "UnsupportedVersion", "__version__", "check_versions", "parse_version"]
 
 #: memfit's own version (``memfit.__version__``), here so that any floor may name it without
@@ -42,7 +44,7 @@ def _older_allowed() -> bool:
     return os.environ.get(ALLOW_OLDER, "").strip().lower() in ("1", "true", "yes")
 
 
-class UnsupportedVersion(ImportError):
+class UnsupportedVersion(MemfitError, ImportError):
     """A dependency is older than memfit supports."""
 
 

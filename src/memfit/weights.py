@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .errors import MemfitError
+
 __all__ = [
     "TOKENIZER_FILES",
     "WeightsError",
@@ -61,7 +63,7 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _HUB_PATTERNS = ["*.json", "model*.safetensors", "tokenizer.model", "*.txt"]
 
 
-class WeightsError(ValueError):
+class WeightsError(MemfitError, ValueError):
     """A model folder or hub id cannot be used; ``str(error)`` is one sentence naming the
     file (or the hub id) at fault and what to do."""
 

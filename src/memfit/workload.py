@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .errors import MemfitError, check_text
 from .weights import WeightsError, hub_folder, is_hub_id, load_pretrained, model_class, reason
 
 __all__ = [
@@ -52,7 +53,7 @@ __all__ = [
 Batch = Any
 
 
-class WorkloadError(ValueError):
+class WorkloadError(MemfitError, ValueError):
     """A workload SPEC or its model/batch/loss is not usable; the message says why."""
 
 
@@ -466,10 +467,10 @@ def load_workload(spec: str, batch_size: int = 8, seq_len: int = 128) -> Workloa
     Raises:
         WorkloadError: with one sentence saying what was wrong and what is accepted.
     """
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise WorkloadError(f"batch size must be a whole number >= 1, got {batch_size!r}")
-    if not isinstance(seq_len, int) or seq_len < 1:
-        raise WorkloadError(f"sequence length must be a whole number >= 1, got {seq_len!r}")
+    spec = check_text(spec, "spec", "a SPEC: a preset, a model folder, a hub id or module:function")
+    for name, n in (("batch size", batch_size), ("sequence length", seq_len)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise WorkloadError(f"{name} must be a whole number >= 1, got {n!r}")
     if spec in PRESETS:
         return _preset_workload(spec, batch_size, seq_len)
     if spec.endswith(".json") or os.path.isdir(spec) or os.path.exists(spec):

@@ -26,6 +26,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
+from ..errors import MemfitStateError, MemfitTypeError, describe
+from .arguments import checked_cap, checked_device, checked_optimizers
 from .tiers import DEVICE, HOST, HOST_PINNED, in_host_tier, is_marked_host, marked_category
 from .trace import CATEGORIES, PHASES, AllocationTrace
 
@@ -74,16 +76,21 @@ class MemoryTracker(TorchDispatchMode):
         optimizer: Any = None,
         *,
         device: torch.device | str | None = None,
-        cap: int | None = None,
+        cap: int | str | None = None,
     ) -> None:
+        # Checked before anything is set up (issue 37): a wrong argument is one sentence here
+        # rather than an AttributeError when the block opens, or nothing at all.
+        if model is not None and not isinstance(model, nn.Module):
+            raise MemfitTypeError(f"model must be an nn.Module or None, got {describe(model)}")
         super().__init__()
         self.model = model
-        self.optimizers: list[Any] = _as_list(optimizer)
+        self.optimizers: list[Any] = checked_optimizers(_as_list(optimizer))
         if device is None:
             device = _model_device(model)
-        self.device = torch.device(device)
+        self.device = checked_device(device)
         self._dev_type = self.device.type
-        self.cap = cap
+        self.cap = checked_cap(cap)
+        self._entered = False  # report() before the block has run has nothing to report
         # Storage records, as parallel lists (cheaper to append than objects).
         self._nbytes: list[int] = []
         self._birth: list[int] = []
@@ -555,6 +562,7 @@ class MemoryTracker(TorchDispatchMode):
         return out
 
     def __enter__(self) -> MemoryTracker:
+        self._entered = True
         self._closed = False
         self._install()
         super().__enter__()
@@ -602,9 +610,18 @@ class MemoryTracker(TorchDispatchMode):
         )
 
     def report(self) -> Any:
-        """Build the :class:`~memfit.accounting.report.MemoryReport` of what was recorded."""
+        """Build the :class:`~memfit.accounting.report.MemoryReport` of what was recorded.
+
+        Inside the block: what was recorded so far. Before the block ever opened it raises
+        :class:`~memfit.errors.MemfitStateError`.
+        """
         from .report import build_report
 
+        if not self._entered:
+            raise MemfitStateError(
+                "report() was called before the tracker's block ran, so nothing was recorded; "
+                "call it after `with memfit.track(model, optimizer) as tracker:` (or inside it)"
+            )
         if self._report is None or not self._closed:
             self._report = build_report(self.trace())
         return self._report
@@ -615,7 +632,7 @@ def track(
     optimizer: Any = None,
     *,
     device: torch.device | str | None = None,
-    cap: int | None = None,
+    cap: int | str | None = None,
 ) -> MemoryTracker:
     """Track training memory by category while the returned context manager is open.
 
@@ -632,10 +649,16 @@ def track(
         model: The model; its parameters and buffers count from the start.
         optimizer: The optimizer(s); existing state counts from the start.
         device: Compute device whose storages count (default: the model's device).
-        cap: Virtual memory cap in bytes; exceeding it raises ``torch.OutOfMemoryError``.
+        cap: Virtual memory cap: bytes (an int >= 0) or a size string such as ``"4GiB"``;
+            exceeding it raises ``torch.OutOfMemoryError``.
 
     Returns:
         The tracker; call ``tracker.report()`` after the block for a ``MemoryReport``.
+
+    Raises:
+        MemfitTypeError: for a model that is not an ``nn.Module``, an optimizer that is not
+            one (``"adam"``: build the optimizer first), a cap or device of another kind.
+        MemfitValueError: for a negative or malformed cap, or a device torch does not know.
     """
     return MemoryTracker(model, optimizer, device=device, cap=cap)
 

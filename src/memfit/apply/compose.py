@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import MemfitTypeError, MemfitValueError, check_bool, describe
 from ..plan import Plan
 from ..strategies.grad_buffer import apply_grad_buffer
 from ..strategies.removable import Removable
@@ -189,23 +190,23 @@ def apply_plan(
         The :class:`TrainingSetup`.
 
     Raises:
-        TypeError: when an argument has the wrong kind (a plan where the optimizer goes, or
-            the reverse), see :func:`check_plan_arguments`.
-        ValueError: when the plan cannot apply to this model (a freeze pattern that matches
-            nothing, no blocks to checkpoint, ``fused_loss`` on a model that is not a Hugging
-            Face causal LM with a linear head) or an optimizer is given with
-            ``optimizer_in_backward``.
+        MemfitTypeError: when an argument has the wrong kind (a plan where the optimizer goes,
+            or the reverse), see :func:`check_plan_arguments`.
+        ValueError: (a :class:`~memfit.errors.MemfitError`) when the plan cannot apply to
+            this model (a freeze pattern that matches nothing, no blocks to checkpoint,
+            ``fused_loss`` on a model that is not a Hugging Face causal LM with a linear head)
+            or an optimizer is given with ``optimizer_in_backward``.
     """
-    check_plan_arguments("apply_plan", model, plan, optimizer, loss_fn)
+    check_plan_arguments("apply_plan", model, plan, optimizer, loss_fn, keep_original_weights)
     plan = plan or Plan()
     if plan.optimizer_in_backward and optimizer is not None:
-        raise ValueError(
+        raise MemfitValueError(
             "optimizer_in_backward builds one optimizer per parameter from the plan; "
             "pass no optimizer (or set optimizer_in_backward false)"
         )
     _check_offload(plan, optimizer)
     if plan.parallel.splits_model:
-        raise ValueError(
+        raise MemfitValueError(
             f"the plan splits the model over tensor {plan.parallel.tensor} x pipeline "
             f"{plan.parallel.pipeline} x context {plan.parallel.context} processes, which apply_plan (one model per process) "
             "cannot do; build each rank's share with memfit.distributed.layout.build_layout"
@@ -213,7 +214,7 @@ def apply_plan(
     engine = _ENGINE.get() or (
         "data" if plan.parallel.data > 1 or plan.parallel.zero_stage else "single"
     )
-    refuse_unsupported(plan, engine, ValueError)
+    refuse_unsupported(plan, engine, MemfitValueError)
     ctx = ApplyContext(
         plan=plan,
         engine=engine,
@@ -315,17 +316,17 @@ def _check_offload(plan: Plan, optimizer: Any) -> None:
     if off is None:
         return
     if off.optimizer == "disk" and plan.optimizer_in_backward:
-        raise ValueError(
+        raise MemfitValueError(
             "optimizer offload to 'disk' steps after backward, group by group; set "
             "optimizer_in_backward false (or use optimizer 'host', which steps in backward)"
         )
     if off.parameters is not None and plan.compile_backend is not None:
-        raise ValueError(
+        raise MemfitValueError(
             "parameter offload with compile is not available yet: its storage resizes run in "
             "hooks dynamo does not trace; set compile false"
         )
     if off.optimizer is not None and optimizer is not None:
-        raise ValueError(
+        raise MemfitValueError(
             "optimizer offload builds its own optimizer over host copies of the parameters from "
             "the plan; pass no optimizer (or set offload optimizer to null)"
         )
@@ -385,22 +386,24 @@ def _build_optimizer(
 
 
 def check_plan_arguments(
-    func: str, model: Any, plan: Any, optimizer: Any, loss_fn: Any
+    func: str, model: Any, plan: Any, optimizer: Any, loss_fn: Any,
+    keep_original_weights: Any = False,
 ) -> None:
     """Refuse arguments of the wrong kind with one sentence (shared by :func:`apply_plan`
     and :func:`memfit.prepare`, whose signature is ``(model, plan=None, *, optimizer=None,
     loss_fn=None)``).
 
     Raises:
-        TypeError: for a model that is not an ``nn.Module``, a plan that is not a
-            :class:`~memfit.plan.Plan` (an optimizer where the plan goes, as the old
-            ``prepare(model, optimizer, plan)`` order had it), an optimizer that is a plan or
-            has no ``step``/``param_groups``, or a ``loss_fn`` that is not callable.
+        MemfitTypeError: (a ``TypeError``) for a model that is not an ``nn.Module``, a plan
+            that is not a :class:`~memfit.plan.Plan` (an optimizer where the plan goes, as the
+            old ``prepare(model, optimizer, plan)`` order had it), an optimizer that is a plan
+            or has no ``step``/``param_groups``, a ``loss_fn`` that is not callable, or a
+            ``keep_original_weights`` that is not a bool.
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(
-            f"{func}(model, plan, *, optimizer=..., loss_fn=...) takes an nn.Module first, got "
-            f"a {type(model).__name__}"
+        raise MemfitTypeError(
+            f"{func}(model, plan, *, optimizer=..., loss_fn=...) takes an nn.Module first, "
+            f"got {describe(model)}"
         )
     if plan is not None and not isinstance(plan, Plan):
         hint = (
@@ -408,24 +411,24 @@ def check_plan_arguments(
             if hasattr(plan, "param_groups")
             else "build one with memfit.Plan(...) or Plan.from_dict(...)"
         )
-        raise TypeError(
-            f"{func}(model, plan, *, optimizer=...) takes a memfit.Plan second, got a "
-            f"{type(plan).__name__}; {hint}"
+        raise MemfitTypeError(
+            f"{func}(model, plan, *, optimizer=...) takes a memfit.Plan second, got "
+            f"{describe(plan)}; {hint}"
         )
     if isinstance(optimizer, Plan):
-        raise TypeError(
+        raise MemfitTypeError(
             f"optimizer= got a memfit.Plan; pass the plan second: {func}(model, plan)"
         )
     if optimizer is not None and not (
         hasattr(optimizer, "step") and hasattr(optimizer, "param_groups")
     ):
-        raise TypeError(
-            f"optimizer= takes a torch optimizer (with step and param_groups), got a "
-            f"{type(optimizer).__name__}"
+        raise MemfitTypeError(
+            f"optimizer= takes a torch optimizer (with step and param_groups), got "
+            f"{describe(optimizer)}"
         )
     if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(
-            f"loss_fn= takes a function loss_fn(output, batch) -> loss, got a "
-            f"{type(loss_fn).__name__}"
+        raise MemfitTypeError(
+            f"loss_fn= takes a function loss_fn(output, batch) -> loss, got "
+            f"{describe(loss_fn)}"
         )
-
+    check_bool(keep_original_weights, "keep_original_weights")

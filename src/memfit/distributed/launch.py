@@ -15,6 +15,8 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
+from ..errors import MemfitError
+
 __all__ = [
     "ProcessesStopped",
     "finish_worker",
@@ -28,7 +30,7 @@ __all__ = [
 STOP_CODES = (130, 143)
 
 
-class ProcessesStopped(Exception):
+class ProcessesStopped(MemfitError):
     """The launched processes ended because a signal stopped them cleanly, not by a failure:
     at least one exited with a stop code (130, 143) and the others with one too, or were
     ended by the launcher's SIGTERM after it (a worker's non-zero exit makes the launcher end

@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..errors import MemfitError
 from ..stepping import BaseStepper
 from ..workload import Batch
 from .config import PIPEDREAM_SCHEDULES, ParallelConfig
@@ -101,7 +102,7 @@ MESH_DIMS = ("pp", "dp", "cp", "tp")
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-class LayoutError(ValueError):
+class LayoutError(MemfitError, ValueError):
     """A parallel layout that cannot work; the message says what would."""
 
 

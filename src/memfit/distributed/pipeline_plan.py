@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import MemfitError
 from .config import PIPEDREAM_SCHEDULES, PIPELINE_SCHEDULES
 
 #: Schedules that place one stage on each rank.
@@ -27,7 +28,7 @@ __all__ = [
     "predict_stage_activations",
 ]
 
-class PipelineError(ValueError):
+class PipelineError(MemfitError, ValueError):
     """A pipeline setting that cannot work; the message says what would."""
 
 

@@ -15,10 +15,12 @@ from typing import Any
 import torch
 
 from ..accounting import MemoryReport, track
+from ..errors import MemfitError
 from ..optim.registry import get as optimizer_spec
 from ..plan import Plan, PlanError
 from ..targets import DeviceProfile, emulate, get_device
 from ..workload import Workload, load_workload
+from .arguments import check_run_arguments
 
 __all__ = [
     "DryRunLimitation",
@@ -33,7 +35,7 @@ __all__ = [
 Progress = Callable[[int, int], None]
 
 
-class ModelError(RuntimeError):
+class ModelError(MemfitError, RuntimeError):
     """The model itself raised inside its forward or backward (the cause is its own error)."""
 
 
@@ -56,7 +58,7 @@ def measure(
     *,
     steps: int = 2,
     dry: bool = False,
-    cap: int | None = None,
+    cap: int | str | None = None,
     seed: int = 0,
     batch_size: int = 8,
     seq_len: int = 128,
@@ -81,7 +83,8 @@ def measure(
         plan: The plan (default: plain AdamW(lr=1e-3), fp32, nothing else).
         steps: Training steps to run (>= 1); the peak is over all of them.
         dry: Run on fake tensors (nothing allocated) instead of real ones.
-        cap: Virtual memory cap in bytes (raises ``torch.OutOfMemoryError`` beyond it).
+        cap: Virtual memory cap: bytes or a size such as ``"4GiB"`` (raises
+            ``torch.OutOfMemoryError`` beyond it).
         seed: Seed for model initialisation and the batch.
         batch_size: With a SPEC: samples per step.
         seq_len: With a SPEC: tokens per sample.
@@ -119,17 +122,15 @@ def measure(
         size and applied (:mod:`memfit.estimate.compiled`).
 
     Raises:
+        MemfitTypeError, MemfitValueError: for a wrong argument, before anything is built.
         ModelError: when the model itself fails; its own exception is the cause.
         PlanError: when the plan asks for what the target cannot do (bf16 on a T4).
     """
+    cap = check_run_arguments(**locals())  # every argument, before any work (issue 37)
     from ..apply.compose import apply_plan
 
     if isinstance(workload, str):
         workload = load_workload(workload, batch_size, seq_len)
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be a whole number >= 1, got {steps!r}")
-    if stop not in (None, "forward"):
-        raise ValueError(f"stop must be 'forward' or None, got {stop!r}")
     target = get_device(device)
     plan = plan_for_target(plan or Plan(), target)
     run = _Run(workload, plan, target, dry=dry, progress=progress, keep_trace=keep_trace)
@@ -484,7 +485,7 @@ def dry_run(
     plan: Plan | None = None,
     steps: int = 2,
     *,
-    cap: int | None = None,
+    cap: int | str | None = None,
     seed: int = 0,
     batch_size: int = 8,
     seq_len: int = 128,
@@ -505,7 +506,8 @@ def dry_run(
         workload: A :class:`~memfit.workload.Workload` or a ``--model`` SPEC.
         plan: The plan to apply (default: plain AdamW, fp32).
         steps: Training steps.
-        cap: Virtual memory cap in bytes (raises ``torch.OutOfMemoryError`` beyond it).
+        cap: Virtual memory cap: bytes or a size such as ``"4GiB"`` (raises
+            ``torch.OutOfMemoryError`` beyond it).
         seed: Seed for model initialisation and the batch.
         batch_size: With a SPEC: samples per step.
         seq_len: With a SPEC: tokens per sample.

@@ -41,6 +41,7 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import check_names as _check_names
 from ..optim import registry as optim_registry
 from ..optim.config import OptimizerConfig
 from ..plan import Plan
@@ -136,15 +137,11 @@ PRECISION_BYTES: dict[str, tuple[int, int]] = {
 _CHECKPOINT_KEEPS = {"none": 2, "selective": 1, "full": 0}
 
 
-def check_names(values: Iterable[str], known: Mapping[str, str], flag: str) -> tuple[str, ...]:
-    """The stripped, non-empty ``values``; an unknown one is a ``ValueError`` sentence."""
-    out = tuple(v.strip() for v in values if v.strip())
-    for v in out:
-        if v not in known:
-            raise ValueError(
-                f"{flag} value {v!r} does not exist; use one or more of {', '.join(known)}"
-            )
-    return out
+def check_names(values: Any, known: Mapping[str, str], flag: str) -> tuple[str, ...]:
+    """The stripped, non-empty names of ``values`` (a string, comma-separated as on the CLI,
+    or a list of them); an unknown one is a ``ValueError`` sentence
+    (:func:`memfit.errors.check_names`)."""
+    return _check_names(values, known, flag)
 
 
 def micro_batches(batch_size: int) -> list[int]:

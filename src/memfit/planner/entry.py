@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
 
 from ..plan import Plan
 from ..targets import DeviceProfile
 from ..workload import Workload
 from . import search
+from .arguments import check_plan_arguments
 from .parallel import plan_parallel
 from .result import PlanResult
 
@@ -39,9 +39,11 @@ def plan(
     """Find the fastest plan whose peak fits ``budget``.
 
     Args:
-        workload: The workload at its full (global) batch, or a SPEC.
-        budget: Bytes, a size string (``4GiB``) or a device name (``t4``); per process with
-            ``world_size``.
+        workload: The workload at its full (global) batch, or a SPEC (then ``batch_size`` and
+            ``seq_len`` are required).
+        budget: Whole bytes (an int), a size string (``4GiB``, ``4.5GiB``) or a device name
+            (``t4``); per process with ``world_size``. A bare number that is not whole
+            (``4.5``) is refused, not truncated.
         world_size: Plan for this many data-parallel processes: the ZeRO stage is chosen too
             and the result lists each rank's predicted peak
             (:func:`~memfit.planner.parallel.plan_parallel`). ``None``: one process.
@@ -50,14 +52,15 @@ def plan(
             tensor parallelism stays within a node. That search keeps the plan's precision
             and optimizer and offloads nothing: it refuses ``allow`` values and ``disk_dir``
             with a ``ValueError`` rather than ignore them.
-        batch_size: With a SPEC: samples per optimizer step (default 8), over all processes.
-        seq_len: With a SPEC: tokens per sample (default 128).
-        allow: Techniques that change training or use host memory, and need consent:
+        batch_size: With a SPEC (required): samples per optimizer step, over all processes.
+        seq_len: With a SPEC (required): tokens per sample.
+        allow: Techniques that change training or use host memory, and need consent, as a
+            name, names separated by commas (``"lora,qlora"``, as on the CLI) or a list:
             ``freeze``, ``shorter-seq``, ``8bit``, ``factored``, ``bf16-pure``, ``fp8`` (targets
             of compute capability 8.9+), ``offload``.
-        forbid: Default techniques to rule out: ``accumulation``, ``checkpointing``,
-            ``full-checkpointing``, ``mixed-precision``, ``fused-step``, ``foreach-off``,
-            ``fused-loss``.
+        forbid: Default techniques to rule out (a name, comma-separated names or a list):
+            ``accumulation``, ``checkpointing``, ``full-checkpointing``, ``mixed-precision``,
+            ``fused-step``, ``foreach-off``, ``fused-loss``.
         base: The user's plan to start from (its optimizer family and settings are kept).
         device: Device profile for the cost model (default: the budget's device if it names
             one, else the current device; ``cpu`` is measured here).
@@ -77,39 +80,21 @@ def plan(
     the same to the searches over several processes.
 
     Raises:
-        ValueError: for a malformed budget, an unknown allow/forbid value, an option the
-            chosen search cannot honour, or a world size that does not divide the batch.
+        MemfitTypeError: for an argument of a kind it does not accept (``workload=None``, a
+            bare ``nn.Module``, ``base="bf16"``, ``device=123``), before any work.
+        MemfitValueError: for a malformed budget, an unknown allow/forbid value, a SPEC
+            without ``batch_size`` and ``seq_len``, an option the chosen search cannot honour,
+            or a world size that does not divide the batch (a ``ValueError``).
         NothingFits: when no allowed plan fits; ``.result`` holds the closest plan.
     """
-    settings: dict[str, Any] = dict(
-        batch_size=batch_size,
-        seq_len=seq_len,
-        allow=allow,
-        forbid=forbid,
-        base=base,
-        device=device,
-        max_predictions=max_predictions,
-        progress=progress,
-        host_budget=host_budget,
-        disk_dir=disk_dir,
-        jobs=jobs,
-    )
-    if lora_rank is not None:
-        if world_size is not None:
-            raise ValueError("--lora-rank is searched in one process only; leave out --world-size")
-        settings["lora_rank"] = lora_rank
+    # Every argument is checked before any work (issue 37); what the searches share comes
+    # back normalised (allow/forbid as tuples of names; lora_rank only when given).
+    settings = check_plan_arguments(**locals())
     if gpus_per_node is not None:
-        if world_size is None:
-            raise ValueError("--gpus-per-node describes the machines of --world-size; give both")
         from .layout import plan_layout
 
         return plan_layout(workload, budget, world_size, gpus_per_node, **settings,
                            expert_load=expert_load)
-    if expert_load != 1:
-        raise ValueError(
-            "--expert-load is priced by the layout planner, which splits experts; give "
-            "--world-size and --gpus-per-node, or profile a plan with memfit profile "
-            "--dry-run --expert-load")
     if world_size is not None:
         return plan_parallel(workload, budget, world_size, **settings)
     return search.plan(workload, budget, **settings)

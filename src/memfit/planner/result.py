@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import MemfitError
 from ..plan import Plan
 
 __all__ = ["Candidate", "NothingFits", "PlanResult"]
@@ -177,7 +178,7 @@ class PlanResult:
         }
 
 
-class NothingFits(Exception):
+class NothingFits(MemfitError):
     """No plan in the allowed space fits; carries the :class:`PlanResult` with the closest."""
 
     def __init__(self, result: PlanResult, message: str) -> None:

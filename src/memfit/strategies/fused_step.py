@@ -46,6 +46,15 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from ..errors import (
+    MemfitTypeError,
+    MemfitValueError,
+    check_bool,
+    check_int,
+    check_number,
+    check_type,
+    describe,
+)
 from ..techniques import Technique
 
 __all__ = ["OptimizerInBackward", "optimizer_in_backward"]
@@ -93,9 +102,11 @@ def optimizer_in_backward(
         The :class:`OptimizerInBackward` handle.
 
     Raises:
-        ValueError: for an unknown ``clip_mode``, a bad ``grad_accum_steps`` or
-            ``max_grad_norm``, exact clipping with accumulation, or a model with no trainable
-            parameter.
+        MemfitTypeError: for a model that is not an ``nn.Module``, a factory that is not
+            callable, or an argument of another wrong kind.
+        ValueError: (a :class:`~memfit.errors.MemfitError`) for an unknown ``clip_mode``, a
+            bad ``grad_accum_steps`` or ``max_grad_norm``, exact clipping with accumulation,
+            or a model with no trainable parameter.
     """
     return OptimizerInBackward(
         model,
@@ -149,10 +160,11 @@ class OptimizerInBackward(Optimizer):
         clip_mode: str = "exact",
         track_grad_norm: bool = False,
     ) -> None:
-        _check_arguments(grad_accum_steps, max_grad_norm, clip_mode)
+        _check_arguments(model, optimizer_factory, grad_accum_steps, max_grad_norm, clip_mode,
+                         track_grad_norm)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
-            raise ValueError(
+            raise MemfitValueError(
                 f"{type(model).__name__} has no trainable parameter (all are frozen or it has "
                 "none); there is nothing to optimize"
             )
@@ -163,7 +175,7 @@ class OptimizerInBackward(Optimizer):
             opt = optimizer_factory([p])
             for attr in ("step", "param_groups", "state_dict", "load_state_dict"):
                 if not hasattr(opt, attr):
-                    raise TypeError(
+                    raise MemfitTypeError(
                         f"optimizer_factory returned a {type(opt).__name__} (for {name!r}) "
                         f"without {attr!r}; it must return an optimizer over the given parameters"
                     )
@@ -518,18 +530,34 @@ def _clip_coefficient(max_norm: float, norm: torch.Tensor) -> torch.Tensor:
     return torch.clamp(coef, max=1.0)
 
 
-def _check_arguments(grad_accum_steps: int, max_grad_norm: float | None, clip_mode: str) -> None:
-    if clip_mode not in _CLIP_MODES:
-        raise ValueError(
+def _check_arguments(
+    model: Any,
+    optimizer_factory: Any,
+    grad_accum_steps: Any,
+    max_grad_norm: Any,
+    clip_mode: Any,
+    track_grad_norm: Any,
+) -> None:
+    """Every argument of :func:`optimizer_in_backward`, before any hook is installed."""
+    check_type(model, nn.Module, "model", "an nn.Module")
+    if not callable(optimizer_factory) or isinstance(optimizer_factory, (Optimizer, nn.Module)):
+        raise MemfitTypeError(
+            "optimizer_factory must be a function factory(params) -> optimizer (e.g. "
+            f"lambda ps: torch.optim.AdamW(ps, lr=1e-3)), got {describe(optimizer_factory)}"
+        )
+    if not isinstance(clip_mode, str) or clip_mode not in _CLIP_MODES:
+        raise MemfitValueError(
             f"clip_mode {clip_mode!r} is not known; use 'exact' (an extra norm-only backward "
             "per step) or 'approx' (the previous step's norm, no extra compute)"
         )
-    if not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
-        raise ValueError(f"grad_accum_steps must be a whole number >= 1, got {grad_accum_steps!r}")
-    if max_grad_norm is not None and not max_grad_norm > 0:
-        raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
+    check_int(grad_accum_steps, "grad_accum_steps", 1)
+    if max_grad_norm is not None:
+        check_number(max_grad_norm, "max_grad_norm")
+        if not max_grad_norm > 0:
+            raise MemfitValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
+    check_bool(track_grad_norm, "track_grad_norm")
     if max_grad_norm is not None and clip_mode == "exact" and grad_accum_steps > 1:
-        raise ValueError(
+        raise MemfitValueError(
             "exact gradient clipping with optimizer_in_backward needs the whole accumulated "
             "gradient before any step, which accumulation keeps in memory; use "
             "clip_mode='approx', or an ordinary optimizer with clip_grad_norm_"
@@ -539,6 +567,11 @@ def _check_arguments(grad_accum_steps: int, max_grad_norm: float | None, clip_mo
 def _check(plan: Any) -> None:
     """The rules tying the fused step to the loss scaler and to exact clipping
     (``Technique.check``)."""
+    if not isinstance(plan.optimizer_in_backward, bool):
+        raise ValueError(
+            "optimizer_in_backward must be true or false, got "
+            f"{describe(plan.optimizer_in_backward)}"
+        )
     if not plan.optimizer_in_backward:
         return
     if plan.parallel.world_size > 1 or plan.parallel.zero_stage:

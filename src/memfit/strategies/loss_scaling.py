@@ -195,7 +195,9 @@ def _clip_refusal(plan: Any, engine: str) -> str | None:
 
 def _check_clipping(plan: Any) -> None:
     """The clipping norm and mode (``Technique.check``)."""
-    if plan.max_grad_norm is not None and not plan.max_grad_norm > 0:
+    norm = plan.max_grad_norm
+    if norm is not None and (isinstance(norm, bool) or not isinstance(norm, (int, float))
+                             or not norm > 0):
         raise ValueError(f"max_grad_norm must be > 0 or null, got {plan.max_grad_norm!r}")
     if plan.grad_clip_mode not in ("exact", "approx"):
         raise ValueError(

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ..errors import MemfitTypeError, MemfitValueError, describe
 from ..units import GiB, MiB, parse_size
 
 __all__ = [
@@ -464,6 +465,11 @@ def get_device(name: str | DeviceProfile | None) -> DeviceProfile:
         return machine_device()
     if isinstance(name, DeviceProfile):
         return name
+    if not isinstance(name, str):
+        raise MemfitTypeError(
+            f"device must be a device name ({_known()}), a custom description, a "
+            f"DeviceProfile or None, got {describe(name)}"
+        )
     key = name.strip().lower().replace("_", "-")
     if key == "cpu":
         return cpu_profile()
@@ -471,7 +477,7 @@ def get_device(name: str | DeviceProfile | None) -> DeviceProfile:
         return DEVICES[key]
     if "=" in name or Path(name).suffix.lower() in (".json", ".yaml", ".yml"):
         return parse_device(name)
-    raise ValueError(
+    raise MemfitValueError(
         f"device {name!r} is not known; use one of {_known()}, or describe another GPU in a "
         f"JSON/YAML file or inline as {', '.join(CUSTOM_FIELDS)}=VALUE,..."
     )
@@ -512,19 +518,19 @@ def parse_device(spec: str | Mapping[str, Any]) -> DeviceProfile:
     data = _read_description(spec)
     missing = [f for f in CUSTOM_FIELDS if f not in data]
     if missing:
-        raise ValueError(
+        raise MemfitValueError(
             f"the device description lacks the field {missing[0]!r}; a custom device needs "
             f"{', '.join(CUSTOM_FIELDS)}"
         )
     unknown = sorted(set(data) - set(CUSTOM_FIELDS) - set(_OPTIONAL))
     if unknown:
-        raise ValueError(
+        raise MemfitValueError(
             f"the device description has an unknown field {unknown[0]!r}; fields are "
             f"{', '.join(CUSTOM_FIELDS + _OPTIONAL)}"
         )
     name = str(data["name"]).strip()
     if not name:
-        raise ValueError("the device description's field 'name' is empty")
+        raise MemfitValueError("the device description's field 'name' is empty")
     memory = _size_field(data, "memory")
     bw = _rate_field(data, "mem_bandwidth")
     host = _rate_field(data, "host_bandwidth")
@@ -563,7 +569,7 @@ def _read_description(spec: str | Mapping[str, Any]) -> dict[str, Any]:
     path = Path(spec)
     if path.suffix.lower() in (".json", ".yaml", ".yml"):
         if not path.is_file():
-            raise ValueError(f"device description file {str(path)!r} does not exist")
+            raise MemfitValueError(f"device description file {str(path)!r} does not exist")
         text = path.read_text()
         try:
             if path.suffix.lower() == ".json":
@@ -573,9 +579,10 @@ def _read_description(spec: str | Mapping[str, Any]) -> dict[str, Any]:
 
                 data = yaml.safe_load(text)
         except Exception as e:  # malformed file: say which
-            raise ValueError(f"device description file {str(path)!r} cannot be read ({e})") from None
+            raise MemfitValueError(
+                f"device description file {str(path)!r} cannot be read ({e})") from None
         if not isinstance(data, Mapping):
-            raise ValueError(
+            raise MemfitValueError(
                 f"device description file {str(path)!r} must hold a mapping of fields "
                 f"({', '.join(CUSTOM_FIELDS)})"
             )
@@ -586,7 +593,7 @@ def _read_description(spec: str | Mapping[str, Any]) -> dict[str, Any]:
             continue
         key, sep, value = part.partition("=")
         if not sep:
-            raise ValueError(
+            raise MemfitValueError(
                 f"device description part {part.strip()!r} is not key=value; write "
                 f"{', '.join(CUSTOM_FIELDS)}=VALUE separated by commas"
             )
@@ -601,7 +608,7 @@ def _size_field(data: Mapping[str, Any], key: str) -> int:
     try:
         return parse_size(value if isinstance(value, (int, str)) else int(value))
     except (ValueError, TypeError):
-        raise ValueError(
+        raise MemfitValueError(
             f"device description field {key!r} must be a size such as 24GiB, got {value!r}"
         ) from None
 
@@ -622,7 +629,7 @@ def _rate_field(data: Mapping[str, Any], key: str) -> float:
             return float(parse_size(text[:-2]))
         except ValueError:
             pass
-    raise ValueError(
+    raise MemfitValueError(
         f"device description field {key!r} must be bytes per second (1.5e12, 1.5TB/s, "
         f"32GB/s), got {value!r}"
     )
@@ -634,12 +641,12 @@ def _cc_field(value: Any) -> tuple[int, int]:
     try:
         cc = (int(major), int(minor or 0))
     except ValueError:
-        raise ValueError(
+        raise MemfitValueError(
             f"device description field 'compute_capability' must look like 8.0 or 9.0, got "
             f"{value!r}"
         ) from None
     if not 3 <= cc[0] <= 20:
-        raise ValueError(f"compute capability {text} is not a CUDA compute capability")
+        raise MemfitValueError(f"compute capability {text} is not a CUDA compute capability")
     return cc
 
 
@@ -652,7 +659,7 @@ def _bool_field(data: Mapping[str, Any], key: str) -> bool:
         return True
     if text in ("false", "no", "0", "off"):
         return False
-    raise ValueError(f"device description field {key!r} must be true or false, got {value!r}")
+    raise MemfitValueError(f"device description field {key!r} must be true or false, got {value!r}")
 
 
 def _tflops(data: Mapping[str, Any], key: str, default: float) -> float:
@@ -661,34 +668,45 @@ def _tflops(data: Mapping[str, Any], key: str, default: float) -> float:
     try:
         value = float(data[key])
     except (TypeError, ValueError):
-        raise ValueError(
+        raise MemfitValueError(
             f"device description field {key!r} must be a number of TFLOP/s, got {data[key]!r}"
         ) from None
     if value <= 0:
-        raise ValueError(f"device description field {key!r} must be > 0, got {value}")
+        raise MemfitValueError(f"device description field {key!r} must be > 0, got {value}")
     return value * 1e12
 
 
 def parse_budget(text: str | int) -> tuple[int, DeviceProfile | None]:
-    """Parse a budget: a size (``4GiB``, ``4GB``, ``4096MiB``, ``0.5TiB``, bytes) or a device
-    name (``t4``: that device's whole memory; the planner then fits the device total,
-    allocator reserve and CUDA context included).
+    """Parse a budget: a size (``4GiB``, ``4GB``, ``4096MiB``, ``0.5TiB``, whole bytes) or a
+    device name (``t4``: that device's whole memory; the planner then fits the device total,
+    allocator reserve and CUDA context included). A bare number is bytes and must be whole
+    (:func:`~memfit.units.parse_size`): ``4.5`` is refused, not read as 4 bytes.
 
     Returns:
         The budget in bytes, and the device profile when a device was named.
 
     Raises:
-        ValueError: with one sentence naming what is accepted.
+        MemfitTypeError: for anything but a string or a number.
+        MemfitValueError: with one sentence naming what is accepted.
     """
+    accepted = (
+        f"a size such as 4GiB, 4GB, 4096MiB, 0.5TiB or whole bytes, or a device name "
+        f"({', '.join(DEVICES)})"
+    )
+    if isinstance(text, bool) or not isinstance(text, (str, int, float)):
+        raise MemfitTypeError(f"budget must be {accepted}, got {describe(text)}")
     if isinstance(text, str) and text.strip().lower().replace("_", "-") in DEVICES:
         dev = DEVICES[text.strip().lower().replace("_", "-")]
         return dev.memory_bytes, dev
     try:
         return parse_size(text), None
     except ValueError as e:
-        if "positive" in str(e):
-            raise ValueError(f"budget {text!r} must be a positive size, such as 4GiB") from None
-        raise ValueError(
-            f"budget {text!r} is not understood; use a size such as 4GiB, 4GB, 4096MiB, 0.5TiB "
-            f"or plain bytes, or a device name ({', '.join(DEVICES)})"
-        ) from None
+        if "positive" in str(e) or "less than one byte" in str(e):
+            raise MemfitValueError(
+                f"budget {text!r} must be a positive size, such as 4GiB") from None
+        if "whole number" in str(e):
+            raise MemfitValueError(
+                f"budget {text!r} is not a whole number of bytes; give whole bytes or a unit, "
+                "such as 4.5GiB"
+            ) from None
+        raise MemfitValueError(f"budget {text!r} is not understood; use {accepted}") from None

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..errors import MemfitError, check_names
 from ..optim.schedule import LR_SCHEDULES
 from ..plan import Plan
 
@@ -52,7 +53,7 @@ DEFAULT_BUDGET = "48MiB"
 _PATH_FIELDS = ("data", "tokenizer", "checkpoint_dir", "plan", "resume_from")
 
 
-class ConfigError(ValueError):
+class ConfigError(MemfitError, ValueError):
     """A setting of a :class:`TrainConfig` is not usable.
 
     ``str(error)`` is one sentence that starts with the setting's name (``max_steps must be a
@@ -451,7 +452,15 @@ def _normalise(key: str, value: Any) -> Any:
     one string or a list for a list, a mapping for a plan, a whole number for a number."""
     if isinstance(value, os.PathLike):
         value = os.fspath(value)
-    if key in ("data", "allow", "forbid"):
+    if key in ("allow", "forbid") and isinstance(value, (str, list, tuple)):
+        # As on the command line: one name, names separated by commas, or a list; each known.
+        from ..techniques import allow_names, forbid_names
+
+        try:
+            return check_names(value, allow_names() if key == "allow" else forbid_names(), key)
+        except MemfitError as e:
+            raise ConfigError(key, str(e).removeprefix(f"{key} ")) from None
+    if key == "data":
         if isinstance(value, str):
             return (value,)
         if isinstance(value, list):

@@ -53,6 +53,8 @@ from torch import nn
 from ..accounting import track
 from ..accounting.tiers import host_tier
 from ..apply.compose import apply_plan
+from ..errors import check_number, check_type
+from ..estimate.arguments import check_workload
 from ..plan import Plan
 from ..strategies.precision import weights_dtype
 from ..targets import DeviceProfile, emulate, get_device
@@ -106,6 +108,11 @@ def predict_job(
     """
     from ..estimate.dryrun import dry_tensors, model_error, plan_for_target
 
+    check_workload(workload, plan, batch_size, seq_len, seed)  # before any work (issue 37)
+    check_type(device, (str, DeviceProfile, type(None)), "device",
+               "a device name such as 'a100' or 'cpu', a custom description, a DeviceProfile "
+               "or None")
+    check_number(expert_load, "expert_load", 1)
     if isinstance(workload, str):
         workload = load_workload(workload, batch_size, seq_len)
     target = get_device(device)
@@ -163,6 +170,7 @@ def measure_job(
 
     from .trainer import Trainer
 
+    check_workload(workload, plan, batch_size, seq_len, seed)  # before any work (issue 37)
     if isinstance(workload, str):
         workload = load_workload(workload, batch_size, seq_len)
     plan = plan or Plan()

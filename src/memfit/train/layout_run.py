@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from ..errors import MemfitError
 from ..optim import registry as optim_registry
 from ..plan import Plan
 from .config import DEFAULT_BATCH_SIZE, TrainConfig
@@ -65,7 +66,7 @@ def layout_optimizers() -> tuple[str, ...]:
     return tuple(s.name for s in optim_registry.specs() if s.layout)
 
 
-class LayoutRunError(ValueError):
+class LayoutRunError(MemfitError, ValueError):
     """A run setting or plan technique the tensor/pipeline path does not do."""
 
 

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from ..errors import MemfitError
+
 __all__ = [
     "FORMAT",
     "MANIFEST_FILE",
@@ -48,7 +50,7 @@ MANIFEST_FILE = "manifest.json"
 _CHUNK = 1 << 22
 
 
-class CheckpointError(ValueError):
+class CheckpointError(MemfitError, ValueError):
     """A checkpoint that cannot be written or loaded; ``str(error)`` is one sentence."""
 
 

@@ -51,10 +51,25 @@ from torch import nn
 
 from ..apply.compose import LossFn, TrainingSetup, apply_plan, check_plan_arguments
 from ..apply.stepper import Stepper, finish_step, forward_loss, prepare_batch
+from ..errors import MemfitTypeError, MemfitValueError, describe
 from ..plan import Plan
-from ..workload import Batch
+from ..workload import Batch, batch_size_of
+from .arguments import check_batch_covers_accumulation
 
 __all__ = ["Prepared", "prepare"]
+
+
+def _refuse_meta(model: nn.Module) -> None:
+    """A model built under ``torch.device("meta")`` has shapes but no data: training it would
+    step on nothing (issue 37), so it is refused before any technique applies."""
+    meta = next((n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta),
+                None)
+    if meta is not None:
+        raise MemfitValueError(
+            f"model has its weights on the meta device (shapes without data, e.g. {meta!r}), "
+            "which prepare() cannot train; materialise them first (model.to_empty(device=...) "
+            "and load a state dict, or build the model without torch.device('meta'))"
+        )
 
 
 class Prepared:
@@ -68,6 +83,11 @@ class Prepared:
     """
 
     def __init__(self, setup: TrainingSetup) -> None:
+        if not isinstance(setup, TrainingSetup):
+            raise MemfitTypeError(
+                f"Prepared(setup) takes the TrainingSetup of memfit.apply_plan, got "
+                f"{describe(setup)}; memfit.prepare(model, plan) builds both"
+            )
         self.setup = setup
         self._micro = 0  # micro-batches done towards the current optimizer step
         self._open = False
@@ -125,8 +145,18 @@ class Prepared:
 
         Under data parallelism ``batch`` is the global batch, the same on every rank: each
         trains on its share (:func:`~memfit.distributed.data.local_batch`) and the returned
-        loss is the mean over the ranks."""
+        loss is the mean over the ranks.
+
+        Raises:
+            MemfitValueError: when ``batch`` has fewer samples than the plan's micro-batches
+                (``grad_accum_steps``, per data-parallel process): the step would silently
+                accumulate fewer of them than the plan says.
+        """
+        self._check_batch(batch)
         return self.setup.step(batch)
+
+    def _check_batch(self, batch: Batch) -> None:
+        check_batch_covers_accumulation(batch_size_of(batch), self.plan)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The plan's autocast context (a no-op in fp32): run the forward and loss under it."""
@@ -273,11 +303,14 @@ def prepare(
         The :class:`Prepared` model, optimizer and step.
 
     Raises:
-        TypeError: when ``plan`` is not a :class:`~memfit.plan.Plan` (an optimizer passed
-            where the plan goes, as the old ``prepare(model, optimizer, plan)`` order did),
-            ``optimizer`` is a plan, or another argument has the wrong kind.
+        MemfitTypeError: (a ``TypeError``) when ``plan`` is not a :class:`~memfit.plan.Plan`
+            (an optimizer passed where the plan goes, as the old ``prepare(model, optimizer,
+            plan)`` order did), ``optimizer`` is a plan, or another argument has the wrong kind.
+        MemfitValueError: (a ``ValueError``) when the model's weights are on the meta device
+            (shapes without data: nothing to train), or the plan cannot apply to it.
     """
-    check_plan_arguments("prepare", model, plan, optimizer, loss_fn)
+    check_plan_arguments("prepare", model, plan, optimizer, loss_fn, keep_original_weights)
+    _refuse_meta(model)
     setup = apply_plan(
         model,
         plan,

@@ -33,9 +33,11 @@ import torch
 from torch import nn
 
 from ..apply.compose import TrainingSetup, apply_plan
+from ..errors import MemfitError
 from ..plan import Plan
 from ..strategies.precision import weights_dtype
 from ..workload import Batch, Workload
+from .arguments import check_batch_covers_accumulation, check_trainer_arguments
 from .callbacks import (
     Callback,
     CheckpointCallback,
@@ -77,7 +79,7 @@ __all__ = [
 logger = logging.getLogger("memfit.train")
 
 
-class TrainingDiverged(RuntimeError):
+class TrainingDiverged(MemfitError, RuntimeError):
     """The loss became NaN or infinite with no loss scaler to skip the step; ``str(error)``
     names the step, the batch's samples and the last good checkpoint."""
 
@@ -133,7 +135,10 @@ class Trainer:
 
     Raises:
         ValueError: (:class:`~memfit.train.config.ConfigError`) for a bad setting, in one
-            sentence; ``TypeError`` for something that is neither a workload nor a module.
+            sentence; a :class:`~memfit.errors.MemfitValueError` for a model without
+            ``train_data`` or a batch smaller than the plan's ``grad_accum_steps``.
+        MemfitTypeError: (a ``TypeError``) for an argument of the wrong kind: something that
+            is neither a workload nor a module, a plan that is not a :class:`Plan`, ...
 
     Attributes:
         resumed_from: The checkpoint the last :meth:`fit` continued from, if it resumed.
@@ -172,6 +177,7 @@ class Trainer:
         report_png: str | Path | None = None,
         console: Any = None,
     ) -> None:
+        check_trainer_arguments(locals())  # before any work (issue 37)
         given = dict(
             lr=lr,
             schedule=schedule,
@@ -188,20 +194,14 @@ class Trainer:
             batch_size=batch_size,
             track_every=track_every,
         )
-        if config is not None and not isinstance(config, TrainConfig):
-            raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
         cfg = (config or TrainConfig()).replace(**{k: v for k, v in given.items() if v is not None})
         self.config = cfg
         self.workload = workload_or_model if isinstance(workload_or_model, Workload) else None
-        if self.workload is None and not isinstance(workload_or_model, nn.Module):
-            raise TypeError(
-                f"Trainer needs a Workload or a torch.nn.Module, got {type(workload_or_model).__name__}"
-            )
-        if train_data is None and self.workload is None:
-            raise ValueError(
-                "Trainer needs train_data when given a model (a Workload makes its own batches)"
-            )
         plan = _with_lr(plan if plan is not None else (cfg.load_plan() or Plan()), cfg.lr)
+        check_batch_covers_accumulation(
+            cfg.batch_size or (self.workload.batch_size if self.workload else DEFAULT_BATCH_SIZE),
+            plan,
+        )
         # The learning rate is the run's, whichever plan a step-down moves to.
         fallback = None if fallback_plans is None else [_with_lr(p, cfg.lr) for p in fallback_plans]
         self.seed, self.max_steps = cfg.seed, cfg.max_steps
