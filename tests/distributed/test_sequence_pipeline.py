@@ -7,11 +7,13 @@ Llama (fp32, no dropout) under the 1F1B, GPipe and interleaved 1F1B schedules wi
 parallelism and, for comparison, 1F1B without it; each runs a step whose loss and gradients are compared with
 the unsplit model's, then a warm step measured by memfit's tracker, compared with
 :func:`~memfit.estimate.layout.predict_layout`. torch's pipeline stage's receive buffers (the
-activations in, the gradients of the outputs) are read off the stage and compared with and
-without sequence parallelism.
+activations in, the gradients of the outputs) are read off the stage's receive metadata
+(torch 2.15 keeps no buffer between steps) and compared with and without sequence parallelism.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -23,6 +25,7 @@ from memfit.estimate.layout import predict_layout
 from .harness import (
     assert_rank_peaks,
     assert_ranks_equal_reference,
+    receive_shapes,
     run_ranks,
     step_then_track,
     tiny_llama,
@@ -60,15 +63,10 @@ def _batch() -> torch.Tensor:
 def _buffers(layout) -> dict[str, int]:
     """Bytes of torch's pipeline stage's receive buffers on this rank: activations received
     from the previous stage, gradients received from the next, over all micro-batches."""
-    schedule = layout.pipeline.schedule
-    stages = getattr(schedule, "_stages", None) or [schedule._stage]
-    act = sum(info.buffer.numel() * info.buffer.element_size() for stage in stages
-              for infos in stage.args_recv_info.values() for info in infos
-              if info.buffer is not None)
-    grad = sum(info.buffer.numel() * info.buffer.element_size() for stage in stages
-               for infos in stage.grad_recv_info.values() for info in infos
-               if getattr(info, "buffer", None) is not None)
-    return {"activations": act, "gradients": grad}
+    out = {"activations": 0, "gradients": 0}
+    for kind, shape, dtype in receive_shapes(layout):
+        out[kind] += math.prod(shape) * dtype.itemsize
+    return out
 
 
 def _ranks(rank: int, world: int) -> dict:

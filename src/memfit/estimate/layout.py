@@ -80,6 +80,7 @@ from ..workload import Workload, load_workload
 from .distributed import fake_process_group
 from .pipedream import pipedream_rank_peak
 from .pipeline import _fake, _schedule_orders
+from .pipeline_terms import receive_buffers_kept
 
 __all__ = ["LayoutPrediction", "RoleCosts", "predict_layout"]
 
@@ -446,27 +447,49 @@ class _RoleRun:
         self.labels = torch.empty((local_batch, seq_len), dtype=torch.long) if last else None
         tracker.add_inputs((self.ids, self.labels))
         # torch's PipelineStage receives each micro-batch's input, and each output gradient,
-        # into its own buffer, allocated once and kept; under sequence parallelism the stages
-        # pass their local sequence shards (StageModule.sequence_mesh).
+        # into its own buffer; under sequence parallelism the stages pass their local sequence
+        # shards (StageModule.sequence_mesh).
         tokens = seq_len // self.sequence_split // self.context
+        self.buffer_shape, self.buffer_dtype = (mb, tokens, hidden), dtype
+        if not receive_buffers_kept():
+            return tracker.live_bytes  # torch 2.15: each made at its receive (_receive)
+        # Up to torch 2.14: every micro-batch's, made at the first step and kept.
         for s in stages:
             for i in range(m):
                 if s > 0:
-                    self.recv[s, i] = torch.empty((mb, tokens, hidden), dtype=dtype,
-                                                  requires_grad=True)
+                    self.recv[s, i] = self._buffer(requires_grad=True)
                 if s < self.num_stages - 1:
-                    self.grad_recv[s, i] = torch.empty((mb, tokens, hidden), dtype=dtype)
+                    self.grad_recv[s, i] = self._buffer()
         tracker.label((list(self.recv.values()), list(self.grad_recv.values())), "other")
         return tracker.live_bytes
+
+    def _buffer(self, requires_grad: bool = False) -> torch.Tensor:
+        return torch.empty(self.buffer_shape, dtype=self.buffer_dtype,
+                           requires_grad=requires_grad)
+
+    def _receive(self, into: dict[tuple[int, int], torch.Tensor], s: int, i: int,
+                 requires_grad: bool = False) -> torch.Tensor:
+        """Stage ``s``'s receive buffer for micro-batch ``i`` in ``into``: the one made at the
+        start (torch 2.13, 2.14), or, as torch 2.15 does, one made now and handed over (the
+        caller's compute holds it from here: a forward's input until its backward, an output
+        gradient through its backward)."""
+        if (s, i) in into:
+            return into[s, i]
+        buffer = self._buffer(requires_grad)
+        self.tracker.label([buffer], "other")
+        return buffer
 
     def forwards(self, i: int) -> None:
         """Micro-batch ``i``'s forward through each of the rank's stages, in order."""
         mb, tracker, cache = self.mb, self.tracker, self.cache
         for s in self.order:
             a = tracker.event_stamp
-            x = self.ids[i * mb:(i + 1) * mb] if s == 0 else self.recv[s, i]
-            if s > 0 and s - 1 in self.stages:
+            if s == 0:
+                x = self.ids[i * mb:(i + 1) * mb]
+            elif s - 1 in self.stages:
                 x = cache[s - 1, i][0]  # the same rank's previous stage feeds it directly
+            else:
+                x = self._receive(self.recv, s, i, requires_grad=True)
             out = self.stages[s](x)
             out = getattr(out, "logits", out)
             loss = None
@@ -491,7 +514,7 @@ class _RoleRun:
             elif s + 1 in self.stages:
                 pass  # run with the next stage's backward, as one graph
             else:
-                torch.autograd.backward(out, self.grad_recv[s, i])
+                torch.autograd.backward(out, self._receive(self.grad_recv, s, i))
             grad_in = x.grad if x.requires_grad else None
             if grad_in is not None and s > 0 and s - 1 not in self.stages:
                 self.sent[s] = _nbytes([grad_in])

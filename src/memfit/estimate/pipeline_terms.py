@@ -2,7 +2,10 @@
 holds between its stages, and what sequence parallelism divides:
 
 * :func:`receive_buffer_bytes`: torch's ``PipelineStage`` receives every micro-batch's input,
-  and every output gradient, into a buffer of its own, allocated at the first step and kept;
+  and every output gradient, into a buffer of its own: up to torch 2.14 allocated at the first
+  step and kept (:func:`receive_buffers_kept`); from 2.15 allocated just before each receive
+  and handed to the micro-batch's compute, so that an input's buffer is what the micro-batch
+  in flight keeps and an output gradient's lives through one backward;
 * :func:`stage_outputs_kept`: a non-last stage's output lives in the stage's forward cache
   until its micro-batch's backward, while a non-first stage's first block saves its input,
   which is the receive buffer already counted;
@@ -18,14 +21,34 @@ degree as well: the caller passes the block input at the local token count.
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.util
 from typing import Any
 
-__all__ = ["norm_kept_bytes", "receive_buffer_bytes", "stage_outputs_kept"]
+__all__ = [
+    "norm_kept_bytes",
+    "receive_buffer_bytes",
+    "receive_buffers_kept",
+    "stage_outputs_kept",
+]
+
+
+@functools.cache
+def receive_buffers_kept() -> bool:
+    """Whether the installed torch's ``PipelineStage`` makes every micro-batch's receive
+    buffers at its first step and keeps them (torch 2.13, 2.14), rather than allocating each
+    just before its receive and handing it to the micro-batch's compute (torch 2.15's
+    ``torch/distributed/pipelining/_recv_buffers.py``, whose ``_RecvInfo.buffer`` is ``None``
+    between steps). Read off torch itself: the module that 2.15 moved the buffers into."""
+    return importlib.util.find_spec("torch.distributed.pipelining._recv_buffers") is None
 
 
 def receive_buffer_bytes(config: Any, rank: int, microbatches: int, stage_input: float) -> int:
     """torch's receive buffers on pipeline rank ``rank``, kept for the run: per local stage and
-    micro-batch one block input from the previous stage and one output gradient from the next.
+    micro-batch one block input from the previous stage and one output gradient from the next;
+    0 where the installed torch allocates them per receive (:func:`receive_buffers_kept`: the
+    input's buffer is then the first block's saved input, and the gradient's a transient of
+    the backward, both counted there).
 
     Args:
         config: The :class:`~memfit.distributed.pipeline_plan.PipelineConfig`.
@@ -33,6 +56,8 @@ def receive_buffer_bytes(config: Any, rank: int, microbatches: int, stage_input:
         microbatches: Micro-batches per step.
         stage_input: Bytes of one micro-batch's block input as the stages pass it.
     """
+    if not receive_buffers_kept():
+        return 0
     last = config.num_stages - 1
     ends = sum((s > 0) + (s < last) for s in config.stage_indices(rank))
     return int(ends * microbatches * stage_input)
