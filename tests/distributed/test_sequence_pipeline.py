@@ -184,6 +184,7 @@ def test_405b_under_torchtitan_s_layout_keeps_an_eighth_of_the_block_inputs():
     activations (its 15 checkpointed block inputs and its output per micro-batch, beside the
     embedding's few bytes) and its receive buffers are an eighth of those without it."""
     from memfit.estimate.layout_cost import estimate_layout, model_shape
+    from memfit.estimate.pipeline_terms import receive_buffers_kept
     from memfit.targets import get_device
     from memfit.workload import load_workload
 
@@ -198,7 +199,10 @@ def test_405b_under_torchtitan_s_layout_keeps_an_eighth_of_the_block_inputs():
                                    gpus_per_node=8).stages[0])
     plain, split = got
     assert 7.9 < plain["activations"] / split["activations"] <= 8
-    assert plain["pipeline_buffers"] == 8 * split["pipeline_buffers"] > 0
+    if receive_buffers_kept():
+        assert plain["pipeline_buffers"] == 8 * split["pipeline_buffers"] > 0
+    else:  # torch 2.15 makes them per receive: the input's is with the activations above
+        assert "pipeline_buffers" not in plain and "pipeline_buffers" not in split
 
 
 def test_the_planner_keeps_a_plan_s_sequence_parallelism_under_a_pipeline(tmp_path):

@@ -26,6 +26,7 @@ import importlib.util
 from typing import Any
 
 __all__ = [
+    "gradient_buffer_bytes",
     "norm_kept_bytes",
     "receive_buffer_bytes",
     "receive_buffers_kept",
@@ -65,15 +66,36 @@ def receive_buffer_bytes(config: Any, rank: int, microbatches: int, stage_input:
 
 def stage_outputs_kept(ends: tuple[bool, bool]) -> int:
     """Block inputs a micro-batch in flight adds to a rank beyond its blocks' saved tensors,
-    per local stage on average: one on the rank holding the first stage (its output, cached
-    until backward), none in the middle (the output cached, the first block's saved input the
-    receive buffer), one fewer on the last (no output sent; the input is the buffer).
+    per local stage on average. Where torch keeps the receive buffers for the run
+    (:func:`receive_buffers_kept`): one on the rank holding the first stage (its output,
+    cached until backward), none in the middle (the output cached, the first block's saved
+    input the receive buffer, counted with the buffers), one fewer on the last (no output
+    sent; the input is the buffer). Where torch makes them per receive (2.15), the first
+    block's saved input is the micro-batch's own buffer, counted with the blocks: one on every
+    rank but the last's (the output cached until backward).
 
     Args:
         ends: Whether the rank holds the first stage, and the last.
     """
     first, last = ends
+    if not receive_buffers_kept():
+        return int(not last)
     return int(first) - int(last)
+
+
+def gradient_buffer_bytes(ends: tuple[bool, bool], stage_input: float) -> int:
+    """What a backward adds on a rank for the output gradient it receives, where torch makes
+    the buffer at the receive (2.15): one block input's bytes, but on the last stage's rank
+    (its gradient comes from the loss); 0 where the buffers are kept for the run, counted by
+    :func:`receive_buffer_bytes`.
+
+    Args:
+        ends: Whether the rank holds the first stage, and the last.
+        stage_input: Bytes of one micro-batch's block input as the stages pass it.
+    """
+    if receive_buffers_kept() or ends[1]:
+        return 0
+    return int(stage_input)
 
 
 def norm_kept_bytes(model: Any, seq_len: int, dtype: str) -> int:
