@@ -56,7 +56,10 @@ class WorkerFailed(RuntimeWarning):
 def fork_safe(timeout: float = 60.0) -> bool:
     """Whether a child forked from this process now can run a backward: not once this process
     has run one on a CUDA build of torch (autograd's device threads do not cross a fork).
-    Asked of a forked probe (a few milliseconds), since nothing in torch tells."""
+    Asked of a forked probe (a few milliseconds), since nothing in torch tells; ``False``
+    where this platform does not fork."""
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return False
     ctx = multiprocessing.get_context("fork")
     probe = ctx.Process(target=_probe_backward, daemon=True)
     probe.start()
