@@ -98,7 +98,8 @@ class RoleCosts:
 
     Attributes:
         static: Live at the step's start: parameters, optimizer state, the pipeline's receive
-            buffers, the batch; at ZeRO 0 with data replicas, the gradients (DDP's buckets).
+            buffers (up to torch 2.14; 2.15's are made per receive, in the events' costs), the
+            batch; at ZeRO 0 with data replicas, the gradients (DDP's buckets).
         forward_kept: Per local stage: what a micro-batch's forward keeps until its backward.
         forward_over: Per local stage: the forward's transient peak above its start.
         backward_over: Per local stage: ``(first, later)`` backward transient peaks above their
