@@ -15,6 +15,7 @@ from memfit.estimate.pipeline_terms import (
     receive_buffer_bytes,
     receive_buffers_kept,
     stage_outputs_kept,
+    stage_outputs_released,
 )
 
 
@@ -63,9 +64,16 @@ def test_the_receive_buffers_are_read_off_the_installed_torch():
 ENDS = {"first": (True, False), "middle": (False, False), "last": (False, True)}
 
 
+def test_torch_2_15_changed_both_at_once():
+    # Within the window, the buffers made per receive and the sent outputs let go of came
+    # together (torch 2.15).
+    assert stage_outputs_released() is not receive_buffers_kept()
+
+
 @pytest.mark.parametrize("kept", [True, False], ids=["torch-2.14", "torch-2.15"])
 def test_the_receive_buffers_by_torch_s_behaviour(kept, monkeypatch):
     monkeypatch.setattr(pipeline_terms, "receive_buffers_kept", lambda: kept)
+    monkeypatch.setattr(pipeline_terms, "stage_outputs_released", lambda: not kept)
     config = PipelineConfig(degree=3, microbatches=4)
     stage_input = 1000
     buffers = [receive_buffer_bytes(config, r, 4, stage_input) for r in range(3)]
@@ -81,5 +89,9 @@ def test_the_receive_buffers_by_torch_s_behaviour(kept, monkeypatch):
         # Made per receive: the input's is the micro-batch's own (its first block's saved
         # input), the output gradient's lives through its backward.
         assert buffers == [0, 0, 0]
-        assert outputs == {"first": 1, "middle": 1, "last": 0}
+        # The sent outputs let go of: nothing beyond the blocks' saved tensors; under DDP,
+        # whose reducer needs them, each output cached until its backward.
+        assert outputs == {"first": 0, "middle": 0, "last": 0}
+        assert {k: stage_outputs_kept(e, ddp=True) for k, e in ENDS.items()} == {
+            "first": 1, "middle": 1, "last": 0}
         assert grads == {"first": 1000, "middle": 1000, "last": 0}

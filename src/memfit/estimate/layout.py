@@ -80,7 +80,7 @@ from ..workload import Workload, load_workload
 from .distributed import fake_process_group
 from .pipedream import pipedream_rank_peak
 from .pipeline import _fake, _schedule_orders
-from .pipeline_terms import receive_buffers_kept
+from .pipeline_terms import receive_buffers_kept, stage_outputs_released
 
 __all__ = ["LayoutPrediction", "RoleCosts", "predict_layout"]
 
@@ -369,6 +369,7 @@ def _run_role(stages: dict[int, nn.Module], num_stages: int, parallel: ParallelC
     if parallel.sequence and piped:
         run.sequence_split = parallel.tensor
     run.context = parallel.context
+    run.release_outputs = stage_outputs_released() and not buckets
     ctx = contextlib.nullcontext()
     if parallel.tensor > 1:
         from torch.distributed.tensor.parallel import loss_parallel
@@ -432,6 +433,7 @@ class _RoleRun:
         self.sequence_split = 1
         #: The context degree: a stage passes its chunk of each sample.
         self.context = 1
+        self.release_outputs = False  # torch 2.15 lets go of a sent output (not under DDP)
 
     def inputs_and_buffers(self, params: list[nn.Parameter]) -> int:
         """Make the batch and the receive buffers; returns the live bytes then (the static)."""
@@ -496,6 +498,9 @@ class _RoleRun:
             loss = None
             if s == self.num_stages - 1:
                 loss = self.loss_fn(out, self.labels[i * mb:(i + 1) * mb])
+            if self.release_outputs and loss is None and s + 1 not in self.stages and not \
+                    isinstance(out, torch.distributed.tensor.DTensor):  # 2.15: sent, let go of
+                out = torch.autograd.graph.get_gradient_edge(out)  # (the backward's root)
             cache[s, i] = (out, x, loss)
             self.marks["F", s, i] = (a, tracker.event_stamp)
 

@@ -31,6 +31,7 @@ __all__ = [
     "receive_buffer_bytes",
     "receive_buffers_kept",
     "stage_outputs_kept",
+    "stage_outputs_released",
 ]
 
 
@@ -42,6 +43,18 @@ def receive_buffers_kept() -> bool:
     ``torch/distributed/pipelining/_recv_buffers.py``, whose ``_RecvInfo.buffer`` is ``None``
     between steps). Read off torch itself: the module that 2.15 moved the buffers into."""
     return importlib.util.find_spec("torch.distributed.pipelining._recv_buffers") is None
+
+
+@functools.cache
+def stage_outputs_released() -> bool:
+    """Whether the installed torch's ``PipelineStage`` lets go of a stage's output once its
+    send to the next stage's rank is done, keeping only its gradient edge for the backward
+    (torch 2.15's ``release_fwd_send_outputs``; not for DDP-wrapped stages, whose reducer
+    needs the outputs, nor DTensor outputs), rather than caching it until the micro-batch's
+    backward (2.13, 2.14)."""
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    return hasattr(_PipelineStageBase, "release_fwd_send_outputs")
 
 
 def receive_buffer_bytes(config: Any, rank: int, microbatches: int, stage_input: float) -> int:
@@ -64,7 +77,7 @@ def receive_buffer_bytes(config: Any, rank: int, microbatches: int, stage_input:
     return int(ends * microbatches * stage_input)
 
 
-def stage_outputs_kept(ends: tuple[bool, bool]) -> int:
+def stage_outputs_kept(ends: tuple[bool, bool], ddp: bool = False) -> int:
     """Block inputs a micro-batch in flight adds to a rank beyond its blocks' saved tensors,
     per local stage on average. Where torch keeps the receive buffers for the run
     (:func:`receive_buffers_kept`): one on the rank holding the first stage (its output,
@@ -72,14 +85,16 @@ def stage_outputs_kept(ends: tuple[bool, bool]) -> int:
     input the receive buffer, counted with the buffers), one fewer on the last (no output
     sent; the input is the buffer). Where torch makes them per receive (2.15), the first
     block's saved input is the micro-batch's own buffer, counted with the blocks: one on every
-    rank but the last's (the output cached until backward).
+    rank but the last's (the output cached until backward), and none once torch lets go of
+    the sent outputs (:func:`stage_outputs_released`, 2.15; not under DDP).
 
     Args:
         ends: Whether the rank holds the first stage, and the last.
+        ddp: Whether the stages are DDP's (data replicas without sharding).
     """
     first, last = ends
     if not receive_buffers_kept():
-        return int(not last)
+        return 0 if stage_outputs_released() and not ddp else int(not last)
     return int(first) - int(last)
 
 
