@@ -383,6 +383,7 @@ def _run_role(stages: dict[int, nn.Module], num_stages: int, parallel: ParallelC
         for i in range(min(m, 2)):
             run.forwards(i)
             run.backwards(i)
+        run.losses.clear()  # kept by the schedule for the step (2.15: their inputs too)
         a = tracker.event_stamp
         for st in fsdp:
             _fsdp_reduce(st)
@@ -434,6 +435,7 @@ class _RoleRun:
         #: The context degree: a stage passes its chunk of each sample.
         self.context = 1
         self.release_outputs = False  # torch 2.15 lets go of a sent output (not under DDP)
+        self.losses: list[Any] = []  # the last stage's: their graphs hold their leaf inputs
 
     def inputs_and_buffers(self, params: list[nn.Parameter]) -> int:
         """Make the batch and the receive buffers; returns the live bytes then (the static)."""
@@ -467,15 +469,12 @@ class _RoleRun:
         return tracker.live_bytes
 
     def _buffer(self, requires_grad: bool = False) -> torch.Tensor:
-        return torch.empty(self.buffer_shape, dtype=self.buffer_dtype,
-                           requires_grad=requires_grad)
+        return torch.empty(self.buffer_shape, dtype=self.buffer_dtype, requires_grad=requires_grad)
 
     def _receive(self, into: dict[tuple[int, int], torch.Tensor], s: int, i: int,
                  requires_grad: bool = False) -> torch.Tensor:
         """Stage ``s``'s receive buffer for micro-batch ``i`` in ``into``: the one made at the
-        start (torch 2.13, 2.14), or, as torch 2.15 does, one made now and handed over (the
-        caller's compute holds it from here: a forward's input until its backward, an output
-        gradient through its backward)."""
+        start (torch 2.13, 2.14), or, as torch 2.15 does, one made now and handed over."""
         if (s, i) in into:
             return into[s, i]
         buffer = self._buffer(requires_grad)
@@ -517,6 +516,7 @@ class _RoleRun:
                 stage.set_requires_gradient_sync(False)
             if loss is not None:
                 loss.backward()
+                self.losses += [] if receive_buffers_kept() else [loss]  # (see _run_role)
             elif s + 1 in self.stages:
                 pass  # run with the next stage's backward, as one graph
             else:
