@@ -516,7 +516,7 @@ class _RoleRun:
                 stage.set_requires_gradient_sync(False)
             if loss is not None:
                 loss.backward()
-                self.losses += [] if receive_buffers_kept() else [loss]  # (see _run_role)
+                self.losses += [loss] if self.num_stages > 1 and not receive_buffers_kept() else []
             elif s + 1 in self.stages:
                 pass  # run with the next stage's backward, as one graph
             else:
