@@ -7,8 +7,9 @@ holds between its stages, and what sequence parallelism divides:
   and handed to the micro-batch's compute, so that an input's buffer is what the micro-batch
   in flight keeps and an output gradient's lives through one backward;
 * :func:`stage_outputs_kept`: a non-last stage's output lives in the stage's forward cache
-  until its micro-batch's backward, while a non-first stage's first block saves its input,
-  which is the receive buffer already counted;
+  until its micro-batch's backward (torch 2.15 lets go of it once sent:
+  :func:`stage_outputs_released`), while a non-first stage's first block saves its input,
+  which is the receive buffer;
 * :func:`norm_kept_bytes`: what one norm saves for backward, the part of a block torch's
   ``SequenceParallel`` norms split over the sequence (the matrices' inputs are gathered whole
   again before the column-parallel projections save them).
