@@ -9,6 +9,7 @@ import pytest
 
 from memfit.versions import (
     ALLOW_OLDER,
+    PYTHON,
     SUPPORTED,
     UnsupportedVersion,
     check_versions,
@@ -30,6 +31,14 @@ def test_the_lower_bounds_are_pyprojects():
     bounds = dict(re.fullmatch(r"([\w-]+)>=([\d.]+)", d).groups() for d in deps)
     for package, (lowest, _) in SUPPORTED.items():
         assert bounds[package] == lowest, package
+
+
+def test_requires_python_is_what_the_window_needs():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    assert tomllib.loads(PYPROJECT.read_text())["project"]["requires-python"] == f">={PYTHON}"
+    # The newest torch of the window is 2.15, the first to need Python 3.11.
+    assert parse_version(SUPPORTED["torch"][1]) >= (2, 15)
+    assert parse_version(PYTHON) == (3, 11)
 
 
 def test_an_older_release_is_refused_in_one_sentence():

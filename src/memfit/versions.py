@@ -1,10 +1,21 @@
 """The dependency versions memfit supports, checked once at import.
 
 CI proves both ends of the window: ``.ci/run`` runs the suite against the newest releases on
-the registry, and its lowest-versions job runs the zoo and the planner tests against the
-lowest versions ``pyproject.toml`` allows (:data:`SUPPORTED`'s lower bounds, the same
-numbers). An older release than the window raises at import with one sentence; a newer one
-than CI last proved warns once, and memfit runs.
+the registry (torch at the lower end's CPU build), its newest-torch job runs the fast tier,
+the distributed tests and the planner's worker against the newest torch the registry serves
+(its default build, CUDA's, with its own dependencies: :data:`SUPPORTED`'s upper bound), and
+its lowest-versions job runs the zoo and the planner tests against the lowest versions
+``pyproject.toml`` allows (:data:`SUPPORTED`'s lower bounds, the same numbers). An older
+release than the window raises at import with one sentence; a newer one than CI last proved
+warns once, and memfit runs.
+
+Where torch's behaviour changed inside the window, memfit follows the installed torch's, found
+from torch itself rather than from its version where it can be (the pipeline's receive
+buffers: :mod:`memfit.estimate.pipeline_terms`; selective checkpointing's saved-tensor
+hooks: :mod:`memfit.strategies.selective`).
+
+``pyproject.toml``'s ``requires-python`` is :data:`PYTHON`: the newest torch of the window
+(2.15) and transformers (5.21 on) need Python 3.11, and CI runs on 3.11 only.
 
 What the packaging metadata lacks: ``pip`` enforces the lower bounds only when it installs
 memfit, not when a user later installs an older transformers beside it, and an upper bound
@@ -20,7 +31,7 @@ from importlib import metadata
 
 from .errors import MemfitError
 
-__all__ = ["ALLOW_OLDER", "SUPPORTED", "UnsupportedVersion", "__version__", "check_versions", "parse_version"]
+__all__ = ["ALLOW_OLDER", "PYTHON", "SUPPORTED", "UnsupportedVersion", "__version__", "check_versions", "parse_version"]
 
 #: memfit's own version (``memfit.__version__``), here so that any floor may name it without
 #: importing the top package (the device fingerprint of targets/profiles.py does).
@@ -29,9 +40,14 @@ __version__ = "0.1.0"
 #: package -> (lowest supported, newest CI has run the suite against). Keep the lowest in step
 #: with pyproject.toml's ``>=`` bounds (a test checks they agree).
 SUPPORTED: dict[str, tuple[str, str]] = {
-    "torch": ("2.13.0", "2.13.0"),
+    "torch": ("2.13.0", "2.15.0"),
     "transformers": ("5.18.0", "5.24.0"),
 }
+
+#: The lowest Python memfit supports (pyproject.toml's ``requires-python``; a test checks they
+#: agree): what the window's newest releases need (torch 2.15, transformers 5.21 on), and the
+#: only one CI runs.
+PYTHON = "3.11"
 
 
 #: The environment variable that turns the refusal of an older release into a warning: for a

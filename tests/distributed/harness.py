@@ -32,6 +32,7 @@ __all__ = [
     "collectives_released_in_order",
     "free_port",
     "receive_buffers",
+    "receive_shapes",
     "run_ranks",
     "tiny_llama",
     "token_batch",
@@ -223,19 +224,38 @@ def step_then_track(layout: Any, inputs: Any, warm: Any = contextlib.nullcontext
             "optimizer": opt}
 
 
-def receive_buffers(layout: Any) -> list[Any]:
-    """The buffers torch's pipeline stages made at the first step to receive each micro-batch's
-    activations and output gradients, kept from step to step. The tracker learns of a tensor
-    made before it started when an operation touches it: a buffer not yet written at the
-    warm step's peak would be missing from it, though the memory is held."""
+def _recv_infos(layout: Any) -> list[tuple[str, Any]]:
+    """Each receive of the layout's pipeline stages on this rank, as ``("activations", info)``
+    or ``("gradients", info)`` (torch's ``_RecvInfo``; root arguments left out)."""
     if layout.pipeline is None:
         return []
     schedule = layout.pipeline.schedule
     out = []
     for stage in getattr(schedule, "_stages", None) or [schedule._stage]:
-        for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
-            out += [i.buffer for i in infos if getattr(i, "buffer", None) is not None]
+        for kind, table in (("activations", stage.args_recv_info),
+                            ("gradients", stage.grad_recv_info)):
+            out += [(kind, i) for infos in table.values() for i in infos
+                    if getattr(i, "tensor_meta", None) is not None
+                    and not getattr(i, "is_root_arg", False)]
     return out
+
+
+def receive_buffers(layout: Any) -> list[Any]:
+    """The buffers torch's pipeline stages made at the first step to receive each micro-batch's
+    activations and output gradients, kept from step to step (torch 2.13, 2.14). The tracker
+    learns of a tensor made before it started when an operation touches it: a buffer not yet
+    written at the warm step's peak would be missing from it, though the memory is held.
+    Empty on torch 2.15, which allocates each buffer at its receive (the tracker sees it made)
+    and leaves ``.buffer`` ``None`` between steps."""
+    return [i.buffer for _, i in _recv_infos(layout) if getattr(i, "buffer", None) is not None]
+
+
+def receive_shapes(layout: Any) -> list[tuple[str, tuple[int, ...], Any]]:
+    """``(kind, shape, dtype)`` of every receive of the layout's stages on this rank (``kind``:
+    ``"activations"`` or ``"gradients"``), from torch's metadata for it: the same on every
+    torch, whether it keeps the buffers (2.13, 2.14) or makes them per receive (2.15)."""
+    return [(kind, tuple(i.tensor_meta.shape), i.tensor_meta.dtype)
+            for kind, i in _recv_infos(layout)]
 
 
 def tiny_llama(vocab: int, seq: int, layers: int = 4, hidden: int = 64) -> Any:

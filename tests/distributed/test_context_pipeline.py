@@ -22,6 +22,7 @@ from memfit.estimate.layout import predict_layout
 from .harness import (
     assert_rank_peaks,
     assert_ranks_equal_reference,
+    receive_shapes,
     run_ranks,
     step_then_track,
     unsplit_reference,
@@ -52,11 +53,7 @@ def _ranks(rank: int, world: int) -> dict:
         share = BATCH // parallel.data
         d = layout.coords["dp"]
         run = step_then_track(layout, ids[d * share:(d + 1) * share])
-        schedule = layout.pipeline.schedule
-        tokens = {info.buffer.shape[1]
-                  for stage in getattr(schedule, "_stages", None) or [schedule._stage]
-                  for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values())
-                  for info in infos if getattr(info, "buffer", None) is not None}
+        tokens = {shape[1] for _, shape, _ in receive_shapes(layout)}
         out[name] = {"loss": run["loss"], "grads": run["grads"], "coords": layout.coords,
                      "peak": run["peak"], "buffers": _buffers(layout), "tokens": tokens}
     return out

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 
 import pytest
 
 from memfit.plan import Plan
-from memfit.planner.ahead import Ahead, start
+from memfit.planner.ahead import Ahead, WorkerFailed, fork_safe, start
 from memfit.planner.result import Candidate
 
 
@@ -32,7 +33,8 @@ def test_a_task_runs_in_the_worker_ahead_of_those_asked_for_before():
         ahead.run("pid")
         assert ahead.result("pid") not in (None, os.getpid())  # it ran in the worker
         ahead.run("fails")
-        assert ahead.result("fails") is None  # failed: the caller does it
+        with pytest.warns(WorkerFailed, match="its task 'fails' raised RuntimeError: task failure"):
+            assert ahead.result("fails") is None  # failed: the caller does it (and is told)
         ahead.run("rank", candidates[0])  # under way
         ahead.run("rank", candidates[1])  # queued
         ahead.run("pid")  # ahead of the queued one
@@ -71,13 +73,79 @@ def test_a_task_discarded_or_waited_for_with_a_poll():
         ahead.discard("rank", candidates[0])
 
 
-def test_a_killed_worker_leaves_the_work_to_the_caller():
+def test_a_killed_worker_leaves_the_work_to_the_caller_and_is_said_once():
     candidates = _candidates(1)
     with Ahead(candidates, {"pid": os.getpid}) as ahead:
         ahead._proc.kill()
         ahead._proc.join()
-        ahead.run("pid")
+        deadline = time.monotonic() + 30
+        while ahead.failure is None:  # (the reader thread sees the pipe close)
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with pytest.warns(WorkerFailed, match=r"worker process failed \(it stopped with exit "
+                          r"code -9\); the planner does its share itself"):
+            ahead.run("pid")
         assert ahead.result("pid") is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # said once
+            ahead.run("pid")
+            assert ahead.result("pid") is None
+
+
+def _raises_like_a_cuda_build():
+    raise RuntimeError("Unable to handle autograd's threading in combination with fork-based "
+                       "multiprocessing.")
+
+
+def test_a_task_that_raises_is_said_with_its_error():
+    # What a forked worker met on a CUDA build: the planner used to work alone in silence.
+    with Ahead(_candidates(1), {"fails": _raises_like_a_cuda_build, "pid": os.getpid}) as ahead:
+        ahead.run("fails")
+        with pytest.warns(WorkerFailed, match=r"its task 'fails' raised RuntimeError: Unable "
+                          r"to handle autograd's threading"):
+            assert ahead.result("fails") is None
+        ahead.run("pid")  # the worker goes on with the tasks that work
+        assert ahead.result("pid") not in (None, os.getpid())
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess  # the fork server is a fresh interpreter
+def test_a_worker_from_the_fork_server_runs_pickled_tasks():
+    candidates = _candidates(2)
+    ahead = start(candidates, {"pid": os.getpid, "rank": _slow_rank}, "forkserver")
+    if ahead is None:
+        pytest.fail("no worker could be started (this test needs Linux and two cores)")
+    with ahead:
+        assert ahead.method == "forkserver"
+        assert ahead.wait_started(120)
+        ahead.run("pid")
+        assert ahead.result("pid") not in (None, os.getpid())
+        ahead.run("rank", candidates[1])
+        assert ahead.result("rank", candidates[1]) == (1,)
+    assert ahead.failure is None
+
+
+def test_a_worker_that_cannot_start_is_said(recwarn):
+    # A task that does not pickle cannot travel to the fork server: said, and no hang.
+    unpicklable = lambda: 1  # noqa: E731
+    ahead = Ahead(_candidates(1), {"local": unpicklable}, "forkserver")
+    with ahead:
+        assert not ahead.wait_started(120)
+        with pytest.warns(WorkerFailed, match="it could not start: .*pickle"):
+            ahead.run("local")
+        assert ahead.result("local") is None
+
+
+def test_a_fork_is_safe_here_until_a_cuda_build_ran_a_fake_backward():
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cuda_build = torch.version.cuda is not None
+    with FakeTensorMode():  # a backward as the planner's dry runs make them
+        torch.ones(2, requires_grad=True).sum().backward()
+    # A CPU build forks safely after it; a CUDA build does not (the worker is then started by
+    # the fork server).
+    assert fork_safe() is not cuda_build
 
 
 def test_no_worker_on_one_core(monkeypatch):
@@ -137,6 +205,7 @@ def test_a_task_reads_what_it_is_told_in_order():
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess  # on a CUDA build the worker comes from the fork server
 @pytest.mark.parametrize("fraction", [0.45, 0.35])
 def test_the_planner_with_its_worker_answers_as_it_does_alone(fraction):
     # For real: the worker forked before costing measures half the cost profile, then runs
@@ -151,6 +220,8 @@ def test_the_planner_with_its_worker_answers_as_it_does_alone(fraction):
     answers = []
     for jobs in (1, 2):
         cost._PROFILES.clear()
-        result = plan(workload, budget, allow=["8bit", "factored"], jobs=jobs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", WorkerFailed)  # the worker did its share
+            result = plan(workload, budget, allow=["8bit", "factored"], jobs=jobs)
         answers.append((result.plan, result.predicted_peak_bytes, result.predicted_peak_by_category))
     assert answers[0] == answers[1]

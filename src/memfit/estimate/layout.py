@@ -80,6 +80,7 @@ from ..workload import Workload, load_workload
 from .distributed import fake_process_group
 from .pipedream import pipedream_rank_peak
 from .pipeline import _fake, _schedule_orders
+from .pipeline_terms import receive_buffers_kept, stage_outputs_released
 
 __all__ = ["LayoutPrediction", "RoleCosts", "predict_layout"]
 
@@ -97,7 +98,8 @@ class RoleCosts:
 
     Attributes:
         static: Live at the step's start: parameters, optimizer state, the pipeline's receive
-            buffers, the batch; at ZeRO 0 with data replicas, the gradients (DDP's buckets).
+            buffers (up to torch 2.14; 2.15's are made per receive, in the events' costs), the
+            batch; at ZeRO 0 with data replicas, the gradients (DDP's buckets).
         forward_kept: Per local stage: what a micro-batch's forward keeps until its backward.
         forward_over: Per local stage: the forward's transient peak above its start.
         backward_over: Per local stage: ``(first, later)`` backward transient peaks above their
@@ -367,6 +369,7 @@ def _run_role(stages: dict[int, nn.Module], num_stages: int, parallel: ParallelC
     if parallel.sequence and piped:
         run.sequence_split = parallel.tensor
     run.context = parallel.context
+    run.release_outputs = stage_outputs_released() and not buckets
     ctx = contextlib.nullcontext()
     if parallel.tensor > 1:
         from torch.distributed.tensor.parallel import loss_parallel
@@ -380,6 +383,7 @@ def _run_role(stages: dict[int, nn.Module], num_stages: int, parallel: ParallelC
         for i in range(min(m, 2)):
             run.forwards(i)
             run.backwards(i)
+        run.losses.clear()  # kept by the schedule for the step (2.15: their inputs too)
         a = tracker.event_stamp
         for st in fsdp:
             _fsdp_reduce(st)
@@ -430,6 +434,8 @@ class _RoleRun:
         self.sequence_split = 1
         #: The context degree: a stage passes its chunk of each sample.
         self.context = 1
+        self.release_outputs = False  # torch 2.15 lets go of a sent output (not under DDP)
+        self.losses: list[Any] = []  # the last stage's: their graphs hold their leaf inputs
 
     def inputs_and_buffers(self, params: list[nn.Parameter]) -> int:
         """Make the batch and the receive buffers; returns the live bytes then (the static)."""
@@ -446,32 +452,54 @@ class _RoleRun:
         self.labels = torch.empty((local_batch, seq_len), dtype=torch.long) if last else None
         tracker.add_inputs((self.ids, self.labels))
         # torch's PipelineStage receives each micro-batch's input, and each output gradient,
-        # into its own buffer, allocated once and kept; under sequence parallelism the stages
-        # pass their local sequence shards (StageModule.sequence_mesh).
+        # into its own buffer; under sequence parallelism the stages pass their local sequence
+        # shards (StageModule.sequence_mesh).
         tokens = seq_len // self.sequence_split // self.context
+        self.buffer_shape, self.buffer_dtype = (mb, tokens, hidden), dtype
+        if not receive_buffers_kept():
+            return tracker.live_bytes  # torch 2.15: each made at its receive (_receive)
+        # Up to torch 2.14: every micro-batch's, made at the first step and kept.
         for s in stages:
             for i in range(m):
                 if s > 0:
-                    self.recv[s, i] = torch.empty((mb, tokens, hidden), dtype=dtype,
-                                                  requires_grad=True)
+                    self.recv[s, i] = self._buffer(requires_grad=True)
                 if s < self.num_stages - 1:
-                    self.grad_recv[s, i] = torch.empty((mb, tokens, hidden), dtype=dtype)
+                    self.grad_recv[s, i] = self._buffer()
         tracker.label((list(self.recv.values()), list(self.grad_recv.values())), "other")
         return tracker.live_bytes
+
+    def _buffer(self, requires_grad: bool = False) -> torch.Tensor:
+        return torch.empty(self.buffer_shape, dtype=self.buffer_dtype, requires_grad=requires_grad)
+
+    def _receive(self, into: dict[tuple[int, int], torch.Tensor], s: int, i: int,
+                 requires_grad: bool = False) -> torch.Tensor:
+        """Stage ``s``'s receive buffer for micro-batch ``i`` in ``into``: the one made at the
+        start (torch 2.13, 2.14), or, as torch 2.15 does, one made now and handed over."""
+        if (s, i) in into:
+            return into[s, i]
+        buffer = self._buffer(requires_grad)
+        self.tracker.label([buffer], "other")
+        return buffer
 
     def forwards(self, i: int) -> None:
         """Micro-batch ``i``'s forward through each of the rank's stages, in order."""
         mb, tracker, cache = self.mb, self.tracker, self.cache
         for s in self.order:
             a = tracker.event_stamp
-            x = self.ids[i * mb:(i + 1) * mb] if s == 0 else self.recv[s, i]
-            if s > 0 and s - 1 in self.stages:
+            if s == 0:
+                x = self.ids[i * mb:(i + 1) * mb]
+            elif s - 1 in self.stages:
                 x = cache[s - 1, i][0]  # the same rank's previous stage feeds it directly
+            else:
+                x = self._receive(self.recv, s, i, requires_grad=True)
             out = self.stages[s](x)
             out = getattr(out, "logits", out)
             loss = None
             if s == self.num_stages - 1:
                 loss = self.loss_fn(out, self.labels[i * mb:(i + 1) * mb])
+            if self.release_outputs and loss is None and s + 1 not in self.stages and not \
+                    isinstance(out, torch.distributed.tensor.DTensor):  # 2.15: sent, let go of
+                out = torch.autograd.graph.get_gradient_edge(out)  # (the backward's root)
             cache[s, i] = (out, x, loss)
             self.marks["F", s, i] = (a, tracker.event_stamp)
 
@@ -488,10 +516,11 @@ class _RoleRun:
                 stage.set_requires_gradient_sync(False)
             if loss is not None:
                 loss.backward()
+                self.losses += [loss] if self.num_stages > 1 and not receive_buffers_kept() else []
             elif s + 1 in self.stages:
                 pass  # run with the next stage's backward, as one graph
             else:
-                torch.autograd.backward(out, self.grad_recv[s, i])
+                torch.autograd.backward(out, self._receive(self.grad_recv, s, i))
             grad_in = x.grad if x.requires_grad else None
             if grad_in is not None and s > 0 and s - 1 not in self.stages:
                 self.sent[s] = _nbytes([grad_in])

@@ -20,11 +20,9 @@ How a layout is priced, per rank:
 * **Time.** A :class:`~memfit.estimate.cost.StepCost`, as every plan's: the stage's FLOPs at
   the device's rate (its efficiency falls for small micro-batches), the pipeline's bubble
   (:func:`~memfit.estimate.cost.bubble_fraction`: ``(p - 1) / M`` of the compute, less for
-  interleaved and zero-bubble schedules), and the communication
-  (:func:`~memfit.estimate.cost.communication`): tensor parallelism's four all-reduces per
-  block per micro-batch, the point-to-point activations between stages, and the
-  data-parallel gradient reduction that backward does not hide (stage 3 gathers the
-  parameters twice more).
+  interleaved and zero-bubble schedules), and the communication (:func:`~memfit.estimate.
+  cost.communication`): tensor parallelism's all-reduces, the activations between stages,
+  and the gradient reduction backward does not hide (stage 3 gathers parameters twice more).
 * **Context parallelism.** A context rank is profiled at ``seq_len / context`` tokens (its
   chunk's activations, logits and FLOPs), its model states are sharded over ``data x
   context`` under ZeRO 2/3, its backward's working set adds the attention's buffers (the
@@ -51,6 +49,7 @@ from ..distributed.config import ParallelConfig
 from ..optim.registry import get as optimizer_spec
 from ..workload import Workload, WorkloadError
 from .cost import StepCost, bubble_fraction, communication
+from .pipeline_terms import gradient_buffer_bytes as grad_buffer
 from .pipeline_terms import norm_kept_bytes, receive_buffer_bytes, stage_outputs_kept
 
 if TYPE_CHECKING:
@@ -668,13 +667,15 @@ class _RankModel:
         acts += prof.kept("first", mb) if first else 0
         acts += prof.kept("last", mb) - self.norm_saved if last else 0
         v, p = self.v, par.pipeline
-        acts += stage_outputs_kept(self.ends[r]) * self.stage_input if p > 1 else 0
+        ddp = par.replicas > 1 and not par.sharded
+        acts += stage_outputs_kept(self.ends[r], ddp) * self.stage_input if p > 1 else 0
         n = microbatches_in_flight(par.schedule, p, self.m, r, v if v > 1 else None) \
             if p > 1 else 1
         kept = n * acts / v
         # One block's backward: its saved tensors again as gradients (recomputed first when
-        # checkpointed), and on the last stage the logits' gradient in fp32.
+        # checkpointed), torch 2.15's gradient receive buffer, the last's fp32 logits' gradient.
         work = block_kept * (2 if self.checkpointing else 1) + self.attention
+        work += grad_buffer(self.ends[r], self.stage_input)
         work += (self.block_input - per_block) if partitioned else 0
         if last:
             work = max(work, 2 * 4 * mb * self.seq_len * (-(-self.shape.vocab // par.tensor)))

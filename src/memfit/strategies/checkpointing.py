@@ -46,7 +46,13 @@ from ..device import rng_states, set_rng_states
 from ..techniques import ENGINES, ApplyContext, Technique
 from .kv_cache import KVCacheOff, apply_kv_cache_off, drop_cache
 from .recompute import in_function_modes
-from .selective import SAVE_OPS, SELECTIVE_POLICIES, selective_context, selective_policy
+from .selective import (
+    SAVE_OPS,
+    SELECTIVE_CHECKPOINT_KEYWORDS,
+    SELECTIVE_POLICIES,
+    selective_context,
+    selective_policy,
+)
 
 __all__ = [
     "CHECKPOINT_MODES",
@@ -371,7 +377,8 @@ class _Wrapper:
         # Keyword arguments go in through a partial, so that none can collide with
         # checkpoint()'s own keywords (context_fn, debug, ...).
         run = in_function_modes(functools.partial(fn or self.plain, **kwargs))
-        extra = {"context_fn": self.context} if self.context is not None else {}
+        extra = ({"context_fn": self.context, **SELECTIVE_CHECKPOINT_KEYWORDS}
+                 if self.context is not None else {})
         return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **extra)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

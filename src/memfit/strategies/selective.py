@@ -13,15 +13,38 @@ of a checkpointed block are saved for backward and which are recomputed.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from .recompute import retryable
 
-__all__ = ["SAVE_OPS", "SELECTIVE_POLICIES", "selective_context", "selective_policy"]
+__all__ = [
+    "SAVE_OPS",
+    "SELECTIVE_CHECKPOINT_KEYWORDS",
+    "SELECTIVE_POLICIES",
+    "selective_context",
+    "selective_policy",
+]
+
+#: What ``selective`` passes ``checkpoint()`` beside its ``context_fn``. torch 2.15 asks
+#: whether the tensors a selective checkpoint saves go through the saved-tensor hooks active
+#: around it (``respect_saved_tensors_hooks``): today they do not, and a later release will
+#: make them. memfit's tracker always has hooks active, so every selective figure would move
+#: when that default flips; ``False`` keeps today's behaviour (and torch's FutureWarning
+#: away). Passed only where the installed torch takes the argument (2.13 and 2.14 do not).
+SELECTIVE_CHECKPOINT_KEYWORDS: dict[str, Any] = (
+    {"respect_saved_tensors_hooks": False}
+    if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters
+    else {}
+)
 
 
 def _aten_packets(names: Iterable[str]) -> frozenset[Any]:
