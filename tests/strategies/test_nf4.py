@@ -1,11 +1,14 @@
-"""NF4 dequantisation in dry runs: the chunks replayed into the tracker give the report that
-dispatching every chunk gives (peaks, phases, categories, a CUDA target's reserved bytes)."""
+"""NF4 in dry runs: the chunks replayed into the tracker give the report that dispatching
+every chunk gives (peaks, phases, categories, a CUDA target's reserved bytes), and a fake
+weight quantised by shapes alone is torchao's 4-bit tensor, part for part."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from memfit.estimate.compose import shallow_report
+from memfit.estimate.dryrun import dry_tensors
 from memfit.plan import Plan
 from memfit.strategies import nf4
 from memfit.strategies.lora import LoraConfig
@@ -52,8 +55,28 @@ def test_replayed_chunks_give_the_report_dispatched_chunks_give(monkeypatch, dev
     with_replay = list(dispatched)
     dispatched.clear()
     monkeypatch.setattr(nf4, "_dry_chunk", lambda *args: counted(*args))
+    monkeypatch.setattr(nf4, "_tracked", lambda: True)  # torchao quantises every code too
     every = shallow_report(workload, QLORA, 3, device=device)
     assert _facts(replayed) == _facts(every)
     # The replay is what saves the time: most chunks are not dispatched.
     assert 0 < len(with_replay) * 4 < len(dispatched)
     assert set(with_replay) == set(dispatched)  # both chunk lengths were dispatched once
+
+
+@pytest.mark.parametrize("shape", [(176, 64), (64, 64), (1000, 64), (4096,)])
+def test_a_fake_weight_quantised_by_shapes_alone_is_torchaos_tensor(monkeypatch, shape):
+    def parts(q):
+        return [
+            (name, tuple(t.shape), tuple(t.stride()), t.dtype, t.untyped_storage().nbytes())
+            for name in ("quantized_data", "quantized_scalers", "quantization_factor",
+                         "scaler_mean", "nf4")
+            for t in [getattr(q, name)]
+        ] + [q.block_size, q.n_blocks, q.scaler_block_size, tuple(q.shape), q.dtype]
+
+    with dry_tensors():
+        weight = torch.empty(shape, dtype=torch.bfloat16)
+        fast = nf4.quantize(weight)
+        monkeypatch.setattr(nf4, "_tracked", lambda: True)
+        full = nf4.quantize(weight)
+    assert type(fast) is type(full)
+    assert parts(fast) == parts(full)
