@@ -157,6 +157,36 @@ def _cpu_seconds() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
+def table(results: dict[str, Any], before: dict[str, Any]) -> str:
+    """The results as a Markdown table: per case, wall and CPU seconds (the planner's process
+    and its worker), before where ``before`` has the case, and the chosen plan."""
+    from memfit.plan import Plan
+
+    lines = [
+        "| case | seconds | CPU seconds | before: seconds | before: CPU seconds | answer |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for name, r in results.items():
+        was = before.get(name, {})
+        a = r["answer"]
+        verdict = "fits" if a["fits"] else "nothing fits; closest"
+        plan = Plan.from_dict(a["plan"]).summary()
+        total = a["predicted_device_total_bytes"] / 2**30
+        same = "" if not was else (
+            " (same)" if same_answer(was["answer"], a) else " (DIFFERS)"
+        )
+        lines.append(
+            f"| {name} | {r['seconds']:.2f} | {r.get('cpu_seconds', float('nan')):.2f} | "
+            f"{_figure(was.get('seconds'))} | {_figure(was.get('cpu_seconds'))} | "
+            f"{verdict}: {plan}, {total:.2f} GiB{same} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _figure(x: float | None) -> str:
+    return "" if x is None else f"{x:.2f}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", nargs="+", choices=sorted(CASES), default=list(CASES))
@@ -164,10 +194,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--check", type=Path, help="a JSON written by --json: fail if an answer differs"
     )
+    parser.add_argument(
+        "--markdown", type=Path, help="write the results table here (with --check: before, too)"
+    )
     args = parser.parse_args(argv)
     from memfit.outputs import exit_if_unwritable, write_text
 
-    exit_if_unwritable({"--json": args.json})
+    exit_if_unwritable({"--json": args.json, "--markdown": args.markdown})
     import torch
 
     torch.set_num_threads(1)  # fake tensors compute nothing: a second thread only spins
@@ -194,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         print(line, flush=True)
     if args.json:
         write_text(args.json, json.dumps(results, indent=1) + "\n")
+    if args.markdown:
+        write_text(args.markdown, table(results, want))
     if failed:
         print(f"answers differ: {', '.join(failed)}", file=sys.stderr)
         return 1
