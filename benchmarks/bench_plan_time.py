@@ -13,7 +13,11 @@ Usage::
 
     python benchmarks/bench_plan_time.py                     # time every case
     python benchmarks/bench_plan_time.py --cases bert-large-4gib --json out.json
-    python benchmarks/bench_plan_time.py --check benchmarks/results/plan_time.json
+    python benchmarks/bench_plan_time.py --check benchmarks/results/plan_time_before_36.json \
+        --json benchmarks/results/plan_time.json --markdown benchmarks/results/plan_time.md
+
+Each case's CPU seconds (this process and its forked worker) are recorded beside the wall
+seconds: on a shared machine the wall clock counts other people's work too.
 
 Times are wall-clock seconds of :func:`memfit.planner.plan` in a process whose imports and
 first model builds are already done (a warm-up plan of a tiny model runs first), so they are
