@@ -16,7 +16,7 @@ sequence of ops.
 
 A stretch is replayable only when it is self-contained: everything it allocates dies within
 it, it frees nothing older and changes no older storage's category, and it opens no module,
-writes no disk bytes and hides no saved tensors. Anything else (state created lazily, a tensor stored for later) is dispatched for
+writes no disk bytes and hides no saved tensors older than itself. Anything else (state created lazily, a tensor stored for later) is dispatched for
 real every time. The caller vouches that two updates with the same key allocate the same:
 the key names every shape, dtype and setting the update's allocations depend on.
 """
@@ -113,7 +113,10 @@ def _stretch(tr: Any, mark: tuple[int, ...], funcs: list[Any]) -> Stretch | None
     n = len(tr._nbytes) - first
     if (
         len(tr._events.intervals) != intervals
-        or len(tr._hidden) != hidden
+        # Storages it made while another saved-tensor hook ruled (inside a checkpointed
+        # forward) are fine: they die within it, so none is ever found alive and promoted to
+        # an activation when backward starts (a replay need not list them).
+        or any(idx < first for idx in tr._hidden[hidden:])
         or tr._changes != changes  # it promoted a storage it did not make, or wrote to disk
         or tr._seq - seq0 != 2 * n  # every event in it is a birth or a death of its own
         or len(funcs) != n

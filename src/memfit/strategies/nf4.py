@@ -24,6 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..accounting import replay
+from ..device import is_fake
+
 __all__ = [
     "BLOCK",
     "CHUNK",
@@ -80,7 +83,42 @@ def quantize(weight: torch.Tensor) -> Any:
     :data:`BLOCK`."""
     n_blocks = weight.numel() // BLOCK
     scaler = math.gcd(n_blocks, SCALER_BLOCK)
-    return nf4_module().to_nf4(weight.detach().contiguous(), BLOCK, scaler)
+    module = nf4_module()
+    weight = weight.detach().contiguous()
+    if is_fake(weight) and not _tracked():
+        return _shapes_only(module, weight, scaler)
+    return module.to_nf4(weight, BLOCK, scaler)
+
+
+def _tracked() -> bool:
+    """Whether a memory tracker is open (then quantising's temporaries are counted)."""
+    from ..accounting.tracker import _OPEN
+
+    return bool(_OPEN)
+
+
+def _shapes_only(module: Any, weight: torch.Tensor, scaler: int) -> Any:
+    """torchao's ``to_nf4`` of a fake ``weight`` without finding each weight's nearest code.
+
+    On fake tensors the codes have no values, and finding them is most of quantising: torchao
+    compares every weight with the 16 levels a chunk at a time, which for an 8B model's
+    embedding table and layers was 40% of a QLoRA dry run (each dry run builds and quantises
+    its model again). The codes' tensor is the one torchao returns (``uint8``, two codes a
+    byte, contiguous, a storage of its own); the scales are torchao's own double
+    quantisation. Only untracked (a dry run quantises before its tracker opens, which then
+    counts the 4-bit weight as a parameter): inside a tracker, quantising's temporaries count.
+    """
+    cls = module.NF4Tensor
+    convert = cls.__dict__["convert_to_norm_float_weight"]
+
+    def codes(input_tensor: torch.Tensor, n_blocks: int, block_size: int, nf4: Any) -> Any:
+        return torch.empty(input_tensor.numel() // 2, dtype=torch.uint8, device=input_tensor.device)
+
+    cls.convert_to_norm_float_weight = staticmethod(codes)
+    try:
+        return module.to_nf4(weight, BLOCK, scaler)
+    finally:
+        cls.convert_to_norm_float_weight = convert
 
 
 def dequantize(t: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -92,16 +130,65 @@ def dequantize(t: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
     half = t.block_size // 2  # bytes per block
     out = torch.empty(data.numel(), 2, dtype=t.dtype, device=data.device)
     step = max(half, CHUNK // half * half)  # whole blocks per chunk
+    fake = is_fake(data)
     for lo in range(0, data.numel(), step):
         hi = min(lo + step, data.numel())
-        codes = data[lo:hi]
-        scale = scalers[lo // half : hi // half].unsqueeze(-1).expand(-1, half).reshape(-1)
-        # torchao's arithmetic, op for op: the code's value in the table, times its block's
-        # scale, in the tensor's dtype; the high nibble is the first of each pair.
-        out[lo:hi, 0] = t.nf4[(codes >> 4).to(torch.long)] * scale
-        out[lo:hi, 1] = t.nf4[(codes & 0b1111).to(torch.long)] * scale
+        if fake:
+            _dry_chunk(t, data, scalers, out, lo, hi, half)
+        else:
+            _chunk(t, data, scalers, out, lo, hi, half)
     weight = out.view(t.shape)
     return weight if dtype is None or dtype == t.dtype else weight.to(dtype)
+
+
+def _chunk(
+    t: Any, data: torch.Tensor, scalers: torch.Tensor, out: torch.Tensor, lo: int, hi: int, half: int
+) -> None:
+    """Dequantise codes ``lo:hi`` of ``t`` into ``out`` (its temporaries die here)."""
+    codes = data[lo:hi]
+    scale = scalers[lo // half : hi // half].unsqueeze(-1).expand(-1, half).reshape(-1)
+    # torchao's arithmetic, op for op: the code's value in the table, times its block's
+    # scale, in the tensor's dtype; the high nibble is the first of each pair.
+    out[lo:hi, 0] = t.nf4[(codes >> 4).to(torch.long)] * scale
+    out[lo:hi, 1] = t.nf4[(codes & 0b1111).to(torch.long)] * scale
+
+
+def _dry_chunk(
+    t: Any, data: torch.Tensor, scalers: torch.Tensor, out: torch.Tensor, lo: int, hi: int, half: int
+) -> None:
+    """:func:`_chunk` on fake tensors, replayed into the tracker when an identical chunk was
+    dispatched earlier in the step (:mod:`memfit.accounting.replay`).
+
+    A chunk's temporaries (its codes widened to indices, the looked-up values, the scales)
+    are all born and freed inside it, and their sizes follow from the chunk's length and the
+    dtypes alone: an 8B model's 4096 x 14336 weight is 28 equal chunks, dequantised in every
+    forward, recomputation and backward of every block. The replay records the same births
+    and deaths in the same order, so the report (peaks, phases, the caching allocator's
+    reserved bytes) is the one dispatching would give; only the dispatch is saved.
+    """
+    key = (
+        "nf4-dequantize-chunk",
+        hi - lo,
+        half,
+        t.nf4.dtype,
+        tuple(t.nf4.shape),
+        scalers.dtype,
+        out.dtype,
+        data.dtype,
+        data.device.type,
+    )
+    rec = replay.begin(key)
+    if rec is None:
+        _chunk(t, data, scalers, out, lo, hi, half)
+        return
+    if rec.replay():
+        return
+    try:
+        _chunk(t, data, scalers, out, lo, hi, half)
+    except BaseException:
+        rec.abandon()
+        raise
+    rec.finish()
 
 
 class _LinearNF4(torch.autograd.Function):
