@@ -557,3 +557,72 @@ def _resized(workload: Workload, **sizes: int) -> Workload:
         **sizes,
         with_depth=None if shallow is None else (lambda d: shallow(d).replace(**sizes)),
     )
+
+
+def maximize_budgets(
+    workload: Workload | str,
+    budgets: Iterable[int | str],
+    **options: Any,
+) -> list[Maximized | NothingFits]:
+    """:func:`maximize` at each budget, in the order given: the table fine-tuning projects
+    publish (budget, longest context, plan). A budget where nothing fits even at the smallest
+    value gives its :class:`NothingFits` in its place. ``options`` are :func:`maximize`'s."""
+    answers: list[Maximized | NothingFits] = []
+    say = options.pop("progress", None) or (lambda msg: None)
+    for budget in budgets:
+        try:
+            answers.append(
+                maximize(workload, budget, progress=lambda m, b=budget: say(f"{b}: {m}"),
+                         **options)
+            )
+        except NothingFits as e:
+            answers.append(e)
+    return answers
+
+
+def budgets_json(
+    budgets: Iterable[int | str], answers: list[Maximized | NothingFits], what: str
+) -> dict[str, Any]:
+    """The JSON of ``--budgets``: ``maximized``, one row per budget (:meth:`Maximized.row`;
+    where nothing fits, the value is ``null``, ``fits`` false and ``explanation`` says why)."""
+    rows = []
+    for budget, answer in zip(budgets, answers, strict=True):
+        if isinstance(answer, Maximized):
+            rows.append(answer.row())
+        else:
+            rows.append({
+                "budget": str(budget),
+                "budget_bytes": answer.result.budget_bytes,
+                what: None,
+                "fits": False,
+                "explanation": str(answer),
+            })
+    return {"maximized": rows}
+
+
+def budgets_table(
+    budgets: Iterable[int | str], answers: list[Maximized | NothingFits], what: str
+) -> Any:
+    """A rich table: budget, longest context (or largest batch), plan, predicted peak (the
+    device total fitted into the budget)."""
+    from rich.table import Table
+
+    from ..units import format_bytes
+
+    table = Table(title=f"{_label(what)} per budget")
+    table.add_column("budget")
+    table.add_column(_label(what), justify="right")
+    table.add_column("plan")
+    table.add_column("predicted peak (device total)", justify="right")
+    for budget, answer in zip(budgets, answers, strict=True):
+        if isinstance(answer, Maximized):
+            r = answer.result
+            value = str(answer.value)
+            if answer.limited_by != "memory":
+                value += f" ({answer.limited_by.replace('_', ' ')})"
+            table.add_row(str(budget), value, r.plan.summary(),
+                          format_bytes(r.predicted_device_total_upper_bytes
+                                       or r.predicted_peak_bytes))
+        else:
+            table.add_row(str(budget), "nothing fits", "", "")
+    return table
