@@ -21,6 +21,7 @@ from memfit.planner.maximize import (
     SEQ_GRANULARITY,
     Maximized,
     NothingAtAll,
+    PlannerGaveUp,
     Search,
     maximize,
     parse_what,
@@ -139,6 +140,25 @@ def test_nothing_fits_even_at_the_smallest_length():
     with pytest.raises(NothingAtAll) as info:
         _search(curves).run()
     assert info.value.value == 1
+
+
+def test_a_planner_that_gives_up_before_the_plan_predicted_to_fit_is_said():
+    class Blind(Curves):  # its planner never reaches "frugal" (as at its prediction limit)
+        def plan_at(self, n):
+            ok, plan, answer = super().plan_at(n)
+            return (False, "fast", ("fast", n)) if plan == "frugal" else (ok, plan, answer)
+
+    curves = Blind({"fast": lambda n: 100 + 3 * n, "frugal": lambda n: 200 + n}, 1000)
+    with pytest.raises(PlannerGaveUp) as info:
+        _search(curves).run()
+    assert info.value.plan == "frugal"
+
+
+def test_the_planner_is_asked_once_per_value():
+    # The start is the answer: the planner's answer there is not asked for again.
+    curves = Curves({"a": lambda n: 10 * n}, 1000)
+    search = _search(curves, start=100, limit=1 << 24, planner_first=False, step=1)
+    assert search.run().value == 100 and search.plan_calls == 2
 
 
 def test_granularity_is_a_power_of_two_under_a_32nd_of_the_length():

@@ -258,9 +258,14 @@ def maximize(
         found = search.run()
     except NothingAtAll as e:
         label = "sequence length" if what == "seq_len" else "batch size"
-        answer = e.answer
-        raise NothingFits(answer.result, f"nothing fits even at {label} {e.value}: {answer}") \
-            from None
+        message = f"nothing fits even at {label} {e.value}: {e.answer}"
+        if isinstance(e, PlannerGaveUp):
+            message = (
+                f"the planner found no plan at {label} {e.value} within {max_predictions} "
+                f"predictions, though {e.plan.summary()} was predicted to fit there; raise "
+                "max_predictions"
+            )
+        raise NothingFits(e.answer.result, message) from None
     return Maximized(
         what, found.value, found.answer, budget, found.granularity,
         "memory" if found.next_checked is not None else kind, cap, found.next_checked,
@@ -306,6 +311,15 @@ class NothingAtAll(Exception):
         self.value, self.answer = value, answer
 
 
+class PlannerGaveUp(NothingAtAll):
+    """The planner found no plan at ``value`` where ``plan`` was predicted to fit: it stopped
+    at its prediction limit before reaching that plan."""
+
+    def __init__(self, value: int, answer: Any, plan: Any) -> None:
+        super().__init__(value, answer)
+        self.plan = plan
+
+
 @dataclass
 class Search:
     """Steps 1 to 3 of the module docstring, over two callables (the planner at a value,
@@ -331,6 +345,7 @@ class Search:
     fixed_step: int | None = None
     predictions: int = 0
     plan_calls: int = 0
+    asked: dict[int, tuple[bool, Any, Any]] = field(default_factory=dict)
 
     def run(self) -> Found:
         """The largest value at which a plan fits (the fastest plan there), or
@@ -354,7 +369,7 @@ class Search:
                 line = _PlanLine(plan, fit=smallest)
                 continue
             if longest >= self.limit:
-                return Found(self.limit, self._fastest(self.limit), None, self.step(self.limit))
+                return Found(self.limit, self._fastest(self.limit, line), None, self.step(self.limit))
             nxt = min(self._grid_after(longest), self.limit)
             ok, plan, answer = self._plan(nxt)
             if ok:
@@ -363,7 +378,7 @@ class Search:
                     return Found(nxt, answer, None, self.step(nxt))
                 line = _PlanLine(plan, fit=nxt)
                 continue
-            return Found(longest, self._fastest(longest), nxt, nxt - longest)
+            return Found(longest, self._fastest(longest, line), nxt, nxt - longest)
 
     def step(self, at: int) -> int:
         """The granularity near ``at``: fixed, or the largest power of two at most
@@ -468,14 +483,17 @@ class Search:
         return ok
 
     def _plan(self, n: int) -> tuple[bool, Any, Any]:
-        self.plan_calls += 1
-        return self.plan_at(n)
+        """The planner at ``n`` (asked once per value)."""
+        if n not in self.asked:
+            self.plan_calls += 1
+            self.asked[n] = self.plan_at(n)
+        return self.asked[n]
 
-    def _fastest(self, n: int) -> Any:
-        """The planner's answer at ``n``, where a plan is known to fit."""
+    def _fastest(self, n: int, line: _PlanLine) -> Any:
+        """The planner's answer at ``n``, where ``line.plan`` is known to fit."""
         ok, _, answer = self._plan(n)
-        if not ok:  # the planner and its own predictor disagree: say so, do not guess
-            raise RuntimeError(f"the planner finds no plan at {n}, where one was predicted to fit")
+        if not ok:  # the planner gave up before reaching it (its prediction limit)
+            raise PlannerGaveUp(n, answer, line.plan)
         return answer
 
 
