@@ -146,7 +146,7 @@ def test_a_planner_that_gives_up_before_the_plan_predicted_to_fit_is_said():
     class Blind(Curves):  # its planner never reaches "frugal" (as at its prediction limit)
         def plan_at(self, n):
             ok, plan, answer = super().plan_at(n)
-            return (False, "fast", ("fast", n)) if plan == "frugal" else (ok, plan, answer)
+            return (False, plan, answer) if plan == "frugal" else (ok, plan, answer)
 
     curves = Blind({"fast": lambda n: 100 + 3 * n, "frugal": lambda n: 200 + n}, 1000)
     with pytest.raises(PlannerGaveUp) as info:
