@@ -65,9 +65,9 @@ class Curves:
         return best
 
 
-def _search(curves, *, start=128, limit=4096, planner_first=True, step=None):
+def _search(curves, *, start=128, limit=4096, planner_first=True, step=None, scout=None):
     return Search(curves.plan_at, curves.fits_at, curves.budget, start, limit,
-                  planner_first=planner_first, fixed_step=step)
+                  planner_first=planner_first, fixed_step=step, scout=scout)
 
 
 def _check_answer(curves, found, limit):
@@ -108,8 +108,12 @@ def test_random_curves_match_brute_force(floors):
         limit = rng.choice([256, 4096, 20000])
         curve = Curves(curves, budget, floors=floors)
         best = curve.longest(limit)
+        # A scout (a planner held to a few predictions) may say nothing fits where a plan
+        # does, and name any plan: the answer stays the same.
+        names = list(curves)
+        scout = rng.choice([None, lambda n, p=rng.choice(names): (False, p, (p, n))])
         search = _search(curve, start=rng.choice([1, 16, 128, 5000]), limit=limit,
-                         planner_first=rng.random() < 0.5)
+                         planner_first=rng.random() < 0.5, scout=scout)
         if best == 0:
             with pytest.raises(NothingAtAll):
                 search.run()
@@ -133,6 +137,13 @@ def test_the_cap_is_the_answer_when_everything_fits_there():
     search = _search(curves, limit=256)
     found = search.run()
     assert (found.value, found.next_checked, search.plan_calls, search.predictions) == (256, None, 1, 0)
+
+
+def test_a_scout_that_fits_at_the_cap_is_asked_again_in_full():
+    curves = Curves({"fast": lambda n: 2 * n, "frugal": lambda n: n}, 10**9)
+    search = _search(curves, limit=256, scout=lambda n: (True, "frugal", ("frugal", n)))
+    found = search.run()
+    assert found.value == 256 and found.answer == ("fast", 256) and search.plan_calls == 2
 
 
 def test_nothing_fits_even_at_the_smallest_length():

@@ -6,9 +6,10 @@ longest that fits, and how?". A full plan search per length would take minutes p
 an 8B model, so the search asks the planner only a few times and otherwise predicts ONE plan
 at a time, using that memory grows with the length for a fixed plan:
 
-1. one planner call at the model's maximum positions (or at the given length when the model
-   has no known maximum): if a plan fits there, the cap (not memory) is the answer; if
-   nothing fits, the closest plan (the most frugal one predicted) is where the search starts;
+1. one planner call at the model's maximum positions, held to a few predictions (or a full
+   one at the given length when the model has no known maximum): if a plan fits there, the
+   cap (not memory) is the answer; if not, the closest plan (the most frugal one predicted)
+   is where the search starts;
 2. that plan's longest fitting length is bracketed and bisected with predictions of that plan
    alone (:func:`memfit.planner.predict.predict`, then :func:`~memfit.planner.predict.confirm`
    for a length predicted to fit: the planner's own verdict for it), each guess interpolated
@@ -56,6 +57,10 @@ CEILING = 1 << 24
 
 #: The coarsest step of a ``seq_len`` answer, in tokens (see the module docstring).
 SEQ_GRANULARITY = 64
+
+#: Predictions the first planner call (at the model's maximum positions) may make: it only
+#: looks for a frugal plan to start from (see :attr:`Search.scout`).
+SCOUT_PREDICTIONS = 6
 
 
 @dataclass
@@ -251,6 +256,7 @@ def maximize(
     search = Search(
         binding.plan_at, binding.fits_at, budget_bytes, min(start, cap), cap,
         planner_first=kind == "max_positions",
+        scout=binding.scout,
         fixed_step=granularity if granularity is not None else (
             1 if what == "batch_size" else None),
     )
@@ -334,6 +340,11 @@ class Search:
         planner_first: Ask the planner at ``limit`` first (a known maximum, such as the
             model's positions), else at ``start``.
         fixed_step: The granularity; ``None``: :meth:`step`'s rule for sequence lengths.
+        scout: With ``planner_first``, the planner held to a few predictions, asked at
+            ``limit`` instead: far over the budget, a full search rules out one candidate
+            after another (minutes each on an 8B model) before it may say that nothing fits,
+            while the answer needs only a frugal plan to start from. Its "nothing fits" is
+            no proof, so it bounds nothing; a fit there is asked of the full planner.
     """
 
     plan_at: PlanAt
@@ -343,6 +354,7 @@ class Search:
     limit: int
     planner_first: bool = True
     fixed_step: int | None = None
+    scout: PlanAt | None = None
     predictions: int = 0
     plan_calls: int = 0
     asked: dict[int, tuple[bool, Any, Any]] = field(default_factory=dict)
@@ -351,10 +363,18 @@ class Search:
         """The largest value at which a plan fits (the fastest plan there), or
         :class:`NothingAtAll`."""
         first = self.limit if self.planner_first else min(self.start, self.limit)
-        ok, plan, answer = self._plan(first)
+        scouted = self.planner_first and self.scout is not None
+        if scouted:
+            assert self.scout is not None
+            self.plan_calls += 1
+            ok, plan, answer = self.scout(first)
+        else:
+            ok, plan, answer = self._plan(first)
         if ok and first >= self.limit:
-            return Found(first, answer, None, self.step(first))
-        fit, misfit = (first, None) if ok else (None, first)
+            line = _PlanLine(plan, fit=first)
+            return Found(first, self._fastest(first, line) if scouted else answer, None,
+                         self.step(first))
+        fit, misfit = (first, None) if ok else (None, None if scouted else first)
         line = _PlanLine(plan, fit=fit)
         while True:
             longest = self._longest(line, misfit)
@@ -512,13 +532,24 @@ class _Binding:
 
     def plan_at(self, n: int) -> tuple[bool, Any, Any]:
         """The planner at ``n``."""
+        return self._planner(n, self.settings)
+
+    def scout(self, n: int) -> tuple[bool, Any, Any]:
+        """The planner at ``n``, held to :data:`SCOUT_PREDICTIONS` (see
+        :attr:`Search.scout`)."""
+        limit = min(SCOUT_PREDICTIONS, self.settings["max_predictions"])
+        return self._planner(n, {**self.settings, "max_predictions": limit}, "scouting")
+
+    def _planner(
+        self, n: int, settings: dict[str, Any], doing: str = "searching every allowed plan"
+    ) -> tuple[bool, Any, Any]:
         from .entry import plan
 
-        self.say(f"{self.what} {n}: searching every allowed plan")
+        self.say(f"{self.what} {n}: {doing}")
         try:
             result = plan(
                 self.make(n), self.budget,
-                progress=lambda msg: self.say(f"{self.what} {n}: {msg}"), **self.settings,
+                progress=lambda msg: self.say(f"{self.what} {n}: {msg}"), **settings,
             )
         except NothingFits as e:
             return False, e.result.plan, e
