@@ -45,7 +45,6 @@ __all__ = [
     "call_model",
     "load_workload",
     "loss_from_output",
-    "position_limit",
     "split_batch",
 ]
 
@@ -547,39 +546,6 @@ def _check_positions(name: str, config: Mapping[str, Any], seq_len: int) -> None
             f"sequence length {seq_len} is longer than {name}'s {limit} positions; "
             f"use --seq-len {limit} or less"
         )
-
-
-def position_limit(spec: str) -> int | None:
-    """The most tokens per sample the model named by ``spec`` was configured for: a preset's
-    or a ``config.json``'s ``max_position_embeddings`` (``n_positions`` for GPT-2), the
-    family's default where a preset leaves it out; ``None`` when unknown (a function SPEC, a
-    hub id whose config is not at hand, a config without the field).
-
-    ``memfit plan --maximize seq-len`` caps its answer at this limit (a preset would
-    otherwise grow its position table, as a fine-tune that extends the context does)."""
-    if spec in PRESETS:
-        preset = PRESETS[spec]
-        for key in ("max_position_embeddings", "n_positions"):
-            if key in preset.config:
-                return int(preset.config[key])
-        keys = _POSITION_KEYS.get(preset.family, ())
-        return int(_DEFAULT_POSITIONS[keys[0]]) if keys else None
-    path = Path(spec)
-    if path.is_dir():
-        path = path / "config.json"
-    elif not path.is_file() and is_hub_id(spec):
-        try:
-            path = hub_folder(spec, weights=False) / "config.json"
-        except WeightsError:
-            return None
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    if not isinstance(data, dict):
-        return None
-    limit = data.get("max_position_embeddings", data.get("n_positions"))
-    return int(limit) if isinstance(limit, int) and limit > 0 else None
 
 
 def _config_workload(

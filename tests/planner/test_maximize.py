@@ -25,10 +25,10 @@ from memfit.planner.maximize import (
     Search,
     maximize,
     parse_what,
+    position_limit,
 )
 from memfit.planner.predict import fits
 from memfit.targets import DEVICES
-from memfit.workload import position_limit
 
 
 # ------------------------------------------------------------------- the search on formulas

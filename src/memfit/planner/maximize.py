@@ -40,12 +40,13 @@ from typing import Any
 
 from ..plan import Plan
 from ..targets import DeviceProfile
-from ..workload import Workload, load_workload, position_limit
+from ..workload import PRESETS, Workload, load_workload
 from .predict import confirm, predict
 from .result import Candidate, NothingFits, PlanResult
 
 __all__ = [
     "CEILING", "WHATS", "Found", "Maximized", "NothingAtAll", "Search", "maximize", "parse_what",
+    "position_limit",
 ]
 
 #: What can be maximized: the JSON key (and the ``what`` argument) -> the CLI word.
@@ -220,25 +221,11 @@ def maximize(
 
     started = time.perf_counter()
     what = parse_what(what)
-    for name, value in (("granularity", granularity), ("limit", limit)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value < 1):
-            raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
-    allow, forbid = tuple(allow), tuple(forbid)
-    if what == "seq_len" and "shorter-seq" in allow:
-        raise ValueError(
-            "--allow shorter-seq trains shorter sequences than asked, which --maximize "
-            "seq-len measures; leave it out"
-        )
-    if what == "batch_size" and "accumulation" not in forbid:
-        # Accumulation fits any batch by splitting it: the question is what one pass holds.
-        forbid = (*forbid, "accumulation")
-    settings: dict[str, Any] = dict(
-        allow=allow, forbid=forbid, base=base, device=device, max_predictions=max_predictions,
-        host_budget=host_budget, disk_dir=disk_dir, jobs=jobs,
+    settings = _settings(
+        what, granularity, limit, allow=allow, forbid=forbid, base=base, device=device,
+        max_predictions=max_predictions, host_budget=host_budget, disk_dir=disk_dir,
+        jobs=jobs, lora_rank=lora_rank,
     )
-    if lora_rank is not None:
-        settings["lora_rank"] = lora_rank
     budget_bytes, budget_device = parse_budget(budget)
     host_bytes = None if host_budget is None else parse_budget(host_budget)[0]
     target = get_device(device) if device else (budget_device or get_device(None))
@@ -256,27 +243,53 @@ def maximize(
     search = Search(
         binding.plan_at, binding.fits_at, budget_bytes, min(start, cap), cap,
         planner_first=kind == "max_positions",
-        scout=binding.scout,
         fixed_step=granularity if granularity is not None else (
             1 if what == "batch_size" else None),
+        scout=binding.scout,
     )
     try:
         found = search.run()
     except NothingAtAll as e:
-        label = "sequence length" if what == "seq_len" else "batch size"
-        message = f"nothing fits even at {label} {e.value}: {e.answer}"
-        if isinstance(e, PlannerGaveUp):
-            message = (
-                f"the planner found no plan at {label} {e.value} within {max_predictions} "
-                f"predictions, though {e.plan.summary()} was predicted to fit there; raise "
-                "max_predictions"
-            )
-        raise NothingFits(e.answer.result, message) from None
+        raise _nothing_fits(e, what, max_predictions) from None
     return Maximized(
         what, found.value, found.answer, budget, found.granularity,
         "memory" if found.next_checked is not None else kind, cap, found.next_checked,
         search.plan_calls, search.predictions, time.perf_counter() - started,
     )
+
+
+def _nothing_fits(e: NothingAtAll, what: str, max_predictions: int) -> NothingFits:
+    label = "sequence length" if what == "seq_len" else "batch size"
+    message = f"nothing fits even at {label} {e.value}: {e.answer}"
+    if isinstance(e, PlannerGaveUp):
+        message = (
+            f"the planner found no plan at {label} {e.value} within {max_predictions} "
+            f"predictions, though {e.plan.summary()} was predicted to fit there; raise "
+            "max_predictions"
+        )
+    return NothingFits(e.answer.result, message)
+
+
+def _settings(
+    what: str, granularity: int | None, limit: int | None, **settings: Any
+) -> dict[str, Any]:
+    """:func:`maximize`'s arguments checked, and the planner's settings for ``what``."""
+    for name, value in (("granularity", granularity), ("limit", limit)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+    allow, forbid = tuple(settings.pop("allow")), tuple(settings.pop("forbid"))
+    if what == "seq_len" and "shorter-seq" in allow:
+        raise ValueError(
+            "--allow shorter-seq trains shorter sequences than asked, which --maximize "
+            "seq-len measures; leave it out"
+        )
+    if what == "batch_size" and "accumulation" not in forbid:
+        # Accumulation fits any batch by splitting it: the question is what one pass holds.
+        forbid = (*forbid, "accumulation")
+    if settings.get("lora_rank") is None:
+        settings.pop("lora_rank", None)
+    return dict(allow=allow, forbid=forbid, **settings)
 
 
 @dataclass
@@ -675,3 +688,44 @@ def budgets_table(
         else:
             table.add_row(str(budget), "nothing fits", "", "")
     return table
+
+
+def position_limit(spec: str) -> int | None:
+    """The most tokens per sample the model named by ``spec`` was configured for: its
+    config's ``max_position_embeddings`` (``n_positions`` for GPT-2), transformers' default
+    for the family where a preset leaves it out; ``None`` when unknown (a function SPEC, a
+    hub id whose config is not at hand, a config without it).
+
+    ``--maximize seq-len`` stops there (a preset would otherwise grow its position table, as a
+    fine-tune that extends the context does)."""
+    import json
+    from pathlib import Path
+
+    if spec in PRESETS:
+        preset = PRESETS[spec]
+        data: Any = {"model_type": preset.family, **preset.config}
+    else:
+        from ..weights import WeightsError, hub_folder, is_hub_id
+
+        path = Path(spec)
+        if path.is_dir():
+            path = path / "config.json"
+        elif not path.is_file() and is_hub_id(spec):
+            try:
+                path = hub_folder(spec, weights=False) / "config.json"
+            except WeightsError:
+                return None
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            return None
+    if not isinstance(data, dict) or "model_type" not in data:
+        return None
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.for_model(**data)
+    except Exception:  # a model type this transformers cannot read: no limit known
+        return None
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    return int(limit) if isinstance(limit, int) and limit > 0 else None
