@@ -260,3 +260,14 @@ def test_the_answer_fits_and_one_step_or_5_percent_more_does_not(config, what, b
     assert not _fits(config, found.result.plan, **at(math.ceil(1.05 * n)), budget=budget)
     assert n == sizes[what]  # the plain plan holds exactly the budget there
     assert found.plan_calls <= 4
+
+
+def test_the_sentence_says_what_stopped_the_search():
+    m = Maximized("seq_len", 4096, None, "24GiB", 64, "memory", 131072, 4160)
+    assert m.sentence() == (
+        "longest context: 4096 tokens per sample (granularity 64): no allowed plan fits 4160 tokens"
+    )
+    m.limited_by, m.next_checked = "max_positions", None
+    assert "maximum positions, not memory" in m.sentence()
+    m = Maximized("batch_size", 7, None, "1GiB", 1, "memory", 1 << 24, 8)
+    assert m.sentence().endswith("no allowed plan fits 8 samples")

@@ -143,9 +143,11 @@ class Maximized:
             return f"{head}: the model's maximum positions, not memory, are the limit"
         if self.limited_by == "ceiling":
             return f"{head}: the search stops at this ceiling, not at the memory limit"
+        if self.limited_by == "limit":
+            return f"{head}: the limit asked for, not memory, stops the search"
         return (
             f"{head} (granularity {self.granularity}): no allowed plan fits "
-            f"{self.next_checked}"
+            f"{self.next_checked} {unit.split()[0]}"
         )
 
 
