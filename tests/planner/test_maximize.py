@@ -126,6 +126,26 @@ def test_random_curves_match_brute_force(floors):
         assert search.predictions <= 6 * math.log2(limit) + 4
 
 
+def test_only_the_answer_is_confirmed_and_a_refusal_narrows_below_it():
+    # Predictions say 1 byte a token; the full-depth confirmation (the planner's verdict
+    # too) 10% more than predicted.
+    curves = Curves({"a": lambda n: 100 + n}, 1000)
+    full = Curves({"a": lambda n: 1.1 * (100 + n)}, 1000)
+    confirmed = []
+
+    def confirm_at(plan, n):
+        confirmed.append(n)
+        return full.memory(plan, n) <= full.budget
+
+    search = Search(full.plan_at, curves.fits_at, 1000, 16, 4096, fixed_step=1,
+                    confirm_at=confirm_at)
+    found = search.run()
+    truth = max(n for n in range(1, 4097) if 1.1 * (100 + n) <= 1000)
+    assert found.value == truth and confirm_at("a", truth) and not confirm_at("a", truth + 1)
+    assert confirmed[0] == 900  # the predictions' answer, refused, then the search went on
+    assert len(confirmed) < search.predictions
+
+
 def test_exact_granularity_finds_the_exact_batch():
     curves = Curves({"a": lambda n: 50 + 7 * n, "b": lambda n: 90 + 2 * n * n}, 1000)
     found = _search(curves, start=8, limit=1 << 24, planner_first=False, step=1).run()

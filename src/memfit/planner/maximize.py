@@ -248,6 +248,7 @@ def maximize(
         fixed_step=granularity if granularity is not None else (
             1 if what == "batch_size" else None),
         scout=binding.scout,
+        confirm_at=binding.confirm_at,
     )
     try:
         found = search.run()
@@ -303,6 +304,13 @@ class _PlanLine:
     fit: int | None = None
     misfit: int | None = None
     points: dict[int, int] = field(default_factory=dict)
+    fitted: set[int] = field(default_factory=set)  # predicted to fit
+    confirmed: set[int] = field(default_factory=set)  # ...and confirmed at full depth
+
+    def __post_init__(self) -> None:
+        if self.fit is not None:  # a planner's winner: confirmed there
+            self.fitted.add(self.fit)
+            self.confirmed.add(self.fit)
 
 
 #: ``plan_at(n)``: the planner at ``n``: whether a plan fits, the plan (the winner, or the
@@ -360,6 +368,8 @@ class Search:
             after another (minutes each on an 8B model) before it may say that nothing fits,
             while the answer needs only a frugal plan to start from. Its "nothing fits" is
             no proof, so it bounds nothing; a fit there is asked of the full planner.
+        confirm_at: ``confirm_at(plan, n)``: whether ``plan`` fits at ``n`` at full depth,
+            asked of the longest value ``fits_at`` finds (``None``: ``fits_at`` is final).
     """
 
     plan_at: PlanAt
@@ -370,6 +380,7 @@ class Search:
     planner_first: bool = True
     fixed_step: int | None = None
     scout: PlanAt | None = None
+    confirm_at: Callable[[Any, int], bool] | None = None
     predictions: int = 0
     plan_calls: int = 0
     asked: dict[int, tuple[bool, Any, Any]] = field(default_factory=dict)
@@ -431,7 +442,23 @@ class Search:
 
     def _longest(self, line: _PlanLine, misfit: int | None) -> int | None:
         """The longest value ``line.plan`` fits at, below ``misfit`` (where nothing fits) and
-        from ``line.fit`` up; ``None`` when it fits nowhere below."""
+        from ``line.fit`` up; ``None`` when it fits nowhere below. Predictions narrow it, and
+        only the answer is confirmed (a full-depth dry run on a GPU target, the most costly
+        step): where the confirmation says no, that value is a misfit and narrowing goes on
+        below it."""
+        while True:
+            lo = self._narrow(line, misfit)
+            if lo is None or lo in line.confirmed or self.confirm_at is None:
+                return lo
+            if self.confirm_at(line.plan, lo):
+                line.confirmed.add(lo)
+                return lo
+            line.fitted.discard(lo)
+            misfit = line.misfit = lo if misfit is None else min(misfit, lo)
+            line.fit = max((n for n in line.fitted if n < lo), default=None)
+
+    def _narrow(self, line: _PlanLine, misfit: int | None) -> int | None:
+        """:meth:`_longest` by predictions alone."""
         hi, lo = misfit, line.fit
         if lo is None:
             # Down from the start (or half the misfit) until it fits.
@@ -513,6 +540,7 @@ class Search:
             line.points[n] = total
         if ok:
             line.fit = max(line.fit or 0, n)
+            line.fitted.add(n)
         else:
             line.misfit = n if line.misfit is None else min(line.misfit, n)
         return ok
@@ -544,6 +572,20 @@ class _Binding:
     target: DeviceProfile
     say: Callable[[str], None]
     settings: dict[str, Any]
+    # Keyed by the plan's JSON and the value (a plan holds dicts: not hashable).
+    predicted: dict[tuple[str, int], Candidate] = field(default_factory=dict)
+
+    def confirm_at(self, plan: Plan, n: int) -> bool:
+        """``plan`` at ``n`` at full depth (:func:`~memfit.planner.predict.confirm`), after
+        :meth:`fits_at` predicted that it fits."""
+        workload = self.make(n)
+        c = self.predicted.pop((_key(plan), n), None)
+        if c is None:
+            c = Candidate(plan=plan, rank=(), step_time=0.0)
+            if not predict(c, workload, self.target, self.budget_bytes, self.host_bytes):
+                return False
+        self.say(f"{self.what} {n}: confirming {plan.summary()} at full depth")
+        return confirm(c, workload, self.target, self.budget_bytes, self.host_bytes)
 
     def plan_at(self, n: int) -> tuple[bool, Any, Any]:
         """The planner at ``n``."""
@@ -571,21 +613,26 @@ class _Binding:
         return True, result.plan, result
 
     def fits_at(self, plan: Plan, n: int) -> tuple[bool, int | None, bool]:
-        """``plan`` at ``n``: the planner's own verdict for it (a prediction, then the
-        confirmation at full depth when it is predicted to fit)."""
+        """``plan`` at ``n`` predicted as the planner predicts it (composed from shallow dry
+        runs, stopped once over the budget); :meth:`confirm_at` checks the answer."""
         from ..estimate.target import upper_edge
 
         workload = self.make(n)
         c = Candidate(plan=plan, rank=(), step_time=0.0)
         self.say(f"{self.what} {n}: predicting {plan.summary()}")
         ok = predict(c, workload, self.target, self.budget_bytes, self.host_bytes)
-        if ok:
-            self.say(f"{self.what} {n}: confirming {plan.summary()} at full depth")
-            ok = confirm(c, workload, self.target, self.budget_bytes, self.host_bytes)
+        if ok:  # kept for its confirmation (its shallow runs' traces may spare a dry run)
+            self.predicted[(_key(plan), n)] = c
         total = c.device_total_bytes if c.device_total_bytes is not None else c.peak_bytes
         if total is None:
             return ok, None, False
         return ok, upper_edge(int(total), self.target.is_cuda), not c.at_least
+
+
+def _key(plan: Plan) -> str:
+    import json
+
+    return json.dumps(plan.to_dict(), sort_keys=True, default=str)
 
 
 def _maker(
