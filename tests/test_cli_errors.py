@@ -67,6 +67,8 @@ BAD: dict[str, dict[str, list[str] | None]] = {
         "--tokenizer": [MISSING],
         "--text-field": ["body"],
         "--lora-rank": ["0", "x"],
+        "--maximize": ["tokens"],
+        "--budgets": ["lots"],
     },
     "train": {
         "--config": [MISSING],
