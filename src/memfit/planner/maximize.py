@@ -305,6 +305,7 @@ class _PlanLine:
     misfit: int | None = None
     points: dict[int, int] = field(default_factory=dict)
     fitted: set[int] = field(default_factory=set)  # predicted to fit
+    ratio: float = 1.0  # what confirmations held over the predictions, at most
     confirmed: set[int] = field(default_factory=set)  # ...and confirmed at full depth
 
     def __post_init__(self) -> None:
@@ -369,7 +370,8 @@ class Search:
             while the answer needs only a frugal plan to start from. Its "nothing fits" is
             no proof, so it bounds nothing; a fit there is asked of the full planner.
         confirm_at: ``confirm_at(plan, n)``: whether ``plan`` fits at ``n`` at full depth,
-            asked of the longest value ``fits_at`` finds (``None``: ``fits_at`` is final).
+            and its total there, asked of the longest value ``fits_at`` finds (``None``:
+            ``fits_at`` is final).
     """
 
     plan_at: PlanAt
@@ -380,7 +382,7 @@ class Search:
     planner_first: bool = True
     fixed_step: int | None = None
     scout: PlanAt | None = None
-    confirm_at: Callable[[Any, int], bool] | None = None
+    confirm_at: Callable[[Any, int], tuple[bool, int | None]] | None = None
     predictions: int = 0
     plan_calls: int = 0
     asked: dict[int, tuple[bool, Any, Any]] = field(default_factory=dict)
@@ -450,12 +452,19 @@ class Search:
             lo = self._narrow(line, misfit)
             if lo is None or lo in line.confirmed or self.confirm_at is None:
                 return lo
-            if self.confirm_at(line.plan, lo):
+            ok, total = self.confirm_at(line.plan, lo)
+            if ok:
                 line.confirmed.add(lo)
                 return lo
-            line.fitted.discard(lo)
+            if total is not None and lo in line.points:
+                # What the full depth holds over the prediction: predictions are held to
+                # that fraction of the budget from now on (the planner's call one step up still proves
+                # the answer, so a margin too wide costs a step, not a wrong answer).
+                line.ratio = max(line.ratio, total / max(line.points[lo], 1))
+            cut = self.budget_bytes / line.ratio
+            line.fitted = {n for n in line.fitted if n < lo and line.points.get(n, 0) <= cut}
             misfit = line.misfit = lo if misfit is None else min(misfit, lo)
-            line.fit = max((n for n in line.fitted if n < lo), default=None)
+            line.fit = max(line.fitted, default=None)
 
     def _narrow(self, line: _PlanLine, misfit: int | None) -> int | None:
         """:meth:`_longest` by predictions alone."""
@@ -508,7 +517,8 @@ class Search:
         (n1, m1), (n2, m2) = sorted(((lo, points[lo]), (other, points[other])))
         if m2 <= m1:
             return None
-        return lo + (self.budget_bytes - points[lo]) * (n2 - n1) // (m2 - m1)
+        target = int(self.budget_bytes / line.ratio)
+        return lo + (target - points[lo]) * (n2 - n1) // (m2 - m1)
 
     def _extrapolate(self, line: _PlanLine, lo: int) -> int:
         """The next value up from ``lo`` (known to fit): the secant's, rounded down to the
@@ -536,6 +546,8 @@ class Search:
             return False
         self.predictions += 1
         ok, total, exact = self.fits_at(line.plan, n)
+        if ok and total is not None and total > self.budget_bytes / line.ratio:
+            ok = False
         if total is not None and exact:
             line.points[n] = total
         if ok:
@@ -575,17 +587,21 @@ class _Binding:
     # Keyed by the plan's JSON and the value (a plan holds dicts: not hashable).
     predicted: dict[tuple[str, int], Candidate] = field(default_factory=dict)
 
-    def confirm_at(self, plan: Plan, n: int) -> bool:
+    def confirm_at(self, plan: Plan, n: int) -> tuple[bool, int | None]:
         """``plan`` at ``n`` at full depth (:func:`~memfit.planner.predict.confirm`), after
-        :meth:`fits_at` predicted that it fits."""
+        :meth:`fits_at` predicted that it fits: the verdict and the total compared."""
+        from ..estimate.target import upper_edge
+
         workload = self.make(n)
         c = self.predicted.pop((_key(plan), n), None)
         if c is None:
             c = Candidate(plan=plan, rank=(), step_time=0.0)
             if not predict(c, workload, self.target, self.budget_bytes, self.host_bytes):
-                return False
+                return False, None
         self.say(f"{self.what} {n}: confirming {plan.summary()} at full depth")
-        return confirm(c, workload, self.target, self.budget_bytes, self.host_bytes)
+        ok = confirm(c, workload, self.target, self.budget_bytes, self.host_bytes)
+        total = c.device_total_bytes
+        return ok, None if total is None else upper_edge(int(total), self.target.is_cuda)
 
     def plan_at(self, n: int) -> tuple[bool, Any, Any]:
         """The planner at ``n``."""
