@@ -111,7 +111,10 @@ NOT_DRAWN = {
     # reach): MemoryReport, PlanResult, JobPhases, TrainingSetup, Workload.
     "NothingFits", "PlanError", "WorkloadError", "MemfitError", "MemfitTypeError",
     "MemfitValueError", "MemfitStateError", "MemoryReport", "PlanResult", "JobPhases",
-    "TrainingSetup", "Workload",
+    "TrainingSetup", "Workload", "Maximized",
+    # A search per call, over several sizes (seconds to minutes): its argument errors are
+    # tested in tests/planner/test_maximize.py and tests/commands/test_plan_maximize.py.
+    "maximize",
 }
 
 

@@ -71,6 +71,8 @@ BAD: dict[str, dict[str, list[str] | None]] = {
         "--lora-rank": ["0", "x"],
         "--quiet": None,
         "--verbose": None,
+        "--maximize": ["tokens"],
+        "--budgets": ["lots"],
     },
     "train": {
         "--config": [MISSING],

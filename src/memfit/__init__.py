@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # the lazy names below, for type checkers and editors
     from .apply.compose import TrainingSetup, apply_plan
     from .estimate.dryrun import dry_run, measure
     from .planner import NothingFits, PlanResult
+    from .planner.maximize import Maximized, maximize
     from .strategies.fused_step import optimizer_in_backward
     from .targets import DeviceProfile
     from .train import Prepared, TrainConfig, Trainer, prepare
@@ -51,6 +52,7 @@ __all__ = [
     "CATEGORIES",
     "PRESETS",
     "JobPhases",
+    "Maximized",
     "MemfitError",
     "MemfitStateError",
     "MemfitTypeError",
@@ -72,6 +74,7 @@ __all__ = [
     "dry_run",
     "format_bytes",
     "load_workload",
+    "maximize",
     "measure",
     "measure_job",
     "optimizer_in_backward",
@@ -95,6 +98,8 @@ _LAZY = {
     "Prepared": ("memfit.train", "Prepared"),
     "PlanResult": ("memfit.planner", "PlanResult"),
     "NothingFits": ("memfit.planner", "NothingFits"),
+    "maximize": ("memfit.planner.maximize", "maximize"),
+    "Maximized": ("memfit.planner.maximize", "Maximized"),
     "predict_job": ("memfit.train.job", "predict_job"),
     "measure_job": ("memfit.train.job", "measure_job"),
     "JobPhases": ("memfit.train.job", "JobPhases"),

@@ -151,6 +151,24 @@ _ExpertLoad = Annotated[
     ),
 ]
 
+_Maximize = Annotated[
+    str | None,
+    typer.Option(
+        "--maximize",
+        help="Find the largest value that fits instead: 'seq-len' (the longest context, at "
+        "--batch-size) or 'batch-size' (the largest batch one pass holds, at --seq-len), with "
+        "its fastest plan. The other --seq-len/--batch-size is where the search starts.",
+    ),
+]
+_Budgets = Annotated[
+    str | None,
+    typer.Option(
+        "--budgets",
+        help="With --maximize: comma-separated budgets (8GiB,16GiB,24GiB,80GiB); prints one "
+        "row per budget: budget, longest context (or largest batch), plan, predicted peak.",
+    ),
+]
+
 _Data = data_option("plan for")
 _Tokenizer = TokenizerOption
 _TextField = TextFieldOption
@@ -158,7 +176,7 @@ _TextField = TextFieldOption
 
 def plan_command(
     model: _Model,
-    budget: _Budget,
+    budget: _Budget = None,  # type: ignore[assignment]  # required unless --budgets
     batch_size: _BatchSize = 8,
     seq_len: _SeqLen = 128,
     allow: _Allow = "",
@@ -180,6 +198,8 @@ def plan_command(
     lora_rank: _LoraRank = None,
     quiet: QuietOption = False,
     verbose: VerboseOption = False,
+    maximize: _Maximize = None,
+    budgets: _Budgets = None,
 ) -> None:
     """Find the fastest plan whose peak memory fits a budget."""
     # Nothing is left to finish once the answer is printed: the process then exits without
@@ -194,6 +214,10 @@ def plan_command(
 
     from ..workload import load_workload
 
+    wanted = _check_maximize(budget, maximize, budgets, world_size, gpus_per_node, data)
+    if budgets is not None and (save is not None or emit is not None):
+        fail("--save and --emit write one plan; with --budgets there is one per budget: "
+             "leave them out, or give one --budget")
     check_sizes(batch_size, seq_len)
     # --disk-dir is written by training under the plan, not here, but must exist by then.
     check_outputs({"--json": json_path, "--save": save}, existing_folders={"--disk-dir": disk_dir})
@@ -213,6 +237,16 @@ def plan_command(
                                console=words)
         seq_len = lengths.max
     workload = run_guarded(load_workload, model, batch_size, seq_len)
+    if wanted is not None:
+        # The SPEC, not the workload: maximize loads it again at each size it tries.
+        _maximize(
+            model if lengths is None else workload, wanted, json_path, save, emit,
+            budget=budget, budgets=budgets, batch_size=batch_size, seq_len=seq_len,
+            allow=allow.split(","), forbid=forbid.split(","), base=base_plan, device=device,
+            host_budget=host_budget, disk_dir=None if disk_dir is None else str(disk_dir),
+            jobs=jobs, lora_rank=lora_rank,
+        )
+        return
     result = _search(
         workload,
         budget,
@@ -355,3 +389,91 @@ def _stages_line(result: Any) -> str:
         f"stage {s} (ranks {s * per}-{s * per + per - 1}) {format_bytes(max(peaks[s * per:(s + 1) * per]))}"
         for s in range(par.pipeline)
     )
+
+
+def _check_maximize(
+    budget: str | None,
+    maximize: str | None,
+    budgets: str | None,
+    world_size: int | None,
+    gpus_per_node: int | None,
+    data: Any,
+) -> str | None:
+    """``--maximize`` and ``--budgets`` checked before any work (one sentence and exit 2 for
+    a bad one): what is maximized (``seq_len``, ``batch_size``, ``None``)."""
+    from ..planner.maximize import parse_what
+    from ..targets import parse_budget
+
+    if budget is None and budgets is None:
+        fail("--budget is required: a size such as 24GiB, or a device name (t4, a100, ...)")
+    wanted = None if maximize is None else run_guarded(parse_what, maximize)
+    if budgets is not None:
+        if wanted is None:
+            fail("--budgets asks for the longest context (or largest batch) per budget; add "
+                 "--maximize seq-len or --maximize batch-size, or give one --budget")
+        if budget is not None:
+            fail("give --budget or --budgets, not both")
+        names = [b.strip() for b in budgets.split(",")]
+        if not all(names):
+            fail(f"--budgets {budgets!r} has an empty entry; give sizes separated by commas, "
+                 "such as 8GiB,16GiB,24GiB")
+        for name in names:
+            run_guarded(parse_budget, name)
+    if wanted is not None and (world_size is not None or gpus_per_node is not None):
+        fail("--maximize searches one process; leave out --world-size and --gpus-per-node")
+    if wanted == "seq_len" and data:
+        fail("--data fixes the sequence length at its longest batch, which --maximize seq-len "
+             "searches; leave out --data (or use --maximize batch-size)")
+    return wanted
+
+
+def _maximize(
+    model: Any,
+    what: str,
+    json_path: Path | None,
+    save: Path | None,
+    emit: str | None,
+    *,
+    budget: str | None,
+    budgets: str | None,
+    **options: Any,
+) -> None:
+    """``--maximize``: the largest value per budget, its plan printed (a table with
+    ``--budgets``) and written as asked (``maximized`` in the JSON: see
+    :meth:`memfit.planner.maximize.Maximized.to_dict` and
+    :func:`memfit.planner.maximize.budgets_json`)."""
+    import json
+
+    from ..console import fit_width, status
+    from ..planner import NothingFits
+    from ..planner.maximize import budgets_json, budgets_table, maximize, maximize_budgets
+
+    with status("maximizing...") as line:
+        progress = lambda msg: line.update(msg)  # noqa: E731
+        if budgets is None:
+            try:
+                found = run_guarded(maximize, model, budget, what=what, progress=progress,
+                                    **options)
+            except NothingFits as e:
+                if json_path is not None:
+                    write_text(json_path, json.dumps(e.result.to_dict(), indent=2) + "\n")
+                fail(str(e))
+        else:
+            names = [b.strip() for b in budgets.split(",")]
+            answers = run_guarded(maximize_budgets, model, names, what=what, progress=progress,
+                                  **options)
+    if budgets is None:
+        _print_answer(found.result)
+        out.print(f"[bold]{found.sentence()}[/] (searched in {found.seconds:.1f} s: "
+                  f"{found.plan_calls} planner calls, {found.predictions} predictions)",
+                  highlight=False)
+        if json_path is not None:
+            write_text(json_path, json.dumps(found.to_dict(), indent=2) + "\n")
+            out.print(f"wrote {json_path}")
+        _write_answer(found.result, None, save, emit)
+        return
+    # The table is the answer here: laid out for the width there is, shown under --quiet too.
+    out.print(fit_width(budgets_table(names, answers, what), out))
+    if json_path is not None:
+        write_text(json_path, json.dumps(budgets_json(names, answers, what), indent=2) + "\n")
+        out.print(f"wrote {json_path}")
