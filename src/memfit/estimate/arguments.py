@@ -22,20 +22,13 @@ from ..errors import (
 from ..plan import Plan
 from ..workload import Workload
 
-__all__ = ["check_callable", "check_run_arguments", "check_workload"]
+__all__ = ["check_callable", "check_run_arguments", "check_workload", "check_workload_type"]
 
 
 def check_workload(workload: Any, plan: Any, batch_size: Any, seq_len: Any, seed: Any) -> None:
     """The arguments every run shares: a :class:`Workload` or a SPEC string, a
     :class:`Plan` or ``None``, whole sizes >= 1 and a whole seed."""
-    if not isinstance(workload, (Workload, str)):
-        hint = ""
-        if hasattr(workload, "parameters") and hasattr(workload, "forward"):
-            hint = " (a model alone has no batch or loss: wrap it in memfit.Workload)"
-        raise MemfitTypeError(
-            "workload must be a memfit.Workload or a SPEC string (a preset such as "
-            f"'gpt2-tiny', a model folder or module:function), got {describe(workload)}{hint}"
-        )
+    check_workload_type(workload)
     check_type(plan, (Plan, type(None)), "plan",
                "a memfit.Plan or None (build one with memfit.Plan(...) or Plan.from_dict(...))")
     check_int(batch_size, "batch_size", 1)
@@ -90,3 +83,19 @@ def check_run_arguments(
     check_callable(should_stop, "should_stop", "of no argument")
     return checked_cap(cap)
 
+
+
+def check_workload_type(workload: Any) -> None:
+    """A :class:`Workload` or a SPEC string; a bare model is told to wrap itself.
+
+    Raises:
+        MemfitTypeError: naming what was given and what is accepted.
+    """
+    if not isinstance(workload, (Workload, str)):
+        hint = ""
+        if hasattr(workload, "parameters") and hasattr(workload, "forward"):
+            hint = " (a model alone has no batch or loss: wrap it in memfit.Workload)"
+        raise MemfitTypeError(
+            "workload must be a memfit.Workload or a SPEC string (a preset such as "
+            f"'gpt2-tiny', a model folder or module:function), got {describe(workload)}{hint}"
+        )

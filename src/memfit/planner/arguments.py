@@ -19,9 +19,8 @@ from ..errors import (
     check_names,
     check_number,
     check_type,
-    describe,
 )
-from ..estimate.arguments import check_callable
+from ..estimate.arguments import check_callable, check_workload_type
 from ..plan import Plan
 from ..targets import DeviceProfile
 from ..targets.profiles import parse_budget
@@ -98,14 +97,7 @@ def check_plan_arguments(
 def _check_workload(workload: Any, settings: dict[str, Any]) -> None:
     check_int(settings["batch_size"], "batch_size", 1, optional=True)
     check_int(settings["seq_len"], "seq_len", 1, optional=True)
-    if not isinstance(workload, (Workload, str)):
-        hint = ""
-        if hasattr(workload, "parameters") and hasattr(workload, "forward"):
-            hint = " (a model alone has no batch or loss: wrap it in memfit.Workload)"
-        raise MemfitTypeError(
-            "workload must be a memfit.Workload or a SPEC string (a preset such as "
-            f"'gpt2-tiny', a model folder or module:function), got {describe(workload)}{hint}"
-        )
+    check_workload_type(workload)
 
 
 def _check_sizes(workload: Any, settings: dict[str, Any]) -> None:
