@@ -161,8 +161,9 @@ def test_end_to_end_a_broken_peft_is_one_line_on_stderr(tmp_path):
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
     result = subprocess.run(
+        # A budget the plain plan does not fit, so the search reaches QLoRA (and peft).
         [sys.executable, "-m", "memfit", "plan", "-m", "tests.models:mlp_workload", "-b", "2",
-         "-l", "1", "--budget", "1GiB", "--allow", "qlora"],
+         "-l", "1", "--budget", "16KiB", "--allow", "qlora"],
         capture_output=True, text=True, timeout=600, env=env,
     )
     assert result.returncode == 2, result.stderr

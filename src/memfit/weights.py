@@ -161,24 +161,24 @@ def safetensors_problem(path: str | os.PathLike[str]) -> str | None:
         with open(p, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
-                return f"is not a safetensors file ({size} bytes)"
+                return f"is not a readable safetensors file ({size} bytes)"
             (n,) = struct.unpack("<Q", head)
             if n > size - 8 or n > 100_000_000:
-                return "is not a safetensors file (its header length is past its end)"
+                return "is not a readable safetensors file (its header length is past its end)"
             header = json.loads(f.read(n))
     except OSError as e:
         return f"cannot be read ({e.strerror or e})"
     except (UnicodeDecodeError, json.JSONDecodeError):
-        return "is not a safetensors file (its header is not JSON)"
+        return "is not a readable safetensors file (its header is not JSON)"
     if not isinstance(header, dict):
-        return "is not a safetensors file (its header is not a JSON object)"
+        return "is not a readable safetensors file (its header is not a JSON object)"
     try:
         end = max(
             (int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"),
             default=0,
         )
     except (KeyError, TypeError, ValueError, IndexError):
-        return "is not a safetensors file (a tensor's entry has no data_offsets)"
+        return "is not a readable safetensors file (a tensor's entry has no data_offsets)"
     if size < 8 + n + end:
         return f"is cut short: {size:,} of {8 + n + end:,} bytes"
     return None

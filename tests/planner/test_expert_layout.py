@@ -90,6 +90,6 @@ def test_expert_load_is_refused_without_the_layout_planner():
     from memfit.planner.entry import plan
 
     with pytest.raises(ValueError, match="--expert-load is priced by the layout planner"):
-        plan(SPEC, "h100", world_size=8, expert_load=2)
+        plan(SPEC, "h100", world_size=8, expert_load=2, batch_size=8, seq_len=128)
     with pytest.raises(ValueError, match="--expert-load must be a number >= 1"):
         plan_layout(SPEC, "h100", WORLD, NODE, confirm=False, expert_load=0.5)
