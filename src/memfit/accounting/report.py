@@ -376,15 +376,9 @@ def window_max(timeline: dict[str, list[Any]], windows: int) -> dict[str, list[A
         timeline: :attr:`MemoryReport.timeline`.
         windows: The most windows (the plot's: about one per pixel or two of its width).
     """
-    n = len(timeline["op_index"])
-    if n <= windows:
+    if len(timeline["op_index"]) <= windows:
         return {k: list(v) for k, v in timeline.items()}
-    total = np.zeros(n, dtype=np.int64)
-    for c in CATEGORIES:
-        total += np.asarray(timeline[c], dtype=np.int64)
-    edges = np.linspace(0, n, windows + 1).astype(np.int64)
-    starts = [int(lo) for lo, hi in itertools.pairwise(edges) if hi > lo]
-    best = [int(lo + np.argmax(total[lo:hi])) for lo, hi in itertools.pairwise(edges) if hi > lo]
+    starts, best = zip(*_window_peaks(timeline, windows), strict=True)
     out: dict[str, list[Any]] = {"op_index": [timeline["op_index"][i] for i in starts]}
     out["op_index"].append(timeline["op_index"][-1])
     for k, v in timeline.items():
@@ -395,12 +389,19 @@ def window_max(timeline: dict[str, list[Any]], windows: int) -> dict[str, list[A
 
 def _downsample(timeline: dict[str, list[Any]], max_points: int) -> dict[str, list[Any]]:
     """Keep at most ``max_points`` points: in each bucket, the point with the highest total."""
-    n = len(timeline["op_index"])
-    if n <= max_points:
+    if len(timeline["op_index"]) <= max_points:
         return {k: list(v) for k, v in timeline.items()}
+    keep = [best for _, best in _window_peaks(timeline, max_points)]
+    return {k: [v[i] for i in keep] for k, v in timeline.items()}
+
+
+def _window_peaks(timeline: dict[str, list[Any]], windows: int) -> list[tuple[int, int]]:
+    """The timeline cut into ``windows`` equal windows of points: each non-empty one's first
+    point and the point of its highest total (all categories)."""
+    n = len(timeline["op_index"])
     total = np.zeros(n, dtype=np.int64)
     for c in CATEGORIES:
         total += np.asarray(timeline[c], dtype=np.int64)
-    edges = np.linspace(0, n, max_points + 1).astype(np.int64)
-    keep = [int(lo + np.argmax(total[lo:hi])) for lo, hi in itertools.pairwise(edges) if hi > lo]
-    return {k: [v[i] for i in keep] for k, v in timeline.items()}
+    edges = np.linspace(0, n, windows + 1).astype(np.int64)
+    return [(int(lo), int(lo + np.argmax(total[lo:hi])))
+            for lo, hi in itertools.pairwise(edges) if hi > lo]
