@@ -81,6 +81,15 @@ def _lines(path: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
+def _wait_for_lines(proc: subprocess.Popen, log: Path, count: int) -> None:
+    """Wait (at most 240 s) until the run has logged ``count`` lines; fail if it ends first."""
+    deadline = time.monotonic() + 240
+    while _lines(log) < count:
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert time.monotonic() < deadline, "the run never got there"
+        time.sleep(0.01)
+
+
 def _signal_after_logged(workdir: Path, run: str, what: str, count: int, sig: int):
     """Start the logging run; once ``count`` lines are logged, send ``sig``. Returns the
     finished process, its output, and the lines logged when the signal was sent."""
@@ -91,11 +100,7 @@ def _signal_after_logged(workdir: Path, run: str, what: str, count: int, sig: in
                             MEMFIT_TEST_SLEEP="0.2"),
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 240
-        while _lines(log) < count:
-            assert proc.poll() is None, proc.stdout.read()[-3000:]
-            assert time.monotonic() < deadline, "the run never got there"
-            time.sleep(0.01)
+        _wait_for_lines(proc, log, count)
         at_signal = _lines(log)
         proc.send_signal(sig)
         output, _ = proc.communicate(timeout=120)
@@ -134,11 +139,7 @@ def test_a_second_signal_interrupts_at_once_with_its_code(workdir):
         env=_env(MEMFIT_TEST_WHAT="eval", MEMFIT_TEST_LOG=str(log), MEMFIT_TEST_SLEEP="1"),
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 240
-        while _lines(log) < 2:
-            assert proc.poll() is None, proc.stdout.read()[-3000:]
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        _wait_for_lines(proc, log, 2)
         proc.send_signal(signal.SIGTERM)  # the batch being made takes a second: both land in it
         time.sleep(0.1)
         proc.send_signal(signal.SIGTERM)
@@ -205,11 +206,7 @@ def test_sigterm_during_data_preparation_stops_before_training(workdir):
         env=_env(MEMFIT_TEST_WHAT="data", MEMFIT_TEST_LOG=str(log), MEMFIT_TEST_SLEEP="0.05"),
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 240
-        while _lines(log) < 5:
-            assert proc.poll() is None, proc.stdout.read()[-3000:]
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        _wait_for_lines(proc, log, 5)
         at_signal = _lines(log)
         proc.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=120)
